@@ -1,0 +1,5 @@
+import sys
+
+from atoll.cli import main
+
+sys.exit(main())

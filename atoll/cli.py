@@ -1,0 +1,101 @@
+"""The ``atoll`` command: ``coordinator``, ``island`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from atoll.compression import available_codecs
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    """The scalar type of a config field (``int | None`` gives ``int``)."""
+    name = f.type if isinstance(f.type, str) else f.type.__name__
+    return _TYPES[name.split("|")[0].strip()]
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
+    """One ``--flag`` per field of a config dataclass."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        required = f.default is dataclasses.MISSING
+        kind = _field_type(f)
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            continue
+        kwargs = {"choices": available_codecs()} if f.name in ("codec", "downlink_codec") else {}
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=kind,
+            default=default,
+            required=required,
+            help=f"(default: {default})" if not required else "(required)",
+            **kwargs,
+        )
+
+
+def _config_from(cls, ns: argparse.Namespace, **extra):
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+    values.update(extra)
+    return cls(**values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from atoll.coordinator.config import RunConfig
+    from atoll.harness.demo import DemoArgs
+    from atoll.islands.runner import IslandArgs
+
+    parser = argparse.ArgumentParser(prog="atoll", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    coord = sub.add_parser("coordinator", help="run the coordinator daemon")
+    coord.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    coord.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    coord.add_argument("--state-dir", type=Path, required=True, help="where the per-round state is persisted")
+    coord.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    _add_dataclass_args(coord, RunConfig)
+
+    island = sub.add_parser("island", help="run a reference island (tiny GPT on the bundled text)")
+    _add_dataclass_args(island, IslandArgs)
+
+    demo = sub.add_parser("demo", help="coordinator + islands as processes on loopback, a few rounds")
+    _add_dataclass_args(demo, DemoArgs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if ns.command == "coordinator":
+            from atoll.coordinator.config import RunConfig
+            from atoll.coordinator.main import main as coordinator_main
+
+            config = _config_from(RunConfig, ns)
+            return coordinator_main(config, ns.state_dir, host=ns.host, port=ns.port, port_file=ns.port_file)
+        if ns.command == "island":
+            from atoll.islands.runner import IslandArgs, run_island
+
+            return run_island(_config_from(IslandArgs, ns))
+        if ns.command == "demo":
+            from atoll.harness.demo import DemoArgs, run_demo
+
+            return run_demo(_config_from(DemoArgs, ns))
+    except ValueError as err:
+        parser.error(str(err))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

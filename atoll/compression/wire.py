@@ -1,0 +1,122 @@
+"""The versioned, self-describing wire format of one encoded tensor.
+
+Layout (little endian)::
+
+    magic    4s   b"ATLC"
+    version  u8   WIRE_VERSION
+    codec    u8   codec id (see ``CODEC_IDS``)
+    dtype    u8   dtype of the original tensor (see ``DTYPE_IDS``)
+    ndim     u8   number of dims, <= MAX_NDIM
+    shape    ndim x u64
+    params   u32 length + bytes   codec parameters (e.g. block size)
+    body     u64 length + bytes   codec payload
+    crc32    u32  of everything before it
+
+Decoders never trust a length before checking it against the bytes actually present and the
+caller's limits, so a truncated, corrupt or oversized payload raises ``WireFormatError``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"ATLC"
+WIRE_VERSION = 1
+MAX_NDIM = 8
+_FIXED = struct.Struct("<4sBBBB")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+DTYPE_IDS: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+}
+DTYPES_BY_ID = {v: k for k, v in DTYPE_IDS.items()}
+
+
+class WireFormatError(ValueError):
+    """A payload is truncated, corrupt, oversized or does not match what was expected."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A parsed payload: header fields plus views of the params and body bytes."""
+
+    codec_id: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    params: memoryview
+    body: memoryview
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def pack(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], params: bytes, body) -> bytes:
+    """Serialise one encoded tensor. ``body`` is any buffer (bytes, memoryview, numpy array)."""
+    if dtype not in DTYPE_IDS:
+        raise WireFormatError(f"unsupported dtype {dtype}")
+    if len(shape) > MAX_NDIM:
+        raise WireFormatError(f"tensor has {len(shape)} dims, the wire format allows {MAX_NDIM}")
+    body = memoryview(body).cast("B")
+    parts = [
+        _FIXED.pack(MAGIC, WIRE_VERSION, codec_id, DTYPE_IDS[dtype], len(shape)),
+        struct.pack(f"<{len(shape)}Q", *shape),
+        _U32.pack(len(params)),
+        params,
+        _U64.pack(body.nbytes),
+        body,
+    ]
+    out = bytearray().join(parts)
+    out += _U32.pack(zlib.crc32(out))
+    return bytes(out)
+
+
+def unpack(payload, *, max_numel: int | None = None) -> Frame:
+    """Parse and check a payload. ``max_numel`` bounds the tensor the caller is willing to build."""
+    buf = memoryview(payload).cast("B")
+    n = buf.nbytes
+    if n < _FIXED.size + _U32.size + _U64.size + _U32.size:
+        raise WireFormatError(f"payload truncated: {n} bytes is shorter than any valid header")
+    (crc,) = _U32.unpack_from(buf, n - 4)
+    if zlib.crc32(buf[: n - 4]) != crc:
+        raise WireFormatError("payload corrupt: crc32 mismatch")
+    magic, version, codec_id, dtype_id, ndim = _FIXED.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise WireFormatError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != WIRE_VERSION:
+        raise WireFormatError(f"wire version {version} is not supported (this build reads {WIRE_VERSION})")
+    if dtype_id not in DTYPES_BY_ID:
+        raise WireFormatError(f"unknown dtype id {dtype_id}")
+    if ndim > MAX_NDIM:
+        raise WireFormatError(f"{ndim} dims exceeds the limit of {MAX_NDIM}")
+    pos = _FIXED.size
+    end = n - 4
+
+    def take(size: int) -> memoryview:
+        nonlocal pos
+        if size > end - pos:
+            raise WireFormatError(f"payload truncated: needs {size} more bytes at offset {pos}, has {end - pos}")
+        view = buf[pos : pos + size]
+        pos += size
+        return view
+
+    shape = struct.unpack(f"<{ndim}Q", take(8 * ndim))
+    numel = math.prod(shape)
+    if max_numel is not None and numel > max_numel:
+        raise WireFormatError(f"payload declares {numel} elements, more than the {max_numel} allowed")
+    (params_len,) = _U32.unpack(take(4))
+    params = take(params_len)
+    (body_len,) = _U64.unpack(take(8))
+    body = take(body_len)
+    if pos != end:
+        raise WireFormatError(f"{end - pos} trailing bytes after the body")
+    return Frame(codec_id, DTYPES_BY_ID[dtype_id], tuple(shape), params, body)

@@ -1,0 +1,6 @@
+"""The coordinator daemon: round state machine, outer optimizer, persistence."""
+
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.service import CoordinatorServer
+
+__all__ = ["CoordinatorServer", "RunConfig"]

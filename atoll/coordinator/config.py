@@ -1,0 +1,70 @@
+"""Run configuration: what every island and the coordinator agree on for one run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+from atoll.compression import available_codecs
+from atoll.protos import coordinator_pb2 as pb
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    run_id: str = "atoll"
+    """Name of the run; every request must carry it."""
+    sync_every: int = 50
+    """H: inner steps per round."""
+    outer_lr: float = 0.7
+    """Outer SGD learning rate (DiLoCo default 0.7)."""
+    outer_momentum: float = 0.9
+    """Outer momentum (DiLoCo default 0.9)."""
+    nesterov: bool = True
+    """Nesterov momentum (DiLoCo) rather than heavy-ball."""
+    codec: str = "identity"
+    """Codec islands use for their pseudo-gradients."""
+    downlink_codec: str = "identity"
+    """Codec of the outer update sent back to islands (with downlink error feedback)."""
+    quorum: int = 1
+    """Minimum committed islands for a round to close at its deadline."""
+    round_deadline_seconds: float = 600.0
+    """After this long since the round opened, a round with quorum closes without stragglers."""
+    lease_seconds: float = 30.0
+    """An island not heard from for this long stops counting as live."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id or len(self.run_id) > 128:
+            raise ValueError(f"run_id must be 1..128 characters, got {self.run_id!r}")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"outer_lr must be a positive number, got {self.outer_lr}")
+        if not (0.0 <= self.outer_momentum < 1.0):
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        for field in ("codec", "downlink_codec"):
+            if getattr(self, field) not in available_codecs():
+                raise ValueError(
+                    f"{field} {getattr(self, field)!r} is unknown; available: {', '.join(available_codecs())}"
+                )
+        if self.quorum < 1:
+            raise ValueError(f"quorum must be >= 1, got {self.quorum}")
+        if not self.round_deadline_seconds > 0:
+            raise ValueError(f"round_deadline_seconds must be > 0, got {self.round_deadline_seconds}")
+        if not self.lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls(**json.loads(text))
+
+    def to_proto(self) -> pb.RunConfigProto:
+        return pb.RunConfigProto(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_proto(cls, msg: pb.RunConfigProto) -> RunConfig:
+        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})

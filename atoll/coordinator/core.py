@@ -1,0 +1,562 @@
+"""The coordinator's run state: membership, staged and committed pushes, the outer step.
+
+Transport-independent: the gRPC servicer (``service.py``) is a thin shell that turns
+:class:`RequestError` into a gRPC status. All mutation happens on the event loop under one
+lock; heavy tensor work runs in a worker thread while the lock is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from atoll.compression import WireFormatError, get_codec
+from atoll.coordinator import persistence
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.outer import NesterovSGD
+from atoll.coordinator.regions import Region, check_coverage
+from atoll.coordinator.rounds import Decision, IslandView, RoundPolicy, RoundView, decide, next_wakeup
+from atoll.protos import coordinator_pb2 as pb
+
+log = logging.getLogger("atoll.coordinator")
+
+_DTYPES = {
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+    pb.DTYPE_FLOAT64: torch.float64,
+}
+MAX_ID_LEN = 128
+MAX_RANKS = 65536
+UPDATES_KEPT = 2
+
+
+class RequestError(Exception):
+    """A request the coordinator refuses; carries the gRPC status code and a reason."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def _invalid(reason: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, reason)
+
+
+def _precondition(reason: str) -> RequestError:
+    return RequestError(grpc.StatusCode.FAILED_PRECONDITION, reason)
+
+
+@dataclass
+class IslandRecord:
+    island_id: str
+    num_ranks: int
+    lease_expires_at: float
+    joined_round: int
+    rounds_committed: int = 0
+
+
+@dataclass(frozen=True)
+class EntryPlan:
+    name: str
+    region: Region
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """A validated push header: what the data stream must contain."""
+
+    island_id: str
+    round: int
+    kind: int
+    rank: int
+    num_ranks: int
+    tokens: int
+    loss: float | None
+    codec_name: str
+    entries: tuple[EntryPlan, ...]
+
+
+@dataclass
+class StagedRank:
+    plan: PushPlan
+    tensors: list[torch.Tensor]
+    num_bytes: int
+
+
+@dataclass
+class Committed:
+    tokens: int
+    loss: float | None
+    num_bytes: int
+
+
+@dataclass
+class PullAnswer:
+    kind: int
+    round: int
+    codec: str = "identity"
+    payloads: list[tuple[str, bytes]] = field(default_factory=list)
+    committed: bool = False
+    loss: float | None = None
+
+
+class RunState:
+    def __init__(self, config: RunConfig, state_dir: Path, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.state_dir = Path(state_dir)
+        self.clock = clock
+        self.config = config
+        self.round = 0
+        self.params: dict[str, torch.Tensor] | None = None
+        self.specs: dict[str, tuple[int, ...]] = {}
+        self.islands: dict[str, IslandRecord] = {}
+        self.history: list[dict] = []
+        self.optimizer: NesterovSGD | None = None
+        self.downlink_ef: dict[str, torch.Tensor] = {}
+        self.opened_at = clock()
+        self.bootstrapper: str | None = None
+        self.pending: dict[str, dict[int, StagedRank]] = {}
+        self.committed: dict[str, Committed] = {}
+        self.accum: dict[str, torch.Tensor] = {}
+        self.updates: dict[int, list[tuple[str, bytes]]] = {}
+        self._full_cache: tuple[int, list[tuple[str, bytes]]] | None = None
+        self.lock = asyncio.Lock()
+        self.round_changed = asyncio.Event()
+        self.poke = asyncio.Event()
+        self.uplink = get_codec(config.codec)
+        self.downlink = get_codec(config.downlink_codec)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def restore(self) -> bool:
+        """Load the last persisted round from ``state_dir``; True if there was one."""
+        snap = persistence.load(self.state_dir)
+        if snap is None:
+            return False
+        if snap.config != self.config:
+            log.warning("state dir holds run config %s; it takes precedence over %s", snap.config, self.config)
+        self.config = snap.config
+        self.uplink = get_codec(self.config.codec)
+        self.downlink = get_codec(self.config.downlink_codec)
+        self.round = snap.round
+        self.params = snap.params
+        self.specs = {k: tuple(v.shape) for k, v in snap.params.items()}
+        self._init_optimizer()
+        self.optimizer.load_state_tensors(snap.extra)
+        for name in self.downlink_ef:
+            self.downlink_ef[name] = snap.extra[f"downlink_ef/{name}"]
+        now = self.clock()
+        for island_id, rec in snap.islands.items():
+            self.islands[island_id] = IslandRecord(
+                island_id,
+                rec["num_ranks"],
+                now + self.config.lease_seconds,
+                rec["joined_round"],
+                rec["rounds_committed"],
+            )
+        self.history = snap.history
+        self.opened_at = now
+        self._reset_accum()
+        log.info("restored run %s at round %d from %s", self.config.run_id, self.round, self.state_dir)
+        return True
+
+    def _init_optimizer(self) -> None:
+        c = self.config
+        self.optimizer = NesterovSGD(self.specs, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
+        self.downlink_ef = (
+            {k: torch.zeros(s, dtype=torch.float32) for k, s in self.specs.items()} if self.downlink.lossy else {}
+        )
+
+    def _reset_accum(self) -> None:
+        self.accum = {k: torch.zeros(s, dtype=torch.float32) for k, s in self.specs.items()}
+
+    def _snapshot(self, params: dict[str, torch.Tensor], round_: int, history: list[dict]) -> persistence.Snapshot:
+        extra = dict(self.optimizer.state_tensors())
+        extra.update({f"downlink_ef/{k}": v for k, v in self.downlink_ef.items()})
+        islands = {
+            i.island_id: {
+                "num_ranks": i.num_ranks,
+                "joined_round": i.joined_round,
+                "rounds_committed": i.rounds_committed,
+            }
+            for i in self.islands.values()
+        }
+        return persistence.Snapshot(self.config, round_, params, extra, islands, history)
+
+    # ---- checks ----------------------------------------------------------------------------
+    def _check_run(self, run_id: str) -> None:
+        if run_id != self.config.run_id:
+            raise _precondition(f"run id {run_id!r} does not match this coordinator's run {self.config.run_id!r}")
+
+    def _island(self, island_id: str) -> IslandRecord:
+        rec = self.islands.get(island_id)
+        if rec is None:
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND, f"island {island_id!r} has not joined run {self.config.run_id!r}"
+            )
+        rec.lease_expires_at = self.clock() + self.config.lease_seconds
+        return rec
+
+    # ---- RPCs ------------------------------------------------------------------------------
+    def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
+        self._check_run(req.run_id)
+        if not req.island_id or len(req.island_id) > MAX_ID_LEN:
+            raise _invalid(f"island_id must be 1..{MAX_ID_LEN} characters")
+        num_ranks = req.num_ranks or 1
+        if not 1 <= num_ranks <= MAX_RANKS:
+            raise _invalid(f"num_ranks must be in 1..{MAX_RANKS}, got {req.num_ranks}")
+        if self.config.codec not in req.codecs:
+            unknown = [c for c in req.codecs if c not in _known_codecs()]
+            raise _precondition(
+                f"run {self.config.run_id!r} uses codec {self.config.codec!r}; the island offers "
+                f"{list(req.codecs)}" + (f" (unknown here: {unknown})" if unknown else "")
+            )
+        specs = {}
+        for t in req.tensors:
+            if t.name in specs:
+                raise _invalid(f"tensor {t.name!r} listed twice")
+            if t.dtype not in _DTYPES:
+                raise _invalid(f"tensor {t.name!r}: unsupported dtype {t.dtype}")
+            if any(d < 0 for d in t.shape):
+                raise _invalid(f"tensor {t.name!r}: negative dim in shape {list(t.shape)}")
+            specs[t.name] = tuple(int(d) for d in t.shape)
+        if not specs:
+            raise _invalid("the island lists no tensors")
+        if self.specs:
+            _check_same_model(self.specs, specs)
+        now = self.clock()
+        rec = self.islands.get(req.island_id)
+        if rec is None or rec.num_ranks != num_ranks:
+            rec = IslandRecord(req.island_id, num_ranks, now, self.round)
+            self.islands[req.island_id] = rec
+            self.pending.pop(req.island_id, None)
+        rec.lease_expires_at = now + self.config.lease_seconds
+        bootstrap = False
+        if self.params is None:
+            holder = self.islands.get(self.bootstrapper) if self.bootstrapper else None
+            if holder is None or holder.island_id == req.island_id or holder.lease_expires_at <= now:
+                self.bootstrapper = req.island_id
+                self.specs = specs
+                bootstrap = True
+        log.info(
+            "island %s joined (%d ranks) at round %d%s",
+            req.island_id,
+            num_ranks,
+            self.round,
+            ", bootstrapping θ" if bootstrap else "",
+        )
+        self.poke.set()
+        return pb.JoinResponse(
+            config=self.config.to_proto(), round=self.round, bootstrap=bootstrap, codec=self.config.codec
+        )
+
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        self._check_run(req.run_id)
+        self._island(req.island_id)
+        return pb.HeartbeatResponse(round=self.round, lease_seconds=self.config.lease_seconds)
+
+    def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
+        self._check_run(req.run_id)
+        self._island(req.island_id)
+        del self.islands[req.island_id]
+        self.pending.pop(req.island_id, None)
+        log.info("island %s left at round %d", req.island_id, self.round)
+        self.poke.set()
+        return pb.LeaveResponse()
+
+    def plan_push(self, h: pb.PushHeader) -> PushPlan | pb.PushResponse:
+        """Validate a push header. Returns the plan, or a response for a duplicate push."""
+        self._check_run(h.run_id)
+        rec = self._island(h.island_id)
+        if h.kind == pb.PUSH_KIND_INIT:
+            if self.params is not None:
+                raise _precondition("the run already has parameters; INIT pushes are only for bootstrap")
+            if self.bootstrapper != h.island_id:
+                raise _precondition(f"island {h.island_id!r} is not the bootstrap island ({self.bootstrapper!r})")
+            if h.codec != "identity":
+                raise _invalid("INIT pushes must use the identity codec")
+        elif h.kind == pb.PUSH_KIND_DELTA:
+            if self.params is None:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the run has no parameters yet (bootstrap pending)")
+            if h.codec != self.config.codec:
+                raise _invalid(f"codec {h.codec!r} is not the run's codec {self.config.codec!r}")
+            if h.round < self.round:
+                raise _precondition(f"round {h.round} is closed; the coordinator is at round {self.round}")
+            if h.round > self.round:
+                raise _precondition(f"round {h.round} is in the future; the coordinator is at round {self.round}")
+            done = self.committed.get(h.island_id)
+            staged = self.pending.get(h.island_id, {})
+            if done is not None or h.rank in staged:
+                return pb.PushResponse(committed=done is not None, duplicate=True, round=self.round)
+        else:
+            raise _invalid(f"unknown push kind {h.kind}")
+        if h.num_ranks != rec.num_ranks:
+            raise _invalid(f"island {h.island_id!r} joined with {rec.num_ranks} ranks, push says {h.num_ranks}")
+        if not 0 <= h.rank < rec.num_ranks:
+            raise _invalid(f"rank {h.rank} outside 0..{rec.num_ranks - 1}")
+        if h.HasField("loss") and not math.isfinite(h.loss):
+            raise _invalid("reported loss is not finite")
+        entries = []
+        for e in h.entries:
+            shape = self.specs.get(e.name)
+            if shape is None:
+                raise _invalid(f"unknown tensor {e.name!r}")
+            try:
+                region = Region.parse(e.offsets, e.sizes, shape)
+            except ValueError as err:
+                raise _invalid(f"tensor {e.name!r}: {err}") from None
+            bound = 8 * region.numel + 65536
+            if not 0 < e.num_bytes <= bound:
+                raise _invalid(f"tensor {e.name!r}: payload of {e.num_bytes} bytes outside 1..{bound}")
+            entries.append(EntryPlan(e.name, region, e.num_bytes))
+        loss = h.loss if h.HasField("loss") else None
+        return PushPlan(h.island_id, h.round, h.kind, h.rank, h.num_ranks, h.tokens, loss, h.codec, tuple(entries))
+
+    def decode_entry(self, plan: PushPlan, index: int, payload: bytes) -> torch.Tensor:
+        """Decode and check one entry's payload (runs in a worker thread)."""
+        entry = plan.entries[index]
+        codec = self.uplink if plan.kind == pb.PUSH_KIND_DELTA else get_codec("identity")
+        try:
+            tensor = codec.decode(payload, entry.region.sizes)
+        except WireFormatError as err:
+            raise _invalid(f"tensor {entry.name!r}: {err}") from None
+        if not bool(torch.isfinite(tensor).all()):
+            raise _invalid(f"tensor {entry.name!r}: non-finite values (NaN/Inf) in the update")
+        return tensor
+
+    async def commit_push(self, plan: PushPlan, tensors: list[torch.Tensor], num_bytes: int) -> pb.PushResponse:
+        async with self.lock:
+            if plan.kind == pb.PUSH_KIND_INIT:
+                return await self._commit_init(plan, tensors, num_bytes)
+            if plan.round != self.round:
+                raise _precondition(f"round {plan.round} closed while the push was streaming")
+            rec = self.islands.get(plan.island_id)
+            if rec is None or rec.num_ranks != plan.num_ranks:
+                raise _precondition(f"island {plan.island_id!r} left or re-joined while pushing")
+            if plan.island_id in self.committed or plan.rank in self.pending.get(plan.island_id, {}):
+                return pb.PushResponse(committed=plan.island_id in self.committed, duplicate=True, round=self.round)
+            staged = self.pending.setdefault(plan.island_id, {})
+            staged[plan.rank] = StagedRank(plan, tensors, num_bytes)
+            if len(staged) < rec.num_ranks:
+                return pb.PushResponse(committed=False, round=self.round, bytes_received=num_bytes)
+            del self.pending[plan.island_id]
+            ranks = [staged[r] for r in sorted(staged)]
+            try:
+                _check_island_coverage(self.specs, ranks)
+            except ValueError as err:
+                raise _invalid(f"island {plan.island_id!r} discarded for round {self.round}: {err}") from None
+            tokens = ranks[0].plan.tokens
+            await asyncio.to_thread(self._accumulate, ranks, tokens)
+            self.committed[plan.island_id] = Committed(tokens, ranks[0].plan.loss, sum(r.num_bytes for r in ranks))
+            rec.rounds_committed += 1
+            log.info("round %d: island %s committed (%d tokens)", self.round, plan.island_id, tokens)
+            self.poke.set()
+            return pb.PushResponse(committed=True, round=self.round, bytes_received=num_bytes)
+
+    def _accumulate(self, ranks: list[StagedRank], tokens: int) -> None:
+        weight = float(max(tokens, 1))
+        for staged in ranks:
+            for entry, t in zip(staged.plan.entries, staged.tensors, strict=True):
+                self.accum[entry.name][entry.region.slices()].add_(t, alpha=weight)
+
+    async def _commit_init(self, plan: PushPlan, tensors: list[torch.Tensor], num_bytes: int) -> pb.PushResponse:
+        if self.params is not None:
+            return pb.PushResponse(committed=True, duplicate=True, round=self.round)
+        if plan.num_ranks != 1:
+            staged = self.pending.setdefault(plan.island_id, {})
+            staged[plan.rank] = StagedRank(plan, tensors, num_bytes)
+            if len(staged) < plan.num_ranks:
+                return pb.PushResponse(committed=False, round=0, bytes_received=num_bytes)
+            ranks = [staged[r] for r in sorted(staged)]
+            del self.pending[plan.island_id]
+        else:
+            ranks = [StagedRank(plan, tensors, num_bytes)]
+        try:
+            _check_island_coverage(self.specs, ranks)
+        except ValueError as err:
+            raise _invalid(f"bootstrap θ rejected: {err}") from None
+        params = {k: torch.zeros(s, dtype=torch.float32) for k, s in self.specs.items()}
+        for staged in ranks:
+            for entry, t in zip(staged.plan.entries, staged.tensors, strict=True):
+                params[entry.name][entry.region.slices()] = t
+        self._init_optimizer()
+        await asyncio.to_thread(persistence.save, self.state_dir, self._snapshot(params, 0, []))
+        self.params = params
+        self.round = 0
+        self.opened_at = self.clock()
+        self._reset_accum()
+        log.info("bootstrapped θ_0 from island %s (%d tensors)", plan.island_id, len(params))
+        self._publish()
+        return pb.PushResponse(committed=True, round=0, bytes_received=num_bytes)
+
+    # ---- rounds ----------------------------------------------------------------------------
+    def view(self) -> RoundView:
+        islands = tuple(
+            IslandView(
+                island_id=i.island_id, lease_expires_at=i.lease_expires_at, committed=i.island_id in self.committed
+            )
+            for i in self.islands.values()
+        )
+        extra = tuple(  # committed islands that left since still count
+            IslandView(island_id=k, lease_expires_at=0.0, committed=True)
+            for k in self.committed
+            if k not in self.islands
+        )
+        return RoundView(round=self.round, opened_at=self.opened_at, islands=islands + extra)
+
+    def policy(self) -> RoundPolicy:
+        return RoundPolicy(quorum=self.config.quorum, deadline_seconds=self.config.round_deadline_seconds)
+
+    async def run_decider(self) -> None:
+        """Background task: evaluate ``decide`` on every change and at deadlines."""
+        last_reason = ""
+        while True:
+            timeout = 1.0
+            if self.params is not None:
+                now = self.clock()
+                view = self.view()
+                decision, reason = decide(now, view, self.policy())
+                if decision is Decision.CLOSE:
+                    await self.close_round(reason)
+                    continue
+                if reason != last_reason:
+                    log.info("%s", reason)
+                    last_reason = reason
+                wake = next_wakeup(now, view, self.policy())
+                if wake is not None:
+                    timeout = min(max(wake - now, 0.005), 1.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.poke.wait(), timeout)
+            self.poke.clear()
+
+    async def close_round(self, reason: str) -> None:
+        async with self.lock:
+            if not self.committed:
+                return
+            started = time.perf_counter()
+            r = self.round
+            total = sum(c.tokens for c in self.committed.values())
+            losses = [(c.tokens, c.loss) for c in self.committed.values() if c.loss is not None]
+            loss = sum(t * v for t, v in losses) / max(sum(t for t, _ in losses), 1) if losses else None
+            weight_total = float(sum(max(c.tokens, 1) for c in self.committed.values()))
+            params, payloads = await asyncio.to_thread(self._outer_step, weight_total)
+            record = {
+                "round": r,
+                "islands": sorted(self.committed),
+                "tokens": total,
+                "loss": loss,
+                "bytes_in": sum(c.num_bytes for c in self.committed.values()),
+                "bytes_out_per_island": sum(len(p) for _, p in payloads),
+                "reason": reason,
+                "seconds_open": self.clock() - self.opened_at,
+            }
+            history = [*self.history, record]
+            await asyncio.to_thread(persistence.save, self.state_dir, self._snapshot(params, r + 1, history))
+            self.params = params
+            self.history = history
+            self.updates[r + 1] = payloads
+            for old in [k for k in self.updates if k <= r + 1 - UPDATES_KEPT]:
+                del self.updates[old]
+            self.round = r + 1
+            self.opened_at = self.clock()
+            self.committed = {}
+            self.pending = {}
+            self._reset_accum()
+            log.info(
+                "closed round %d (%s): loss %s, outer step + persist %.3fs",
+                r,
+                reason,
+                "n/a" if loss is None else f"{loss:.4f}",
+                time.perf_counter() - started,
+            )
+            self._publish()
+
+    def _outer_step(self, weight_total: float) -> tuple[dict[str, torch.Tensor], list[tuple[str, bytes]]]:
+        """θ_{r+1} = θ_r + decode(encode(u + e)) with u from the token-weighted mean delta.
+
+        The accumulator holds sum(w_i * Δ_i) with w_i = max(tokens_i, 1); weight_total is sum(w_i).
+        """
+        grads = {k: v.div(weight_total) for k, v in self.accum.items()}
+        update = self.optimizer.update(grads)
+        params, payloads = {}, []
+        for name, u in update.items():
+            if self.downlink.lossy:
+                u = u + self.downlink_ef[name]
+            payload = self.downlink.encode(u)
+            u_hat = self.downlink.decode(payload, self.specs[name])
+            if self.downlink.lossy:
+                self.downlink_ef[name] = u - u_hat
+            params[name] = self.params[name] + u_hat
+            payloads.append((name, payload))
+        return params, payloads
+
+    def _publish(self) -> None:
+        self.round_changed.set()
+        self.round_changed = asyncio.Event()
+        self.poke.set()
+
+    # ---- pulls -----------------------------------------------------------------------------
+    async def pull(self, req: pb.PullRequest) -> PullAnswer:
+        self._check_run(req.run_id)
+        self._island(req.island_id)
+        if req.have_round > self.round:
+            raise _precondition(
+                f"island holds round {req.have_round}, ahead of the coordinator's {self.round}; "
+                "pull the full parameters (have_round=-1)"
+            )
+        wait = min(max(req.wait_seconds, 0.0), 60.0)
+        if self.params is None or req.have_round == self.round:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.round_changed.wait(), wait)
+            self._island(req.island_id)
+        if self.params is None or req.have_round == self.round:
+            return PullAnswer(pb.UPDATE_KIND_NOT_READY, self.round, committed=req.island_id in self.committed)
+        loss = self.history[-1]["loss"] if self.history else None
+        if req.have_round == self.round - 1 and self.round in self.updates:
+            return PullAnswer(
+                pb.UPDATE_KIND_DELTA, self.round, self.config.downlink_codec, self.updates[self.round], loss=loss
+            )
+        return PullAnswer(pb.UPDATE_KIND_FULL, self.round, "identity", await self._full_payloads(), loss=loss)
+
+    async def _full_payloads(self) -> list[tuple[str, bytes]]:
+        round_, params = self.round, self.params
+        if self._full_cache is None or self._full_cache[0] != round_:
+            ident = get_codec("identity")
+            payloads = await asyncio.to_thread(lambda: [(k, ident.encode(v)) for k, v in params.items()])
+            self._full_cache = (round_, payloads)
+        return self._full_cache[1]
+
+
+def _known_codecs() -> set[str]:
+    from atoll.compression import available_codecs
+
+    return set(available_codecs())
+
+
+def _check_same_model(have: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]]) -> None:
+    missing = sorted(have.keys() - got.keys())
+    extra = sorted(got.keys() - have.keys())
+    if missing or extra:
+        raise _precondition(f"model does not match the run: missing tensors {missing[:5]}, unknown tensors {extra[:5]}")
+    for name, shape in got.items():
+        if have[name] != shape:
+            raise _precondition(f"tensor {name!r} has shape {list(shape)}, the run has {list(have[name])}")
+
+
+def _check_island_coverage(specs: dict[str, tuple[int, ...]], ranks: list[StagedRank]) -> None:
+    regions: dict[str, list[Region]] = {name: [] for name in specs}
+    for staged in ranks:
+        for entry in staged.plan.entries:
+            regions[entry.name].append(entry.region)
+    for name, shape in specs.items():
+        check_coverage(name, shape, regions[name])

@@ -1,0 +1,43 @@
+"""``atoll coordinator``: run the daemon until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.service import CoordinatorServer
+
+log = logging.getLogger("atoll.coordinator")
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write the bound port atomically, so a reader never sees a partial file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def serve(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None) -> None:
+    server = CoordinatorServer(config, state_dir, host=host, port=port)
+    await server.start()
+    print(f"atoll coordinator listening on {server.address}", flush=True)
+    if port_file is not None:
+        write_port_file(port_file, server.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await server.stop(grace=2.0)
+
+
+def main(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None) -> int:
+    asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file))
+    return 0

@@ -1,0 +1,174 @@
+"""The gRPC shell around :class:`RunState`, and the server object with start/stop/address."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.core import PushPlan, RequestError, RunState
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("atoll.coordinator")
+
+CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 16 << 20
+SERVICE_NAME = "atoll.v1.Coordinator"
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: RequestError):
+    log.warning("refused: %s", err.reason)
+    await context.abort(err.code, err.reason)
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+
+    async def Join(self, request, context):
+        try:
+            return self.state.join(request)
+        except RequestError as err:
+            await _abort(context, err)
+
+    async def Heartbeat(self, request, context):
+        try:
+            return self.state.heartbeat(request)
+        except RequestError as err:
+            await _abort(context, err)
+
+    async def Leave(self, request, context):
+        try:
+            return self.state.leave(request)
+        except RequestError as err:
+            await _abort(context, err)
+
+    async def PushDelta(self, request_iterator, context):
+        try:
+            return await self._push(request_iterator)
+        except RequestError as err:
+            await _abort(context, err)
+
+    async def _push(self, request_iterator) -> pb.PushResponse:
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty push stream") from None
+        if first.WhichOneof("kind") != "header":
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a push stream must start with a header")
+        plan = self.state.plan_push(first.header)
+        if isinstance(plan, pb.PushResponse):
+            return plan  # duplicate: nothing to read
+        tensors = await _receive_entries(self.state, plan, it)
+        num_bytes = sum(e.num_bytes for e in plan.entries)
+        return await self.state.commit_push(plan, tensors, num_bytes)
+
+    async def PullUpdate(self, request, context):
+        try:
+            answer = await self.state.pull(request)
+        except RequestError as err:
+            await _abort(context, err)
+            return
+        header = pb.UpdateHeader(kind=answer.kind, round=answer.round, codec=answer.codec, committed=answer.committed)
+        if answer.loss is not None:
+            header.loss = answer.loss
+        for name, payload in answer.payloads:
+            header.entries.add(name=name, num_bytes=len(payload))
+        yield pb.PullChunk(header=header)
+        for _, payload in answer.payloads:
+            view = memoryview(payload)
+            for start in range(0, len(view), CHUNK_BYTES):
+                yield pb.PullChunk(data=bytes(view[start : start + CHUNK_BYTES]))
+
+
+async def _receive_entries(state: RunState, plan: PushPlan, it) -> list:
+    """Read the data chunks of a push, decoding each entry as soon as its bytes are in."""
+    tensors = []
+    index = 0
+    buf = bytearray()
+    async for chunk in it:
+        if chunk.WhichOneof("kind") != "data":
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a push stream has one header, then data chunks")
+        data = memoryview(chunk.data)
+        while data.nbytes:
+            if index >= len(plan.entries):
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "push stream carries more bytes than its header declares"
+                )
+            need = plan.entries[index].num_bytes - len(buf)
+            buf += data[:need]
+            data = data[need:]
+            if len(buf) == plan.entries[index].num_bytes:
+                payload = bytes(buf)
+                buf.clear()
+                tensors.append(await asyncio.to_thread(state.decode_entry, plan, index, payload))
+                index += 1
+    if index != len(plan.entries):
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"push stream ended early: {index} of {len(plan.entries)} tensors complete",
+        )
+    return tensors
+
+
+class CoordinatorServer:
+    """The coordinator daemon: ``await start()``, ``address``, ``await stop(grace)``."""
+
+    def __init__(self, config: RunConfig, state_dir: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.config = config
+        self.state_dir = Path(state_dir)
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        self.state: RunState | None = None
+        self._server: grpc.aio.Server | None = None
+        self._decider: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self.state = RunState(self.config, self.state_dir)
+        self.state.restore()
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.state), self._server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {self.host}:{self.requested_port}")
+        await self._server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._decider = asyncio.create_task(self.state.run_decider(), name="atoll-decider")
+        log.info(
+            "coordinator for run %s serving on %s (state in %s)", self.state.config.run_id, self.address, self.state_dir
+        )
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self._decider is not None:
+            self._decider.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._decider
+            self._decider = None
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None

@@ -1,0 +1,149 @@
+"""``atoll demo``: a coordinator and K islands as separate processes on loopback."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from atoll.harness.processes import ProcessGroup
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoArgs:
+    islands: int = 2
+    """Number of island processes."""
+    rounds: int = 6
+    """Outer rounds to run."""
+    sync_every: int = 30
+    """H: inner steps per round."""
+    codec: str = "identity"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    inner_lr: float = 3e-3
+    batch_size: int = 16
+    work_dir: str = ""
+    """Where logs and coordinator state go (default: a temporary directory)."""
+    timeout_seconds: float = 900.0
+    """Give up (and fail) if the run takes longer than this."""
+
+    def __post_init__(self) -> None:
+        if self.islands < 1 or self.rounds < 1 or self.sync_every < 1:
+            raise ValueError("islands, rounds and sync_every must be >= 1")
+
+
+def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[list[dict], list[int]]:
+    """Run the demo's processes; return the islands' events and exit codes."""
+    events: list[dict] = []
+    with ProcessGroup(work) as group:
+        coord, address = group.start_coordinator(
+            work / "state",
+            [
+                "--run-id",
+                "demo",
+                "--sync-every",
+                str(args.sync_every),
+                "--codec",
+                args.codec,
+                "--outer-lr",
+                str(args.outer_lr),
+                "--outer-momentum",
+                str(args.outer_momentum),
+                "--quorum",
+                str(args.islands),
+                "--round-deadline-seconds",
+                "300",
+                "--lease-seconds",
+                "60",
+            ],
+        )
+        islands = [
+            group.start(
+                f"island-{i}",
+                [
+                    "island",
+                    "--coordinator",
+                    address,
+                    "--island-id",
+                    f"island-{i}",
+                    "--run-id",
+                    "demo",
+                    "--rounds",
+                    str(args.rounds),
+                    "--codec",
+                    args.codec,
+                    "--inner-lr",
+                    str(args.inner_lr),
+                    "--batch-size",
+                    str(args.batch_size),
+                ],
+            )
+            for i in range(args.islands)
+        ]
+        bar = tqdm(total=args.rounds, desc="outer rounds", unit="round", disable=not progress, file=sys.stderr)
+        done_rounds: dict[int, int] = {}
+        deadline = time.monotonic() + args.timeout_seconds
+        running = set(range(len(islands)))
+        while running:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"demo did not finish in {args.timeout_seconds}s; logs in {work}")
+            for i in list(running):
+                ev = islands[i].next_event(timeout=0.05)
+                if ev is not None:
+                    events.append(ev)
+                    if ev["event"] == "round":
+                        done_rounds[ev["round"]] = done_rounds.get(ev["round"], 0) + 1
+                        if done_rounds[ev["round"]] == len(islands):
+                            bar.update(1)
+                            bar.set_postfix(loss=f"{ev['global_loss']:.3f}")
+                elif islands[i].poll() is not None and islands[i].events.empty():
+                    running.discard(i)
+        bar.close()
+        codes = [p.wait() for p in islands]
+        coord.stop()
+    return events, codes
+
+
+def run_demo(args: DemoArgs) -> int:
+    with tempfile.TemporaryDirectory(prefix="atoll-demo-") as tmp:
+        work = Path(args.work_dir or tmp)
+        print(
+            f"atoll demo: 1 coordinator + {args.islands} islands on loopback, {args.rounds} rounds of "
+            f"H={args.sync_every} inner steps, codec {args.codec}",
+            flush=True,
+        )
+        events, codes = run_island_group(args, work, progress=True)
+        bad = [i for i, rc in enumerate(codes) if rc != 0]
+        if bad:
+            for i in bad:
+                print(f"island-{i} failed with exit code {codes[i]}; log: {work / f'island-{i}.log'}")
+                print((work / f"island-{i}.log").read_text()[-3000:])
+            return 1
+        return _report(args, events)
+
+
+def _report(args: DemoArgs, events: list[dict]) -> int:
+    joined = [e for e in events if e["event"] == "joined"]
+    rounds = sorted({e["round"] for e in events if e["event"] == "round"})
+    print(f"\n{'round':>5} {'train loss':>10} {'eval loss':>9} {'bytes sent':>12} {'bytes recv':>12}  θ identical")
+    start = sum(e["eval_loss"] for e in joined) / len(joined)
+    print(f"{'start':>5} {'':>10} {start:9.4f} {'':>12} {'':>12}")
+    total_sent = 0
+    final = start
+    for r in rounds:
+        evs = [e for e in events if e["event"] == "round" and e["round"] == r]
+        sent = sum(e["bytes_sent"] for e in evs)
+        recv = sum(e["bytes_received"] for e in evs)
+        total_sent += sent
+        final = sum(e["eval_loss"] for e in evs) / len(evs)
+        same = len({e["digest"] for e in evs}) == 1
+        print(f"{r:>5} {evs[0]['global_loss']:10.4f} {final:9.4f} {sent:12,d} {recv:12,d}  {'yes' if same else 'NO'}")
+    print(f"\neval loss {start:.4f} -> {final:.4f}; {total_sent:,d} bytes pushed by all islands")
+    if not final < start:
+        print("FAILED: the loss did not decrease")
+        return 1
+    return 0

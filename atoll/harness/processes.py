@@ -1,0 +1,148 @@
+"""Start, follow and reliably stop the processes of a local run.
+
+``ProcessGroup`` is a context manager: every process started through it is killed on exit,
+also when the body raises, so tests never leak processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+class ManagedProcess:
+    """A child process whose stdout lines are parsed as JSON events and whose stderr goes to a log."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.events: queue.Queue[dict] = queue.Queue()
+        self.lines: list[str] = []
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()/kill()
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=self._log, env=full_env, start_new_session=True
+        )
+        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.lines.append(line)
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    self.events.put(json.loads(line))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def next_event(self, timeout: float) -> dict | None:
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(timeout=5)
+        return rc
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the process (and its process group) and reap it."""
+        self.signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._log.close()
+
+    def stop(self, grace_seconds: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``grace_seconds``."""
+        self.signal(signal.SIGTERM)
+        try:
+            return self.wait(grace_seconds)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode
+        finally:
+            self._log.close()
+
+    def log_tail(self, num_bytes: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-num_bytes:].decode(errors="replace")
+
+
+class ProcessGroup:
+    """Starts the coordinator and islands of a local run; kills whatever is left on exit."""
+
+    def __init__(self, work_dir: Path, *, python: str = sys.executable) -> None:
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.python = python
+        self.processes: list[ManagedProcess] = []
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill_all()
+
+    def kill_all(self) -> None:
+        for p in self.processes:
+            p.kill()
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        proc = ManagedProcess(name, [self.python, "-m", "atoll", *args], self.work_dir, env)
+        self.processes.append(proc)
+        return proc
+
+    def start_coordinator(
+        self, state_dir: Path, flags: list[str], *, name: str = "coordinator", port: int = 0, timeout: float = 60.0
+    ) -> tuple[ManagedProcess, str]:
+        """Start ``atoll coordinator`` and wait until it reports its port; returns (process, address)."""
+        port_file = self.work_dir / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        proc = self.start(
+            name,
+            [
+                "coordinator",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--state-dir",
+                str(state_dir),
+                "--port-file",
+                str(port_file),
+                *flags,
+            ],
+        )
+        deadline = time.monotonic() + timeout
+        while not port_file.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {proc.poll()}:\n{proc.log_tail()}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(f"coordinator did not report a port in {timeout}s:\n{proc.log_tail()}")
+            time.sleep(0.05)
+        return proc, f"127.0.0.1:{int(port_file.read_text())}"

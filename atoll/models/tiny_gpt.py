@@ -1,0 +1,79 @@
+"""A tiny character-level GPT (pre-norm transformer decoder), trainable on a CPU in minutes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int
+    """Number of distinct tokens (characters)."""
+    block_size: int = 64
+    """Context length."""
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1 or self.block_size < 1 or self.n_layer < 1:
+            raise ValueError("vocab_size, block_size and n_layer must be >= 1")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.fc_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        t = idx.shape[1]
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence of {t} tokens is longer than block_size {self.cfg.block_size}")
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -1,0 +1,223 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+
+class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
+    PUSH_KIND_DELTA: _ClassVar[PushKind]
+    PUSH_KIND_INIT: _ClassVar[PushKind]
+
+class UpdateKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_KIND_UNSPECIFIED: _ClassVar[UpdateKind]
+    UPDATE_KIND_NOT_READY: _ClassVar[UpdateKind]
+    UPDATE_KIND_FULL: _ClassVar[UpdateKind]
+    UPDATE_KIND_DELTA: _ClassVar[UpdateKind]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT64: DType
+PUSH_KIND_UNSPECIFIED: PushKind
+PUSH_KIND_DELTA: PushKind
+PUSH_KIND_INIT: PushKind
+UPDATE_KIND_UNSPECIFIED: UpdateKind
+UPDATE_KIND_NOT_READY: UpdateKind
+UPDATE_KIND_FULL: UpdateKind
+UPDATE_KIND_DELTA: UpdateKind
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class RunConfigProto(_message.Message):
+    __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    ROUND_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sync_every: int
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool
+    codec: str
+    downlink_codec: str
+    quorum: int
+    round_deadline_seconds: float
+    lease_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("run_id", "island_id", "codecs", "tensors", "num_ranks")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    island_id: str
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    num_ranks: int
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_ranks: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("config", "round", "bootstrap", "codec")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    config: RunConfigProto
+    round: int
+    bootstrap: bool
+    codec: str
+    def __init__(self, config: _Optional[_Union[RunConfigProto, _Mapping]] = ..., round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., codec: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("run_id", "island_id", "round")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    island_id: str
+    round: int
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("round", "lease_seconds")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    lease_seconds: float
+    def __init__(self, round: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class TensorEntry(_message.Message):
+    __slots__ = ("name", "offsets", "sizes", "num_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    num_bytes: int
+    def __init__(self, name: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("run_id", "island_id", "round", "kind", "rank", "num_ranks", "tokens", "codec", "entries", "loss")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    island_id: str
+    round: int
+    kind: PushKind
+    rank: int
+    num_ranks: int
+    tokens: int
+    codec: str
+    entries: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    loss: float
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("committed", "duplicate", "round", "bytes_received")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    duplicate: bool
+    round: int
+    bytes_received: int
+    def __init__(self, committed: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., round: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("run_id", "island_id", "have_round", "wait_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    island_id: str
+    have_round: int
+    wait_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class UpdateHeader(_message.Message):
+    __slots__ = ("kind", "round", "codec", "entries", "committed", "loss")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    kind: UpdateKind
+    round: int
+    codec: str
+    entries: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    committed: bool
+    loss: float
+    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., round: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., committed: _Optional[bool] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class PullChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("run_id", "island_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    island_id: str
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
