@@ -84,11 +84,8 @@ def unpack(payload, *, max_numel: int | None = None) -> Frame:
     """Parse and check a payload. ``max_numel`` bounds the tensor the caller is willing to build."""
     buf = memoryview(payload).cast("B")
     n = buf.nbytes
-    if n < _FIXED.size + _U32.size + _U64.size + _U32.size:
+    if n < _FIXED.size:
         raise WireFormatError(f"payload truncated: {n} bytes is shorter than any valid header")
-    (crc,) = _U32.unpack_from(buf, n - 4)
-    if zlib.crc32(buf[: n - 4]) != crc:
-        raise WireFormatError("payload corrupt: crc32 mismatch")
     magic, version, codec_id, dtype_id, ndim = _FIXED.unpack_from(buf, 0)
     if magic != MAGIC:
         raise WireFormatError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
@@ -99,12 +96,11 @@ def unpack(payload, *, max_numel: int | None = None) -> Frame:
     if ndim > MAX_NDIM:
         raise WireFormatError(f"{ndim} dims exceeds the limit of {MAX_NDIM}")
     pos = _FIXED.size
-    end = n - 4
 
     def take(size: int) -> memoryview:
         nonlocal pos
-        if size > end - pos:
-            raise WireFormatError(f"payload truncated: needs {size} more bytes at offset {pos}, has {end - pos}")
+        if size > n - pos:
+            raise WireFormatError(f"payload truncated: needs {size} more bytes at offset {pos}, has {n - pos}")
         view = buf[pos : pos + size]
         pos += size
         return view
@@ -117,6 +113,10 @@ def unpack(payload, *, max_numel: int | None = None) -> Frame:
     params = take(params_len)
     (body_len,) = _U64.unpack(take(8))
     body = take(body_len)
-    if pos != end:
-        raise WireFormatError(f"{end - pos} trailing bytes after the body")
+    end = pos
+    (crc,) = _U32.unpack(take(4))
+    if pos != n:
+        raise WireFormatError(f"{n - pos} trailing bytes after the payload")
+    if zlib.crc32(buf[:end]) != crc:
+        raise WireFormatError("payload corrupt: crc32 mismatch")
     return Frame(codec_id, DTYPES_BY_ID[dtype_id], tuple(shape), params, body)

@@ -74,7 +74,7 @@ def load(state_dir: Path) -> Snapshot | None:
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path}: not an atoll state file (format {meta.get('format')!r})")
         params, extra = {}, {}
-        for key in f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
             if key.startswith("param/"):
                 params[key[len("param/") :]] = f.get_tensor(key)
             else:

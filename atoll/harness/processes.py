@@ -18,6 +18,16 @@ import time
 from pathlib import Path
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGKILL this child when the process that started it dies, however it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
 class ManagedProcess:
     """A child process whose stdout lines are parsed as JSON events and whose stderr goes to a log."""
 
@@ -30,7 +40,12 @@ class ManagedProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()/kill()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=self._log, env=full_env, start_new_session=True
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=full_env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
         self._reader.start()

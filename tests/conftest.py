@@ -1,0 +1,212 @@
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from atoll.compression import get_codec
+from atoll.coordinator import CoordinatorServer, RunConfig
+from atoll.islands.client import CoordinatorClient, RetryPolicy
+from atoll.protos import coordinator_pb2 as pb
+
+
+class ServerThread:
+    """A real CoordinatorServer (grpc.aio, port 0) on its own event loop thread."""
+
+    def __init__(self, config: RunConfig, state_dir: Path) -> None:
+        self.server = CoordinatorServer(config, state_dir)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        self.call(self.server.start())
+        return self
+
+    def call(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def inspect(self, fn):
+        """Run ``fn(state)`` on the server's loop (no races with the handlers)."""
+
+        async def run():
+            return fn(self.server.state)
+
+        return self.call(run())
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def stop(self) -> None:
+        try:
+            self.call(self.server.stop(grace=0.5))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    started: list[ServerThread] = []
+
+    def start(config: RunConfig | None = None, state_dir: Path | None = None) -> ServerThread:
+        srv = ServerThread(config or RunConfig(run_id="t", sync_every=1), state_dir or tmp_path / "state")
+        started.append(srv.start())
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+class RawIsland:
+    """Drives the protocol by hand (no DiLoCo wrapper), for exact-value and bad-input tests."""
+
+    def __init__(
+        self,
+        address: str,
+        island_id: str,
+        shapes: dict[str, tuple[int, ...]],
+        run_id: str = "t",
+        codec: str = "identity",
+    ) -> None:
+        self.client = CoordinatorClient(address, retry=RetryPolicy(give_up_seconds=10, rpc_timeout_seconds=10))
+        self.island_id = island_id
+        self.shapes = shapes
+        self.run_id = run_id
+        self.codec = codec
+
+    def join(self, **overrides) -> pb.JoinResponse:
+        req = pb.JoinRequest(run_id=self.run_id, island_id=self.island_id, codecs=[self.codec], num_ranks=1)
+        for name, shape in self.shapes.items():
+            req.tensors.add(name=name, shape=list(shape), dtype=pb.DTYPE_FLOAT32)
+        for k, v in overrides.items():
+            if isinstance(v, list):
+                del getattr(req, k)[:]
+                getattr(req, k).extend(v)
+            else:
+                setattr(req, k, v)
+        return self.client.join(req)
+
+    def push(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        round_: int,
+        kind=pb.PUSH_KIND_DELTA,
+        tokens: int = 0,
+        codec: str | None = None,
+        **header_overrides,
+    ) -> pb.PushResponse:
+        codec = codec or ("identity" if kind == pb.PUSH_KIND_INIT else self.codec)
+        c = get_codec(codec)
+        payloads = [c.encode(t) for t in tensors.values()]
+        h = pb.PushHeader(
+            run_id=self.run_id,
+            island_id=self.island_id,
+            round=round_,
+            kind=kind,
+            rank=0,
+            num_ranks=1,
+            tokens=tokens,
+            codec=codec,
+        )
+        for name, p in zip(tensors, payloads, strict=True):
+            h.entries.add(name=name, num_bytes=len(p))
+        for k, v in header_overrides.items():
+            setattr(h, k, v)
+        return self.client.push(h, payloads)
+
+    def pull(self, have_round: int, wait_seconds: float = 5.0):
+        return self.client.pull(
+            pb.PullRequest(
+                run_id=self.run_id, island_id=self.island_id, have_round=have_round, wait_seconds=wait_seconds
+            )
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@pytest.fixture
+def raw_island():
+    made: list[RawIsland] = []
+
+    def make(*args, **kwargs) -> RawIsland:
+        made.append(RawIsland(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for isl in made:
+        isl.close()
+
+
+@pytest.fixture
+def group(tmp_path):
+    from atoll.harness import ProcessGroup
+
+    with ProcessGroup(tmp_path / "run") as g:
+        yield g
+
+
+def collect_events(procs, *, until, timeout: float):
+    """Gather JSON events from island processes until ``until(events)`` or all exit; fail on timeout."""
+    import time
+
+    events = []
+    deadline = time.monotonic() + timeout
+    while not until(events):
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in procs)
+            raise AssertionError(f"timed out after {timeout}s with {len(events)} events\n{tails}")
+        got = False
+        for p in procs:
+            ev = p.next_event(timeout=0.02)
+            if ev is not None:
+                events.append(ev)
+                got = True
+        if not got and all(p.poll() is not None and p.events.empty() for p in procs):
+            break
+    return events
+
+
+def island_flags(address: str, island_id: str, *, rounds: int, codec: str = "identity", extra=()):
+    return [
+        "island",
+        "--coordinator",
+        address,
+        "--island-id",
+        island_id,
+        "--run-id",
+        "e2e",
+        "--rounds",
+        str(rounds),
+        "--codec",
+        codec,
+        "--inner-lr",
+        "3e-3",
+        *extra,
+    ]
+
+
+def coordinator_flags(*, sync_every: int, quorum: int, codec: str = "identity", extra=()):
+    return [
+        "--run-id",
+        "e2e",
+        "--sync-every",
+        str(sync_every),
+        "--quorum",
+        str(quorum),
+        "--codec",
+        codec,
+        "--round-deadline-seconds",
+        "120",
+        "--lease-seconds",
+        "30",
+        *extra,
+    ]

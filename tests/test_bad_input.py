@@ -1,0 +1,185 @@
+"""Bad input gets a gRPC status with a reason, and changes no state."""
+
+import grpc
+import pytest
+import torch
+
+from atoll.coordinator import RunConfig
+from atoll.protos import coordinator_pb2 as pb
+
+SHAPES = {"w": (4, 3), "b": (5,)}
+
+
+def state_fingerprint(s):
+    return (
+        s.round,
+        sorted(s.committed),
+        sorted(s.pending),
+        {k: v.clone() for k, v in s.params.items()},
+        {k: v.clone() for k, v in s.accum.items()},
+        {k: v.clone() for k, v in s.optimizer.buffers.items()},
+        len(s.history),
+    )
+
+
+def assert_same(a, b):
+    assert a[:3] == b[:3] and a[6] == b[6]
+    for x, y in zip(a[3:6], b[3:6], strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.fixture
+def run(start_server, raw_island):
+    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=2))
+    a = raw_island(srv.address, "a", SHAPES)
+    b = raw_island(srv.address, "b", SHAPES)
+    a.join()
+    b.join()
+    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    # a commits round 0, so a bad push from b must not close the round or touch the accumulator.
+    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=10)
+    return srv, a, b
+
+
+def good_delta():
+    return {k: torch.randn(s) for k, s in SHAPES.items()}
+
+
+CASES = {
+    "wrong run id": (
+        lambda b: b.push(good_delta(), round_=0, run_id="other"),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "does not match",
+    ),
+    "unknown tensor": (
+        lambda b: b.push({"w": torch.randn(4, 3), "nope": torch.randn(5)}, round_=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown tensor 'nope'",
+    ),
+    "wrong shape": (
+        lambda b: b.push({"w": torch.randn(3, 4), "b": torch.randn(5)}, round_=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shape [3, 4], expected [4, 3]",
+    ),
+    "nan": (
+        lambda b: b.push({"w": torch.full((4, 3), float("nan")), "b": torch.randn(5)}, round_=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "non-finite",
+    ),
+    "inf": (
+        lambda b: b.push({"w": torch.randn(4, 3), "b": torch.tensor([1, 2, float("inf"), 4, 5.0])}, round_=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "non-finite",
+    ),
+    "missing tensor": (
+        lambda b: b.push({"w": torch.randn(4, 3)}, round_=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "cover 0 of 5",
+    ),
+    "future round": (lambda b: b.push(good_delta(), round_=7), grpc.StatusCode.FAILED_PRECONDITION, "future"),
+    "wrong codec": (
+        lambda b: b.push(good_delta(), round_=0, codec="int8"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "not the run's codec",
+    ),
+    "rank out of range": (lambda b: b.push(good_delta(), round_=0, rank=3), grpc.StatusCode.INVALID_ARGUMENT, "rank 3"),
+    "second init": (
+        lambda b: b.push(good_delta(), round_=0, kind=pb.PUSH_KIND_INIT),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "already has parameters",
+    ),
+    "unknown island": (
+        lambda b: b.push(good_delta(), round_=0, island_id="ghost"),
+        grpc.StatusCode.NOT_FOUND,
+        "has not joined",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_push_is_refused_with_reason_and_no_state_change(run, case):
+    srv, _, b = run
+    fn, code, reason = CASES[case]
+    before = srv.inspect(state_fingerprint)
+    with pytest.raises(grpc.RpcError) as info:
+        fn(b)
+    assert info.value.code() == code
+    assert reason in info.value.details()
+    assert_same(srv.inspect(state_fingerprint), before)
+    # The server keeps serving: a good push from b now closes the round.
+    assert b.push(good_delta(), round_=0, tokens=10).committed
+    header, _ = b.pull(0)
+    assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1
+
+
+def test_truncated_and_corrupt_payloads(run):
+    srv, _, b = run
+    before = srv.inspect(state_fingerprint)
+    from atoll.compression import get_codec
+
+    ident = get_codec("identity")
+    good = [ident.encode(torch.randn(s)) for s in SHAPES.values()]
+    corrupt = bytearray(good[0])
+    corrupt[40] ^= 0xFF
+    for payloads, declared, reason in [
+        ([good[0][:-9], good[1]], [len(good[0]) - 9, len(good[1])], "truncated"),
+        ([bytes(corrupt), good[1]], [len(good[0]), len(good[1])], "crc32"),
+        ([good[0], good[1][:10]], [len(good[0]), len(good[1])], "ended early"),
+        ([good[0], good[1] + b"xx"], [len(good[0]), len(good[1])], "more bytes"),
+    ]:
+        h = pb.PushHeader(run_id="t", island_id="b", round=0, kind=pb.PUSH_KIND_DELTA, num_ranks=1, codec="identity")
+        for name, n in zip(SHAPES, declared, strict=True):
+            h.entries.add(name=name, num_bytes=n)
+        with pytest.raises(grpc.RpcError) as info:
+            b.client.push(h, payloads)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert reason in info.value.details()
+    assert_same(srv.inspect(state_fingerprint), before)
+
+
+def test_oversized_entry_is_refused_before_reading(run):
+    srv, _, b = run
+    h = pb.PushHeader(run_id="t", island_id="b", round=0, kind=pb.PUSH_KIND_DELTA, num_ranks=1, codec="identity")
+    h.entries.add(name="w", num_bytes=10**12)
+    h.entries.add(name="b", num_bytes=100)
+    with pytest.raises(grpc.RpcError) as info:
+        b.client.push(h, [b"x" * 100])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside" in info.value.details()
+
+
+def test_join_errors(start_server, raw_island):
+    srv = start_server(RunConfig(run_id="t", sync_every=1, codec="int8"))
+    a = raw_island(srv.address, "a", SHAPES, codec="int8")
+    a.join()
+    cases = [
+        (raw_island(srv.address, "x", SHAPES, run_id="zzz", codec="int8"), {}, "does not match"),
+        (
+            raw_island(srv.address, "y", SHAPES, codec="identity"),
+            {"codecs": ["identity", "lz-magic"]},
+            "uses codec 'int8'",
+        ),
+        (raw_island(srv.address, "z", {"w": (4, 4), "b": (5,)}, codec="int8"), {}, "has shape [4, 4]"),
+        (raw_island(srv.address, "v", {"w": (4, 3)}, codec="int8"), {}, "missing tensors ['b']"),
+    ]
+    for isl, overrides, reason in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            isl.join(**overrides)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert reason in info.value.details()
+    assert "lz-magic" in str(_details(cases[1][0]))
+    assert srv.inspect(lambda s: sorted(s.islands)) == ["a"]
+
+
+def _details(isl):
+    try:
+        isl.join(codecs=["identity", "lz-magic"])
+    except grpc.RpcError as err:
+        return err.details()
+
+
+def test_duplicate_push_is_harmless(run):
+    srv, a, _ = run
+    before = srv.inspect(state_fingerprint)
+    resp = a.push(good_delta(), round_=0, tokens=10)
+    assert resp.duplicate and resp.committed
+    assert_same(srv.inspect(state_fingerprint), before)

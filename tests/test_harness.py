@@ -1,0 +1,71 @@
+"""The harness never leaks processes, and `atoll demo` (the README's main command) works."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from atoll.harness import ProcessGroup
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); look at its state.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_group_kills_children_on_error(tmp_path):
+    pids = []
+    try:
+        with ProcessGroup(tmp_path) as g:
+            p = g.start("sleeper", ["coordinator", "--state-dir", str(tmp_path / "s")])
+            pids.append(p.pid)
+            raise RuntimeError("test body failed")
+    except RuntimeError:
+        pass
+    assert not _alive(pids[0])
+
+
+def test_children_die_with_their_parent(tmp_path):
+    # A parent that starts a coordinator through the harness, then is SIGKILLed.
+    script = (
+        "import sys, time; from atoll.harness import ProcessGroup; "
+        f"g = ProcessGroup({str(tmp_path)!r}); "
+        f"p, addr = g.start_coordinator({str(tmp_path / 'state')!r}, []); "
+        "print(p.pid, flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_atoll_demo_runs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "atoll", "demo", "--rounds", "3", "--sync-every", "15", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    table = [line.split() for line in lines if line.strip()[:1].isdigit()]
+    assert [row[0] for row in table] == ["0", "1", "2"]
+    assert all(row[-1] == "yes" for row in table)  # θ identical on both islands
+    assert all(int(row[3].replace(",", "")) > 0 for row in table)  # bytes sent
+    assert "eval loss" in lines[-1]

@@ -1,0 +1,44 @@
+"""The pure round decision: states built by hand, the clock moved by hand."""
+
+from atoll.coordinator.rounds import Decision, IslandView, RoundPolicy, RoundView, decide, next_wakeup
+
+POLICY = RoundPolicy(quorum=2, deadline_seconds=10.0)
+
+
+def view(*islands, opened_at=0.0):
+    return RoundView(
+        round=3,
+        opened_at=opened_at,
+        islands=tuple(IslandView(island_id=i, lease_expires_at=lease, committed=c) for i, lease, c in islands),
+    )
+
+
+def test_closes_when_every_live_island_committed():
+    d, reason = decide(1.0, view(("a", 100, True), ("b", 100, True)), POLICY)
+    assert d is Decision.CLOSE and "all 2 live islands committed" in reason
+
+
+def test_waits_for_live_straggler_until_deadline():
+    state = view(("a", 100, True), ("b", 100, True), ("c", 100, False))
+    d, reason = decide(9.9, state, POLICY)
+    assert d is Decision.WAIT and "waiting for c" in reason
+    assert next_wakeup(9.9, state, POLICY) == 10.0
+    d, reason = decide(10.0, state, POLICY)
+    assert d is Decision.CLOSE and "deadline" in reason and "not waiting for c" in reason
+
+
+def test_expired_lease_is_not_waited_for():
+    state = view(("a", 100, True), ("b", 100, True), ("c", 5.0, False))
+    assert decide(4.0, state, POLICY)[0] is Decision.WAIT
+    assert next_wakeup(4.0, state, POLICY) == 5.0
+    assert decide(5.0, state, POLICY)[0] is Decision.CLOSE
+
+
+def test_never_closes_below_quorum_even_after_deadline():
+    d, reason = decide(1000.0, view(("a", 2000, True), ("b", 1.0, False)), POLICY)
+    assert d is Decision.WAIT and "1 of quorum 2" in reason
+
+
+def test_no_commits_waits():
+    d, _ = decide(50.0, view(("a", 100, False), ("b", 100, False)), RoundPolicy(quorum=1, deadline_seconds=1))
+    assert d is Decision.WAIT
