@@ -8,8 +8,6 @@ import logging
 import sys
 from pathlib import Path
 
-from atoll.compression import available_codecs
-
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
@@ -31,7 +29,6 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
             continue
-        kwargs = {"choices": available_codecs()} if f.name in ("codec", "downlink_codec") else {}
         parser.add_argument(
             flag,
             dest=f.name,
@@ -39,7 +36,6 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
             default=default,
             required=required,
             help=f"(default: {default})" if not required else "(required)",
-            **kwargs,
         )
 
 

@@ -60,7 +60,9 @@ def test_children_die_with_their_parent(tmp_path):
 def test_atoll_demo_runs(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "atoll", "demo", "--rounds", "3", "--sync-every", "15", "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.splitlines()

@@ -1,6 +1,65 @@
-"""Codecs for pseudo-gradients and their wire format."""
+"""Codecs for pseudo-gradients and their wire format.
 
-from atoll.compression.codecs import Codec, available_codecs, get_codec
+``get_codec("int8")``, ``get_codec("int4:block=128,scale=fp16")``, ``get_codec("topk:fraction=0.01")``,
+``get_codec("powersgd:rank=4")``; wrap a lossy one in :class:`ErrorFeedback` to carry its error over.
+"""
+
+from __future__ import annotations
+
+from atoll.compression.base import Codec
+from atoll.compression.blockwise import Int2Codec, Int4Codec, Int8Codec
+from atoll.compression.cast import Bf16Codec, Fp16Codec, IdentityCodec
+from atoll.compression.feedback import ErrorFeedback
+from atoll.compression.powersgd import PowerSGDCodec
+from atoll.compression.topk import TopKCodec
 from atoll.compression.wire import WireFormatError
 
-__all__ = ["Codec", "WireFormatError", "available_codecs", "get_codec"]
+_REGISTRY: dict[str, type[Codec]] = {
+    cls.name: cls
+    for cls in (IdentityCodec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, Int2Codec, TopKCodec, PowerSGDCodec)
+}
+_BY_ID = {cls.codec_id: cls for cls in _REGISTRY.values()}
+_PARAM_TYPES = {"block": int, "rank": int, "seed": int, "fraction": float, "scale": str, "values": str}
+
+
+def available_codecs() -> list[str]:
+    """Codec names accepted by :func:`get_codec`."""
+    return sorted(_REGISTRY)
+
+
+def codec_name(spec: str) -> str:
+    """The codec name of a spec string (``"int8:block=128"`` -> ``"int8"``)."""
+    return spec.split(":", 1)[0].strip()
+
+
+def get_codec(spec: str) -> Codec:
+    """A codec from a spec string ``name[:key=value,...]``; ValueError with the reason otherwise."""
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown codec {name!r}; available: {', '.join(available_codecs())}")
+    kwargs = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in _PARAM_TYPES:
+            raise ValueError(f"codec {name!r}: bad parameter {item!r} (known: {', '.join(sorted(_PARAM_TYPES))})")
+        try:
+            kwargs[key] = _PARAM_TYPES[key](value.strip())
+        except ValueError:
+            raise ValueError(f"codec {name!r}: {key}={value!r} is not a {_PARAM_TYPES[key].__name__}") from None
+    try:
+        return cls(**kwargs)
+    except TypeError:
+        raise ValueError(f"codec {name!r} takes no parameter(s) {sorted(kwargs)}") from None
+
+
+def codec_for_id(codec_id: int) -> type[Codec]:
+    try:
+        return _BY_ID[codec_id]
+    except KeyError:
+        raise WireFormatError(f"unknown codec id {codec_id}") from None
+
+
+__all__ = ["Codec", "ErrorFeedback", "WireFormatError", "available_codecs", "codec_name", "get_codec"]

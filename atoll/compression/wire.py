@@ -60,24 +60,43 @@ class Frame:
         return math.prod(self.shape)
 
 
-def pack(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], params: bytes, body) -> bytes:
-    """Serialise one encoded tensor. ``body`` is any buffer (bytes, memoryview, numpy array)."""
+def allocate(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], params: bytes, body_len: int):
+    """Lay out a payload with room for ``body_len`` body bytes.
+
+    Returns ``(payload, body)``: the codec writes its body into the writable memoryview ``body``,
+    then calls :func:`seal` on ``payload``. Writing in place avoids copying large bodies.
+    """
     if dtype not in DTYPE_IDS:
         raise WireFormatError(f"unsupported dtype {dtype}")
     if len(shape) > MAX_NDIM:
         raise WireFormatError(f"tensor has {len(shape)} dims, the wire format allows {MAX_NDIM}")
+    head = b"".join(
+        [
+            _FIXED.pack(MAGIC, WIRE_VERSION, codec_id, DTYPE_IDS[dtype], len(shape)),
+            struct.pack(f"<{len(shape)}Q", *shape),
+            _U32.pack(len(params)),
+            params,
+            _U64.pack(body_len),
+        ]
+    )
+    payload = bytearray(len(head) + body_len + _U32.size)
+    payload[: len(head)] = head
+    return payload, memoryview(payload)[len(head) : len(head) + body_len]
+
+
+def seal(payload: bytearray) -> bytearray:
+    """Write the trailing crc32 of a payload laid out by :func:`allocate`."""
+    view = memoryview(payload)
+    _U32.pack_into(payload, len(payload) - 4, zlib.crc32(view[:-4]))
+    return payload
+
+
+def pack(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], params: bytes, body) -> bytearray:
+    """Serialise one encoded tensor whose body is already in a buffer (bytes, memoryview, ndarray)."""
     body = memoryview(body).cast("B")
-    parts = [
-        _FIXED.pack(MAGIC, WIRE_VERSION, codec_id, DTYPE_IDS[dtype], len(shape)),
-        struct.pack(f"<{len(shape)}Q", *shape),
-        _U32.pack(len(params)),
-        params,
-        _U64.pack(body.nbytes),
-        body,
-    ]
-    out = bytearray().join(parts)
-    out += _U32.pack(zlib.crc32(out))
-    return bytes(out)
+    payload, dest = allocate(codec_id, dtype, shape, params, body.nbytes)
+    dest[:] = body
+    return seal(payload)
 
 
 def unpack(payload, *, max_numel: int | None = None) -> Frame:

@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from atoll.compression import available_codecs
+from atoll.compression import get_codec
 from atoll.protos import coordinator_pb2 as pb
 
 
@@ -27,6 +27,8 @@ class RunConfig:
     """Codec islands use for their pseudo-gradients."""
     downlink_codec: str = "identity"
     """Codec of the outer update sent back to islands (with downlink error feedback)."""
+    error_feedback: bool = False
+    """Islands carry what the lossy uplink codec dropped into the next round (per-rank residual)."""
     quorum: int = 1
     """Minimum committed islands for a round to close at its deadline."""
     round_deadline_seconds: float = 600.0
@@ -44,10 +46,10 @@ class RunConfig:
         if not (0.0 <= self.outer_momentum < 1.0):
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         for field in ("codec", "downlink_codec"):
-            if getattr(self, field) not in available_codecs():
-                raise ValueError(
-                    f"{field} {getattr(self, field)!r} is unknown; available: {', '.join(available_codecs())}"
-                )
+            try:
+                get_codec(getattr(self, field))
+            except ValueError as err:
+                raise ValueError(f"{field}: {err}") from None
         if self.quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {self.quorum}")
         if not self.round_deadline_seconds > 0:

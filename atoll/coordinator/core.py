@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from atoll.compression import WireFormatError, get_codec
+from atoll.compression import WireFormatError, available_codecs, codec_name, get_codec
 from atoll.coordinator import persistence
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.outer import NesterovSGD
@@ -91,7 +91,8 @@ class PushPlan:
 @dataclass
 class StagedRank:
     plan: PushPlan
-    tensors: list[torch.Tensor]
+    payloads: list[bytes]
+    """Validated, still-encoded payloads, one per entry."""
     num_bytes: int
 
 
@@ -136,6 +137,7 @@ class RunState:
         self.poke = asyncio.Event()
         self.uplink = get_codec(config.codec)
         self.downlink = get_codec(config.downlink_codec)
+        self._downlink_state: dict[str, dict] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def restore(self) -> bool:
@@ -215,8 +217,8 @@ class RunState:
         num_ranks = req.num_ranks or 1
         if not 1 <= num_ranks <= MAX_RANKS:
             raise _invalid(f"num_ranks must be in 1..{MAX_RANKS}, got {req.num_ranks}")
-        if self.config.codec not in req.codecs:
-            unknown = [c for c in req.codecs if c not in _known_codecs()]
+        if codec_name(self.config.codec) not in {codec_name(c) for c in req.codecs}:
+            unknown = [c for c in req.codecs if codec_name(c) not in available_codecs()]
             raise _precondition(
                 f"run {self.config.run_id!r} uses codec {self.config.codec!r}; the island offers "
                 f"{list(req.codecs)}" + (f" (unknown here: {unknown})" if unknown else "")
@@ -288,7 +290,7 @@ class RunState:
         elif h.kind == pb.PUSH_KIND_DELTA:
             if self.params is None:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "the run has no parameters yet (bootstrap pending)")
-            if h.codec != self.config.codec:
+            if codec_name(h.codec) != codec_name(self.config.codec):
                 raise _invalid(f"codec {h.codec!r} is not the run's codec {self.config.codec!r}")
             if h.round < self.round:
                 raise _precondition(f"round {h.round} is closed; the coordinator is at round {self.round}")
@@ -322,22 +324,26 @@ class RunState:
         loss = h.loss if h.HasField("loss") else None
         return PushPlan(h.island_id, h.round, h.kind, h.rank, h.num_ranks, h.tokens, loss, h.codec, tuple(entries))
 
-    def decode_entry(self, plan: PushPlan, index: int, payload: bytes) -> torch.Tensor:
-        """Decode and check one entry's payload (runs in a worker thread)."""
+    def _codec_of(self, plan: PushPlan):
+        return self.uplink if plan.kind == pb.PUSH_KIND_DELTA else get_codec("identity")
+
+    def check_entry(self, plan: PushPlan, index: int, payload: bytes) -> bytes:
+        """Validate one entry's payload (structure, bounds, finite values) without decoding it densely.
+
+        Runs in a worker thread. The payload is staged as is and decoded into the accumulator only
+        when the island's contribution commits.
+        """
         entry = plan.entries[index]
-        codec = self.uplink if plan.kind == pb.PUSH_KIND_DELTA else get_codec("identity")
         try:
-            tensor = codec.decode(payload, entry.region.sizes)
+            self._codec_of(plan).validate(payload, entry.region.sizes)
         except WireFormatError as err:
             raise _invalid(f"tensor {entry.name!r}: {err}") from None
-        if not bool(torch.isfinite(tensor).all()):
-            raise _invalid(f"tensor {entry.name!r}: non-finite values (NaN/Inf) in the update")
-        return tensor
+        return payload
 
-    async def commit_push(self, plan: PushPlan, tensors: list[torch.Tensor], num_bytes: int) -> pb.PushResponse:
+    async def commit_push(self, plan: PushPlan, payloads: list[bytes], num_bytes: int) -> pb.PushResponse:
         async with self.lock:
             if plan.kind == pb.PUSH_KIND_INIT:
-                return await self._commit_init(plan, tensors, num_bytes)
+                return await self._commit_init(plan, payloads, num_bytes)
             if plan.round != self.round:
                 raise _precondition(f"round {plan.round} closed while the push was streaming")
             rec = self.islands.get(plan.island_id)
@@ -346,7 +352,7 @@ class RunState:
             if plan.island_id in self.committed or plan.rank in self.pending.get(plan.island_id, {}):
                 return pb.PushResponse(committed=plan.island_id in self.committed, duplicate=True, round=self.round)
             staged = self.pending.setdefault(plan.island_id, {})
-            staged[plan.rank] = StagedRank(plan, tensors, num_bytes)
+            staged[plan.rank] = StagedRank(plan, payloads, num_bytes)
             if len(staged) < rec.num_ranks:
                 return pb.PushResponse(committed=False, round=self.round, bytes_received=num_bytes)
             del self.pending[plan.island_id]
@@ -366,29 +372,35 @@ class RunState:
     def _accumulate(self, ranks: list[StagedRank], tokens: int) -> None:
         weight = float(max(tokens, 1))
         for staged in ranks:
-            for entry, t in zip(staged.plan.entries, staged.tensors, strict=True):
-                self.accum[entry.name][entry.region.slices()].add_(t, alpha=weight)
+            codec = self._codec_of(staged.plan)
+            for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
+                target = self.accum[entry.name][entry.region.slices()]
+                if target.is_contiguous():
+                    codec.decode_add_(payload, target, alpha=weight)
+                else:
+                    target.add_(codec.decode(payload, entry.region.sizes), alpha=weight)
 
-    async def _commit_init(self, plan: PushPlan, tensors: list[torch.Tensor], num_bytes: int) -> pb.PushResponse:
+    async def _commit_init(self, plan: PushPlan, payloads: list[bytes], num_bytes: int) -> pb.PushResponse:
         if self.params is not None:
             return pb.PushResponse(committed=True, duplicate=True, round=self.round)
         if plan.num_ranks != 1:
             staged = self.pending.setdefault(plan.island_id, {})
-            staged[plan.rank] = StagedRank(plan, tensors, num_bytes)
+            staged[plan.rank] = StagedRank(plan, payloads, num_bytes)
             if len(staged) < plan.num_ranks:
                 return pb.PushResponse(committed=False, round=0, bytes_received=num_bytes)
             ranks = [staged[r] for r in sorted(staged)]
             del self.pending[plan.island_id]
         else:
-            ranks = [StagedRank(plan, tensors, num_bytes)]
+            ranks = [StagedRank(plan, payloads, num_bytes)]
         try:
             _check_island_coverage(self.specs, ranks)
         except ValueError as err:
             raise _invalid(f"bootstrap θ rejected: {err}") from None
         params = {k: torch.zeros(s, dtype=torch.float32) for k, s in self.specs.items()}
+        ident = get_codec("identity")
         for staged in ranks:
-            for entry, t in zip(staged.plan.entries, staged.tensors, strict=True):
-                params[entry.name][entry.region.slices()] = t
+            for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
+                params[entry.name][entry.region.slices()] = ident.decode(payload, entry.region.sizes)
         self._init_optimizer()
         await asyncio.to_thread(persistence.save, self.state_dir, self._snapshot(params, 0, []))
         self.params = params
@@ -492,7 +504,7 @@ class RunState:
         for name, u in update.items():
             if self.downlink.lossy:
                 u = u + self.downlink_ef[name]
-            payload = self.downlink.encode(u)
+            payload = self.downlink.encode(u, self._downlink_state.setdefault(name, {}))
             u_hat = self.downlink.decode(payload, self.specs[name])
             if self.downlink.lossy:
                 self.downlink_ef[name] = u - u_hat
@@ -535,12 +547,6 @@ class RunState:
             payloads = await asyncio.to_thread(lambda: [(k, ident.encode(v)) for k, v in params.items()])
             self._full_cache = (round_, payloads)
         return self._full_cache[1]
-
-
-def _known_codecs() -> set[str]:
-    from atoll.compression import available_codecs
-
-    return set(available_codecs())
 
 
 def _check_same_model(have: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]]) -> None:

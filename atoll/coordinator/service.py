@@ -74,9 +74,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         plan = self.state.plan_push(first.header)
         if isinstance(plan, pb.PushResponse):
             return plan  # duplicate: nothing to read
-        tensors = await _receive_entries(self.state, plan, it)
+        payloads = await _receive_entries(self.state, plan, it)
         num_bytes = sum(e.num_bytes for e in plan.entries)
-        return await self.state.commit_push(plan, tensors, num_bytes)
+        return await self.state.commit_push(plan, payloads, num_bytes)
 
     async def PullUpdate(self, request, context):
         try:
@@ -96,9 +96,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 yield pb.PullChunk(data=bytes(view[start : start + CHUNK_BYTES]))
 
 
-async def _receive_entries(state: RunState, plan: PushPlan, it) -> list:
-    """Read the data chunks of a push, decoding each entry as soon as its bytes are in."""
-    tensors = []
+async def _receive_entries(state: RunState, plan: PushPlan, it) -> list[bytearray]:
+    """Read the data chunks of a push, validating each entry as soon as its bytes are in."""
+    payloads = []
     index = 0
     buf = bytearray()
     async for chunk in it:
@@ -114,16 +114,16 @@ async def _receive_entries(state: RunState, plan: PushPlan, it) -> list:
             buf += data[:need]
             data = data[need:]
             if len(buf) == plan.entries[index].num_bytes:
-                payload = bytes(buf)
-                buf.clear()
-                tensors.append(await asyncio.to_thread(state.decode_entry, plan, index, payload))
+                payload = buf
+                buf = bytearray()
+                payloads.append(await asyncio.to_thread(state.check_entry, plan, index, payload))
                 index += 1
     if index != len(plan.entries):
         raise RequestError(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"push stream ended early: {index} of {len(plan.entries)} tensors complete",
         )
-    return tensors
+    return payloads
 
 
 class CoordinatorServer:

@@ -22,6 +22,9 @@ class DemoArgs:
     sync_every: int = 30
     """H: inner steps per round."""
     codec: str = "identity"
+    """Uplink codec spec, e.g. "int8" or "topk:fraction=0.01"."""
+    error_feedback: bool = False
+    """Islands carry the lossy codec's error into the next round."""
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     inner_lr: float = 3e-3
@@ -53,6 +56,7 @@ def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[lis
                 str(args.outer_lr),
                 "--outer-momentum",
                 str(args.outer_momentum),
+                "--error-feedback" if args.error_feedback else "--no-error-feedback",
                 "--quorum",
                 str(args.islands),
                 "--round-deadline-seconds",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from atoll.compression import available_codecs, get_codec
+from atoll.compression import ErrorFeedback, available_codecs, codec_name, get_codec
 from atoll.islands.client import CoordinatorClient, RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 
@@ -60,15 +60,15 @@ class DiLoCo:
         *,
         coordinator: str,
         sync_every: int | None = None,
-        codec: str = "identity",
+        codec: str | None = None,
         run_id: str = "atoll",
         island_id: str | None = None,
         heartbeat_seconds: float = 5.0,
         pull_wait_seconds: float = 10.0,
         retry: RetryPolicy | None = None,
     ) -> None:
-        if codec not in available_codecs():
-            raise ValueError(f"unknown codec {codec!r}; available: {', '.join(available_codecs())}")
+        if codec is not None:
+            get_codec(codec)  # ValueError with the reason for a bad spec
         if sync_every is not None and sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self.model = model
@@ -92,7 +92,8 @@ class DiLoCo:
         self._losses: list[float] = []
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self.codec = get_codec(codec)
+        self.codec = None  # the run's codec, set by start()
+        self._codec_state: dict[str, dict] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> DiLoCo:
@@ -126,12 +127,17 @@ class DiLoCo:
             self.client = None
 
     def _join(self) -> pb.JoinResponse:
-        req = pb.JoinRequest(run_id=self.run_id, island_id=self.island_id, codecs=[self.codec_name], num_ranks=1)
+        offered = [codec_name(self.codec_name)] if self.codec_name else available_codecs()
+        req = pb.JoinRequest(run_id=self.run_id, island_id=self.island_id, codecs=offered, num_ranks=1)
         for name, p in self.params.items():
             req.tensors.add(name=name, shape=list(p.shape), dtype=_PB_DTYPES[p.dtype])
         resp = self.client.join(req)
         if self.requested_sync_every is None:
             self.sync_every = resp.config.sync_every
+        if self.codec is None or self.codec.spec != get_codec(resp.codec).spec:
+            codec = get_codec(resp.codec)
+            self.codec = ErrorFeedback(codec) if resp.config.error_feedback and codec.lossy else codec
+            self._codec_state = {}
         log.info(
             "%s joined run %s at round %d (H=%d, codec %s)",
             self.island_id,
@@ -181,7 +187,12 @@ class DiLoCo:
         sent0, recv0 = self.client.bytes_sent, self.client.bytes_received
         names = list(self.params)
         with torch.no_grad():
-            payloads = [self.codec.encode(self._start_params[n] - self.params[n].detach().float()) for n in names]
+            payloads = [
+                self.codec.encode(
+                    self._start_params[n] - self.params[n].detach().float(), self._codec_state.setdefault(n, {})
+                )
+                for n in names
+            ]
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         header = self._header(
             pb.PUSH_KIND_DELTA, self.round, names, payloads, self.codec_name, tokens=self._tokens, loss=loss

@@ -28,7 +28,8 @@ class IslandArgs:
     run_id: str = "atoll"
     rounds: int = 5
     """Rounds to train before leaving."""
-    codec: str = "identity"
+    codec: str = ""
+    """Codec to insist on (name or spec); empty: use whatever the run's codec is."""
     batch_size: int = 16
     inner_lr: float = 1e-3
     """AdamW learning rate of the inner optimizer."""
@@ -98,7 +99,7 @@ def run_island(args: IslandArgs) -> int:
         model,
         opt,
         coordinator=args.coordinator,
-        codec=args.codec,
+        codec=args.codec or None,
         run_id=args.run_id,
         island_id=args.island_id,
         retry=RetryPolicy(give_up_seconds=args.give_up_seconds),

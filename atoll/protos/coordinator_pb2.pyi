@@ -51,7 +51,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class RunConfigProto(_message.Message):
-    __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds")
+    __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds", "error_feedback")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class RunConfigProto(_message.Message):
     QUORUM_FIELD_NUMBER: _ClassVar[int]
     ROUND_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sync_every: int
     outer_lr: float
@@ -72,7 +73,8 @@ class RunConfigProto(_message.Message):
     quorum: int
     round_deadline_seconds: float
     lease_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    error_feedback: bool
+    def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., error_feedback: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("run_id", "island_id", "codecs", "tensors", "num_ranks")

@@ -1,0 +1,146 @@
+"""The codec interface and the helpers every codec shares.
+
+A codec turns a float tensor into a self-describing payload (:mod:`atoll.compression.wire`) and
+back. ``encode`` may keep per-tensor state between rounds (PowerSGD's warm-started Q, error
+feedback's residual) in the ``state`` dict the caller owns. Decoding is stateless, and
+``decode_add_`` accumulates straight into an fp32 buffer (the coordinator's accumulator) without
+building a dense copy where the codec allows it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import warnings
+from collections.abc import Callable
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from atoll.compression.wire import Frame, WireFormatError, allocate, seal, unpack
+
+CHUNK = 1 << 20
+"""Elements processed per step by chunked codecs: temporaries stay small and cache-resident."""
+
+Writer = Callable[[memoryview], None]
+
+
+class Codec:
+    """Base class: subclasses set ``name``/``codec_id`` and implement the underscored hooks."""
+
+    name: ClassVar[str]
+    codec_id: ClassVar[int]
+    lossy: ClassVar[bool] = True
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec string, accepted by :func:`atoll.compression.get_codec`."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<codec {self.spec}>"
+
+    # ---- public API ------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, state: dict | None = None) -> bytearray:
+        """Encode a floating-point tensor (any device, any float dtype) into a payload."""
+        if not tensor.is_floating_point():
+            raise TypeError(f"{self.name} encodes floating-point tensors, got {tensor.dtype}")
+        flat = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        params, body_len, write = self._encode(flat, tuple(tensor.shape), {} if state is None else state)
+        dtype = tensor.dtype if tensor.dtype != torch.float64 else torch.float32
+        payload, body = allocate(self.codec_id, dtype, tuple(tensor.shape), params, body_len)
+        if body_len:
+            write(body)
+        return seal(payload)
+
+    def frame(self, payload, expected_shape: tuple[int, ...] | None = None) -> Frame:
+        """Parse a payload and check it belongs to this codec and (if given) the expected shape."""
+        max_numel = None if expected_shape is None else math.prod(int(d) for d in expected_shape)
+        frame = unpack(payload, max_numel=max_numel)
+        if frame.codec_id != self.codec_id:
+            raise WireFormatError(f"payload was encoded with codec id {frame.codec_id}, expected {self.name}")
+        if expected_shape is not None and frame.shape != tuple(int(d) for d in expected_shape):
+            raise WireFormatError(f"payload has shape {list(frame.shape)}, expected {list(expected_shape)}")
+        self._check(frame)
+        return frame
+
+    def validate(self, payload, expected_shape: tuple[int, ...]) -> Frame:
+        """Full structural check plus "decodes to finite values", without decoding densely."""
+        frame = self.frame(payload, expected_shape)
+        if not self._finite(frame):
+            raise WireFormatError("non-finite values (NaN/Inf) in the payload")
+        return frame
+
+    def decode(self, payload, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Decode to a new float32 tensor of the payload's shape."""
+        frame = self.frame(payload, expected_shape)
+        out = torch.empty(frame.numel, dtype=torch.float32)
+        if frame.numel:
+            self._decode_into(frame, out, 1.0, False)
+        return out.reshape(frame.shape)
+
+    def decode_add_(self, payload, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """``out += alpha * decode(payload)``; ``out`` is a contiguous float32 tensor of its shape."""
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError("decode_add_ needs a contiguous float32 output tensor")
+        frame = self.frame(payload, tuple(out.shape))
+        if frame.numel:
+            self._decode_into(frame, out.view(-1), float(alpha), True)
+        return out
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: dict) -> tuple[bytes, int, Writer]:
+        raise NotImplementedError
+
+    def _check(self, frame: Frame) -> None:
+        """Raise WireFormatError unless params and body sizes are consistent with the shape."""
+        raise NotImplementedError
+
+    def _finite(self, frame: Frame) -> bool:
+        raise NotImplementedError
+
+    def _decode_into(self, frame: Frame, out: torch.Tensor, alpha: float, accumulate: bool) -> None:
+        raise NotImplementedError
+
+
+def read_tensor(buf, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+    """A tensor view of ``count`` items at byte ``offset`` of a (possibly read-only) buffer.
+
+    Callers only read from it; torch warns about read-only buffers, which is moot here.
+    """
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    np_dtype = {
+        torch.float32: np.float32,
+        torch.float16: np.float16,
+        torch.int8: np.int8,
+        torch.uint8: np.uint8,
+        torch.int16: np.int16,
+        torch.int32: np.int32,
+        torch.int64: np.int64,
+    }
+    bf16 = dtype == torch.bfloat16
+    arr = np.frombuffer(buf, dtype=np.int16 if bf16 else np_dtype[dtype], count=count, offset=offset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+def write_tensor(buf: memoryview, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+    """A writable tensor view of ``count`` items at byte ``offset`` of ``buf``."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+
+def expect_params(frame: Frame, fmt: struct.Struct, what: str) -> tuple:
+    if frame.params.nbytes != fmt.size:
+        raise WireFormatError(f"{what}: params are {frame.params.nbytes} bytes, expected {fmt.size}")
+    return fmt.unpack(frame.params)
+
+
+def expect_body(frame: Frame, need: int, what: str) -> None:
+    if frame.body.nbytes != need:
+        raise WireFormatError(f"{what}: body is {frame.body.nbytes} bytes, expected {need}")

@@ -1,0 +1,209 @@
+"""Blockwise absmax quantisation to int8, int4 or 2-bit.
+
+Each block of ``block`` consecutive values shares one scale ``s = absmax / qmax`` with
+``qmax = 2**(bits-1) - 1`` (127, 7, 1); values are rounded to ``q = round(x / s)`` in
+``[-qmax, qmax]``, so ``|x - q*s| <= s/2``. Scales are fp32, or fp16 relative to a per-tensor fp32
+scale (``scale=fp16``: half the scale bytes, still exact over any magnitude range).
+
+Body: ``nblocks`` scales, then the codes packed little-end-first (2 per byte for int4, 4 for 2-bit).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from atoll.compression.base import CHUNK, Codec, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.wire import Frame, WireFormatError
+
+_PARAMS = struct.Struct("<IBBf")  # block, bits, scale kind (0 fp32, 1 fp16-relative), global scale
+SCALE_FP32, SCALE_FP16 = 0, 1
+
+
+def qmax_of(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def packed_len(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def body_len(n: int, block: int, bits: int, scale_kind: int) -> int:
+    nblocks = -(-n // block)
+    return nblocks * (4 if scale_kind == SCALE_FP32 else 2) + packed_len(n, bits)
+
+
+def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 codes in [-qmax, qmax] (length a multiple of 8/bits) -> packed uint8."""
+    if bits == 8:
+        return q.view(torch.uint8)
+    u = (q + (qmax_of(bits) + 1)).to(torch.uint8)  # offset to unsigned
+    per = 8 // bits
+    u = u.view(-1, per)
+    out = u[:, 0].clone()
+    for j in range(1, per):
+        out |= u[:, j] << (bits * j)
+    return out
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """packed uint8 -> float32 codes (first ``n``)."""
+    if bits == 8:
+        return packed.view(torch.int8)[:n].to(torch.float32)
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    parts = [((packed >> (bits * j)) & mask) for j in range(per)]
+    u = torch.stack(parts, dim=1).reshape(-1)[:n]
+    return u.to(torch.float32) - float(qmax_of(bits) + 1)
+
+
+def encode_into(
+    flat: torch.Tensor, body: memoryview, *, block: int, bits: int, scale_kind: int, global_scale: float
+) -> None:
+    """Quantise ``flat`` (fp32) into ``body`` (laid out per ``body_len``)."""
+    n = flat.numel()
+    nblocks = -(-n // block)
+    qmax = qmax_of(bits)
+    scale_bytes = 4 if scale_kind == SCALE_FP32 else 2
+    scales_out = write_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
+    codes_out = write_tensor(body, torch.uint8, packed_len(n, bits), offset=nblocks * scale_bytes)
+    step = max(block, (CHUNK // block) * block)
+    for s in range(0, n, step):
+        x = flat[s : s + step]
+        m = x.numel()
+        nb = -(-m // block)
+        if nb * block != m:
+            x = torch.nn.functional.pad(x, (0, nb * block - m))
+        x = x.view(nb, block)
+        scale = x.abs().amax(dim=1).div_(qmax)
+        b0 = s // block
+        if scale_kind == SCALE_FP32:
+            scales_out[b0 : b0 + nb] = scale
+            eff = scale
+        else:
+            rel = (scale / global_scale).to(torch.float16) if global_scale > 0 else torch.zeros_like(scale).half()
+            scales_out[b0 : b0 + nb] = rel
+            eff = rel.to(torch.float32).mul_(global_scale)
+        inv = torch.where(eff > 0, eff.reciprocal(), torch.zeros_like(eff))
+        q = x.mul(inv[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8).view(-1)
+        packed = _pack_codes(q, bits)
+        c0 = packed_len(s, bits)
+        take = packed_len(s + m, bits) - c0
+        codes_out[c0 : c0 + take] = packed[:take]
+
+
+def decode_into(
+    body: memoryview,
+    n: int,
+    out: torch.Tensor,
+    alpha: float,
+    accumulate: bool,
+    *,
+    block: int,
+    bits: int,
+    scale_kind: int,
+    global_scale: float,
+) -> None:
+    nblocks = -(-n // block)
+    scale_bytes = 4 if scale_kind == SCALE_FP32 else 2
+    scales = read_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
+    codes = read_tensor(body, torch.uint8, packed_len(n, bits), offset=nblocks * scale_bytes)
+    step = max(block, (CHUNK // block) * block)
+    for s in range(0, n, step):
+        m = min(step, n - s)
+        nb = -(-m // block)
+        c0 = packed_len(s, bits)
+        q = _unpack_codes(codes[c0 : packed_len(s + m, bits)], bits, m)
+        sc = scales[s // block : s // block + nb].to(torch.float32)
+        if scale_kind == SCALE_FP16:
+            sc = sc.mul_(global_scale)
+        if nb * block != m:
+            q = torch.nn.functional.pad(q, (0, nb * block - m))
+        v = q.view(nb, block).mul_(sc[:, None]).view(-1)[:m]
+        if accumulate:
+            out[s : s + m].add_(v, alpha=alpha)
+        else:
+            out[s : s + m].copy_(v)
+
+
+def scales_finite(body: memoryview, n: int, *, block: int, scale_kind: int, global_scale: float) -> bool:
+    nblocks = -(-n // block)
+    scales = read_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
+    import math
+
+    return bool(torch.isfinite(scales).all()) and math.isfinite(global_scale)
+
+
+class BlockQuantCodec(Codec):
+    bits: int
+
+    def __init__(self, block: int = 256, scale: str = "fp32") -> None:
+        if block < 8 or block % 8 or block > 1 << 20:
+            raise ValueError(f"{self.name}: block must be a multiple of 8 in 8..{1 << 20}, got {block}")
+        if scale not in ("fp32", "fp16"):
+            raise ValueError(f"{self.name}: scale must be 'fp32' or 'fp16', got {scale!r}")
+        self.block = block
+        self.scale = scale
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:block={self.block},scale={self.scale}"
+
+    def _encode(self, flat, shape, state):
+        kind = SCALE_FP32 if self.scale == "fp32" else SCALE_FP16
+        g = 0.0
+        if kind == SCALE_FP16 and flat.numel():
+            g = float(flat.abs().max()) / qmax_of(self.bits)
+        params = _PARAMS.pack(self.block, self.bits, kind, g)
+
+        def write(body):
+            encode_into(flat, body, block=self.block, bits=self.bits, scale_kind=kind, global_scale=g)
+
+        return params, body_len(flat.numel(), self.block, self.bits, kind), write
+
+    def _params(self, frame: Frame):
+        block, bits, kind, g = expect_params(frame, _PARAMS, self.name)
+        if bits != self.bits or block < 8 or block % 8 or kind not in (SCALE_FP32, SCALE_FP16):
+            raise WireFormatError(f"{self.name}: bad params block={block} bits={bits} scale kind={kind}")
+        return block, kind, g
+
+    def _check(self, frame):
+        block, kind, _ = self._params(frame)
+        expect_body(frame, body_len(frame.numel, block, self.bits, kind), self.name)
+
+    def _finite(self, frame):
+        block, kind, g = self._params(frame)
+        return scales_finite(frame.body, frame.numel, block=block, scale_kind=kind, global_scale=g)
+
+    def _decode_into(self, frame, out, alpha, accumulate):
+        block, kind, g = self._params(frame)
+        decode_into(
+            frame.body,
+            frame.numel,
+            out,
+            alpha,
+            accumulate,
+            block=block,
+            bits=self.bits,
+            scale_kind=kind,
+            global_scale=g,
+        )
+
+
+class Int8Codec(BlockQuantCodec):
+    name = "int8"
+    codec_id = 4
+    bits = 8
+
+
+class Int4Codec(BlockQuantCodec):
+    name = "int4"
+    codec_id = 5
+    bits = 4
+
+
+class Int2Codec(BlockQuantCodec):
+    name = "int2"
+    codec_id = 6
+    bits = 2

@@ -1,0 +1,68 @@
+"""Lossless fp32 (identity) and the fp16 / bf16 casts."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from atoll.compression.base import CHUNK, Codec, expect_body, read_tensor, write_tensor
+from atoll.compression.wire import WireFormatError
+
+
+class _CastCodec(Codec):
+    store: ClassVar[torch.dtype]
+
+    def _encode(self, flat, shape, state):
+        n = flat.numel()
+
+        def write(body):
+            dest = write_tensor(body, self.store, n)
+            for s in range(0, n, CHUNK):
+                chunk = dest[s : s + CHUNK]
+                chunk.copy_(flat[s : s + CHUNK])
+                if self.store == torch.float16 and not bool(torch.isfinite(chunk).all()):
+                    raise OverflowError("value outside the fp16 range (|x| > 65504) or non-finite; use bf16")
+
+        return b"", n * self.store.itemsize, write
+
+    def _check(self, frame):
+        if frame.params.nbytes:
+            raise WireFormatError(f"{self.name}: takes no params, payload has {frame.params.nbytes} bytes")
+        expect_body(frame, frame.numel * self.store.itemsize, self.name)
+
+    def _values(self, frame) -> torch.Tensor:
+        return read_tensor(frame.body, self.store, frame.numel)
+
+    def _finite(self, frame):
+        v = self._values(frame)
+        return all(bool(torch.isfinite(v[s : s + CHUNK]).all()) for s in range(0, v.numel(), CHUNK))
+
+    def _decode_into(self, frame, out, alpha, accumulate):
+        v = self._values(frame)
+        for s in range(0, v.numel(), CHUNK):
+            if accumulate:
+                out[s : s + CHUNK].add_(v[s : s + CHUNK], alpha=alpha)
+            else:
+                out[s : s + CHUNK].copy_(v[s : s + CHUNK])
+
+
+class IdentityCodec(_CastCodec):
+    """Lossless fp32 (float64 input is stored as fp32: the run's master copy is fp32)."""
+
+    name = "identity"
+    codec_id = 1
+    lossy = False
+    store = torch.float32
+
+
+class Fp16Codec(_CastCodec):
+    name = "fp16"
+    codec_id = 2
+    store = torch.float16
+
+
+class Bf16Codec(_CastCodec):
+    name = "bf16"
+    codec_id = 3
+    store = torch.bfloat16

@@ -1,0 +1,50 @@
+"""Error feedback: carry what a lossy codec dropped into the next round's input."""
+
+from __future__ import annotations
+
+import torch
+
+from atoll.compression.base import Codec
+
+
+class ErrorFeedback:
+    """Wraps any codec: ``encode(x)`` sends ``C(x + e)`` and keeps ``e <- x + e - D(C(x + e))``.
+
+    The payload is the inner codec's, so decoders need not know error feedback was used. The
+    residual lives in the caller's per-tensor ``state`` (shard-sized on a sharded island).
+    """
+
+    def __init__(self, inner: Codec) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.codec_id = inner.codec_id
+        self.lossy = inner.lossy
+
+    @property
+    def spec(self) -> str:
+        return self.inner.spec
+
+    def encode(self, tensor: torch.Tensor, state: dict | None = None) -> bytearray:
+        if state is None:
+            raise ValueError("error feedback needs a per-tensor state dict to keep its residual in")
+        x = tensor.detach().to(device="cpu", dtype=torch.float32)
+        residual = state.get("residual")
+        if residual is not None:
+            if residual.shape != x.shape:
+                raise ValueError(f"residual has shape {tuple(residual.shape)}, tensor {tuple(x.shape)}")
+            x = x + residual
+        elif x is tensor:
+            x = x.clone()
+        payload = self.inner.encode(x, state.setdefault("inner", {}))
+        self.inner.decode_add_(payload, x.contiguous() if not x.is_contiguous() else x, alpha=-1.0)
+        state["residual"] = x  # x + e - D(C(x + e))
+        return payload
+
+    def decode(self, payload, expected_shape=None) -> torch.Tensor:
+        return self.inner.decode(payload, expected_shape)
+
+    def decode_add_(self, payload, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        return self.inner.decode_add_(payload, out, alpha)
+
+    def validate(self, payload, expected_shape):
+        return self.inner.validate(payload, expected_shape)

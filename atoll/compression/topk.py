@@ -1,0 +1,153 @@
+"""Top-k sparsification by magnitude, values quantised (blockwise int8 or fp16), compact indices.
+
+Selection never sorts the whole tensor: a strided sample estimates the magnitude threshold that
+about ``1.25 k`` elements exceed, a chunked pass collects those candidates, and an exact top-k runs
+on the candidates only (the threshold is lowered and the pass repeated if it overshot).
+
+Body: ``k`` strictly increasing indices (uint16 / uint32 / uint64, the narrowest that fits the
+tensor), then the values' body (see ``values``).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+
+from atoll.compression import blockwise
+from atoll.compression.base import CHUNK, Codec, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.wire import WireFormatError
+
+_PARAMS = struct.Struct("<QBBIf")  # k, index width, value kind (0 int8 blockwise, 1 fp16), value block, 0
+VALUES_INT8, VALUES_FP16 = 0, 1
+VALUE_BLOCK = 256
+SAMPLE = 1 << 16
+_INDEX_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def index_width(n: int) -> int:
+    return 2 if n <= 1 << 15 else 4 if n <= 1 << 31 else 8
+
+
+def select_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted int64 indices of the ``k`` largest-magnitude elements of ``flat``."""
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n)
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if n <= 4 * SAMPLE:
+        return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+    stride = n // SAMPLE
+    sample = flat[::stride].abs()
+    frac = min(1.0, 1.25 * k / n)
+    rank = max(1, int(sample.numel() * (1 - frac)))
+    thr = float(sample.kthvalue(rank).values) if frac < 1 else 0.0
+    while True:
+        found = [(flat[s : s + CHUNK].abs() >= thr).nonzero().view(-1).add_(s) for s in range(0, n, CHUNK)]
+        cand = torch.cat(found)
+        if cand.numel() >= k or thr == 0.0:
+            break
+        thr = thr / 4 if thr > 1e-30 else 0.0
+    if cand.numel() > k:
+        cand = cand[torch.topk(flat[cand].abs(), k, sorted=False).indices]
+    return cand.sort().values
+
+
+class TopKCodec(Codec):
+    name = "topk"
+    codec_id = 7
+
+    def __init__(self, fraction: float = 0.01, values: str = "int8") -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"topk: fraction must be in (0, 1], got {fraction}")
+        if values not in ("int8", "fp16"):
+            raise ValueError(f"topk: values must be 'int8' or 'fp16', got {values!r}")
+        self.fraction = fraction
+        self.values = values
+
+    @property
+    def spec(self) -> str:
+        return f"topk:fraction={self.fraction:g},values={self.values}"
+
+    def _values_len(self, k: int, kind: int) -> int:
+        if kind == VALUES_FP16:
+            return 2 * k
+        return blockwise.body_len(k, VALUE_BLOCK, 8, blockwise.SCALE_FP32)
+
+    def _encode(self, flat, shape, state):
+        n = flat.numel()
+        k = min(n, max(1, round(self.fraction * n))) if n else 0
+        idx = select_topk(flat, k)
+        vals = flat[idx]
+        width = index_width(n)
+        kind = VALUES_INT8 if self.values == "int8" else VALUES_FP16
+        params = _PARAMS.pack(k, width, kind, VALUE_BLOCK, 0.0)
+
+        def write(body):
+            write_tensor(body, _INDEX_DTYPES[width], k).copy_(idx)
+            rest = body[k * width :]
+            if kind == VALUES_FP16:
+                write_tensor(rest, torch.float16, k).copy_(vals)
+            else:
+                blockwise.encode_into(
+                    vals, rest, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
+                )
+
+        return params, k * width + self._values_len(k, kind), write
+
+    def _params(self, frame):
+        k, width, kind, block, _ = expect_params(frame, _PARAMS, self.name)
+        if (
+            k > frame.numel
+            or width not in _INDEX_DTYPES
+            or kind not in (VALUES_INT8, VALUES_FP16)
+            or block != VALUE_BLOCK
+        ):
+            raise WireFormatError(f"topk: bad params k={k} width={width} value kind={kind} block={block}")
+        if width < index_width(frame.numel):
+            raise WireFormatError(f"topk: {width}-byte indices cannot address {frame.numel} elements")
+        return k, width, kind
+
+    def _indices(self, frame, k, width) -> torch.Tensor:
+        idx = read_tensor(frame.body, _INDEX_DTYPES[width], k).to(torch.int64)
+        if width == 2:
+            idx = idx & 0xFFFF  # stored unsigned
+        return idx
+
+    def _check(self, frame):
+        k, width, kind = self._params(frame)
+        expect_body(frame, k * width + self._values_len(k, kind), self.name)
+        if k:
+            idx = self._indices(frame, k, width)
+            a = idx.numpy()
+            if a[0] < 0 or a[-1] >= frame.numel or (k > 1 and not bool(np.all(a[1:] > a[:-1]))):
+                raise WireFormatError("topk: indices must be strictly increasing and inside the tensor")
+
+    def _decoded_values(self, frame, k, width, kind) -> torch.Tensor:
+        rest = frame.body[k * width :]
+        if kind == VALUES_FP16:
+            return read_tensor(rest, torch.float16, k).to(torch.float32)
+        out = torch.empty(k, dtype=torch.float32)
+        blockwise.decode_into(
+            rest, k, out, 1.0, False, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
+        )
+        return out
+
+    def _finite(self, frame):
+        k, width, kind = self._params(frame)
+        rest = frame.body[k * width :]
+        if kind == VALUES_FP16:
+            return bool(torch.isfinite(read_tensor(rest, torch.float16, k)).all())
+        return blockwise.scales_finite(rest, k, block=VALUE_BLOCK, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
+
+    def _decode_into(self, frame, out, alpha, accumulate):
+        k, width, kind = self._params(frame)
+        idx = self._indices(frame, k, width)
+        vals = self._decoded_values(frame, k, width, kind)
+        if accumulate:
+            out.index_add_(0, idx, vals, alpha=alpha)
+        else:
+            out.zero_()
+            out[idx] = vals
