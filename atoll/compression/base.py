@@ -42,14 +42,17 @@ class Codec:
         return f"<codec {self.spec}>"
 
     # ---- public API ------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, state: dict | None = None) -> bytearray:
-        """Encode a floating-point tensor (any device, any float dtype) into a payload."""
+    def encode(self, tensor: torch.Tensor, state: dict | None = None, *, out: bytearray | None = None) -> bytearray:
+        """Encode a floating-point tensor (any device, any float dtype) into a payload.
+
+        ``out``: a buffer to reuse as the payload (e.g. last round's); returned, resized.
+        """
         if not tensor.is_floating_point():
             raise TypeError(f"{self.name} encodes floating-point tensors, got {tensor.dtype}")
         flat = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
         params, body_len, write = self._encode(flat, tuple(tensor.shape), {} if state is None else state)
         dtype = tensor.dtype if tensor.dtype != torch.float64 else torch.float32
-        payload, body = allocate(self.codec_id, dtype, tuple(tensor.shape), params, body_len)
+        payload, body = allocate(self.codec_id, dtype, tuple(tensor.shape), params, body_len, out)
         if body_len:
             write(body)
         return seal(payload)

@@ -14,7 +14,7 @@ import struct
 
 import torch
 
-from atoll.compression.base import CHUNK, Codec, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.base import Codec, expect_body, expect_params, read_tensor, write_tensor
 from atoll.compression.wire import Frame, WireFormatError
 
 _PARAMS = struct.Struct("<IBBf")  # block, bits, scale kind (0 fp32, 1 fp16-relative), global scale
@@ -48,14 +48,20 @@ def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """packed uint8 -> float32 codes (first ``n``)."""
-    if bits == 8:
-        return packed.view(torch.int8)[:n].to(torch.float32)
+    """packed uint8 (sub-byte codes) -> float32 codes (first ``n``)."""
     per = 8 // bits
     mask = (1 << bits) - 1
     parts = [((packed >> (bits * j)) & mask) for j in range(per)]
     u = torch.stack(parts, dim=1).reshape(-1)[:n]
     return u.to(torch.float32) - float(qmax_of(bits) + 1)
+
+
+STEP = 1 << 20
+"""Elements per chunk: small enough that a chunk's temporaries stay in cache."""
+
+
+def _step(block: int) -> int:
+    return max(block, (STEP // block) * block)
 
 
 def encode_into(
@@ -68,7 +74,11 @@ def encode_into(
     scale_bytes = 4 if scale_kind == SCALE_FP32 else 2
     scales_out = write_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
     codes_out = write_tensor(body, torch.uint8, packed_len(n, bits), offset=nblocks * scale_bytes)
-    step = max(block, (CHUNK // block) * block)
+    step = _step(block)
+    # Two scratch buffers reused by every chunk: per-chunk temporaries cost allocator work and
+    # fresh pages, which here is as slow as the arithmetic.
+    scratch_abs = torch.empty(min(step, nblocks * block))
+    scratch_q = torch.empty(min(step, nblocks * block))
     for s in range(0, n, step):
         x = flat[s : s + step]
         m = x.numel()
@@ -76,7 +86,9 @@ def encode_into(
         if nb * block != m:
             x = torch.nn.functional.pad(x, (0, nb * block - m))
         x = x.view(nb, block)
-        scale = x.abs().amax(dim=1).div_(qmax)
+        a = scratch_abs[: nb * block].view(nb, block)
+        torch.abs(x, out=a)
+        scale = a.amax(dim=1).div_(qmax)
         b0 = s // block
         if scale_kind == SCALE_FP32:
             scales_out[b0 : b0 + nb] = scale
@@ -86,11 +98,19 @@ def encode_into(
             scales_out[b0 : b0 + nb] = rel
             eff = rel.to(torch.float32).mul_(global_scale)
         inv = torch.where(eff > 0, eff.reciprocal(), torch.zeros_like(eff))
-        q = x.mul(inv[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8).view(-1)
-        packed = _pack_codes(q, bits)
+        q = scratch_q[: nb * block].view(nb, block)
+        torch.mul(x, inv[:, None], out=q)
+        q.round_()
+        if scale_kind != SCALE_FP32:
+            # fp16 scales round down by up to 2^-11 (more when subnormal): clamp the overshoot.
+            # With exact fp32 scales |x / s| <= qmax already.
+            q.clamp_(-qmax, qmax)
         c0 = packed_len(s, bits)
         take = packed_len(s + m, bits) - c0
-        codes_out[c0 : c0 + take] = packed[:take]
+        if bits == 8 and take == nb * block:
+            codes_out[c0 : c0 + take].view(torch.int8).view(nb, block).copy_(q)
+        else:
+            codes_out[c0 : c0 + take] = _pack_codes(q.to(torch.int8).view(-1), bits)[:take]
 
 
 def decode_into(
@@ -105,26 +125,33 @@ def decode_into(
     scale_kind: int,
     global_scale: float,
 ) -> None:
+    """``out = decode`` or ``out += alpha * decode`` (fp32, length ``n``), one fused pass per chunk."""
     nblocks = -(-n // block)
     scale_bytes = 4 if scale_kind == SCALE_FP32 else 2
     scales = read_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
     codes = read_tensor(body, torch.uint8, packed_len(n, bits), offset=nblocks * scale_bytes)
-    step = max(block, (CHUNK // block) * block)
+    step = _step(block)
     for s in range(0, n, step):
         m = min(step, n - s)
         nb = -(-m // block)
         c0 = packed_len(s, bits)
-        q = _unpack_codes(codes[c0 : packed_len(s + m, bits)], bits, m)
-        sc = scales[s // block : s // block + nb].to(torch.float32)
-        if scale_kind == SCALE_FP16:
-            sc = sc.mul_(global_scale)
-        if nb * block != m:
-            q = torch.nn.functional.pad(q, (0, nb * block - m))
-        v = q.view(nb, block).mul_(sc[:, None]).view(-1)[:m]
-        if accumulate:
-            out[s : s + m].add_(v, alpha=alpha)
+        sc = scales[s // block : s // block + nb]
+        sc = sc.to(torch.float32) if scale_kind == SCALE_FP32 else sc.to(torch.float32).mul_(global_scale)
+        if bits == 8:
+            q = codes[c0 : c0 + m].view(torch.int8)
         else:
-            out[s : s + m].copy_(v)
+            q = _unpack_codes(codes[c0 : packed_len(s + m, bits)], bits, m)
+        target = out[s : s + m]
+        if nb * block == m:
+            q2, t2 = q.view(nb, block), target.view(nb, block)
+            if accumulate:
+                t2.addcmul_(q2, sc[:, None], value=alpha)
+            else:
+                torch.mul(q2, sc[:, None], out=t2)
+        else:  # ragged last block
+            v = torch.nn.functional.pad(q.to(torch.float32), (0, nb * block - m)).view(nb, block).mul_(sc[:, None])
+            v = v.view(-1)[:m]
+            target.add_(v, alpha=alpha) if accumulate else target.copy_(v)
 
 
 def scales_finite(body: memoryview, n: int, *, block: int, scale_kind: int, global_scale: float) -> bool:

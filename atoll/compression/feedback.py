@@ -24,7 +24,7 @@ class ErrorFeedback:
     def spec(self) -> str:
         return self.inner.spec
 
-    def encode(self, tensor: torch.Tensor, state: dict | None = None) -> bytearray:
+    def encode(self, tensor: torch.Tensor, state: dict | None = None, *, out: bytearray | None = None) -> bytearray:
         if state is None:
             raise ValueError("error feedback needs a per-tensor state dict to keep its residual in")
         x = tensor.detach().to(device="cpu", dtype=torch.float32)
@@ -35,7 +35,7 @@ class ErrorFeedback:
             x = x + residual
         elif x is tensor:
             x = x.clone()
-        payload = self.inner.encode(x, state.setdefault("inner", {}))
+        payload = self.inner.encode(x, state.setdefault("inner", {}), out=out)
         self.inner.decode_add_(payload, x.contiguous() if not x.is_contiguous() else x, alpha=-1.0)
         state["residual"] = x  # x + e - D(C(x + e))
         return payload

@@ -94,6 +94,7 @@ class DiLoCo:
         self._hb_thread: threading.Thread | None = None
         self.codec = None  # the run's codec, set by start()
         self._codec_state: dict[str, dict] = {}
+        self._buffers: dict[str, bytearray] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> DiLoCo:

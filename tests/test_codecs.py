@@ -1,0 +1,335 @@
+"""Codec error bounds, wire-format round trips, corrupt payloads, error feedback."""
+
+import contextlib
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from atoll.compression import ErrorFeedback, WireFormatError, available_codecs, get_codec
+from atoll.compression import topk as topk_mod
+from atoll.compression.wire import MAGIC, pack, unpack
+
+SIZES = [1, 7, 255, 256, 257, 1000, 4099]
+MAGNITUDES = [1e-8, 1e-3, 1.0, 1e4]
+ALL_SPECS = [
+    "identity",
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:scale=fp16,block=64",
+    "int4",
+    "int4:scale=fp16",
+    "int2",
+    "int2:block=32",
+    "topk:fraction=0.01",
+    "topk:fraction=0.3,values=fp16",
+    "powersgd:rank=2",
+]
+
+
+def blocks_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    n = x.numel()
+    pad = (-n) % block
+    xb = torch.nn.functional.pad(x.abs().reshape(-1), (0, pad)).view(-1, block)
+    return xb.amax(1).repeat_interleave(block)[:n]
+
+
+def blockwise_bound(x: torch.Tensor, codec) -> torch.Tensor:
+    qmax = (1 << (codec.bits - 1)) - 1
+    amax = blocks_absmax(x, codec.block)
+    if codec.scale == "fp32":
+        return amax * (0.5 / qmax) * (1 + 1e-5) + 1e-30
+    return amax * (0.5 / qmax + 1e-3) + x.abs().max() * 1e-7 + 1e-30
+
+
+def error_bound(spec: str, x: torch.Tensor) -> torch.Tensor:
+    codec = get_codec(spec)
+    a = x.abs()
+    if spec == "identity":
+        return a * 2.0**-24
+    if spec == "fp16":
+        return torch.maximum(a * 2.0**-11, torch.tensor(2.0**-25))
+    if spec == "bf16":
+        return a * 2.0**-8
+    return blockwise_bound(x, codec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "identity",
+        "fp16",
+        "bf16",
+        "int8",
+        "int8:scale=fp16,block=64",
+        "int4",
+        "int4:scale=fp16",
+        "int2",
+        "int2:block=32",
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_dense_codec_error_bounds(spec, dtype):
+    codec = get_codec(spec)
+    gen = torch.Generator().manual_seed(1)
+    for n in SIZES:
+        for mag in MAGNITUDES:
+            if spec == "fp16" and dtype == torch.bfloat16 and mag > 6e4:
+                continue
+            x = (torch.randn(n, generator=gen, dtype=torch.float64) * mag).to(dtype)
+            if dtype in (torch.float16,) and mag < 1e-4:
+                continue  # not representable in the input dtype itself
+            ref = x.to(torch.float32)
+            y = codec.decode(codec.encode(x), (n,))
+            assert y.dtype == torch.float32 and y.shape == (n,)
+            err = (y.double() - x.double()).abs()
+            bound = error_bound(spec, x.double()).double()
+            assert bool((err <= bound).all()), (spec, dtype, n, mag, float((err - bound).max()))
+            assert torch.isfinite(y).all() and ref.shape == y.shape
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+@pytest.mark.parametrize("kind", ["zeros", "constant", "empty", "scalar-like"])
+def test_degenerate_tensors(spec, kind):
+    codec = get_codec(spec)
+    x = {
+        "zeros": torch.zeros(3, 333),
+        "constant": torch.full((3, 333), -2.5),
+        "empty": torch.zeros(0, 5),
+        "scalar-like": torch.tensor([3.25]),
+    }[kind]
+    y = codec.decode(codec.encode(x, {}), tuple(x.shape))
+    assert y.shape == x.shape
+    if kind == "constant" and spec.startswith("topk"):
+        kept = (y != 0).sum().item()
+        assert kept == max(1, round(codec.fraction * x.numel()))
+        assert torch.allclose(y[y != 0], torch.tensor(-2.5), rtol=1e-2)
+    elif kind == "constant" and spec.startswith("powersgd"):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)  # rank 1: exact up to float error
+    else:
+        torch.testing.assert_close(y, x, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.01, 0.05])
+def test_topk_selects_the_largest_without_full_sort(fraction, monkeypatch):
+    n = 1_000_003  # above the size where the sampled-threshold path runs
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * torch.rand(n) ** 3
+    calls = []
+    real_topk = torch.topk
+
+    def spy(t, k, *a, **kw):
+        calls.append(t.numel())
+        return real_topk(t, k, *a, **kw)
+
+    monkeypatch.setattr(topk_mod.torch, "topk", spy)
+    codec = get_codec(f"topk:fraction={fraction}")
+    y = codec.decode(codec.encode(x), (n,))
+    k = round(fraction * n)
+    kept = y != 0
+    assert int(kept.sum()) == k
+    assert all(c < 2 * k + 10 for c in calls), f"topk ran on {calls} elements, k={k}"
+    expected = real_topk(x.abs(), k).values
+    torch.testing.assert_close(x[kept].abs().sort(descending=True).values, expected)
+    assert float(x[~kept].abs().max()) <= float(x[kept].abs().min())
+    # values are int8 over blocks of 256 kept values: error <= block absmax / 254
+    err = (y[kept] - x[kept]).abs()
+    assert float(err.max()) <= float(x[kept].abs().max()) / 254 * (1 + 1e-5)
+
+
+def test_topk_small_tensors_and_index_widths():
+    for n in [10, 1 << 15, (1 << 15) + 1]:
+        x = torch.randn(n)
+        codec = get_codec("topk:fraction=0.1")
+        payload = codec.encode(x)
+        k = max(1, round(0.1 * n))
+        width = 2 if n <= 1 << 15 else 4
+        assert len(payload) < k * (width + 1.1) + 200
+        y = codec.decode(payload, (n,))
+        assert int((y != 0).sum()) == k
+
+
+def test_powersgd_warm_start_recovers_low_rank_and_never_exceeds_norm():
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(64, 3, generator=gen) @ torch.randn(3, 48, generator=gen)  # exactly rank 3
+    codec = get_codec("powersgd:rank=3")
+    state = {}
+    errs = []
+    for _ in range(3):
+        y = codec.decode(codec.encode(m, state), (64, 48))
+        errs.append(float((y - m).norm() / m.norm()))
+    assert errs[-1] < 1e-4, errs
+    noise = torch.randn(64, 48, generator=gen)
+    y = codec.decode(codec.encode(noise, {}), (64, 48))
+    assert float((noise - y).norm()) <= float(noise.norm()) * (1 + 1e-5)  # a projection
+    assert len(codec.encode(noise, {})) < 4 * 3 * (64 + 48) + 100
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_decode_add_matches_decode(spec):
+    codec = get_codec(spec)
+    x = torch.randn(37, 29)
+    payload = codec.encode(x, {})
+    acc = torch.randn(37, 29)
+    expected = acc + 0.25 * codec.decode(payload, (37, 29))
+    codec.decode_add_(payload, acc, alpha=0.25)
+    torch.testing.assert_close(acc, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        codec.decode_add_(payload, torch.zeros(29, 37).t())
+
+
+def test_wire_round_trip_and_header_errors():
+    body = np.arange(12, dtype=np.float32)
+    payload = pack(1, torch.float16, (3, 4), b"\x01\x02", body)
+    frame = unpack(payload)
+    assert (frame.codec_id, frame.dtype, frame.shape, bytes(frame.params)) == (1, torch.float16, (3, 4), b"\x01\x02")
+    assert np.array_equal(np.frombuffer(frame.body, dtype=np.float32), body)
+    assert bytes(payload[:4]) == MAGIC
+    bad_version = bytearray(payload)
+    bad_version[4] = 99
+    with pytest.raises(WireFormatError, match="wire version 99"):
+        unpack(bad_version)
+    with pytest.raises(WireFormatError, match="bad magic"):
+        unpack(b"XXXX" + bytes(payload[4:]))
+    with pytest.raises(WireFormatError, match="more than the 11 allowed"):
+        unpack(payload, max_numel=11)
+    with pytest.raises(WireFormatError, match="trailing"):
+        unpack(bytes(payload) + b"\0")
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_every_decoder_rejects_corrupt_and_truncated_payloads(spec):
+    codec = get_codec(spec)
+    x = torch.randn(50, 40)
+    payload = bytes(codec.encode(x, {}))
+    rng = np.random.default_rng(0)
+    for cut in sorted({0, 1, 3, 8, 20, len(payload) // 2, len(payload) - 5, len(payload) - 1}):
+        with pytest.raises(WireFormatError):
+            codec.decode(payload[:cut], (50, 40))
+    for pos in rng.choice(len(payload), size=min(60, len(payload)), replace=False):
+        bad = bytearray(payload)
+        bad[pos] ^= 1 << int(rng.integers(8))
+        with pytest.raises(WireFormatError):
+            codec.decode(bytes(bad), (50, 40))
+    with pytest.raises(WireFormatError, match="shape"):
+        codec.decode(payload, (40, 50))
+    other = get_codec("identity" if spec != "identity" else "fp16")
+    with pytest.raises(WireFormatError, match="codec id"):
+        other.decode(payload, (50, 40))
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_SPECS if s not in ("identity", "fp16", "bf16")])
+def test_checksummed_but_inconsistent_payloads_are_rejected(spec):
+    """An attacker can compute a valid crc32: length and bound checks must not rely on it."""
+    codec = get_codec(spec)
+    x = torch.randn(50, 40)
+    frame = unpack(codec.encode(x, {}))
+    params, body = bytes(frame.params), bytes(frame.body)
+    variants = [
+        (params[:-1], body),  # short params
+        (params, body[:-1]),  # short body
+        (params, body + b"\0\0\0\0"),  # long body
+    ]
+    if spec.startswith("topk"):
+        k = struct.unpack_from("<Q", params)[0]
+        variants.append((struct.pack("<Q", 10**9) + params[8:], body))  # k larger than the tensor
+        idx = bytearray(body)
+        idx[0:2], idx[2:4] = idx[2:4], idx[0:2]  # indices out of order
+        variants.append((params, bytes(idx)))
+        big = bytearray(body)
+        width = params[8]
+        big[(k - 1) * width : k * width] = (50 * 40).to_bytes(width, "little")  # index past the end
+        variants.append((params, bytes(big)))
+    if spec.startswith("int"):
+        variants.append((params[:4] + bytes([3]) + params[5:], body))  # wrong bit width
+    if spec.startswith("powersgd"):
+        variants.append((params[:1] + struct.pack("<I", 999) + params[5:], body))  # rank > matrix
+    for p, b in variants:
+        with pytest.raises(WireFormatError):
+            codec.decode(pack(codec.codec_id, torch.float32, (50, 40), p, b), (50, 40))
+
+
+def test_non_finite_payloads_fail_validation():
+    x = torch.randn(300)
+    x[5] = float("nan")
+    for spec in ["identity", "bf16", "int8", "int4:scale=fp16", "topk:fraction=0.5"]:
+        codec = get_codec(spec)
+        with pytest.raises(WireFormatError, match="non-finite"):
+            codec.validate(codec.encode(x), (300,))
+        codec.validate(codec.encode(torch.randn(300)), (300,))
+    with pytest.raises(OverflowError, match="fp16 range"):
+        get_codec("fp16").encode(torch.tensor([1e5]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    log_mag=st.floats(-8, 4),
+    block=st.sampled_from([8, 32, 256, 1024]),
+    bits=st.sampled_from(["int8", "int4", "int2"]),
+    scale=st.sampled_from(["fp32", "fp16"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_blockwise_bound(n, log_mag, block, bits, scale, seed):
+    spec = f"{bits}:block={block},scale={scale}"
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 10**log_mag
+    x = x.float()
+    codec = get_codec(spec)
+    y = codec.decode(codec.encode(x), (n,))
+    assert bool(((y - x).abs() <= blockwise_bound(x, codec)).all())
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=400), spec=st.sampled_from(ALL_SPECS))
+def test_property_random_bytes_only_raise_wire_format_error(data, spec):
+    codec = get_codec(spec)
+    with contextlib.suppress(WireFormatError):
+        codec.decode(data, (10, 10))
+
+
+def test_codec_specs():
+    assert available_codecs() == sorted(["identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "powersgd"])
+    assert get_codec("int8:block=128,scale=fp16").spec == "int8:block=128,scale=fp16"
+    assert get_codec("topk:fraction=0.01").spec == "topk:fraction=0.01,values=int8"
+    for bad, msg in [
+        ("lz4", "unknown codec 'lz4'"),
+        ("int8:block=7", "multiple of 8"),
+        ("topk:fraction=2", "fraction"),
+        ("int8:rank=3", "takes no parameter"),
+        ("int8:block=x", "not a int"),
+        ("topk:foo=1", "bad parameter"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            get_codec(bad)
+
+
+@pytest.mark.parametrize("spec", ["topk:fraction=0.01", "int2", "powersgd:rank=1"])
+def test_error_feedback_tracks_the_sum_of_updates(spec):
+    """sum(decoded) + residual == sum(true) at every round, and the residual stays bounded."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (40, 50)
+    drift = torch.randn(shape, generator=gen)
+    ef, state = ErrorFeedback(get_codec(spec)), {}
+    plain = get_codec(spec)
+    true_sum = torch.zeros(shape, dtype=torch.float64)
+    sent_sum = torch.zeros(shape, dtype=torch.float64)
+    plain_sum = torch.zeros(shape, dtype=torch.float64)
+    residual_norms = []
+    rounds = 300
+    for _ in range(rounds):
+        u = drift + torch.randn(shape, generator=gen)
+        true_sum += u.double()
+        sent_sum += ef.decode(ef.encode(u, state), shape).double()
+        plain_sum += plain.decode(plain.encode(u, {}), shape).double()
+        residual_norms.append(float(state["residual"].norm()))
+        torch.testing.assert_close(sent_sum + state["residual"].double(), true_sum, rtol=0, atol=1e-3)
+    # Bounded: no growth between the middle and the end of the run.
+    assert max(residual_norms[-50:]) <= 1.5 * max(residual_norms[100:150])
+    ef_err = float((true_sum - sent_sum).norm() / true_sum.norm())
+    plain_err = float((true_sum - plain_sum).norm() / true_sum.norm())
+    assert ef_err < 0.2 and ef_err < plain_err / 4, (ef_err, plain_err)
+    assert math.isfinite(ef_err)
