@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "island":
             from atoll.islands.runner import IslandArgs, run_island
 
-            return run_island(_config_from(IslandArgs, ns))
+            island_argv = list(sys.argv[1:] if argv is None else argv)
+            return run_island(_config_from(IslandArgs, ns), island_argv)
         if ns.command == "demo":
             from atoll.harness.demo import DemoArgs, run_demo
 

@@ -62,4 +62,11 @@ def codec_for_id(codec_id: int) -> type[Codec]:
         raise WireFormatError(f"unknown codec id {codec_id}") from None
 
 
-__all__ = ["Codec", "ErrorFeedback", "WireFormatError", "available_codecs", "codec_name", "get_codec"]
+def decode_any(payload, expected_shape: tuple[int, ...] | None = None):
+    """Decode a payload with whichever codec its header names (decoding needs no parameters)."""
+    from atoll.compression.wire import peek_codec_id
+
+    return codec_for_id(peek_codec_id(payload))().decode(payload, expected_shape)
+
+
+__all__ = ["Codec", "ErrorFeedback", "WireFormatError", "available_codecs", "codec_name", "decode_any", "get_codec"]

@@ -123,6 +123,14 @@ def pack(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], params: byte
     return seal(payload)
 
 
+def peek_codec_id(payload) -> int:
+    """The codec id in a payload's header (the payload itself is checked when decoded)."""
+    buf = memoryview(payload).cast("B")
+    if buf.nbytes < _FIXED.size or bytes(buf[:4]) != MAGIC:
+        raise WireFormatError("not an atoll payload (too short or bad magic)")
+    return buf[5]
+
+
 def unpack(payload, *, max_numel: int | None = None) -> Frame:
     """Parse and check a payload. ``max_numel`` bounds the tensor the caller is willing to build."""
     buf = memoryview(payload).cast("B")

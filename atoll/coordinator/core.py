@@ -104,11 +104,22 @@ class Committed:
 
 
 @dataclass
+class Update:
+    """The outer update of one round, as served to islands."""
+
+    payloads: dict[str, bytes] = field(default_factory=dict)
+    """Downlink-encoded update per whole tensor."""
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The same update decoded: regions of it are served exactly (identity-encoded slices)."""
+
+
+@dataclass
 class PullAnswer:
     kind: int
     round: int
     codec: str = "identity"
-    payloads: list[tuple[str, bytes]] = field(default_factory=list)
+    payloads: list[tuple[str, Region | None, bytes]] = field(default_factory=list)
+    """(tensor, region or None for the whole tensor, self-describing payload)."""
     committed: bool = False
     loss: float | None = None
 
@@ -130,8 +141,8 @@ class RunState:
         self.pending: dict[str, dict[int, StagedRank]] = {}
         self.committed: dict[str, Committed] = {}
         self.accum: dict[str, torch.Tensor] = {}
-        self.updates: dict[int, list[tuple[str, bytes]]] = {}
-        self._full_cache: tuple[int, list[tuple[str, bytes]]] | None = None
+        self.updates: dict[int, Update] = {}
+        self._full_cache: tuple[int, dict[str, bytes]] | None = None
         self.lock = asyncio.Lock()
         self.round_changed = asyncio.Event()
         self.poke = asyncio.Event()
@@ -461,14 +472,14 @@ class RunState:
             losses = [(c.tokens, c.loss) for c in self.committed.values() if c.loss is not None]
             loss = sum(t * v for t, v in losses) / max(sum(t for t, _ in losses), 1) if losses else None
             weight_total = float(sum(max(c.tokens, 1) for c in self.committed.values()))
-            params, payloads = await asyncio.to_thread(self._outer_step, weight_total)
+            params, update = await asyncio.to_thread(self._outer_step, weight_total)
             record = {
                 "round": r,
                 "islands": sorted(self.committed),
                 "tokens": total,
                 "loss": loss,
                 "bytes_in": sum(c.num_bytes for c in self.committed.values()),
-                "bytes_out_per_island": sum(len(p) for _, p in payloads),
+                "bytes_out_per_island": sum(len(p) for p in update.payloads.values()),
                 "reason": reason,
                 "seconds_open": self.clock() - self.opened_at,
             }
@@ -476,7 +487,7 @@ class RunState:
             await asyncio.to_thread(persistence.save, self.state_dir, self._snapshot(params, r + 1, history))
             self.params = params
             self.history = history
-            self.updates[r + 1] = payloads
+            self.updates[r + 1] = update
             for old in [k for k in self.updates if k <= r + 1 - UPDATES_KEPT]:
                 del self.updates[old]
             self.round = r + 1
@@ -493,14 +504,14 @@ class RunState:
             )
             self._publish()
 
-    def _outer_step(self, weight_total: float) -> tuple[dict[str, torch.Tensor], list[tuple[str, bytes]]]:
+    def _outer_step(self, weight_total: float) -> tuple[dict[str, torch.Tensor], Update]:
         """θ_{r+1} = θ_r + decode(encode(u + e)) with u from the token-weighted mean delta.
 
         The accumulator holds sum(w_i * Δ_i) with w_i = max(tokens_i, 1); weight_total is sum(w_i).
         """
         grads = {k: v.div(weight_total) for k, v in self.accum.items()}
         update = self.optimizer.update(grads)
-        params, payloads = {}, []
+        params, out = {}, Update()
         for name, u in update.items():
             if self.downlink.lossy:
                 u = u + self.downlink_ef[name]
@@ -509,8 +520,9 @@ class RunState:
             if self.downlink.lossy:
                 self.downlink_ef[name] = u - u_hat
             params[name] = self.params[name] + u_hat
-            payloads.append((name, payload))
-        return params, payloads
+            out.payloads[name] = payload
+            out.values[name] = u_hat
+        return params, out
 
     def _publish(self) -> None:
         self.round_changed.set()
@@ -521,6 +533,7 @@ class RunState:
     async def pull(self, req: pb.PullRequest) -> PullAnswer:
         self._check_run(req.run_id)
         self._island(req.island_id)
+        regions = self._parse_regions(req.regions) if self.specs else []
         if req.have_round > self.round:
             raise _precondition(
                 f"island holds round {req.have_round}, ahead of the coordinator's {self.round}; "
@@ -534,17 +547,48 @@ class RunState:
         if self.params is None or req.have_round == self.round:
             return PullAnswer(pb.UPDATE_KIND_NOT_READY, self.round, committed=req.island_id in self.committed)
         loss = self.history[-1]["loss"] if self.history else None
-        if req.have_round == self.round - 1 and self.round in self.updates:
-            return PullAnswer(
-                pb.UPDATE_KIND_DELTA, self.round, self.config.downlink_codec, self.updates[self.round], loss=loss
-            )
-        return PullAnswer(pb.UPDATE_KIND_FULL, self.round, "identity", await self._full_payloads(), loss=loss)
+        round_, params = self.round, self.params
+        if req.have_round == round_ - 1 and round_ in self.updates:
+            update = self.updates[round_]
+            payloads = await asyncio.to_thread(self._region_payloads, regions, update.payloads, update.values)
+            return PullAnswer(pb.UPDATE_KIND_DELTA, round_, self.config.downlink_codec, payloads, loss=loss)
+        full = await self._full_payloads()
+        payloads = await asyncio.to_thread(self._region_payloads, regions, full, params)
+        return PullAnswer(pb.UPDATE_KIND_FULL, round_, "identity", payloads, loss=loss)
 
-    async def _full_payloads(self) -> list[tuple[str, bytes]]:
+    def _parse_regions(self, entries) -> list[tuple[str, Region | None]]:
+        if not entries:
+            return [(name, None) for name in self.specs]
+        if len(entries) > 4 * len(self.specs) + 64:
+            raise _invalid(f"{len(entries)} regions requested for a model of {len(self.specs)} tensors")
+        out = []
+        for e in entries:
+            shape = self.specs.get(e.name)
+            if shape is None:
+                raise _invalid(f"unknown tensor {e.name!r}")
+            if not e.offsets and not e.sizes:
+                out.append((e.name, None))
+                continue
+            try:
+                out.append((e.name, Region.parse(e.offsets, e.sizes, shape)))
+            except ValueError as err:
+                raise _invalid(f"tensor {e.name!r}: {err}") from None
+        return out
+
+    @staticmethod
+    def _region_payloads(regions, whole: dict[str, bytes], values: dict[str, torch.Tensor]):
+        """Whole tensors as prepared; a region as an exact (identity) slice of the values."""
+        ident = get_codec("identity")
+        return [
+            (name, region, whole[name] if region is None else ident.encode(values[name][region.slices()].contiguous()))
+            for name, region in regions
+        ]
+
+    async def _full_payloads(self) -> dict[str, bytes]:
         round_, params = self.round, self.params
         if self._full_cache is None or self._full_cache[0] != round_:
             ident = get_codec("identity")
-            payloads = await asyncio.to_thread(lambda: [(k, ident.encode(v)) for k, v in params.items()])
+            payloads = await asyncio.to_thread(lambda: {k: ident.encode(v) for k, v in params.items()})
             self._full_cache = (round_, payloads)
         return self._full_cache[1]
 

@@ -87,10 +87,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         header = pb.UpdateHeader(kind=answer.kind, round=answer.round, codec=answer.codec, committed=answer.committed)
         if answer.loss is not None:
             header.loss = answer.loss
-        for name, payload in answer.payloads:
-            header.entries.add(name=name, num_bytes=len(payload))
+        for name, region, payload in answer.payloads:
+            entry = header.entries.add(name=name, num_bytes=len(payload))
+            if region is not None:
+                entry.offsets.extend(region.offsets)
+                entry.sizes.extend(region.sizes)
         yield pb.PullChunk(header=header)
-        for _, payload in answer.payloads:
+        for _, _, payload in answer.payloads:
             view = memoryview(payload)
             for start in range(0, len(view), CHUNK_BYTES):
                 yield pb.PullChunk(data=bytes(view[start : start + CHUNK_BYTES]))

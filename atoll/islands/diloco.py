@@ -7,7 +7,10 @@
         sync.step(tokens=batch.numel(), loss=loss.item())   # pushes/pulls every H steps
     sync.close()
 
-The constructor does no network I/O; ``start()`` does.
+Works unchanged on a plain module, an FSDP2 (``fully_shard``) module, a tensor-parallel
+(``parallelize_module``) module or a 2-D mesh of both: every rank pushes and pulls only its own
+shards (see :mod:`atoll.islands.shards`), so no rank ever builds a full-model Δ. The constructor
+does no network I/O; ``start()`` does (and is collective over the island's process group).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+import torch.distributed as dist
 
-from atoll.compression import ErrorFeedback, available_codecs, codec_name, get_codec
+from atoll.compression import ErrorFeedback, available_codecs, codec_name, decode_any, get_codec
 from atoll.islands.client import CoordinatorClient, RetryPolicy
+from atoll.islands.shards import LocalShard, local_shards
 from atoll.protos import coordinator_pb2 as pb
 
 log = logging.getLogger("atoll.island")
@@ -50,6 +55,8 @@ class RoundStats:
     bytes_received: int
     sync_seconds: float
     update_kind: str
+    max_payload_numel: int
+    """Largest tensor region this rank encoded in the round (no rank encodes a full sharded tensor)."""
 
 
 class DiLoCo:
@@ -63,14 +70,19 @@ class DiLoCo:
         codec: str | None = None,
         run_id: str = "atoll",
         island_id: str | None = None,
+        process_group=None,
         heartbeat_seconds: float = 5.0,
         pull_wait_seconds: float = 10.0,
         retry: RetryPolicy | None = None,
+        keep_last_delta: bool = False,
     ) -> None:
         if codec is not None:
             get_codec(codec)  # ValueError with the reason for a bad spec
         if sync_every is not None and sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and island_id is None:
+            raise ValueError("a multi-rank island needs an explicit island_id shared by its ranks")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.address = coordinator
@@ -78,26 +90,32 @@ class DiLoCo:
         self.codec_name = codec
         self.run_id = run_id
         self.island_id = island_id or f"island-{uuid.uuid4().hex[:8]}"
+        self.group = process_group
+        self.rank = dist.get_rank(process_group) if distributed else 0
+        self.num_ranks = dist.get_world_size(process_group) if distributed else 1
         self.heartbeat_seconds = heartbeat_seconds
         self.pull_wait_seconds = pull_wait_seconds
         self.retry = retry
-        self.params = dict(model.named_parameters())
+        self.keep_last_delta = keep_last_delta
+        self.last_delta: dict[tuple, torch.Tensor] = {}
+        self.shards: list[LocalShard] = []
         self.client: CoordinatorClient | None = None
         self.round = -1
         self.sync_every = sync_every or 0
         self.inner_steps = 0
         self.history: list[RoundStats] = []
-        self._start_params: dict[str, torch.Tensor] = {}
+        self.codec = None  # the run's codec, set by start()
+        self._start: dict[tuple, torch.Tensor] = {}
+        self._codec_state: dict[tuple, dict] = {}
+        self._buffers: dict[tuple, bytearray] = {}
         self._tokens = 0
         self._losses: list[float] = []
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self.codec = None  # the run's codec, set by start()
-        self._codec_state: dict[str, dict] = {}
-        self._buffers: dict[str, bytearray] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> DiLoCo:
+        self.shards = local_shards(self.model, self.group)
         self.client = CoordinatorClient(self.address, retry=self.retry)
         resp = self._join()
         if resp.bootstrap:
@@ -118,20 +136,27 @@ class DiLoCo:
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
             self._hb_thread = None
-        if self.client is not None:
-            if leave:
-                try:
-                    self.client.leave(pb.LeaveRequest(run_id=self.run_id, island_id=self.island_id))
-                except grpc.RpcError as err:
-                    log.warning("leave failed: %s", err)
-            self.client.close()
-            self.client = None
+        if self.client is None:
+            return
+        if self.num_ranks > 1:
+            with contextlib.suppress(RuntimeError):  # a peer may already be gone
+                dist.barrier(group=self.group)
+        if leave and self.rank == 0:
+            try:
+                self.client.leave(pb.LeaveRequest(run_id=self.run_id, island_id=self.island_id))
+            except grpc.RpcError as err:
+                log.warning("leave failed: %s", err)
+        self.client.close()
+        self.client = None
 
     def _join(self) -> pb.JoinResponse:
         offered = [codec_name(self.codec_name)] if self.codec_name else available_codecs()
-        req = pb.JoinRequest(run_id=self.run_id, island_id=self.island_id, codecs=offered, num_ranks=1)
-        for name, p in self.params.items():
-            req.tensors.add(name=name, shape=list(p.shape), dtype=_PB_DTYPES[p.dtype])
+        req = pb.JoinRequest(run_id=self.run_id, island_id=self.island_id, codecs=offered, num_ranks=self.num_ranks)
+        seen = set()
+        for shard in self.shards:
+            if shard.name not in seen:
+                seen.add(shard.name)
+                req.tensors.add(name=shard.name, shape=list(shard.param.shape), dtype=_PB_DTYPES[shard.param.dtype])
         resp = self.client.join(req)
         if self.requested_sync_every is None:
             self.sync_every = resp.config.sync_every
@@ -140,8 +165,10 @@ class DiLoCo:
             self.codec = ErrorFeedback(codec) if resp.config.error_feedback and codec.lossy else codec
             self._codec_state = {}
         log.info(
-            "%s joined run %s at round %d (H=%d, codec %s)",
+            "%s[%d/%d] joined run %s at round %d (H=%d, codec %s)",
             self.island_id,
+            self.rank,
+            self.num_ranks,
             self.run_id,
             resp.round,
             self.sync_every,
@@ -151,9 +178,9 @@ class DiLoCo:
 
     def _bootstrap(self) -> None:
         ident = get_codec("identity")
-        names = list(self.params)
-        payloads = [ident.encode(self.params[n].detach()) for n in names]
-        self.client.push(self._header(pb.PUSH_KIND_INIT, 0, names, payloads, "identity"), payloads)
+        owned = [s for s in self.shards if s.owned]
+        payloads = [ident.encode(s.local().detach()) for s in owned]
+        self.client.push(self._header(pb.PUSH_KIND_INIT, 0, owned, payloads, "identity"), payloads)
 
     def _heartbeats(self) -> None:
         while not self._hb_stop.wait(self.heartbeat_seconds):
@@ -166,12 +193,15 @@ class DiLoCo:
                     log.info("coordinator forgot %s; re-joining", self.island_id)
                     with contextlib.suppress(grpc.RpcError):
                         self._join()
-            except ValueError:  # channel closed under us during shutdown
+            except (ValueError, AttributeError):  # channel closed under us during shutdown
                 return
 
     # ---- training loop ---------------------------------------------------------------------
     def step(self, tokens: int = 0, loss: float | None = None) -> RoundStats | None:
-        """Call after each inner optimizer step. Returns the round's stats when it synced."""
+        """Call after each inner optimizer step. Returns the round's stats when it synced.
+
+        ``tokens``: tokens the whole island processed in this step (the same on every rank).
+        """
         if self.client is None:
             raise RuntimeError("DiLoCo.start() was not called")
         self.inner_steps += 1
@@ -186,17 +216,21 @@ class DiLoCo:
         """Push this round's pseudo-gradient, wait for the outer step and apply it."""
         started = time.perf_counter()
         sent0, recv0 = self.client.bytes_sent, self.client.bytes_received
-        names = list(self.params)
+        owned = [s for s in self.shards if s.owned]
         with torch.no_grad():
+            deltas = [self._start[s.key] - s.local().detach().float() for s in owned]
+            if self.keep_last_delta:
+                self.last_delta = {s.key: d.clone() for s, d in zip(owned, deltas, strict=True)}
+            # Reuse last round's payload buffers: the previous push is complete by now.
             payloads = [
-                self.codec.encode(
-                    self._start_params[n] - self.params[n].detach().float(), self._codec_state.setdefault(n, {})
-                )
-                for n in names
+                self.codec.encode(d, self._codec_state.setdefault(s.key, {}), out=self._buffers.get(s.key))
+                for s, d in zip(owned, deltas, strict=True)
             ]
+            del deltas
+        self._buffers = {s.key: p for s, p in zip(owned, payloads, strict=True)}
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         header = self._header(
-            pb.PUSH_KIND_DELTA, self.round, names, payloads, self.codec_name, tokens=self._tokens, loss=loss
+            pb.PUSH_KIND_DELTA, self.round, owned, payloads, self.codec.spec, tokens=self._tokens, loss=loss
         )
         finished_round, tokens = self.round, self._tokens
         steps = len(self._losses) or self.sync_every
@@ -214,28 +248,29 @@ class DiLoCo:
             self.client.bytes_received - recv0,
             time.perf_counter() - started,
             kind,
+            max((s.local().numel() for s in owned), default=0),
         )
         self.history.append(stats)
         return stats
 
-    def _header(self, kind, round_, names, payloads, codec, *, tokens=0, loss=None) -> pb.PushHeader:
+    def _header(self, kind, round_, shards, payloads, codec, *, tokens=0, loss=None) -> pb.PushHeader:
         h = pb.PushHeader(
             run_id=self.run_id,
             island_id=self.island_id,
             round=round_,
             kind=kind,
-            rank=0,
-            num_ranks=1,
+            rank=self.rank,
+            num_ranks=self.num_ranks,
             tokens=tokens,
             codec=codec,
         )
         if loss is not None:
             h.loss = loss
-        for n, payload in zip(names, payloads, strict=True):
-            h.entries.add(name=n, num_bytes=len(payload))
+        for s, payload in zip(shards, payloads, strict=True):
+            h.entries.add(name=s.name, offsets=list(s.offsets), sizes=list(s.sizes), num_bytes=len(payload))
         return h
 
-    def _push(self, header: pb.PushHeader, payloads: list[bytes]) -> bool:
+    def _push(self, header: pb.PushHeader, payloads: list) -> bool:
         """Push; returns False when the round closed without us (the work is dropped)."""
         try:
             self.client.push(header, payloads)
@@ -249,13 +284,21 @@ class DiLoCo:
                 return False
             raise
 
+    def _pull_request(self, have_round: int) -> pb.PullRequest:
+        req = pb.PullRequest(
+            run_id=self.run_id, island_id=self.island_id, have_round=have_round, wait_seconds=self.pull_wait_seconds
+        )
+        for s in self.shards:
+            if not s.is_full:
+                req.regions.add(name=s.name, offsets=list(s.offsets), sizes=list(s.sizes))
+            else:
+                req.regions.add(name=s.name)
+        return req
+
     def _pull_until_ready(self, have_round: int, repush=None) -> tuple[str, float | None]:
         while True:
-            req = pb.PullRequest(
-                run_id=self.run_id, island_id=self.island_id, have_round=have_round, wait_seconds=self.pull_wait_seconds
-            )
             try:
-                header, payloads = self.client.pull(req)
+                header, payloads = self.client.pull(self._pull_request(have_round))
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     self._join()
@@ -274,24 +317,26 @@ class DiLoCo:
             self._apply(header, payloads)
             return pb.UpdateKind.Name(header.kind), (header.loss if header.HasField("loss") else None)
 
-    def _apply(self, header: pb.UpdateHeader, payloads: list[tuple[str, bytes]]) -> None:
-        got = [name for name, _ in payloads]
-        if sorted(got) != sorted(self.params):
-            raise RuntimeError(f"update covers tensors {got[:5]}..., the model has {list(self.params)[:5]}...")
-        codec = get_codec(header.codec)
+    def _apply(self, header: pb.UpdateHeader, payloads: list) -> None:
+        by_key = {
+            (e.name, tuple(e.offsets), tuple(e.sizes)): payload
+            for e, (_, payload) in zip(header.entries, payloads, strict=True)
+        }
         new = {}
-        for name, payload in payloads:
-            shape = tuple(self.params[name].shape)
-            if header.kind == pb.UPDATE_KIND_FULL:
-                new[name] = codec.decode(payload, shape)
-            else:
-                new[name] = self._start_params[name] + codec.decode(payload, shape)
+        for s in self.shards:
+            key = (s.name, (), ()) if s.is_full else s.key
+            if key not in by_key:
+                raise RuntimeError(f"update is missing tensor {s.name!r} region {s.offsets}+{s.sizes}")
+            # Payloads are self-describing: a sliced region may come as identity, a whole tensor
+            # in the downlink codec.
+            value = decode_any(by_key[key], s.sizes)
+            new[s.key] = value if header.kind == pb.UPDATE_KIND_FULL else self._start[s.key] + value
         with torch.no_grad():
-            for name, value in new.items():
-                self.params[name].copy_(value)
-        self._start_params = new
+            for s in self.shards:
+                s.local().copy_(new[s.key])
+        self._start = new
         self.round = header.round
 
     def global_params(self) -> dict[str, torch.Tensor]:
-        """θ of the current round as received from the coordinator (fp32)."""
-        return dict(self._start_params)
+        """This rank's regions of θ for the current round, as received (fp32), keyed by name."""
+        return {s.name: self._start[s.key] for s in self.shards}

@@ -9,14 +9,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from atoll.data import CharDataset
 from atoll.islands.client import RetryPolicy
 from atoll.islands.diloco import DiLoCo
+from atoll.islands.parallel import MODES, full_tensor, parallelize
 from atoll.models import GPTConfig, TinyGPT
 
 
@@ -45,10 +49,22 @@ class IslandArgs:
     """torch intra-op threads (islands on one small machine should not oversubscribe it)."""
     eval_every_round: bool = True
     give_up_seconds: float = 600.0
+    nproc: int = 1
+    """Ranks of this island; above 1, the island re-launches itself under torch.distributed.run."""
+    parallel: str = "none"
+    """How the ranks share the model: none, fsdp, tp or fsdp+tp."""
+    digest: bool = True
+    """Report a sha256 of the full θ after every pull (gathers θ: verification only)."""
+    dump_dir: str = ""
+    """If set, every rank writes the Δ shards it pushed in round 0 here (for tests)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.nproc < 1:
+            raise ValueError(f"nproc must be >= 1, got {self.nproc}")
+        if self.parallel not in MODES:
+            raise ValueError(f"parallel must be one of {MODES}, got {self.parallel!r}")
 
 
 def param_digest(params: dict[str, torch.Tensor]) -> str:
@@ -56,8 +72,15 @@ def param_digest(params: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(params):
         h.update(name.encode())
-        h.update(params[name].detach().to(torch.float32).contiguous().numpy().tobytes())
+        # copy=True: .numpy() pins a storage as non-resizable, which FSDP2's own buffers must not be.
+        h.update(params[name].detach().to("cpu", torch.float32, copy=True).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """Digest of the whole θ, gathered from the shards (collective on a multi-rank island)."""
+    with torch.no_grad():
+        return param_digest({n: full_tensor(p) for n, p in model.named_parameters()})
 
 
 @torch.no_grad()
@@ -69,6 +92,8 @@ def evaluate(model: TinyGPT, data: CharDataset) -> float:
         _, loss = model(x, y)
         total += loss.item() * x.numel()
         count += x.numel()
+    if hasattr(model, "reshard"):  # FSDP2 root keeps its parameters gathered after a forward
+        model.reshard()
     model.train(was_training)
     return total / count
 
@@ -77,7 +102,30 @@ def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-def run_island(args: IslandArgs) -> int:
+def relaunch_command(args: IslandArgs, argv: list[str]) -> list[str]:
+    """``torch.distributed.run`` starting ``nproc`` ranks of this same island command.
+
+    ``--nproc`` itself is dropped (the ranks read WORLD_SIZE; and the launcher's parser would take
+    it for an abbreviation of its own ``--nproc-per-node``).
+    """
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    return [*launcher, "-m", "atoll", *rest]
+
+
+def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        if argv is None:
+            raise ValueError("a multi-rank island needs its command line to re-launch itself")
+        cmd = relaunch_command(args, argv)
+        os.execv(cmd[0], cmd)  # the launcher replaces this process (same pid for the harness)
     torch.set_num_threads(args.threads)
     data = CharDataset(block_size=args.block_size)
     torch.manual_seed(args.seed)
@@ -90,11 +138,16 @@ def run_island(args: IslandArgs) -> int:
             n_embd=args.n_embd,
         )
     )
+    layout = parallelize(model, args.parallel)
+    lead = layout.rank == 0
     opt = torch.optim.AdamW(model.parameters(), lr=args.inner_lr, weight_decay=0.1, betas=(0.9, 0.95))
     data_seed = args.data_seed
     if data_seed is None:
         data_seed = int.from_bytes(hashlib.sha256(args.island_id.encode()).digest()[:4], "little")
     gen = torch.Generator().manual_seed(data_seed)
+    if args.batch_size % layout.dp_size:
+        raise ValueError(f"batch_size {args.batch_size} must divide over {layout.dp_size} data-parallel ranks")
+    per_rank = args.batch_size // layout.dp_size
     sync = DiLoCo(
         model,
         opt,
@@ -103,47 +156,77 @@ def run_island(args: IslandArgs) -> int:
         run_id=args.run_id,
         island_id=args.island_id,
         retry=RetryPolicy(give_up_seconds=args.give_up_seconds),
+        keep_last_delta=bool(args.dump_dir),
     )
     sync.start()
     try:
         start_eval = evaluate(model, data)
-        emit(
-            "joined",
-            island=args.island_id,
-            round=sync.round,
-            sync_every=sync.sync_every,
-            eval_loss=start_eval,
-            digest=param_digest(dict(model.named_parameters())),
-        )
+        digest = model_digest(model) if args.digest else None
+        if lead:
+            emit(
+                "joined",
+                island=args.island_id,
+                round=sync.round,
+                sync_every=sync.sync_every,
+                eval_loss=start_eval,
+                digest=digest,
+                ranks=layout.world,
+                parallel=layout.mode,
+            )
         while len(sync.history) < args.rounds:
-            x, y = data.batch(gen, args.batch_size)
+            x, y = data.batch(gen, args.batch_size)  # the island's global batch; each dp rank takes its slice
+            lo = layout.dp_rank * per_rank
+            x, y = x[lo : lo + per_rank].to(layout.device), y[lo : lo + per_rank].to(layout.device)
             _, loss = model(x, y)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"inner loss is {loss.item()}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            stats = sync.step(tokens=x.numel(), loss=loss.item())
+            step_loss = loss.detach()
+            if layout.world > 1:
+                dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+            if not math.isfinite(step_loss.item()):
+                raise FloatingPointError(f"inner loss is {step_loss.item()}")
+            stats = sync.step(tokens=args.batch_size * args.block_size, loss=step_loss.item())
             if stats is None:
                 continue
-            emit(
-                "round",
-                island=args.island_id,
-                round=stats.round,
-                now_round=sync.round,
-                loss=stats.loss,
-                global_loss=stats.global_loss,
-                eval_loss=evaluate(model, data) if args.eval_every_round else None,
-                bytes_sent=stats.bytes_sent,
-                bytes_received=stats.bytes_received,
-                sync_seconds=stats.sync_seconds,
-                update=stats.update_kind,
-                digest=param_digest(dict(model.named_parameters())),
-            )
+            if args.dump_dir and stats.round == 0:
+                _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
+            eval_loss = evaluate(model, data) if args.eval_every_round else None
+            digest = model_digest(model) if args.digest else None
+            if lead:
+                emit(
+                    "round",
+                    island=args.island_id,
+                    round=stats.round,
+                    now_round=sync.round,
+                    loss=stats.loss,
+                    global_loss=stats.global_loss,
+                    eval_loss=eval_loss,
+                    bytes_sent=stats.bytes_sent,
+                    bytes_received=stats.bytes_received,
+                    sync_seconds=stats.sync_seconds,
+                    update=stats.update_kind,
+                    digest=digest,
+                    max_payload_numel=stats.max_payload_numel,
+                )
     finally:
         sync.close()
-    emit("done", island=args.island_id, round=sync.round)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if lead:
+        emit("done", island=args.island_id, round=sync.round)
     return 0
+
+
+def _dump_delta(dump_dir: Path, island_id: str, rank: int, sync: DiLoCo) -> None:
+    from safetensors.torch import save_file
+
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    tensors, meta = {}, {}
+    for i, ((name, offsets, sizes), delta) in enumerate(sync.last_delta.items()):
+        tensors[f"t{i}"] = delta.contiguous().cpu()
+        meta[f"t{i}"] = json.dumps({"name": name, "offsets": list(offsets), "sizes": list(sizes)})
+    save_file(tensors, str(dump_dir / f"{island_id}-rank{rank}.safetensors"), metadata=meta)
 
 
 if __name__ == "__main__":  # pragma: no cover - used via `atoll island`

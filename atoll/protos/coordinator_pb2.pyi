@@ -177,16 +177,18 @@ class PushResponse(_message.Message):
     def __init__(self, committed: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., round: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("run_id", "island_id", "have_round", "wait_seconds")
+    __slots__ = ("run_id", "island_id", "have_round", "wait_seconds", "regions")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_ROUND_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island_id: str
     have_round: int
     wait_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    regions: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., regions: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("kind", "round", "codec", "entries", "committed", "loss")
