@@ -29,6 +29,12 @@ class RunConfig:
     """Codec of the outer update sent back to islands (with downlink error feedback)."""
     error_feedback: bool = False
     """Islands carry what the lossy uplink codec dropped into the next round (per-rank residual)."""
+    late_policy: str = "drop"
+    """A push for a closed round: "drop" it, or "fold" it into the open round (down-weighted)."""
+    staleness_weight: float = 0.5
+    """fold: a delta k rounds late weighs staleness_weight**k times its tokens."""
+    max_staleness: int = 1
+    """fold: pushes more than this many rounds late are dropped."""
     quorum: int = 1
     """Minimum committed islands for a round to close at its deadline."""
     round_deadline_seconds: float = 600.0
@@ -50,6 +56,12 @@ class RunConfig:
                 get_codec(getattr(self, field))
             except ValueError as err:
                 raise ValueError(f"{field}: {err}") from None
+        if self.late_policy not in ("drop", "fold"):
+            raise ValueError(f"late_policy must be 'drop' or 'fold', got {self.late_policy!r}")
+        if not 0 < self.staleness_weight <= 1:
+            raise ValueError(f"staleness_weight must be in (0, 1], got {self.staleness_weight}")
+        if self.max_staleness < 1:
+            raise ValueError(f"max_staleness must be >= 1, got {self.max_staleness}")
         if self.quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {self.quorum}")
         if not self.round_deadline_seconds > 0:

@@ -37,7 +37,8 @@ _DTYPES = {
 }
 MAX_ID_LEN = 128
 MAX_RANKS = 65536
-UPDATES_KEPT = 2
+UPDATES_KEPT = 8
+"""Outer updates kept in memory: an island up to this many rounds behind catches up by deltas."""
 
 
 class RequestError(Exception):
@@ -101,6 +102,8 @@ class Committed:
     tokens: int
     loss: float | None
     num_bytes: int
+    weight: float
+    """Weight of the delta in the round's average: tokens, times staleness_weight^k if k rounds late."""
 
 
 @dataclass
@@ -138,8 +141,14 @@ class RunState:
         self.downlink_ef: dict[str, torch.Tensor] = {}
         self.opened_at = clock()
         self.bootstrapper: str | None = None
-        self.pending: dict[str, dict[int, StagedRank]] = {}
+        self.pending: dict[tuple[str, int], dict[int, StagedRank]] = {}
+        """Ranks staged so far, by (island, round the push is for)."""
         self.committed: dict[str, Committed] = {}
+        """Islands whose contribution to the open round is complete."""
+        self.late: dict[tuple[str, int], Committed] = {}
+        """Late contributions (island, their round) folded into the open round's accumulator."""
+        self.folded: set[tuple[str, int]] = set()
+        """Every (island, round) folded so far (recent rounds): a late delta is applied once."""
         self.accum: dict[str, torch.Tensor] = {}
         self.updates: dict[int, Update] = {}
         self._full_cache: tuple[int, dict[str, bytes]] | None = None
@@ -252,7 +261,7 @@ class RunState:
         if rec is None or rec.num_ranks != num_ranks:
             rec = IslandRecord(req.island_id, num_ranks, now, self.round)
             self.islands[req.island_id] = rec
-            self.pending.pop(req.island_id, None)
+            self._drop_pending(req.island_id)
         rec.lease_expires_at = now + self.config.lease_seconds
         bootstrap = False
         if self.params is None:
@@ -282,7 +291,7 @@ class RunState:
         self._check_run(req.run_id)
         self._island(req.island_id)
         del self.islands[req.island_id]
-        self.pending.pop(req.island_id, None)
+        self._drop_pending(req.island_id)
         log.info("island %s left at round %d", req.island_id, self.round)
         self.poke.set()
         return pb.LeaveResponse()
@@ -303,13 +312,14 @@ class RunState:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "the run has no parameters yet (bootstrap pending)")
             if codec_name(h.codec) != codec_name(self.config.codec):
                 raise _invalid(f"codec {h.codec!r} is not the run's codec {self.config.codec!r}")
-            if h.round < self.round:
-                raise _precondition(f"round {h.round} is closed; the coordinator is at round {self.round}")
             if h.round > self.round:
                 raise _precondition(f"round {h.round} is in the future; the coordinator is at round {self.round}")
-            done = self.committed.get(h.island_id)
-            staged = self.pending.get(h.island_id, {})
-            if done is not None or h.rank in staged:
+            if h.round < self.round:
+                self._check_late(h.round)
+                if (h.island_id, h.round) in self.folded:
+                    return pb.PushResponse(committed=True, duplicate=True, round=self.round)
+            done = self.committed.get(h.island_id) if h.round == self.round else None
+            if done is not None or h.rank in self.pending.get((h.island_id, h.round), {}):
                 return pb.PushResponse(committed=done is not None, duplicate=True, round=self.round)
         else:
             raise _invalid(f"unknown push kind {h.kind}")
@@ -355,33 +365,66 @@ class RunState:
         async with self.lock:
             if plan.kind == pb.PUSH_KIND_INIT:
                 return await self._commit_init(plan, payloads, num_bytes)
-            if plan.round != self.round:
-                raise _precondition(f"round {plan.round} closed while the push was streaming")
+            late = plan.round < self.round
+            if late:
+                try:
+                    self._check_late(plan.round)
+                except RequestError:
+                    raise _precondition(f"round {plan.round} closed while the push was streaming") from None
             rec = self.islands.get(plan.island_id)
             if rec is None or rec.num_ranks != plan.num_ranks:
                 raise _precondition(f"island {plan.island_id!r} left or re-joined while pushing")
-            if plan.island_id in self.committed or plan.rank in self.pending.get(plan.island_id, {}):
-                return pb.PushResponse(committed=plan.island_id in self.committed, duplicate=True, round=self.round)
-            staged = self.pending.setdefault(plan.island_id, {})
+            key = (plan.island_id, plan.round)
+            done = key in self.folded if late else plan.island_id in self.committed
+            if done or plan.rank in self.pending.get(key, {}):
+                return pb.PushResponse(committed=done, duplicate=True, round=self.round)
+            staged = self.pending.setdefault(key, {})
             staged[plan.rank] = StagedRank(plan, payloads, num_bytes)
             if len(staged) < rec.num_ranks:
                 return pb.PushResponse(committed=False, round=self.round, bytes_received=num_bytes)
-            del self.pending[plan.island_id]
+            del self.pending[key]
             ranks = [staged[r] for r in sorted(staged)]
             try:
                 _check_island_coverage(self.specs, ranks)
             except ValueError as err:
                 raise _invalid(f"island {plan.island_id!r} discarded for round {self.round}: {err}") from None
             tokens = ranks[0].plan.tokens
-            await asyncio.to_thread(self._accumulate, ranks, tokens)
-            self.committed[plan.island_id] = Committed(tokens, ranks[0].plan.loss, sum(r.num_bytes for r in ranks))
-            rec.rounds_committed += 1
-            log.info("round %d: island %s committed (%d tokens)", self.round, plan.island_id, tokens)
+            weight = float(max(tokens, 1))
+            if late:
+                weight *= self.config.staleness_weight ** (self.round - plan.round)
+            await asyncio.to_thread(self._accumulate, ranks, weight)
+            record = Committed(tokens, ranks[0].plan.loss, sum(r.num_bytes for r in ranks), weight)
+            if late:
+                self.late[key] = record
+                self.folded.add(key)
+                log.info(
+                    "round %d: folded island %s's late delta for round %d (weight %.3g)",
+                    self.round,
+                    plan.island_id,
+                    plan.round,
+                    weight,
+                )
+            else:
+                self.committed[plan.island_id] = record
+                rec.rounds_committed += 1
+                log.info("round %d: island %s committed (%d tokens)", self.round, plan.island_id, tokens)
             self.poke.set()
             return pb.PushResponse(committed=True, round=self.round, bytes_received=num_bytes)
 
-    def _accumulate(self, ranks: list[StagedRank], tokens: int) -> None:
-        weight = float(max(tokens, 1))
+    def _check_late(self, push_round: int) -> None:
+        """Refuse a push for a closed round unless the run folds it (and it is not too stale)."""
+        stale = self.round - push_round
+        if self.config.late_policy != "fold" or stale > self.config.max_staleness:
+            raise _precondition(
+                f"round {push_round} is closed; the coordinator is at round {self.round} (late policy "
+                f"{self.config.late_policy!r}, max staleness {self.config.max_staleness})"
+            )
+
+    def _drop_pending(self, island_id: str) -> None:
+        for key in [k for k in self.pending if k[0] == island_id]:
+            del self.pending[key]
+
+    def _accumulate(self, ranks: list[StagedRank], weight: float) -> None:
         for staged in ranks:
             codec = self._codec_of(staged.plan)
             for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
@@ -471,11 +514,12 @@ class RunState:
             total = sum(c.tokens for c in self.committed.values())
             losses = [(c.tokens, c.loss) for c in self.committed.values() if c.loss is not None]
             loss = sum(t * v for t, v in losses) / max(sum(t for t, _ in losses), 1) if losses else None
-            weight_total = float(sum(max(c.tokens, 1) for c in self.committed.values()))
+            weight_total = sum(c.weight for c in self.committed.values()) + sum(c.weight for c in self.late.values())
             params, update = await asyncio.to_thread(self._outer_step, weight_total)
             record = {
                 "round": r,
                 "islands": sorted(self.committed),
+                "late": sorted([island, rnd] for island, rnd in self.late),
                 "tokens": total,
                 "loss": loss,
                 "bytes_in": sum(c.num_bytes for c in self.committed.values()),
@@ -493,7 +537,10 @@ class RunState:
             self.round = r + 1
             self.opened_at = self.clock()
             self.committed = {}
-            self.pending = {}
+            self.late = {}
+            keep_from = self.round - (self.config.max_staleness if self.config.late_policy == "fold" else 0)
+            self.pending = {k: v for k, v in self.pending.items() if k[1] >= keep_from}
+            self.folded = {k for k in self.folded if k[1] >= keep_from - 1}
             self._reset_accum()
             log.info(
                 "closed round %d (%s): loss %s, outer step + persist %.3fs",
@@ -507,7 +554,8 @@ class RunState:
     def _outer_step(self, weight_total: float) -> tuple[dict[str, torch.Tensor], Update]:
         """θ_{r+1} = θ_r + decode(encode(u + e)) with u from the token-weighted mean delta.
 
-        The accumulator holds sum(w_i * Δ_i) with w_i = max(tokens_i, 1); weight_total is sum(w_i).
+        The accumulator holds sum(w_i * Δ_i) with w_i = max(tokens_i, 1) (times staleness_weight^k for a
+        delta k rounds late); weight_total is sum(w_i).
         """
         grads = {k: v.div(weight_total) for k, v in self.accum.items()}
         update = self.optimizer.update(grads)
@@ -548,10 +596,13 @@ class RunState:
             return PullAnswer(pb.UPDATE_KIND_NOT_READY, self.round, committed=req.island_id in self.committed)
         loss = self.history[-1]["loss"] if self.history else None
         round_, params = self.round, self.params
-        if req.have_round == round_ - 1 and round_ in self.updates:
-            update = self.updates[round_]
+        if req.have_round >= 0 and all(r in self.updates for r in range(req.have_round + 1, round_ + 1)):
+            # One round at a time: θ_{h+1} = θ_h + u_{h+1}; a lagging island pulls again until latest.
+            nxt = req.have_round + 1
+            update = self.updates[nxt]
             payloads = await asyncio.to_thread(self._region_payloads, regions, update.payloads, update.values)
-            return PullAnswer(pb.UPDATE_KIND_DELTA, round_, self.config.downlink_codec, payloads, loss=loss)
+            loss = self.history[nxt - 1]["loss"] if len(self.history) >= nxt else None
+            return PullAnswer(pb.UPDATE_KIND_DELTA, nxt, self.config.downlink_codec, payloads, loss=loss)
         full = await self._full_payloads()
         payloads = await asyncio.to_thread(self._region_payloads, regions, full, params)
         return PullAnswer(pb.UPDATE_KIND_FULL, round_, "identity", payloads, loss=loss)

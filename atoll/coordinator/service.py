@@ -84,7 +84,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except RequestError as err:
             await _abort(context, err)
             return
-        header = pb.UpdateHeader(kind=answer.kind, round=answer.round, codec=answer.codec, committed=answer.committed)
+        header = pb.UpdateHeader(
+            kind=answer.kind,
+            round=answer.round,
+            codec=answer.codec,
+            committed=answer.committed,
+            latest_round=self.state.round,
+        )
         if answer.loss is not None:
             header.loss = answer.loss
         for name, region, payload in answer.payloads:

@@ -75,11 +75,22 @@ class DiLoCo:
         pull_wait_seconds: float = 10.0,
         retry: RetryPolicy | None = None,
         keep_last_delta: bool = False,
+        sync_every_seconds: float | None = None,
+        client_factory=None,
     ) -> None:
+        """``sync_every_seconds``: sync on a time budget instead of every H steps (adaptive inner steps:
+        a slow island does fewer steps; its delta is weighted by the tokens it reports).
+        ``client_factory(address, retry)``: builds the coordinator client (fault injection wraps it)."""
+        self.client_factory = client_factory or (lambda address, retry: CoordinatorClient(address, retry=retry))
         if codec is not None:
             get_codec(codec)  # ValueError with the reason for a bad spec
         if sync_every is not None and sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if sync_every_seconds is not None and not sync_every_seconds > 0:
+            raise ValueError(f"sync_every_seconds must be > 0, got {sync_every_seconds}")
+        self.sync_every_seconds = sync_every_seconds
+        self._round_started = time.monotonic()
+        self._round_steps = 0
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and island_id is None:
             raise ValueError("a multi-rank island needs an explicit island_id shared by its ranks")
@@ -116,11 +127,12 @@ class DiLoCo:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> DiLoCo:
         self.shards = local_shards(self.model, self.group)
-        self.client = CoordinatorClient(self.address, retry=self.retry)
+        self.client = self.client_factory(self.address, self.retry)
         resp = self._join()
         if resp.bootstrap:
             self._bootstrap()
         self._pull_until_ready(have_round=-1)
+        self._round_started = time.monotonic()
         self._hb_thread = threading.Thread(target=self._heartbeats, name="atoll-heartbeat", daemon=True)
         self._hb_thread.start()
         return self
@@ -205,12 +217,28 @@ class DiLoCo:
         if self.client is None:
             raise RuntimeError("DiLoCo.start() was not called")
         self.inner_steps += 1
+        self._round_steps += 1
         self._tokens += int(tokens)
         if loss is not None:
             self._losses.append(float(loss))
-        if self.inner_steps % self.sync_every:
+        if not self._due():
             return None
         return self.sync()
+
+    @property
+    def round_steps(self) -> int:
+        """Inner steps taken so far in the current round."""
+        return self._round_steps
+
+    def _due(self) -> bool:
+        if self.sync_every_seconds is None:
+            return self._round_steps >= self.sync_every
+        due = time.monotonic() - self._round_started >= self.sync_every_seconds
+        if self.num_ranks > 1:  # the island's ranks must agree on when to sync
+            flag = torch.tensor([1.0 if due else 0.0], device=self.shards[0].local().device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            due = bool(flag.item())
+        return due
 
     def sync(self) -> RoundStats:
         """Push this round's pseudo-gradient, wait for the outer step and apply it."""
@@ -233,11 +261,13 @@ class DiLoCo:
             pb.PUSH_KIND_DELTA, self.round, owned, payloads, self.codec.spec, tokens=self._tokens, loss=loss
         )
         finished_round, tokens = self.round, self._tokens
-        steps = len(self._losses) or self.sync_every
+        steps = self._round_steps
         self._push(header, payloads)
         kind, global_loss = self._pull_until_ready(self.round, repush=(header, payloads))
         self._tokens = 0
         self._losses = []
+        self._round_steps = 0
+        self._round_started = time.monotonic()
         stats = RoundStats(
             finished_round,
             steps,
@@ -315,6 +345,9 @@ class DiLoCo:
                     self._push(*repush)
                 continue
             self._apply(header, payloads)
+            if header.round < header.latest_round:  # several rounds behind: next delta right away
+                have_round, repush = header.round, None
+                continue
             return pb.UpdateKind.Name(header.kind), (header.loss if header.HasField("loss") else None)
 
     def _apply(self, header: pb.UpdateHeader, payloads: list) -> None:

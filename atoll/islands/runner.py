@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.data import CharDataset
+from atoll.harness.faults import IslandFaults
 from atoll.islands.client import RetryPolicy
 from atoll.islands.diloco import DiLoCo
 from atoll.islands.parallel import MODES, full_tensor, parallelize
@@ -57,6 +59,11 @@ class IslandArgs:
     """Report a sha256 of the full θ after every pull (gathers θ: verification only)."""
     dump_dir: str = ""
     """If set, every rank writes the Δ shards it pushed in round 0 here (for tests)."""
+    faults: str = ""
+    """Island-side fault schedule as JSON (see atoll.harness.faults)."""
+    sync_every_seconds: float = 0.0
+    """If > 0, sync on this time budget instead of the run's H steps (adaptive inner steps)."""
+    heartbeat_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -148,6 +155,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
     if args.batch_size % layout.dp_size:
         raise ValueError(f"batch_size {args.batch_size} must divide over {layout.dp_size} data-parallel ranks")
     per_rank = args.batch_size // layout.dp_size
+    faults = IslandFaults(args.faults)
     sync = DiLoCo(
         model,
         opt,
@@ -157,6 +165,9 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
         island_id=args.island_id,
         retry=RetryPolicy(give_up_seconds=args.give_up_seconds),
         keep_last_delta=bool(args.dump_dir),
+        sync_every_seconds=args.sync_every_seconds or None,
+        heartbeat_seconds=args.heartbeat_seconds,
+        client_factory=faults.client_factory,
     )
     sync.start()
     try:
@@ -174,6 +185,8 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
                 parallel=layout.mode,
             )
         while len(sync.history) < args.rounds:
+            faults.before_round(sync.round, first_step=sync.round_steps == 0)
+            step_started = time.perf_counter()
             x, y = data.batch(gen, args.batch_size)  # the island's global batch; each dp rank takes its slice
             lo = layout.dp_rank * per_rank
             x, y = x[lo : lo + per_rank].to(layout.device), y[lo : lo + per_rank].to(layout.device)
@@ -181,6 +194,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            faults.after_step(sync.round, time.perf_counter() - step_started)
             step_loss = loss.detach()
             if layout.world > 1:
                 dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)

@@ -51,7 +51,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class RunConfigProto(_message.Message):
-    __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds", "error_feedback")
+    __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds", "error_feedback", "late_policy", "staleness_weight", "max_staleness")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,9 @@ class RunConfigProto(_message.Message):
     ROUND_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    LATE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sync_every: int
     outer_lr: float
@@ -74,7 +77,10 @@ class RunConfigProto(_message.Message):
     round_deadline_seconds: float
     lease_seconds: float
     error_feedback: bool
-    def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., error_feedback: _Optional[bool] = ...) -> None: ...
+    late_policy: str
+    staleness_weight: float
+    max_staleness: int
+    def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., error_feedback: _Optional[bool] = ..., late_policy: _Optional[str] = ..., staleness_weight: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("run_id", "island_id", "codecs", "tensors", "num_ranks")
@@ -191,20 +197,22 @@ class PullRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., regions: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("kind", "round", "codec", "entries", "committed", "loss")
+    __slots__ = ("kind", "round", "codec", "entries", "committed", "loss", "latest_round")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ROUND_FIELD_NUMBER: _ClassVar[int]
     kind: UpdateKind
     round: int
     codec: str
     entries: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     committed: bool
     loss: float
-    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., round: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., committed: _Optional[bool] = ..., loss: _Optional[float] = ...) -> None: ...
+    latest_round: int
+    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., round: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., committed: _Optional[bool] = ..., loss: _Optional[float] = ..., latest_round: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")

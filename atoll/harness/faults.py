@@ -1,0 +1,155 @@
+"""Faults as a schedule keyed by (island, round), injected by wrapping the real components.
+
+Island-side kinds run inside the island process (``atoll island --faults JSON``):
+
+- ``slow``: each inner step takes ``factor`` times as long, for ``rounds`` rounds from ``round``;
+- ``stall``: sleep ``seconds`` before the round's first step (compute stall; heartbeats go on);
+- ``kill_mid_push``: the process dies (exit 137) after sending half of that round's push;
+- ``exit``: the process dies at the start of the round.
+
+Harness-side kinds are carried out by :class:`ChaosDriver` when the island reports the round:
+``kill`` (SIGKILL the island), ``cut`` (cut its network for ``seconds``), ``kill_coordinator``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import grpc
+
+from atoll.islands.client import CoordinatorClient
+
+ISLAND_KINDS = ("slow", "stall", "kill_mid_push", "exit")
+HARNESS_KINDS = ("kill", "cut", "kill_coordinator")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    island: str
+    round: int
+    kind: str
+    seconds: float = 0.0
+    factor: float = 1.0
+    rounds: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ISLAND_KINDS + HARNESS_KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; known: {ISLAND_KINDS + HARNESS_KINDS}")
+        if self.round < 0 or self.seconds < 0 or self.factor < 1 or self.rounds < 1:
+            raise ValueError(f"bad fault {self}")
+
+
+def island_faults_json(faults: list[Fault], island: str) -> str:
+    return json.dumps([asdict(f) for f in faults if f.island == island and f.kind in ISLAND_KINDS])
+
+
+class IslandFaults:
+    """The island-side faults of one island, applied by the reference runner."""
+
+    def __init__(self, spec: str = "") -> None:
+        self.faults = [Fault(**f) for f in json.loads(spec)] if spec else []
+
+    def _active(self, kind: str, round_: int) -> Fault | None:
+        for f in self.faults:
+            if f.kind == kind and f.round <= round_ < f.round + f.rounds:
+                return f
+        return None
+
+    def before_round(self, round_: int, first_step: bool) -> None:
+        if not first_step:
+            return
+        if self._active("exit", round_):
+            os._exit(137)
+        stall = self._active("stall", round_)
+        if stall:
+            time.sleep(stall.seconds)
+
+    def after_step(self, round_: int, step_seconds: float) -> None:
+        slow = self._active("slow", round_)
+        if slow:
+            time.sleep((slow.factor - 1) * step_seconds)
+
+    def client_factory(self, address, retry):
+        kills = {f.round for f in self.faults if f.kind == "kill_mid_push"}
+        return (
+            _DyingClient(address, retry=retry, kill_rounds=kills) if kills else CoordinatorClient(address, retry=retry)
+        )
+
+
+class _DyingClient(CoordinatorClient):
+    """The real client, except that it dies halfway through the push of chosen rounds."""
+
+    def __init__(self, address, *, retry, kill_rounds: set[int]) -> None:
+        super().__init__(address, retry=retry)
+        self.kill_rounds = kill_rounds
+
+    def push(self, header, payloads):
+        if header.round not in self.kill_rounds or header.kind != 1:
+            return super().push(header, payloads)
+        half = sum(len(p) for p in payloads) // 2
+        from atoll.protos import coordinator_pb2 as pb
+
+        def chunks():
+            yield pb.PushChunk(header=header)
+            sent = 0
+            for p in payloads:
+                for start in range(0, len(p), 16384):
+                    if sent >= half:
+                        time.sleep(0.2)  # let the server take in what was sent
+                        os._exit(137)
+                    piece = bytes(memoryview(p)[start : start + 16384])
+                    sent += len(piece)
+                    yield pb.PushChunk(data=piece)
+
+        try:
+            return self._stub.PushDelta(chunks(), timeout=30)
+        except grpc.RpcError:
+            os._exit(137)
+
+
+class ChaosDriver:
+    """Watches island events and carries out the harness-side faults of a schedule."""
+
+    def __init__(
+        self,
+        faults: list[Fault],
+        *,
+        islands: dict,
+        proxies: dict | None = None,
+        coordinator=None,
+        restart_coordinator=None,
+    ) -> None:
+        self.pending = [f for f in faults if f.kind in HARNESS_KINDS]
+        self.islands = islands
+        self.proxies = proxies or {}
+        self.coordinator = coordinator
+        self.restart_coordinator = restart_coordinator
+        self.done: list[tuple[Fault, float]] = []
+
+    def on_event(self, event: dict) -> None:
+        if event.get("event") != "round":
+            return
+        for f in list(self.pending):
+            if f.island == event["island"] and event["round"] + 1 >= f.round:
+                self.pending.remove(f)
+                self._carry_out(f)
+
+    def _carry_out(self, f: Fault) -> None:
+        self.done.append((f, time.monotonic()))
+        if f.kind == "kill":
+            self.islands[f.island].signal(signal.SIGKILL)
+        elif f.kind == "cut":
+            self.proxies[f.island].cut(f.seconds)
+        elif f.kind == "kill_coordinator":
+            self.coordinator.signal(signal.SIGKILL)
+            self.coordinator.wait(10)
+            if self.restart_coordinator is not None:
+                threading.Timer(f.seconds, self._restart).start()
+
+    def _restart(self) -> None:
+        self.coordinator = self.restart_coordinator()

@@ -1,0 +1,179 @@
+"""Chaos with real processes: each test injects faults and asserts the run's state afterwards."""
+
+import signal
+import time
+
+import pytest
+from conftest import collect_events
+
+from atoll.coordinator import persistence
+from atoll.harness.faults import ChaosDriver, Fault, island_faults_json
+from atoll.harness.wan import ProxyThread
+
+
+def coord_flags(*, quorum, deadline=60.0, lease=3.0, late="drop", h=10, max_staleness=1):
+    return [
+        "--run-id",
+        "chaos",
+        "--sync-every",
+        str(h),
+        "--quorum",
+        str(quorum),
+        "--round-deadline-seconds",
+        str(deadline),
+        "--lease-seconds",
+        str(lease),
+        "--late-policy",
+        late,
+        "--max-staleness",
+        str(max_staleness),
+    ]
+
+
+def island(group, address, name, rounds, faults=(), extra=()):
+    return group.start(
+        name,
+        [
+            "island",
+            "--coordinator",
+            address,
+            "--island-id",
+            name,
+            "--run-id",
+            "chaos",
+            "--rounds",
+            str(rounds),
+            "--heartbeat-seconds",
+            "0.5",
+            "--give-up-seconds",
+            "120",
+            "--faults",
+            island_faults_json(list(faults), name),
+            *extra,
+        ],
+    )
+
+
+def rounds_of(events, name):
+    return {e["round"]: e for e in events if e["event"] == "round" and e["island"] == name}
+
+
+def all_done(n):
+    return lambda ev: sum(e["event"] == "done" for e in ev) >= n
+
+
+@pytest.mark.timeout(300)
+def test_island_killed_mid_push_round_closes_at_quorum_and_it_rejoins(group, tmp_path):
+    coord, address = group.start_coordinator(tmp_path / "state", coord_flags(quorum=3))
+    faults = [Fault(island="D", round=1, kind="kill_mid_push")]
+    procs = {n: island(group, address, n, 20 if n != "D" else 6, faults) for n in "ABCD"}
+    events = collect_events([procs["D"]], until=lambda ev: False, timeout=120)  # until D dies
+    assert procs["D"].wait(10) == 137
+    events += collect_events([procs["A"]], until=lambda ev: 2 in rounds_of(ev, "A"), timeout=120)
+    hist = persistence.load(tmp_path / "state").history
+    assert hist[0]["islands"] == ["A", "B", "C", "D"]
+    assert hist[1]["islands"] == ["A", "B", "C"]  # D's half push never counted
+    assert hist[1]["bytes_in"] == 3 * hist[0]["bytes_in"] // 4
+    # D comes back under the same name: it receives exactly the θ the others hold.
+    d2 = island(group, address, "D", 2)
+    events += collect_events([procs["A"], procs["B"], procs["C"], d2], until=all_done(4), timeout=200)
+    joined = [e for e in events if e["event"] == "joined" and e["island"] == "D"][-1]
+    a = rounds_of(events, "A")
+    assert joined["digest"] == a[joined["round"] - 1]["digest"]
+    for r, e in rounds_of(events, "D").items():
+        if r >= joined["round"]:
+            assert e["digest"] == a[r]["digest"]
+    coord.stop()
+
+
+@pytest.mark.timeout(300)
+def test_straggler_rounds_close_at_deadline_and_fold_applies_late_deltas_once(group, tmp_path):
+    coord, address = group.start_coordinator(
+        tmp_path / "state", coord_flags(quorum=3, deadline=1.0, late="fold", h=20, max_staleness=8)
+    )
+    faults = [Fault(island="D", round=0, kind="slow", factor=5.0, rounds=1000)]
+    procs = {n: island(group, address, n, 1000 if n != "D" else 4, faults) for n in "ABCD"}
+    events = collect_events(
+        list(procs.values()), until=lambda ev: any(e["event"] == "done" and e["island"] == "D" for e in ev), timeout=240
+    )
+    assert procs["D"].wait(30) == 0
+    for n in "ABC":
+        procs[n].stop()
+    coord.stop()
+    hist = persistence.load(tmp_path / "state").history
+    closed_by_deadline = [h for h in hist if "deadline" in h["reason"]]
+    assert closed_by_deadline, [h["reason"] for h in hist]
+    late = [tuple(x) for h in hist for x in h["late"]]
+    assert late and all(island == "D" for island, _ in late)
+    assert len(late) == len(set(late))  # each late delta applied once
+    for h in hist:  # a late delta is folded into a later round, never its own
+        for island_id, r in h["late"]:
+            assert r < h["round"] and island_id not in h["islands"]
+    # Every round D finished was either folded exactly once or reported dropped (too stale).
+    d_rounds = sorted(rounds_of(events, "D"))
+    assert len(d_rounds) == 4
+    assert {r for _, r in late} <= set(d_rounds)
+    assert events
+
+
+@pytest.mark.timeout(300)
+def test_coordinator_sigkill_during_a_round_loses_no_completed_round(group, tmp_path):
+    state = tmp_path / "state"
+    flags = coord_flags(quorum=2)
+    coord, address = group.start_coordinator(state, flags)
+    port = int(address.rsplit(":", 1)[1])
+    procs = [island(group, address, n, 10) for n in "AB"]
+    events = collect_events(procs, until=lambda ev: 3 in rounds_of(ev, "A"), timeout=120)
+    time.sleep(0.15)  # inside round 4: islands are training or pushing
+    coord.signal(signal.SIGKILL)
+    coord.wait(10)
+    before = persistence.load(state)
+    coord2, _ = group.start_coordinator(state, flags, name="coordinator-2", port=port)
+    events += collect_events(procs, until=all_done(2), timeout=200)
+    assert [p.wait(30) for p in procs] == [0, 0]
+    coord2.stop()
+    after = persistence.load(state)
+    assert [h["round"] for h in after.history] == list(range(10))
+    assert after.history[: len(before.history)] == before.history
+    a, b = rounds_of(events, "A"), rounds_of(events, "B")
+    assert all(a[r]["digest"] == b[r]["digest"] for r in range(10))
+
+
+@pytest.mark.timeout(300)
+def test_30s_network_cut_island_resumes_by_itself(group, tmp_path):
+    coord, address = group.start_coordinator(tmp_path / "state", coord_flags(quorum=1, lease=3.0))
+    with ProxyThread(address) as proxy:
+        c = island(group, proxy.address, "C", 12, extra=["--give-up-seconds", "120"])
+        others = [island(group, address, n, 400) for n in "AB"]
+        driver = ChaosDriver(
+            [Fault(island="C", round=3, kind="cut", seconds=30.0)], islands={"C": c}, proxies={"C": proxy}
+        )
+        events = []
+
+        def done_c(ev):
+            for e in ev[len(done_c.seen) :]:
+                driver.on_event(e)
+            done_c.seen = list(ev)
+            return any(e["event"] == "done" and e["island"] == "C" for e in ev)
+
+        done_c.seen = []
+        events = collect_events([c, *others], until=done_c, timeout=240)
+        assert c.wait(30) == 0
+        for p in others:
+            p.stop()
+    cut_at = driver.done[0][1]
+    c_rounds, a_rounds = rounds_of(events, "C"), rounds_of(events, "A")
+    assert len(c_rounds) == 12 and proxy.proxy.cuts == 1
+    # C skipped the rounds it was cut off for: it came back by pulling the current θ.
+    gaps = [b - a for a, b in zip(sorted(c_rounds), sorted(c_rounds)[1:], strict=False)]
+    assert max(gaps) > 3, sorted(c_rounds)
+    hist = persistence.load(tmp_path / "state").history
+    # While cut off, the others went on without C for several rounds...
+    assert sum(1 for h in hist if "C" not in h["islands"]) >= 3
+    # ...and after the cut C holds the same θ as A whenever both hold the same version.
+    a_by_version = {e["now_round"]: e["digest"] for e in a_rounds.values()}
+    resumed = [e for r, e in c_rounds.items() if r >= 3 and e["now_round"] in a_by_version]
+    assert len(resumed) >= 5
+    assert all(e["digest"] == a_by_version[e["now_round"]] for e in resumed)
+    assert time.monotonic() - cut_at >= 30
+    coord.stop()

@@ -1,0 +1,94 @@
+"""Late pushes: dropped, or folded into the next round once with a staleness weight."""
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from atoll.coordinator import RunConfig
+from atoll.protos import coordinator_pb2 as pb
+
+SHAPES = {"w": (3, 4)}
+
+
+def setup(start_server, raw_island, policy):
+    srv = start_server(
+        RunConfig(
+            run_id="t",
+            sync_every=1,
+            quorum=1,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            late_policy=policy,
+            staleness_weight=0.5,
+            round_deadline_seconds=0.2,
+        )
+    )
+    a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
+    a.join()
+    b.join()
+    theta0 = {"w": torch.randn(3, 4)}
+    a.push(theta0, round_=0, kind=pb.PUSH_KIND_INIT)
+    return srv, a, b, theta0
+
+
+def close_round_0_without_b(srv, a):
+    d_a = {"w": torch.randn(3, 4)}
+    a.push(d_a, round_=0, tokens=100)
+    header, _ = a.pull(0)  # closes at the 0.2 s deadline (b is live but missing)
+    assert header.round == 1 and srv.inspect(lambda s: s.history[-1]["islands"]) == ["a"]
+    return d_a
+
+
+def test_drop_policy_refuses_late_push(start_server, raw_island):
+    srv, a, b, _ = setup(start_server, raw_island, "drop")
+    close_round_0_without_b(srv, a)
+    with pytest.raises(grpc.RpcError) as info:
+        b.push({"w": torch.randn(3, 4)}, round_=0, tokens=100)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "closed" in info.value.details()
+
+
+def test_fold_applies_a_late_delta_once_with_staleness_weight(start_server, raw_island):
+    srv, a, b, theta0 = setup(start_server, raw_island, "fold")
+    d_a0 = close_round_0_without_b(srv, a)
+    d_b_late = {"w": torch.randn(3, 4)}
+    resp = b.push(d_b_late, round_=0, tokens=100)  # late by one round: folded into round 1
+    assert resp.committed and not resp.duplicate
+    again = b.push(d_b_late, round_=0, tokens=100)  # a retry of the same push changes nothing
+    assert again.duplicate and again.committed
+    acc_before = srv.inspect(lambda s: s.accum["w"].clone())
+    d_a1 = {"w": torch.randn(3, 4)}
+    a.push(d_a1, round_=1, tokens=100)
+    b.pull(0)  # catch b up (round 0 -> 1), then wait for round 1 to close
+    header, _ = a.pull(1)
+    assert header.round == 2
+    hist = srv.inspect(lambda s: s.history)
+    assert hist[1]["islands"] == ["a"] and hist[1]["late"] == [["b", 0]]
+    # lr 1, no momentum: θ2 = θ1 - (100 Δa1 + 0.5*100 Δb_late) / 150, θ1 = θ0 - Δa0
+    theta1 = theta0["w"] - d_a0["w"]
+    expected = theta1 - (100 * d_a1["w"] + 50 * d_b_late["w"]) / 150
+    np.testing.assert_allclose(srv.inspect(lambda s: s.params["w"].clone()).numpy(), expected.numpy(), atol=1e-6)
+    assert torch.allclose(acc_before, 50 * d_b_late["w"])
+    # Too stale (2 rounds): refused.
+    with pytest.raises(grpc.RpcError) as info:
+        b.push(d_b_late, round_=0, tokens=100)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_lagging_island_catches_up_by_deltas(start_server, raw_island):
+    from atoll.compression import get_codec
+
+    srv, a, b, theta0 = setup(start_server, raw_island, "drop")
+    for r in range(3):
+        a.push({"w": torch.randn(3, 4)}, round_=r, tokens=10)
+        a.pull(r)
+    theta = theta0["w"].clone()
+    have = 0
+    while True:  # b held θ0: it moves one round per answer, all by exact deltas
+        header, payloads = b.pull(have)
+        assert header.kind == pb.UPDATE_KIND_DELTA and header.round == have + 1 and header.latest_round == 3
+        theta = theta + get_codec(header.codec).decode(payloads[0][1], (3, 4))
+        have = header.round
+        if have == header.latest_round:
+            break
+    assert torch.equal(theta, srv.inspect(lambda s: s.params["w"].clone()))
