@@ -73,6 +73,7 @@ def test_island_killed_mid_push_round_closes_at_quorum_and_it_rejoins(group, tmp
     hist = persistence.load(tmp_path / "state").history
     assert hist[0]["islands"] == ["A", "B", "C", "D"]
     assert hist[1]["islands"] == ["A", "B", "C"]  # D's half push never counted
+    assert hist[1]["states"]["D"] == "gone"  # its lease ran out: the round closed without it
     assert hist[1]["bytes_in"] == 3 * hist[0]["bytes_in"] // 4
     # D comes back under the same name: it receives exactly the θ the others hold.
     d2 = island(group, address, "D", 2)
@@ -170,6 +171,7 @@ def test_30s_network_cut_island_resumes_by_itself(group, tmp_path):
     hist = persistence.load(tmp_path / "state").history
     # While cut off, the others went on without C for several rounds...
     assert sum(1 for h in hist if "C" not in h["islands"]) >= 3
+    assert any(h["states"].get("C") == "gone" for h in hist)
     # ...and after the cut C holds the same θ as A whenever both hold the same version.
     a_by_version = {e["now_round"]: e["digest"] for e in a_rounds.values()}
     resumed = [e for r, e in c_rounds.items() if r >= 3 and e["now_round"] in a_by_version]
@@ -177,3 +179,35 @@ def test_30s_network_cut_island_resumes_by_itself(group, tmp_path):
     assert all(e["digest"] == a_by_version[e["now_round"]] for e in resumed)
     assert time.monotonic() - cut_at >= 30
     coord.stop()
+
+
+def _quality_run(group, tmp_path, name, dropout: bool) -> float:
+    coord, address = group.start_coordinator(
+        tmp_path / name, coord_flags(quorum=3, lease=2.0, h=20), name=f"coord-{name}"
+    )
+    faults = [Fault(island="D", round=4, kind="exit")] if dropout else []
+    procs = {
+        n: island(group, address, n, 12 if n != "D" else 1000, faults, extra=["--run-id", "chaos"]) for n in "ABCD"
+    }
+    if dropout:
+        events = collect_events([procs["A"]], until=lambda ev: 8 in rounds_of(ev, "A"), timeout=200)
+        assert procs["D"].wait(10) == 137
+        procs["D2"] = island(group, address, "D", 1000)
+    events = collect_events([procs["A"]], until=all_done(1), timeout=200)
+    for n in "BC":
+        assert procs[n].wait(60) == 0
+    for p in procs.values():
+        p.kill()
+    coord.stop()
+    hist = persistence.load(tmp_path / name).history
+    missing = sum(1 for h in hist if "D" not in h["islands"])
+    assert (missing >= 3) if dropout else (missing == 0), [h["islands"] for h in hist]
+    return rounds_of(events, "A")[11]["eval_loss"]
+
+
+@pytest.mark.timeout(400)
+def test_quality_with_one_of_four_islands_out_for_a_third_of_the_run(group, tmp_path):
+    clean = _quality_run(group, tmp_path, "clean", dropout=False)
+    dropped = _quality_run(group, tmp_path, "dropout", dropout=True)
+    print(f"quality: clean {clean:.4f}, dropout {dropped:.4f} ({(dropped - clean) / clean:+.2%})")
+    assert abs(dropped - clean) / clean < 0.02, (clean, dropped)

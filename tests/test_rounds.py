@@ -42,3 +42,16 @@ def test_never_closes_below_quorum_even_after_deadline():
 def test_no_commits_waits():
     d, _ = decide(50.0, view(("a", 100, False), ("b", 100, False)), RoundPolicy(quorum=1, deadline_seconds=1))
     assert d is Decision.WAIT
+
+
+def test_island_states():
+    from atoll.coordinator.core import IslandRecord, island_state
+
+    rec = IslandRecord("a", 1, lease_expires_at=10.0, joined_round=3)
+    assert island_state(rec, 1.0, 3) == "joining"
+    rec.holds_round = 3
+    assert island_state(rec, 1.0, 3) == "late"  # holds θ_3 but did not take part in round 2
+    rec.last_committed_round = 2
+    assert island_state(rec, 1.0, 3) == "active"
+    assert island_state(rec, 1.0, 5) == "late"  # missed rounds 3 and 4
+    assert island_state(rec, 10.0, 5) == "gone"

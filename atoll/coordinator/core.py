@@ -65,6 +65,30 @@ class IslandRecord:
     lease_expires_at: float
     joined_round: int
     rounds_committed: int = 0
+    holds_round: int = -1
+    """The newest θ version this island pulled (-1: none yet)."""
+    last_committed_round: int = -1
+
+
+class IslandState:
+    JOINING = "joining"
+    """Joined, has not received θ yet."""
+    ACTIVE = "active"
+    """Holds the current θ (or the one before it) and took part in the last closed round."""
+    LATE = "late"
+    """Alive (lease current) but missed the last closed round: a straggler or catching up."""
+    GONE = "gone"
+    """Lease expired: not waited for; re-joins by itself when it comes back."""
+
+
+def island_state(rec: IslandRecord, now: float, open_round: int) -> str:
+    if rec.lease_expires_at <= now:
+        return IslandState.GONE
+    if rec.holds_round < 0:
+        return IslandState.JOINING
+    if open_round == 0 or rec.last_committed_round >= open_round - 1:
+        return IslandState.ACTIVE
+    return IslandState.LATE
 
 
 @dataclass(frozen=True)
@@ -407,6 +431,7 @@ class RunState:
             else:
                 self.committed[plan.island_id] = record
                 rec.rounds_committed += 1
+                rec.last_committed_round = plan.round
                 log.info("round %d: island %s committed (%d tokens)", self.round, plan.island_id, tokens)
             self.poke.set()
             return pb.PushResponse(committed=True, round=self.round, bytes_received=num_bytes)
@@ -520,6 +545,7 @@ class RunState:
                 "round": r,
                 "islands": sorted(self.committed),
                 "late": sorted([island, rnd] for island, rnd in self.late),
+                "states": self.states(),
                 "tokens": total,
                 "loss": loss,
                 "bytes_in": sum(c.num_bytes for c in self.committed.values()),
@@ -602,10 +628,22 @@ class RunState:
             update = self.updates[nxt]
             payloads = await asyncio.to_thread(self._region_payloads, regions, update.payloads, update.values)
             loss = self.history[nxt - 1]["loss"] if len(self.history) >= nxt else None
+            self._holds(req.island_id, nxt)
             return PullAnswer(pb.UPDATE_KIND_DELTA, nxt, self.config.downlink_codec, payloads, loss=loss)
         full = await self._full_payloads()
         payloads = await asyncio.to_thread(self._region_payloads, regions, full, params)
+        self._holds(req.island_id, round_)
         return PullAnswer(pb.UPDATE_KIND_FULL, round_, "identity", payloads, loss=loss)
+
+    def _holds(self, island_id: str, round_: int) -> None:
+        rec = self.islands.get(island_id)
+        if rec is not None:
+            rec.holds_round = max(rec.holds_round, round_)
+
+    def states(self) -> dict[str, str]:
+        """Every member's state (joining / active / late / gone), for logs, history and status."""
+        now = self.clock()
+        return {i: island_state(rec, now, self.round) for i, rec in sorted(self.islands.items())}
 
     def _parse_regions(self, entries) -> list[tuple[str, Region | None]]:
         if not entries:

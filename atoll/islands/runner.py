@@ -184,6 +184,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
                 ranks=layout.world,
                 parallel=layout.mode,
             )
+        round_mark = time.perf_counter()
         while len(sync.history) < args.rounds:
             faults.before_round(sync.round, first_step=sync.round_steps == 0)
             step_started = time.perf_counter()
@@ -205,8 +206,11 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
                 continue
             if args.dump_dir and stats.round == 0:
                 _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
+            now = time.perf_counter()
+            round_seconds, round_mark = now - round_mark, now  # compute + sync of this round
             eval_loss = evaluate(model, data) if args.eval_every_round else None
             digest = model_digest(model) if args.digest else None
+            round_mark = time.perf_counter()  # evaluation and digests are not part of the round
             if lead:
                 emit(
                     "round",
@@ -219,6 +223,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
                     bytes_sent=stats.bytes_sent,
                     bytes_received=stats.bytes_received,
                     sync_seconds=stats.sync_seconds,
+                    round_seconds=round_seconds,
                     update=stats.update_kind,
                     digest=digest,
                     max_payload_numel=stats.max_payload_numel,
