@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     coord.add_argument("--state-dir", type=Path, required=True, help="where the per-round state is persisted")
     coord.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    coord.add_argument("--admin-host", default="127.0.0.1", help="admin HTTP address (non-loopback needs a token)")
+    coord.add_argument("--admin-port", type=int, default=None, help="serve /healthz, /metrics, /api/status here")
+    coord.add_argument("--admin-token", default=None, help="bearer token required by the admin endpoints")
+    coord.add_argument("--admin-port-file", type=Path, default=None, help="write the admin port here")
     _add_dataclass_args(coord, RunConfig)
 
     island = sub.add_parser("island", help="run a reference island (tiny GPT on the bundled text)")
@@ -79,7 +83,19 @@ def main(argv: list[str] | None = None) -> int:
             from atoll.coordinator.main import main as coordinator_main
 
             config = _config_from(RunConfig, ns)
-            return coordinator_main(config, ns.state_dir, host=ns.host, port=ns.port, port_file=ns.port_file)
+            return coordinator_main(
+                config,
+                ns.state_dir,
+                host=ns.host,
+                port=ns.port,
+                port_file=ns.port_file,
+                admin={
+                    "host": ns.admin_host,
+                    "port": ns.admin_port,
+                    "token": ns.admin_token,
+                    "port_file": ns.admin_port_file,
+                },
+            )
         if ns.command == "island":
             from atoll.islands.runner import IslandArgs, run_island
 

@@ -16,8 +16,8 @@ from atoll.protos import coordinator_pb2 as pb
 class ServerThread:
     """A real CoordinatorServer (grpc.aio, port 0) on its own event loop thread."""
 
-    def __init__(self, config: RunConfig, state_dir: Path) -> None:
-        self.server = CoordinatorServer(config, state_dir)
+    def __init__(self, config: RunConfig, state_dir: Path, **server_kwargs) -> None:
+        self.server = CoordinatorServer(config, state_dir, **server_kwargs)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -54,8 +54,10 @@ class ServerThread:
 def start_server(tmp_path):
     started: list[ServerThread] = []
 
-    def start(config: RunConfig | None = None, state_dir: Path | None = None) -> ServerThread:
-        srv = ServerThread(config or RunConfig(run_id="t", sync_every=1), state_dir or tmp_path / "state")
+    def start(config: RunConfig | None = None, state_dir: Path | None = None, **server_kwargs) -> ServerThread:
+        srv = ServerThread(
+            config or RunConfig(run_id="t", sync_every=1), state_dir or tmp_path / "state", **server_kwargs
+        )
         started.append(srv.start())
         return srv
 

@@ -26,17 +26,14 @@ from atoll.coordinator.outer import NesterovSGD
 from atoll.coordinator.regions import Region, check_coverage
 from atoll.coordinator.rounds import Decision, IslandView, RoundPolicy, RoundView, decide, next_wakeup
 from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.dtypes import TORCH_FROM_PB
 
 log = logging.getLogger("atoll.coordinator")
 
-_DTYPES = {
-    pb.DTYPE_FLOAT32: torch.float32,
-    pb.DTYPE_FLOAT16: torch.float16,
-    pb.DTYPE_BFLOAT16: torch.bfloat16,
-    pb.DTYPE_FLOAT64: torch.float64,
-}
 MAX_ID_LEN = 128
 MAX_RANKS = 65536
+INIT_ROUND = -1
+"""The "round" under which a bootstrap island's INIT shards are staged."""
 UPDATES_KEPT = 8
 """Outer updates kept in memory: an island up to this many rounds behind catches up by deltas."""
 
@@ -176,6 +173,9 @@ class RunState:
         self.accum: dict[str, torch.Tensor] = {}
         self.updates: dict[int, Update] = {}
         self._full_cache: tuple[int, dict[str, bytes]] | None = None
+        self.counters = dict.fromkeys(
+            ("bytes_in", "bytes_out", "pushes_late_folded", "pushes_late_dropped", "pushes_refused"), 0
+        )
         self.lock = asyncio.Lock()
         self.round_changed = asyncio.Event()
         self.poke = asyncio.Event()
@@ -271,7 +271,7 @@ class RunState:
         for t in req.tensors:
             if t.name in specs:
                 raise _invalid(f"tensor {t.name!r} listed twice")
-            if t.dtype not in _DTYPES:
+            if t.dtype not in TORCH_FROM_PB:
                 raise _invalid(f"tensor {t.name!r}: unsupported dtype {t.dtype}")
             if any(d < 0 for d in t.shape):
                 raise _invalid(f"tensor {t.name!r}: negative dim in shape {list(t.shape)}")
@@ -418,9 +418,11 @@ class RunState:
                 weight *= self.config.staleness_weight ** (self.round - plan.round)
             await asyncio.to_thread(self._accumulate, ranks, weight)
             record = Committed(tokens, ranks[0].plan.loss, sum(r.num_bytes for r in ranks), weight)
+            self.counters["bytes_in"] += record.num_bytes
             if late:
                 self.late[key] = record
                 self.folded.add(key)
+                self.counters["pushes_late_folded"] += 1
                 log.info(
                     "round %d: folded island %s's late delta for round %d (weight %.3g)",
                     self.round,
@@ -440,6 +442,7 @@ class RunState:
         """Refuse a push for a closed round unless the run folds it (and it is not too stale)."""
         stale = self.round - push_round
         if self.config.late_policy != "fold" or stale > self.config.max_staleness:
+            self.counters["pushes_late_dropped"] += 1
             raise _precondition(
                 f"round {push_round} is closed; the coordinator is at round {self.round} (late policy "
                 f"{self.config.late_policy!r}, max staleness {self.config.max_staleness})"
@@ -462,15 +465,13 @@ class RunState:
     async def _commit_init(self, plan: PushPlan, payloads: list[bytes], num_bytes: int) -> pb.PushResponse:
         if self.params is not None:
             return pb.PushResponse(committed=True, duplicate=True, round=self.round)
-        if plan.num_ranks != 1:
-            staged = self.pending.setdefault(plan.island_id, {})
-            staged[plan.rank] = StagedRank(plan, payloads, num_bytes)
-            if len(staged) < plan.num_ranks:
-                return pb.PushResponse(committed=False, round=0, bytes_received=num_bytes)
-            ranks = [staged[r] for r in sorted(staged)]
-            del self.pending[plan.island_id]
-        else:
-            ranks = [StagedRank(plan, payloads, num_bytes)]
+        key = (plan.island_id, INIT_ROUND)
+        staged = self.pending.setdefault(key, {})
+        staged[plan.rank] = StagedRank(plan, payloads, num_bytes)
+        if len(staged) < plan.num_ranks:
+            return pb.PushResponse(committed=False, round=0, bytes_received=num_bytes)
+        ranks = [staged[r] for r in sorted(staged)]
+        del self.pending[key]
         try:
             _check_island_coverage(self.specs, ranks)
         except ValueError as err:

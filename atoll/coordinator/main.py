@@ -21,10 +21,25 @@ def write_port_file(path: Path, port: int) -> None:
     os.replace(tmp, path)
 
 
-async def serve(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None) -> None:
-    server = CoordinatorServer(config, state_dir, host=host, port=port)
+async def serve(
+    config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, admin: dict | None = None
+) -> None:
+    admin = admin or {}
+    server = CoordinatorServer(
+        config,
+        state_dir,
+        host=host,
+        port=port,
+        admin_host=admin.get("host", "127.0.0.1"),
+        admin_port=admin.get("port"),
+        admin_token=admin.get("token"),
+    )
     await server.start()
     print(f"atoll coordinator listening on {server.address}", flush=True)
+    if server.admin is not None:
+        print(f"atoll admin HTTP on {server.admin.address}", flush=True)
+        if admin.get("port_file") is not None:
+            write_port_file(admin["port_file"], server.admin.port)
     if port_file is not None:
         write_port_file(port_file, server.port)
     stop = asyncio.Event()
@@ -38,6 +53,8 @@ async def serve(config: RunConfig, state_dir: Path, *, host: str, port: int, por
         await server.stop(grace=2.0)
 
 
-def main(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None) -> int:
-    asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file))
+def main(
+    config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, admin: dict | None = None
+) -> int:
+    asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file, admin=admin))
     return 0

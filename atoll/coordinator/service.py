@@ -39,28 +39,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, state: RunState) -> None:
         self.state = state
 
-    async def Join(self, request, context):
+    @staticmethod
+    async def _unary(handler, request, context):
         try:
-            return self.state.join(request)
+            return handler(request)
         except RequestError as err:
             await _abort(context, err)
+
+    async def Join(self, request, context):
+        return await self._unary(self.state.join, request, context)
 
     async def Heartbeat(self, request, context):
-        try:
-            return self.state.heartbeat(request)
-        except RequestError as err:
-            await _abort(context, err)
+        return await self._unary(self.state.heartbeat, request, context)
 
     async def Leave(self, request, context):
-        try:
-            return self.state.leave(request)
-        except RequestError as err:
-            await _abort(context, err)
+        return await self._unary(self.state.leave, request, context)
 
     async def PushDelta(self, request_iterator, context):
         try:
             return await self._push(request_iterator)
         except RequestError as err:
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT:
+                self.state.counters["pushes_refused"] += 1
             await _abort(context, err)
 
     async def _push(self, request_iterator) -> pb.PushResponse:
@@ -99,6 +99,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 entry.offsets.extend(region.offsets)
                 entry.sizes.extend(region.sizes)
         yield pb.PullChunk(header=header)
+        self.state.counters["bytes_out"] += sum(len(p) for _, _, p in answer.payloads)
         for _, _, payload in answer.payloads:
             view = memoryview(payload)
             for start in range(0, len(view), CHUNK_BYTES):
@@ -138,8 +139,21 @@ async def _receive_entries(state: RunState, plan: PushPlan, it) -> list[bytearra
 class CoordinatorServer:
     """The coordinator daemon: ``await start()``, ``address``, ``await stop(grace)``."""
 
-    def __init__(self, config: RunConfig, state_dir: Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        state_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        admin_host: str = "127.0.0.1",
+        admin_port: int | None = None,
+        admin_token: str | None = None,
+    ) -> None:
+        """``admin_port``: serve the admin HTTP endpoints there (0 picks a port; None: no admin server)."""
         self.config = config
+        self.admin_args = (admin_host, admin_port, admin_token)
+        self.admin = None
         self.state_dir = Path(state_dir)
         self.host = host
         self.requested_port = port
@@ -157,6 +171,11 @@ class CoordinatorServer:
     async def start(self) -> None:
         self.state = RunState(self.config, self.state_dir)
         self.state.restore()
+        admin_host, admin_port, admin_token = self.admin_args
+        if admin_port is not None:  # built first: a bad admin config fails before anything listens
+            from atoll.coordinator.admin import AdminServer
+
+            self.admin = AdminServer(self.state, host=admin_host, port=admin_port, token=admin_token)
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.state), self._server)
         health_servicer = health.aio.HealthServicer()
@@ -168,11 +187,17 @@ class CoordinatorServer:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._decider = asyncio.create_task(self.state.run_decider(), name="atoll-decider")
+        if self.admin is not None:
+            await self.admin.start()
+            log.info("admin HTTP on %s", self.admin.address)
         log.info(
             "coordinator for run %s serving on %s (state in %s)", self.state.config.run_id, self.address, self.state_dir
         )
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        if self.admin is not None:
+            await self.admin.stop()
+            self.admin = None
         if self._decider is not None:
             self._decider.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -30,15 +30,9 @@ from atoll.compression import ErrorFeedback, available_codecs, codec_name, decod
 from atoll.islands.client import CoordinatorClient, RetryPolicy
 from atoll.islands.shards import LocalShard, local_shards
 from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.dtypes import PB_FROM_TORCH
 
 log = logging.getLogger("atoll.island")
-
-_PB_DTYPES = {
-    torch.float32: pb.DTYPE_FLOAT32,
-    torch.float16: pb.DTYPE_FLOAT16,
-    torch.bfloat16: pb.DTYPE_BFLOAT16,
-    torch.float64: pb.DTYPE_FLOAT64,
-}
 
 
 @dataclass
@@ -168,7 +162,7 @@ class DiLoCo:
         for shard in self.shards:
             if shard.name not in seen:
                 seen.add(shard.name)
-                req.tensors.add(name=shard.name, shape=list(shard.param.shape), dtype=_PB_DTYPES[shard.param.dtype])
+                req.tensors.add(name=shard.name, shape=list(shard.param.shape), dtype=PB_FROM_TORCH[shard.param.dtype])
         resp = self.client.join(req)
         if self.requested_sync_every is None:
             self.sync_every = resp.config.sync_every
