@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--admin-port", type=int, default=None, help="serve /healthz, /metrics, /api/status here")
     coord.add_argument("--admin-token", default=None, help="bearer token required by the admin endpoints")
     coord.add_argument("--admin-port-file", type=Path, default=None, help="write the admin port here")
+    coord.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve gRPC over TLS")
+    coord.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    coord.add_argument("--tls-client-ca", type=Path, default=None, help="require client certs from this CA (mTLS)")
+    coord.add_argument(
+        "--island-tokens",
+        type=Path,
+        default=None,
+        help='JSON {"island-id": "token"}: islands must present their own bearer token',
+    )
     _add_dataclass_args(coord, RunConfig)
 
     island = sub.add_parser("island", help="run a reference island (tiny GPT on the bundled text)")
@@ -83,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
             from atoll.coordinator.main import main as coordinator_main
 
             config = _config_from(RunConfig, ns)
+            from atoll.coordinator.security import IslandTokens, TlsConfig
+
+            if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
+                raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+            security = {
+                "tls": TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None,
+                "tokens": IslandTokens.load(ns.island_tokens) if ns.island_tokens else None,
+            }
             return coordinator_main(
                 config,
                 ns.state_dir,
@@ -95,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                     "token": ns.admin_token,
                     "port_file": ns.admin_port_file,
                 },
+                security=security,
             )
         if ns.command == "island":
             from atoll.islands.runner import IslandArgs, run_island

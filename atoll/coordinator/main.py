@@ -22,8 +22,16 @@ def write_port_file(path: Path, port: int) -> None:
 
 
 async def serve(
-    config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, admin: dict | None = None
+    config: RunConfig,
+    state_dir: Path,
+    *,
+    host: str,
+    port: int,
+    port_file: Path | None,
+    admin: dict | None = None,
+    security: dict | None = None,
 ) -> None:
+    """``security``: ``{"tls": TlsConfig | None, "tokens": IslandTokens | None}``."""
     admin = admin or {}
     server = CoordinatorServer(
         config,
@@ -33,6 +41,7 @@ async def serve(
         admin_host=admin.get("host", "127.0.0.1"),
         admin_port=admin.get("port"),
         admin_token=admin.get("token"),
+        **(security or {}),
     )
     await server.start()
     print(f"atoll coordinator listening on {server.address}", flush=True)
@@ -53,8 +62,6 @@ async def serve(
         await server.stop(grace=2.0)
 
 
-def main(
-    config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, admin: dict | None = None
-) -> int:
-    asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file, admin=admin))
+def main(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, **kwargs) -> int:
+    asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file, **kwargs))
     return 0

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.core import PushPlan, RequestError, RunState
+from atoll.coordinator.security import IslandTokens, TlsConfig, TokenInterceptor
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 
@@ -36,12 +37,25 @@ async def _abort(context: grpc.aio.ServicerContext, err: RequestError):
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, state: RunState) -> None:
+    def __init__(self, state: RunState, tokens: IslandTokens | None = None) -> None:
         self.state = state
+        self.tokens = tokens
 
-    @staticmethod
-    async def _unary(handler, request, context):
+    def _check_identity(self, context, island_id: str) -> None:
+        """With island tokens configured, an island may only act for itself."""
+        if self.tokens is None:
+            return
+        holder = self.tokens.island_for(context.invocation_metadata())
+        if holder is None:
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown island token")
+        if holder != island_id:
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED, f"token of island {holder!r} cannot act for island {island_id!r}"
+            )
+
+    async def _unary(self, handler, request, context):
         try:
+            self._check_identity(context, request.island_id)
             return handler(request)
         except RequestError as err:
             await _abort(context, err)
@@ -57,13 +71,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def PushDelta(self, request_iterator, context):
         try:
-            return await self._push(request_iterator)
+            return await self._push(request_iterator, context)
         except RequestError as err:
             if err.code == grpc.StatusCode.INVALID_ARGUMENT:
                 self.state.counters["pushes_refused"] += 1
             await _abort(context, err)
 
-    async def _push(self, request_iterator) -> pb.PushResponse:
+    async def _push(self, request_iterator, context) -> pb.PushResponse:
         it = request_iterator.__aiter__()
         try:
             first = await it.__anext__()
@@ -71,6 +85,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty push stream") from None
         if first.WhichOneof("kind") != "header":
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a push stream must start with a header")
+        self._check_identity(context, first.header.island_id)
         plan = self.state.plan_push(first.header)
         if isinstance(plan, pb.PushResponse):
             return plan  # duplicate: nothing to read
@@ -80,6 +95,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def PullUpdate(self, request, context):
         try:
+            self._check_identity(context, request.island_id)
             answer = await self.state.pull(request)
         except RequestError as err:
             await _abort(context, err)
@@ -149,10 +165,14 @@ class CoordinatorServer:
         admin_host: str = "127.0.0.1",
         admin_port: int | None = None,
         admin_token: str | None = None,
+        tls: TlsConfig | None = None,
+        tokens: IslandTokens | None = None,
     ) -> None:
         """``admin_port``: serve the admin HTTP endpoints there (0 picks a port; None: no admin server)."""
         self.config = config
         self.admin_args = (admin_host, admin_port, admin_token)
+        self.tls = tls
+        self.tokens = tokens
         self.admin = None
         self.state_dir = Path(state_dir)
         self.host = host
@@ -176,11 +196,16 @@ class CoordinatorServer:
             from atoll.coordinator.admin import AdminServer
 
             self.admin = AdminServer(self.state, host=admin_host, port=admin_port, token=admin_token)
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.state), self._server)
+        interceptors = [TokenInterceptor(self.tokens)] if self.tokens else []
+        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.state, self.tokens), self._server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        bind = f"{self.host}:{self.requested_port}"
+        if self.tls is not None:
+            self.port = self._server.add_secure_port(bind, self.tls.server_credentials())
+        else:
+            self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.host}:{self.requested_port}")
         await self._server.start()

@@ -74,18 +74,18 @@ class IslandFaults:
         if slow:
             time.sleep((slow.factor - 1) * step_seconds)
 
-    def client_factory(self, address, retry):
+    def client_factory(self, address, **client_kwargs):
         kills = {f.round for f in self.faults if f.kind == "kill_mid_push"}
-        return (
-            _DyingClient(address, retry=retry, kill_rounds=kills) if kills else CoordinatorClient(address, retry=retry)
-        )
+        if kills:
+            return _DyingClient(address, kill_rounds=kills, **client_kwargs)
+        return CoordinatorClient(address, **client_kwargs)
 
 
 class _DyingClient(CoordinatorClient):
     """The real client, except that it dies halfway through the push of chosen rounds."""
 
-    def __init__(self, address, *, retry, kill_rounds: set[int]) -> None:
-        super().__init__(address, retry=retry)
+    def __init__(self, address, *, kill_rounds: set[int], **client_kwargs) -> None:
+        super().__init__(address, **client_kwargs)
         self.kill_rounds = kill_rounds
 
     def push(self, header, payloads):
@@ -107,7 +107,7 @@ class _DyingClient(CoordinatorClient):
                     yield pb.PushChunk(data=piece)
 
         try:
-            return self._stub.PushDelta(chunks(), timeout=30)
+            return self._stub.PushDelta(chunks(), timeout=30, metadata=self._metadata)
         except grpc.RpcError:
             os._exit(137)
 

@@ -56,11 +56,41 @@ class RetryPolicy:
             raise ValueError("give_up_seconds and rpc_timeout_seconds must be > 0")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ClientTls:
+    ca: str
+    """PEM file of the CA that signed the coordinator's certificate."""
+    cert: str | None = None
+    """PEM certificate of this island (mutual TLS)."""
+    key: str | None = None
+    """PEM private key of this island (mutual TLS)."""
+    server_name: str | None = None
+    """Expected name in the coordinator's certificate, if not the address's host."""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path):
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca),
+            private_key=read(self.key) if self.key else None,
+            certificate_chain=read(self.cert) if self.cert else None,
+        )
+
+
 class CoordinatorClient:
-    def __init__(self, address: str, *, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self, address: str, *, retry: RetryPolicy | None = None, token: str | None = None, tls: ClientTls | None = None
+    ) -> None:
         self.address = address
         self.retry = retry or RetryPolicy()
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        if tls is not None:
+            name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+            self._channel = grpc.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS + name)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -89,13 +119,13 @@ class CoordinatorClient:
         return self.retry.rpc_timeout_seconds + num_bytes / 1e6
 
     def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
-        return self.call("Join", lambda: self._stub.Join(req, timeout=self._timeout()))
+        return self.call("Join", lambda: self._stub.Join(req, timeout=self._timeout(), metadata=self._metadata))
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        return self._stub.Heartbeat(req, timeout=self.retry.rpc_timeout_seconds)
+        return self._stub.Heartbeat(req, timeout=self.retry.rpc_timeout_seconds, metadata=self._metadata)
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
-        return self.call("Leave", lambda: self._stub.Leave(req, timeout=self._timeout()))
+        return self.call("Leave", lambda: self._stub.Leave(req, timeout=self._timeout(), metadata=self._metadata))
 
     def push(self, header: pb.PushHeader, payloads: list[bytes]) -> pb.PushResponse:
         """Stream one push (header, then the payloads' bytes in chunks)."""
@@ -109,7 +139,7 @@ class CoordinatorClient:
                     yield pb.PushChunk(data=bytes(view[start : start + CHUNK_BYTES]))
 
         def attempt() -> pb.PushResponse:
-            resp = self._stub.PushDelta(chunks(), timeout=self._timeout(total))
+            resp = self._stub.PushDelta(chunks(), timeout=self._timeout(total), metadata=self._metadata)
             self.bytes_sent += total + header.ByteSize()
             return resp
 
@@ -119,7 +149,7 @@ class CoordinatorClient:
         """One long-poll pull; returns the header and each entry's payload."""
 
         def attempt():
-            stream = self._stub.PullUpdate(req, timeout=self._timeout() + req.wait_seconds)
+            stream = self._stub.PullUpdate(req, timeout=self._timeout() + req.wait_seconds, metadata=self._metadata)
             header = None
             data = bytearray()
             for chunk in stream:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.compression import ErrorFeedback, available_codecs, codec_name, decode_any, get_codec
-from atoll.islands.client import CoordinatorClient, RetryPolicy
+from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands.shards import LocalShard, local_shards
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.dtypes import PB_FROM_TORCH
@@ -71,11 +71,15 @@ class DiLoCo:
         keep_last_delta: bool = False,
         sync_every_seconds: float | None = None,
         client_factory=None,
+        token: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         """``sync_every_seconds``: sync on a time budget instead of every H steps (adaptive inner steps:
         a slow island does fewer steps; its delta is weighted by the tokens it reports).
-        ``client_factory(address, retry)``: builds the coordinator client (fault injection wraps it)."""
-        self.client_factory = client_factory or (lambda address, retry: CoordinatorClient(address, retry=retry))
+        ``client_factory(address, retry=..., token=..., tls=...)``: builds the coordinator client (fault
+        injection wraps it). ``token``: this island's bearer token; ``tls``: TLS / mutual TLS settings."""
+        self.client_factory = client_factory or CoordinatorClient
+        self.client_kwargs = {"token": token, "tls": tls}
         if codec is not None:
             get_codec(codec)  # ValueError with the reason for a bad spec
         if sync_every is not None and sync_every < 1:
@@ -121,7 +125,7 @@ class DiLoCo:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> DiLoCo:
         self.shards = local_shards(self.model, self.group)
-        self.client = self.client_factory(self.address, self.retry)
+        self.client = self.client_factory(self.address, retry=self.retry, **self.client_kwargs)
         resp = self._join()
         if resp.bootstrap:
             self._bootstrap()

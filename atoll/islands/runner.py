@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from atoll.data import CharDataset
 from atoll.harness.faults import IslandFaults
-from atoll.islands.client import RetryPolicy
+from atoll.islands.client import ClientTls, RetryPolicy
 from atoll.islands.diloco import DiLoCo
 from atoll.islands.parallel import MODES, full_tensor, parallelize
 from atoll.models import GPTConfig, TinyGPT
@@ -64,6 +64,15 @@ class IslandArgs:
     sync_every_seconds: float = 0.0
     """If > 0, sync on this time budget instead of the run's H steps (adaptive inner steps)."""
     heartbeat_seconds: float = 5.0
+    token: str = ""
+    """This island's bearer token (when the coordinator runs with --island-tokens)."""
+    tls_ca: str = ""
+    """CA of the coordinator's certificate: connect over TLS."""
+    tls_cert: str = ""
+    """This island's certificate (mutual TLS)."""
+    tls_key: str = ""
+    tls_server_name: str = ""
+    """Name expected in the coordinator's certificate, if not the address's host."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -168,6 +177,15 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
         sync_every_seconds=args.sync_every_seconds or None,
         heartbeat_seconds=args.heartbeat_seconds,
         client_factory=faults.client_factory,
+        token=args.token or None,
+        tls=ClientTls(
+            ca=args.tls_ca,
+            cert=args.tls_cert or None,
+            key=args.tls_key or None,
+            server_name=args.tls_server_name or None,
+        )
+        if args.tls_ca
+        else None,
     )
     sync.start()
     try:
