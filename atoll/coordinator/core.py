@@ -614,7 +614,7 @@ class RunState:
                 f"island holds round {req.have_round}, ahead of the coordinator's {self.round}; "
                 "pull the full parameters (have_round=-1)"
             )
-        wait = min(max(req.wait_seconds, 0.0), 60.0)
+        wait = min(max(req.wait_seconds, 0.0), 60.0) if math.isfinite(req.wait_seconds) else 0.0
         if self.params is None or req.have_round == self.round:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.round_changed.wait(), wait)
