@@ -35,6 +35,12 @@ class RunConfig:
     """fold: a delta k rounds late weighs staleness_weight**k times its tokens."""
     max_staleness: int = 1
     """fold: pushes more than this many rounds late are dropped."""
+    aggregation: str = "mean"
+    """How deltas are combined: "mean" (token-weighted), "clipped_mean" or "median" (robust)."""
+    clip_norm: float = 0.0
+    """clipped_mean: clip each island's delta to this L2 norm (0: the median of the islands' norms)."""
+    max_delta_norm: float = 0.0
+    """Refuse an island's delta whose L2 norm exceeds this (0: no bound)."""
     quorum: int = 1
     """Minimum committed islands for a round to close at its deadline."""
     round_deadline_seconds: float = 600.0
@@ -62,6 +68,10 @@ class RunConfig:
             raise ValueError(f"staleness_weight must be in (0, 1], got {self.staleness_weight}")
         if self.max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1, got {self.max_staleness}")
+        if self.aggregation not in ("mean", "clipped_mean", "median"):
+            raise ValueError(f"aggregation must be mean, clipped_mean or median, got {self.aggregation!r}")
+        if self.clip_norm < 0 or self.max_delta_norm < 0:
+            raise ValueError("clip_norm and max_delta_norm must be >= 0")
         if self.quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {self.quorum}")
         if not self.round_deadline_seconds > 0:

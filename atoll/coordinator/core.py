@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from atoll.compression import WireFormatError, available_codecs, codec_name, get_codec
-from atoll.coordinator import persistence
+from atoll.coordinator import persistence, robust
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.outer import NesterovSGD
 from atoll.coordinator.regions import Region, check_coverage
@@ -168,6 +168,8 @@ class RunState:
         """Islands whose contribution to the open round is complete."""
         self.late: dict[tuple[str, int], Committed] = {}
         """Late contributions (island, their round) folded into the open round's accumulator."""
+        self.dense: dict[tuple[str, int], tuple[float, dict[str, torch.Tensor]]] = {}
+        """Robust aggregation: each contribution's (weight, dense delta) for the open round."""
         self.folded: set[tuple[str, int]] = set()
         """Every (island, round) folded so far (recent rounds): a late delta is applied once."""
         self.accum: dict[str, torch.Tensor] = {}
@@ -416,7 +418,10 @@ class RunState:
             weight = float(max(tokens, 1))
             if late:
                 weight *= self.config.staleness_weight ** (self.round - plan.round)
-            await asyncio.to_thread(self._accumulate, ranks, weight)
+            if self.config.aggregation == "mean" and not self.config.max_delta_norm:
+                await asyncio.to_thread(self._accumulate, ranks, weight)
+            else:
+                await self._stage_dense(key, ranks, weight)
             record = Committed(tokens, ranks[0].plan.loss, sum(r.num_bytes for r in ranks), weight)
             self.counters["bytes_in"] += record.num_bytes
             if late:
@@ -451,6 +456,28 @@ class RunState:
     def _drop_pending(self, island_id: str) -> None:
         for key in [k for k in self.pending if k[0] == island_id]:
             del self.pending[key]
+
+    async def _stage_dense(self, key: tuple[str, int], ranks: list[StagedRank], weight: float) -> None:
+        """Norm bound and robust aggregation need the island's whole delta: assemble it densely."""
+        delta = await asyncio.to_thread(self._assemble, ranks)
+        norm = robust.l2_norm(delta)
+        bound = self.config.max_delta_norm
+        if bound and norm > bound:
+            self.counters["pushes_refused"] += 1
+            raise _invalid(f"island {key[0]!r} discarded for round {key[1]}: delta norm {norm:.4g} exceeds {bound:g}")
+        if self.config.aggregation == "mean":
+            for name, t in delta.items():
+                self.accum[name].add_(t, alpha=weight)
+        else:
+            self.dense[key] = (weight, delta)
+
+    def _assemble(self, ranks: list[StagedRank]) -> dict[str, torch.Tensor]:
+        out = {k: torch.zeros(s, dtype=torch.float32) for k, s in self.specs.items()}
+        for staged in ranks:
+            codec = self._codec_of(staged.plan)
+            for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
+                out[entry.name][entry.region.slices()] = codec.decode(payload, entry.region.sizes)
+        return out
 
     def _accumulate(self, ranks: list[StagedRank], weight: float) -> None:
         for staged in ranks:
@@ -565,6 +592,7 @@ class RunState:
             self.opened_at = self.clock()
             self.committed = {}
             self.late = {}
+            self.dense = {}
             keep_from = self.round - (self.config.max_staleness if self.config.late_policy == "fold" else 0)
             self.pending = {k: v for k, v in self.pending.items() if k[1] >= keep_from}
             self.folded = {k for k in self.folded if k[1] >= keep_from - 1}
@@ -584,7 +612,12 @@ class RunState:
         The accumulator holds sum(w_i * Δ_i) with w_i = max(tokens_i, 1) (times staleness_weight^k for a
         delta k rounds late); weight_total is sum(w_i).
         """
-        grads = {k: v.div(weight_total) for k, v in self.accum.items()}
+        if self.config.aggregation == "mean":
+            grads = {k: v.div(weight_total) for k, v in self.accum.items()}
+        else:
+            grads = robust.aggregate(
+                self.config.aggregation, list(self.dense.values()), clip_norm=self.config.clip_norm
+            )
         update = self.optimizer.update(grads)
         params, out = {}, Update()
         for name, u in update.items():
