@@ -1,4 +1,5 @@
-"""The coordinator's admin HTTP server (aiohttp): /healthz, /metrics (Prometheus), /api/status.
+"""The coordinator's admin HTTP server (aiohttp): /healthz, /metrics (Prometheus), /api/status, and a
+live dashboard at / (loss, bytes and the round timeline per island, polled from /api/status).
 
 Bound to loopback by default; on any other address it refuses to start without a bearer token,
 and with a token every endpoint but /healthz requires ``Authorization: Bearer <token>``.
@@ -10,6 +11,7 @@ import dataclasses
 import hmac
 import ipaddress
 import time
+from importlib import resources
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -79,12 +81,16 @@ class AdminServer:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/api/status", self.status)
+        app.router.add_get("/", self.dashboard)
+        app.router.add_get("/dashboard", self.dashboard)
         return app
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.token and request.path != "/healthz":
             given = request.headers.get("Authorization", "")
+            if request.path in ("/", "/dashboard"):  # a browser opens the page as /dashboard?token=...
+                given = f"Bearer {request.query.get('token', '')}"
             if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
                 raise web.HTTPUnauthorized(text="missing or wrong bearer token\n")
         return await handler(request)
@@ -100,6 +106,10 @@ class AdminServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def dashboard(self, request: web.Request) -> web.Response:
+        page = resources.files("atoll.coordinator").joinpath("static/dashboard.html").read_text(encoding="utf-8")
+        return web.Response(text=page, content_type="text/html")
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")

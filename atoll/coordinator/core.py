@@ -81,7 +81,7 @@ class IslandState:
 def island_state(rec: IslandRecord, now: float, open_round: int) -> str:
     if rec.lease_expires_at <= now:
         return IslandState.GONE
-    if rec.holds_round < 0:
+    if rec.holds_round < 0 and rec.last_committed_round < 0:
         return IslandState.JOINING
     if open_round == 0 or rec.last_committed_round >= open_round - 1:
         return IslandState.ACTIVE
