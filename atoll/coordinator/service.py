@@ -123,10 +123,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
 
 async def _receive_entries(state: RunState, plan: PushPlan, it) -> list[bytearray]:
-    """Read the data chunks of a push, validating each entry as soon as its bytes are in."""
+    """Read the data chunks of a push, validating each entry as soon as its bytes are in.
+
+    Each entry's buffer is allocated once at its declared size (already bounded by ``plan_push``
+    against the tensor's size), so receiving never regrows or copies a payload twice.
+    """
     payloads = []
-    index = 0
-    buf = bytearray()
+    index, filled = 0, 0
+    buf: bytearray | None = None
     async for chunk in it:
         if chunk.WhichOneof("kind") != "data":
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a push stream has one header, then data chunks")
@@ -136,13 +140,16 @@ async def _receive_entries(state: RunState, plan: PushPlan, it) -> list[bytearra
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT, "push stream carries more bytes than its header declares"
                 )
-            need = plan.entries[index].num_bytes - len(buf)
-            buf += data[:need]
-            data = data[need:]
-            if len(buf) == plan.entries[index].num_bytes:
-                payload = buf
-                buf = bytearray()
-                payloads.append(await asyncio.to_thread(state.check_entry, plan, index, payload))
+            size = plan.entries[index].num_bytes
+            if buf is None:
+                buf, filled = bytearray(size), 0
+            take = min(size - filled, data.nbytes)
+            buf[filled : filled + take] = data[:take]
+            filled += take
+            data = data[take:]
+            if filled == size:
+                payloads.append(await asyncio.to_thread(state.check_entry, plan, index, buf))
+                buf = None
                 index += 1
     if index != len(plan.entries):
         raise RequestError(

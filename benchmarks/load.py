@@ -1,0 +1,172 @@
+"""32 lightweight simulated islands pushing concurrently to one coordinator process.
+
+    python benchmarks/load.py [--islands 32] [--numel 1048576] [--rounds 3]
+
+Each simulated island is a thread with its own gRPC channel that pushes a pre-encoded identity
+payload every round and long-polls for the update. Reported: ingest throughput (payload bytes the
+coordinator accepted per second of push phase), beside a raw loopback TCP transfer of the same
+bytes over the same number of concurrent connections measured in this run; and the coordinator's
+peak RSS (VmHWM) against its RSS before the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from atoll.compression import get_codec  # noqa: E402
+from atoll.harness import ProcessGroup  # noqa: E402
+from atoll.islands.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from atoll.protos import coordinator_pb2 as pb  # noqa: E402
+
+
+def rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def raw_tcp_seconds(num_conns: int, payload: bytes, rounds: int) -> float:
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.listen(num_conns)
+    port = srv.getsockname()[1]
+    total = len(payload) * rounds
+
+    def sink(conn):
+        with conn:
+            got = 0
+            while got < total:
+                got += len(conn.recv(1 << 20))
+            conn.sendall(b"k")
+
+    def accept():
+        for _ in range(num_conns):
+            conn, _ = srv.accept()
+            threading.Thread(target=sink, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    def send():
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            for _ in range(rounds):
+                s.sendall(payload)
+            s.recv(1)
+
+    threads = [threading.Thread(target=send) for _ in range(num_conns)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    dt = time.perf_counter() - t
+    srv.close()
+    return dt
+
+
+def run(islands: int, numel: int, rounds: int, work: Path) -> dict:
+    payload = get_codec("identity").encode(torch.randn(numel))
+    with ProcessGroup(work) as group:
+        coord, address = group.start_coordinator(
+            work / "state",
+            ["--run-id", "load", "--sync-every", "1", "--quorum", str(islands), "--round-deadline-seconds", "600"],
+        )
+        rss_before = rss_kib(coord.pid, "VmRSS")
+        clients = [CoordinatorClient(address, retry=RetryPolicy(give_up_seconds=60)) for _ in range(islands)]
+        for i, c in enumerate(clients):
+            req = pb.JoinRequest(run_id="load", island_id=f"sim-{i}", codecs=["identity"], num_ranks=1)
+            req.tensors.add(name="w", shape=[numel], dtype=pb.DTYPE_FLOAT32)
+            resp = c.join(req)
+            if resp.bootstrap:
+                h = pb.PushHeader(
+                    run_id="load", island_id=f"sim-{i}", round=0, kind=pb.PUSH_KIND_INIT, num_ranks=1, codec="identity"
+                )
+                h.entries.add(name="w", num_bytes=len(payload))
+                c.push(h, [payload])
+        push_seconds = 0.0
+        for r in range(rounds):
+            barrier = threading.Barrier(islands + 1)
+            errors = []
+
+            def island(i, c, r=r, barrier=barrier, errors=errors):
+                h = pb.PushHeader(
+                    run_id="load",
+                    island_id=f"sim-{i}",
+                    round=r,
+                    kind=pb.PUSH_KIND_DELTA,
+                    num_ranks=1,
+                    tokens=1,
+                    codec="identity",
+                )
+                h.entries.add(name="w", num_bytes=len(payload))
+                barrier.wait()
+                try:
+                    c.push(h, [payload])
+                except Exception as err:  # noqa: BLE001 - reported below
+                    errors.append(err)
+
+            threads = [threading.Thread(target=island, args=(i, c)) for i, c in enumerate(clients)]
+            for th in threads:
+                th.start()
+            barrier.wait()
+            t = time.perf_counter()
+            for th in threads:
+                th.join()
+            push_seconds += time.perf_counter() - t
+            if errors:
+                raise RuntimeError(f"{len(errors)} pushes failed: {errors[0]}")
+            header, _ = clients[0].pull(pb.PullRequest(run_id="load", island_id="sim-0", have_round=r, wait_seconds=30))
+            if header.round != r + 1:
+                raise RuntimeError(f"round {r} did not close: {header}")
+        peak = rss_kib(coord.pid, "VmHWM")
+        for c in clients:
+            c.close()
+        coord.stop()
+    from atoll.coordinator import persistence
+
+    hist = persistence.load(work / "state").history
+    return {
+        "payload": len(payload),
+        "push_seconds": push_seconds,
+        "rss_before_kib": rss_before,
+        "peak_kib": peak,
+        "rounds_completed": len(hist),
+        "islands_per_round": [len(h["islands"]) for h in hist],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--islands", type=int, default=32)
+    ap.add_argument("--numel", type=int, default=1 << 20)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run(args.islands, args.numel, args.rounds, Path(tmp))
+    total = res["payload"] * args.islands * args.rounds
+    tcp = raw_tcp_seconds(args.islands, b"\0" * res["payload"], args.rounds)
+    ingest, raw = total / res["push_seconds"] / 1e9, total / tcp / 1e9
+    print(
+        f"{args.islands} islands x {args.rounds} rounds x {res['payload'] / 2**20:.1f} MiB payloads "
+        f"({total / 2**20:.0f} MiB in all); rounds completed {res['rounds_completed']}, islands per round "
+        f"{res['islands_per_round']}"
+    )
+    print(f"ingest {ingest:.3f} GB/s, raw loopback TCP {raw:.3f} GB/s, ratio {ingest / raw:.3f}")
+    growth = (res["peak_kib"] - res["rss_before_kib"]) / 1024
+    print(
+        f"coordinator RSS before {res['rss_before_kib'] / 1024:.0f} MiB, peak {res['peak_kib'] / 1024:.0f} MiB "
+        f"(+{growth:.0f} MiB; all islands' payloads of one round = {res['payload'] * args.islands / 2**20:.0f} MiB)"
+    )
+
+
+if __name__ == "__main__":
+    main()
