@@ -15,6 +15,8 @@ from atoll.coordinator.core import PushPlan, RequestError, RunState
 from atoll.coordinator.security import IslandTokens, TlsConfig, TokenInterceptor
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
+from atoll.protos import raw
+from atoll.protos.raw import RawData
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -83,7 +85,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             first = await it.__anext__()
         except StopAsyncIteration:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty push stream") from None
-        if first.WhichOneof("kind") != "header":
+        if isinstance(first, RawData) or first.WhichOneof("kind") != "header":
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a push stream must start with a header")
         self._check_identity(context, first.header.island_id)
         plan = self.state.plan_push(first.header)
@@ -119,7 +121,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         for _, _, payload in answer.payloads:
             view = memoryview(payload)
             for start in range(0, len(view), CHUNK_BYTES):
-                yield pb.PullChunk(data=bytes(view[start : start + CHUNK_BYTES]))
+                yield RawData(view[start : start + CHUNK_BYTES])
 
 
 async def _receive_entries(state: RunState, plan: PushPlan, it) -> list[bytearray]:
@@ -132,9 +134,12 @@ async def _receive_entries(state: RunState, plan: PushPlan, it) -> list[bytearra
     index, filled = 0, 0
     buf: bytearray | None = None
     async for chunk in it:
-        if chunk.WhichOneof("kind") != "data":
+        if isinstance(chunk, RawData):
+            data = chunk.view
+        elif chunk.WhichOneof("kind") == "data":
+            data = memoryview(chunk.data)
+        else:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a push stream has one header, then data chunks")
-        data = memoryview(chunk.data)
         while data.nbytes:
             if index >= len(plan.entries):
                 raise RequestError(
@@ -157,6 +162,37 @@ async def _receive_entries(state: RunState, plan: PushPlan, it) -> list[bytearra
             f"push stream ended early: {index} of {len(plan.entries)} tensors complete",
         )
     return payloads
+
+
+def _add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with the bulk streams' chunks on the raw path (atoll.protos.raw)."""
+    handlers = {
+        "Join": grpc.unary_unary_rpc_method_handler(
+            servicer.Join,
+            request_deserializer=pb.JoinRequest.FromString,
+            response_serializer=pb.JoinResponse.SerializeToString,
+        ),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(
+            servicer.Heartbeat,
+            request_deserializer=pb.HeartbeatRequest.FromString,
+            response_serializer=pb.HeartbeatResponse.SerializeToString,
+        ),
+        "PushDelta": grpc.stream_unary_rpc_method_handler(
+            servicer.PushDelta,
+            request_deserializer=raw.deserialize_push_chunk,
+            response_serializer=pb.PushResponse.SerializeToString,
+        ),
+        "PullUpdate": grpc.unary_stream_rpc_method_handler(
+            servicer.PullUpdate, request_deserializer=pb.PullRequest.FromString, response_serializer=raw.serialize
+        ),
+        "Leave": grpc.unary_unary_rpc_method_handler(
+            servicer.Leave,
+            request_deserializer=pb.LeaveRequest.FromString,
+            response_serializer=pb.LeaveResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class CoordinatorServer:
@@ -205,7 +241,7 @@ class CoordinatorServer:
             self.admin = AdminServer(self.state, host=admin_host, port=admin_port, token=admin_token)
         interceptors = [TokenInterceptor(self.tokens)] if self.tokens else []
         self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self.state, self.tokens), self._server)
+        _add_servicer(CoordinatorServicer(self.state, self.tokens), self._server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
         bind = f"{self.host}:{self.requested_port}"

@@ -18,6 +18,8 @@ import grpc
 
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
+from atoll.protos import raw
+from atoll.protos.raw import RawData
 
 log = logging.getLogger("atoll.island")
 
@@ -92,6 +94,17 @@ class CoordinatorClient:
         else:
             self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+        # The bulk streams on the raw chunk path (wire-compatible; see atoll.protos.raw).
+        self._push_call = self._channel.stream_unary(
+            "/atoll.v1.Coordinator/PushDelta",
+            request_serializer=raw.serialize,
+            response_deserializer=pb.PushResponse.FromString,
+        )
+        self._pull_call = self._channel.unary_stream(
+            "/atoll.v1.Coordinator/PullUpdate",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=raw.deserialize_pull_chunk,
+        )
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -136,10 +149,10 @@ class CoordinatorClient:
             for payload in payloads:
                 view = memoryview(payload)
                 for start in range(0, len(view), CHUNK_BYTES):
-                    yield pb.PushChunk(data=bytes(view[start : start + CHUNK_BYTES]))
+                    yield RawData(view[start : start + CHUNK_BYTES])
 
         def attempt() -> pb.PushResponse:
-            resp = self._stub.PushDelta(chunks(), timeout=self._timeout(total), metadata=self._metadata)
+            resp = self._push_call(chunks(), timeout=self._timeout(total), metadata=self._metadata)
             self.bytes_sent += total + header.ByteSize()
             return resp
 
@@ -149,11 +162,13 @@ class CoordinatorClient:
         """One long-poll pull; returns the header and each entry's payload."""
 
         def attempt():
-            stream = self._stub.PullUpdate(req, timeout=self._timeout() + req.wait_seconds, metadata=self._metadata)
+            stream = self._pull_call(req, timeout=self._timeout() + req.wait_seconds, metadata=self._metadata)
             header = None
             data = bytearray()
             for chunk in stream:
-                if chunk.WhichOneof("kind") == "header":
+                if isinstance(chunk, RawData):
+                    data += chunk.view
+                elif chunk.WhichOneof("kind") == "header":
                     if header is not None:
                         raise ProtocolError("two headers in one update stream")
                     header = chunk.header
