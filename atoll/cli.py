@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve gRPC over TLS")
     coord.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     coord.add_argument("--tls-client-ca", type=Path, default=None, help="require client certs from this CA (mTLS)")
+    coord.add_argument("--shard", default="0/1", help="i/n: this coordinator owns tensors crc32(name) %% n == i")
     coord.add_argument(
         "--island-tokens",
         type=Path,
@@ -93,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
 
             config = _config_from(RunConfig, ns)
             from atoll.coordinator.security import IslandTokens, TlsConfig
+            from atoll.sharding import parse_shard
 
             if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
                 raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
             security = {
                 "tls": TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None,
                 "tokens": IslandTokens.load(ns.island_tokens) if ns.island_tokens else None,
+                "shard": parse_shard(ns.shard),
             }
             return coordinator_main(
                 config,

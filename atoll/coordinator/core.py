@@ -27,6 +27,7 @@ from atoll.coordinator.regions import Region, check_coverage
 from atoll.coordinator.rounds import Decision, IslandView, RoundPolicy, RoundView, decide, next_wakeup
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.dtypes import TORCH_FROM_PB
+from atoll.sharding import shard_of
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -149,7 +150,16 @@ class PullAnswer:
 
 
 class RunState:
-    def __init__(self, config: RunConfig, state_dir: Path, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        state_dir: Path,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        shard: tuple[int, int] = (0, 1),
+    ) -> None:
+        """``shard``: (index, count) of this coordinator; it owns the tensors ``shard_of(name, count) == index``."""
+        self.shard = shard
         self.state_dir = Path(state_dir)
         self.clock = clock
         self.config = config
@@ -263,6 +273,15 @@ class RunState:
         num_ranks = req.num_ranks or 1
         if not 1 <= num_ranks <= MAX_RANKS:
             raise _invalid(f"num_ranks must be in 1..{MAX_RANKS}, got {req.num_ranks}")
+        index, count = self.shard
+        if (req.shard_index, req.num_shards or 1) != (index, count):
+            raise _precondition(
+                f"island routes to shard {req.shard_index}/{req.num_shards or 1}; "
+                f"this coordinator is shard {index}/{count}"
+            )
+        foreign = sorted(t.name for t in req.tensors if shard_of(t.name, count) != index)
+        if foreign:
+            raise _precondition(f"tensors {foreign[:5]} do not belong to shard {index}/{count}")
         if codec_name(self.config.codec) not in {codec_name(c) for c in req.codecs}:
             unknown = [c for c in req.codecs if codec_name(c) not in available_codecs()]
             raise _precondition(

@@ -31,6 +31,7 @@ from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands.shards import LocalShard, local_shards
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.dtypes import PB_FROM_TORCH
+from atoll.sharding import shard_of
 
 log = logging.getLogger("atoll.island")
 
@@ -51,6 +52,18 @@ class RoundStats:
     update_kind: str
     max_payload_numel: int
     """Largest tensor region this rank encoded in the round (no rank encodes a full sharded tensor)."""
+
+
+@dataclass
+class _Link:
+    """The island's session with one coordinator shard (the whole coordinator when unsharded)."""
+
+    index: int
+    address: str
+    shards: list[LocalShard]
+    """The parameter regions this rank holds whose tensors the shard owns."""
+    client: CoordinatorClient | None = None
+    round: int = -1
 
 
 class DiLoCo:
@@ -94,7 +107,10 @@ class DiLoCo:
             raise ValueError("a multi-rank island needs an explicit island_id shared by its ranks")
         self.model = model
         self.inner_optimizer = inner_optimizer
-        self.address = coordinator
+        self.addresses = [a.strip() for a in coordinator.split(",") if a.strip()]
+        if not self.addresses:
+            raise ValueError("coordinator must be host:port, or a comma-separated list of its shards")
+        self.links: list[_Link] = []
         self.requested_sync_every = sync_every
         self.codec_name = codec
         self.run_id = run_id
@@ -108,8 +124,6 @@ class DiLoCo:
         self.keep_last_delta = keep_last_delta
         self.last_delta: dict[tuple, torch.Tensor] = {}
         self.shards: list[LocalShard] = []
-        self.client: CoordinatorClient | None = None
-        self.round = -1
         self.sync_every = sync_every or 0
         self.inner_steps = 0
         self.history: list[RoundStats] = []
@@ -125,11 +139,20 @@ class DiLoCo:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> DiLoCo:
         self.shards = local_shards(self.model, self.group)
-        self.client = self.client_factory(self.address, retry=self.retry, **self.client_kwargs)
-        resp = self._join()
-        if resp.bootstrap:
-            self._bootstrap()
-        self._pull_until_ready(have_round=-1)
+        n = len(self.addresses)
+        self.links = [
+            _Link(i, addr, [s for s in self.shards if shard_of(s.name, n) == i])
+            for i, addr in enumerate(self.addresses)
+        ]
+        empty = [link.index for link in self.links if not link.shards]
+        if empty:
+            raise ValueError(f"coordinator shards {empty} of {n} own none of the model's tensors; use fewer shards")
+        for link in self.links:
+            link.client = self.client_factory(link.address, retry=self.retry, **self.client_kwargs)
+            if self._join(link).bootstrap:
+                self._bootstrap(link)
+        for link in self.links:
+            self._pull_until_ready(link, have_round=-1)
         self._round_started = time.monotonic()
         self._hb_thread = threading.Thread(target=self._heartbeats, name="atoll-heartbeat", daemon=True)
         self._hb_thread.start()
@@ -141,70 +164,90 @@ class DiLoCo:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def round(self) -> int:
+        """The round this island works on (the oldest over coordinator shards; -1 before start)."""
+        return min((link.round for link in self.links), default=-1)
+
     def close(self, leave: bool = True) -> None:
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
             self._hb_thread = None
-        if self.client is None:
+        if not any(link.client for link in self.links):
             return
         if self.num_ranks > 1:
             with contextlib.suppress(RuntimeError):  # a peer may already be gone
                 dist.barrier(group=self.group)
-        if leave and self.rank == 0:
-            try:
-                self.client.leave(pb.LeaveRequest(run_id=self.run_id, island_id=self.island_id))
-            except grpc.RpcError as err:
-                log.warning("leave failed: %s", err)
-        self.client.close()
-        self.client = None
+        for link in self.links:
+            if link.client is None:
+                continue
+            if leave and self.rank == 0:
+                try:
+                    link.client.leave(pb.LeaveRequest(run_id=self.run_id, island_id=self.island_id))
+                except grpc.RpcError as err:
+                    log.warning("leave failed on shard %d: %s", link.index, err)
+            link.client.close()
+            link.client = None
 
-    def _join(self) -> pb.JoinResponse:
+    def _join(self, link: _Link) -> pb.JoinResponse:
         offered = [codec_name(self.codec_name)] if self.codec_name else available_codecs()
-        req = pb.JoinRequest(run_id=self.run_id, island_id=self.island_id, codecs=offered, num_ranks=self.num_ranks)
+        req = pb.JoinRequest(
+            run_id=self.run_id,
+            island_id=self.island_id,
+            codecs=offered,
+            num_ranks=self.num_ranks,
+            shard_index=link.index,
+            num_shards=len(self.links),
+        )
         seen = set()
-        for shard in self.shards:
+        for shard in link.shards:
             if shard.name not in seen:
                 seen.add(shard.name)
                 req.tensors.add(name=shard.name, shape=list(shard.param.shape), dtype=PB_FROM_TORCH[shard.param.dtype])
-        resp = self.client.join(req)
+        resp = link.client.join(req)
         if self.requested_sync_every is None:
             self.sync_every = resp.config.sync_every
         if self.codec is None or self.codec.spec != get_codec(resp.codec).spec:
+            if self.codec is not None and link.index > 0:
+                raise RuntimeError(f"coordinator shard {link.index} runs codec {resp.codec}, another {self.codec.spec}")
             codec = get_codec(resp.codec)
             self.codec = ErrorFeedback(codec) if resp.config.error_feedback and codec.lossy else codec
             self._codec_state = {}
         log.info(
-            "%s[%d/%d] joined run %s at round %d (H=%d, codec %s)",
+            "%s[%d/%d] joined run %s (shard %d/%d) at round %d (H=%d, codec %s)",
             self.island_id,
             self.rank,
             self.num_ranks,
             self.run_id,
+            link.index,
+            len(self.links),
             resp.round,
             self.sync_every,
             resp.codec,
         )
         return resp
 
-    def _bootstrap(self) -> None:
+    def _bootstrap(self, link: _Link) -> None:
         ident = get_codec("identity")
-        owned = [s for s in self.shards if s.owned]
+        owned = [s for s in link.shards if s.owned]
         payloads = [ident.encode(s.local().detach()) for s in owned]
-        self.client.push(self._header(pb.PUSH_KIND_INIT, 0, owned, payloads, "identity"), payloads)
+        link.client.push(self._header(pb.PUSH_KIND_INIT, 0, owned, payloads, "identity"), payloads)
 
     def _heartbeats(self) -> None:
         while not self._hb_stop.wait(self.heartbeat_seconds):
-            try:
-                self.client.heartbeat(
-                    pb.HeartbeatRequest(run_id=self.run_id, island_id=self.island_id, round=self.round)
-                )
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND:
-                    log.info("coordinator forgot %s; re-joining", self.island_id)
-                    with contextlib.suppress(grpc.RpcError):
-                        self._join()
-            except (ValueError, AttributeError):  # channel closed under us during shutdown
-                return
+            for link in self.links:
+                try:
+                    link.client.heartbeat(
+                        pb.HeartbeatRequest(run_id=self.run_id, island_id=self.island_id, round=link.round)
+                    )
+                except grpc.RpcError as err:
+                    if err.code() == grpc.StatusCode.NOT_FOUND:
+                        log.info("coordinator shard %d forgot %s; re-joining", link.index, self.island_id)
+                        with contextlib.suppress(grpc.RpcError):
+                            self._join(link)
+                except (ValueError, AttributeError):  # channel closed under us during shutdown
+                    return
 
     # ---- training loop ---------------------------------------------------------------------
     def step(self, tokens: int = 0, loss: float | None = None) -> RoundStats | None:
@@ -212,7 +255,7 @@ class DiLoCo:
 
         ``tokens``: tokens the whole island processed in this step (the same on every rank).
         """
-        if self.client is None:
+        if not self.links:
             raise RuntimeError("DiLoCo.start() was not called")
         self.inner_steps += 1
         self._round_steps += 1
@@ -241,7 +284,7 @@ class DiLoCo:
     def sync(self) -> RoundStats:
         """Push this round's pseudo-gradient, wait for the outer step and apply it."""
         started = time.perf_counter()
-        sent0, recv0 = self.client.bytes_sent, self.client.bytes_received
+        sent0, recv0 = self._bytes()
         owned = [s for s in self.shards if s.owned]
         with torch.no_grad():
             deltas = [self._start[s.key] - s.local().detach().float() for s in owned]
@@ -255,13 +298,19 @@ class DiLoCo:
             del deltas
         self._buffers = {s.key: p for s, p in zip(owned, payloads, strict=True)}
         loss = sum(self._losses) / len(self._losses) if self._losses else None
-        header = self._header(
-            pb.PUSH_KIND_DELTA, self.round, owned, payloads, self.codec.spec, tokens=self._tokens, loss=loss
-        )
         finished_round, tokens = self.round, self._tokens
         steps = self._round_steps
-        self._push(header, payloads)
-        kind, global_loss = self._pull_until_ready(self.round, repush=(header, payloads))
+        pushes = []
+        for link in self.links:  # push to every shard first, then wait for each shard's outer step
+            mine = [s for s in link.shards if s.owned]
+            link_payloads = [self._buffers[s.key] for s in mine]
+            header = self._header(
+                pb.PUSH_KIND_DELTA, link.round, mine, link_payloads, self.codec.spec, tokens=tokens, loss=loss
+            )
+            self._push(link, header, link_payloads)
+            pushes.append((link, header, link_payloads))
+        for link, header, link_payloads in pushes:
+            kind, global_loss = self._pull_until_ready(link, link.round, repush=(header, link_payloads))
         self._tokens = 0
         self._losses = []
         self._round_steps = 0
@@ -272,14 +321,20 @@ class DiLoCo:
             tokens,
             loss,
             global_loss,
-            self.client.bytes_sent - sent0,
-            self.client.bytes_received - recv0,
+            self._bytes()[0] - sent0,
+            self._bytes()[1] - recv0,
             time.perf_counter() - started,
             kind,
             max((s.local().numel() for s in owned), default=0),
         )
         self.history.append(stats)
         return stats
+
+    def _bytes(self) -> tuple[int, int]:
+        return (
+            sum(link.client.bytes_sent for link in self.links),
+            sum(link.client.bytes_received for link in self.links),
+        )
 
     def _header(self, kind, round_, shards, payloads, codec, *, tokens=0, loss=None) -> pb.PushHeader:
         h = pb.PushHeader(
@@ -298,38 +353,38 @@ class DiLoCo:
             h.entries.add(name=s.name, offsets=list(s.offsets), sizes=list(s.sizes), num_bytes=len(payload))
         return h
 
-    def _push(self, header: pb.PushHeader, payloads: list) -> bool:
+    def _push(self, link: _Link, header: pb.PushHeader, payloads: list) -> bool:
         """Push; returns False when the round closed without us (the work is dropped)."""
         try:
-            self.client.push(header, payloads)
+            link.client.push(header, payloads)
             return True
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
-                self._join()
-                return self._push(header, payloads)
+                self._join(link)
+                return self._push(link, header, payloads)
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION and "closed" in (err.details() or ""):
                 log.warning("%s: round %d closed before our push arrived; dropping it", self.island_id, header.round)
                 return False
             raise
 
-    def _pull_request(self, have_round: int) -> pb.PullRequest:
+    def _pull_request(self, link: _Link, have_round: int) -> pb.PullRequest:
         req = pb.PullRequest(
             run_id=self.run_id, island_id=self.island_id, have_round=have_round, wait_seconds=self.pull_wait_seconds
         )
-        for s in self.shards:
+        for s in link.shards:
             if not s.is_full:
                 req.regions.add(name=s.name, offsets=list(s.offsets), sizes=list(s.sizes))
             else:
                 req.regions.add(name=s.name)
         return req
 
-    def _pull_until_ready(self, have_round: int, repush=None) -> tuple[str, float | None]:
+    def _pull_until_ready(self, link: _Link, have_round: int, repush=None) -> tuple[str, float | None]:
         while True:
             try:
-                header, payloads = self.client.pull(self._pull_request(have_round))
+                header, payloads = link.client.pull(self._pull_request(link, have_round))
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
-                    self._join()
+                    self._join(link)
                     continue
                 if err.code() == grpc.StatusCode.FAILED_PRECONDITION and have_round >= 0:
                     log.warning("%s: %s; pulling full parameters", self.island_id, err.details())
@@ -340,21 +395,21 @@ class DiLoCo:
                 if repush is not None and not header.committed and header.round == have_round:
                     # The coordinator lost our push (it restarted): idempotent, so send it again.
                     log.info("%s: coordinator has no push from us for round %d; re-pushing", self.island_id, have_round)
-                    self._push(*repush)
+                    self._push(link, *repush)
                 continue
-            self._apply(header, payloads)
+            self._apply(link, header, payloads)
             if header.round < header.latest_round:  # several rounds behind: next delta right away
                 have_round, repush = header.round, None
                 continue
             return pb.UpdateKind.Name(header.kind), (header.loss if header.HasField("loss") else None)
 
-    def _apply(self, header: pb.UpdateHeader, payloads: list) -> None:
+    def _apply(self, link: _Link, header: pb.UpdateHeader, payloads: list) -> None:
         by_key = {
             (e.name, tuple(e.offsets), tuple(e.sizes)): payload
             for e, (_, payload) in zip(header.entries, payloads, strict=True)
         }
         new = {}
-        for s in self.shards:
+        for s in link.shards:
             key = (s.name, (), ()) if s.is_full else s.key
             if key not in by_key:
                 raise RuntimeError(f"update is missing tensor {s.name!r} region {s.offsets}+{s.sizes}")
@@ -363,10 +418,10 @@ class DiLoCo:
             value = decode_any(by_key[key], s.sizes)
             new[s.key] = value if header.kind == pb.UPDATE_KIND_FULL else self._start[s.key] + value
         with torch.no_grad():
-            for s in self.shards:
+            for s in link.shards:
                 s.local().copy_(new[s.key])
-        self._start = new
-        self.round = header.round
+        self._start.update(new)
+        link.round = header.round
 
     def global_params(self) -> dict[str, torch.Tensor]:
         """This rank's regions of θ for the current round, as received (fp32), keyed by name."""
