@@ -59,20 +59,10 @@ def error_bound(spec: str, x: torch.Tensor) -> torch.Tensor:
     return blockwise_bound(x, codec)
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        "identity",
-        "fp16",
-        "bf16",
-        "int8",
-        "int8:scale=fp16,block=64",
-        "int4",
-        "int4:scale=fp16",
-        "int2",
-        "int2:block=32",
-    ],
-)
+DENSE_SPECS = [s for s in ALL_SPECS if not s.startswith(("topk", "powersgd"))]
+
+
+@pytest.mark.parametrize("spec", DENSE_SPECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_dense_codec_error_bounds(spec, dtype):
     codec = get_codec(spec)

@@ -16,6 +16,29 @@ from atoll.models import GPTConfig, TinyGPT
 H, ROUNDS, DATA_SEED, INNER_LR = 5, 3, 7, 3e-3
 
 
+def island_cmd(address, island, parallel, nproc, rounds, *extra):
+    return [
+        "island",
+        "--coordinator",
+        address,
+        "--island-id",
+        island,
+        "--run-id",
+        "mix",
+        "--rounds",
+        str(rounds),
+        "--nproc",
+        str(nproc),
+        "--parallel",
+        parallel,
+        "--data-seed",
+        str(DATA_SEED),
+        "--inner-lr",
+        str(INNER_LR),
+        *extra,
+    ]
+
+
 def reference_delta():
     """A single process doing what every island does in round 0: H AdamW steps on the same batches."""
     data = CharDataset(block_size=64)
@@ -60,28 +83,7 @@ def test_fsdp_tp_and_single_rank_islands_in_one_run(group, tmp_path):
     islands = {}
     for island, parallel, nproc in [("A-fsdp", "fsdp", 2), ("B-single", "none", 1), ("C-tp", "tp", 2)]:
         islands[island] = group.start(
-            island,
-            [
-                "island",
-                "--coordinator",
-                address,
-                "--island-id",
-                island,
-                "--run-id",
-                "mix",
-                "--rounds",
-                str(ROUNDS),
-                "--nproc",
-                str(nproc),
-                "--parallel",
-                parallel,
-                "--data-seed",
-                str(DATA_SEED),
-                "--inner-lr",
-                str(INNER_LR),
-                "--dump-dir",
-                str(dump),
-            ],
+            island, island_cmd(address, island, parallel, nproc, ROUNDS, "--dump-dir", str(dump))
         )
     procs = list(islands.values())
     events = collect_events(procs, until=lambda ev: sum(e["event"] == "done" for e in ev) == 3, timeout=360)
@@ -127,28 +129,7 @@ def test_2d_mesh_island_matches_a_single_rank_island(group, tmp_path):
         ["--run-id", "mix", "--sync-every", str(H), "--quorum", "2", "--round-deadline-seconds", "300"],
     )
     procs = [
-        group.start(
-            island,
-            [
-                "island",
-                "--coordinator",
-                address,
-                "--island-id",
-                island,
-                "--run-id",
-                "mix",
-                "--rounds",
-                "2",
-                "--nproc",
-                str(nproc),
-                "--parallel",
-                parallel,
-                "--data-seed",
-                str(DATA_SEED),
-                "--inner-lr",
-                str(INNER_LR),
-            ],
-        )
+        group.start(island, island_cmd(address, island, parallel, nproc, 2))
         for island, parallel, nproc in [("D-2d", "fsdp+tp", 4), ("B-single", "none", 1)]
     ]
     events = collect_events(procs, until=lambda ev: sum(e["event"] == "done" for e in ev) == 2, timeout=360)
