@@ -10,6 +10,7 @@ Body: ``nblocks`` scales, then the codes packed little-end-first (2 per byte for
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -157,8 +158,6 @@ def decode_into(
 def scales_finite(body: memoryview, n: int, *, block: int, scale_kind: int, global_scale: float) -> bool:
     nblocks = -(-n // block)
     scales = read_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
-    import math
-
     return bool(torch.isfinite(scales).all()) and math.isfinite(global_scale)
 
 

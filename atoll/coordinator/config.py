@@ -88,7 +88,3 @@ class RunConfig:
 
     def to_proto(self) -> pb.RunConfigProto:
         return pb.RunConfigProto(**dataclasses.asdict(self))
-
-    @classmethod
-    def from_proto(cls, msg: pb.RunConfigProto) -> RunConfig:
-        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})

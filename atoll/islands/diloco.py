@@ -315,14 +315,15 @@ class DiLoCo:
         self._losses = []
         self._round_steps = 0
         self._round_started = time.monotonic()
+        sent1, recv1 = self._bytes()
         stats = RoundStats(
             finished_round,
             steps,
             tokens,
             loss,
             global_loss,
-            self._bytes()[0] - sent0,
-            self._bytes()[1] - recv0,
+            sent1 - sent0,
+            recv1 - recv0,
             time.perf_counter() - started,
             kind,
             max((s.local().numel() for s in owned), default=0),

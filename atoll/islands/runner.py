@@ -224,8 +224,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
                 continue
             if args.dump_dir and stats.round == 0:
                 _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
-            now = time.perf_counter()
-            round_seconds, round_mark = now - round_mark, now  # compute + sync of this round
+            round_seconds = time.perf_counter() - round_mark  # compute + sync of this round
             eval_loss = evaluate(model, data) if args.eval_every_round else None
             digest = model_digest(model) if args.digest else None
             round_mark = time.perf_counter()  # evaluation and digests are not part of the round
