@@ -68,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument("--tls-client-ca", type=Path, default=None, help="require client certs from this CA (mTLS)")
     coord.add_argument("--shard", default="0/1", help="i/n: this coordinator owns tensors crc32(name) %% n == i")
     coord.add_argument(
+        "--partition",
+        default="hash",
+        choices=["hash", "layers"],
+        help="how tensors map to shards: crc32 of the name, or contiguous size-balanced blocks (streaming)",
+    )
+    coord.add_argument(
+        "--fragments",
+        type=int,
+        default=0,
+        help="streaming DiLoCo: serve all P fragments (shards i/P, --partition layers) from this process, "
+        "one port each; islands run with --streaming",
+    )
+    coord.add_argument(
         "--island-tokens",
         type=Path,
         default=None,
@@ -102,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                 "tls": TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None,
                 "tokens": IslandTokens.load(ns.island_tokens) if ns.island_tokens else None,
                 "shard": parse_shard(ns.shard),
+                "partition": ns.partition,
             }
+            if ns.fragments < 0:
+                raise ValueError(f"--fragments must be >= 0, got {ns.fragments}")
             return coordinator_main(
                 config,
                 ns.state_dir,
@@ -116,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     "port_file": ns.admin_port_file,
                 },
                 security=security,
+                fragments=ns.fragments,
             )
         if ns.command == "island":
             from atoll.islands.runner import IslandArgs, run_island

@@ -27,7 +27,7 @@ from atoll.coordinator.regions import Region, check_coverage
 from atoll.coordinator.rounds import Decision, IslandView, RoundPolicy, RoundView, decide, next_wakeup
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.dtypes import TORCH_FROM_PB
-from atoll.sharding import shard_of
+from atoll.sharding import PARTITIONS, shard_of
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -157,9 +157,17 @@ class RunState:
         *,
         clock: Callable[[], float] = time.monotonic,
         shard: tuple[int, int] = (0, 1),
+        partition: str = "hash",
     ) -> None:
-        """``shard``: (index, count) of this coordinator; it owns the tensors ``shard_of(name, count) == index``."""
+        """``shard``: (index, count) of this coordinator. ``partition``: which tensors it owns: "hash"
+        (``shard_of(name, count) == index``) or "layers" (a contiguous fragment the islands compute from
+        the whole model, ``atoll.sharding.layer_partition``; every island must send the same layout)."""
+        if partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
         self.shard = shard
+        self.partition = partition
+        self.layout_digest: str | None = None
+        """partition "layers": the model layout the first island joined with (all must match it)."""
         self.state_dir = Path(state_dir)
         self.clock = clock
         self.config = config
@@ -279,9 +287,21 @@ class RunState:
                 f"island routes to shard {req.shard_index}/{req.num_shards or 1}; "
                 f"this coordinator is shard {index}/{count}"
             )
-        foreign = sorted(t.name for t in req.tensors if shard_of(t.name, count) != index)
-        if foreign:
-            raise _precondition(f"tensors {foreign[:5]} do not belong to shard {index}/{count}")
+        if (req.partition or "hash") != self.partition:
+            raise _precondition(
+                f"island partitions tensors by {req.partition or 'hash'!r}; this coordinator by {self.partition!r}"
+            )
+        if self.partition == "hash":
+            foreign = sorted(t.name for t in req.tensors if shard_of(t.name, count) != index)
+            if foreign:
+                raise _precondition(f"tensors {foreign[:5]} do not belong to shard {index}/{count}")
+        elif not req.layout_digest:
+            raise _invalid('partition "layers" needs the layout_digest of the whole model')
+        elif self.layout_digest is not None and req.layout_digest != self.layout_digest:
+            raise _precondition(
+                f"island's model layout {req.layout_digest} differs from the run's {self.layout_digest}: "
+                "islands would cut different fragments"
+            )
         if codec_name(self.config.codec) not in {codec_name(c) for c in req.codecs}:
             unknown = [c for c in req.codecs if codec_name(c) not in available_codecs()]
             raise _precondition(
@@ -301,6 +321,8 @@ class RunState:
             raise _invalid("the island lists no tensors")
         if self.specs:
             _check_same_model(self.specs, specs)
+        if self.partition == "layers" and self.layout_digest is None:
+            self.layout_digest = req.layout_digest
         now = self.clock()
         rec = self.islands.get(req.island_id)
         if rec is None or rec.num_ranks != num_ranks:

@@ -14,10 +14,12 @@ from atoll.coordinator.service import CoordinatorServer
 log = logging.getLogger("atoll.coordinator")
 
 
-def write_port_file(path: Path, port: int) -> None:
-    """Write the bound port atomically, so a reader never sees a partial file."""
+def write_port_file(path: Path, ports: int | list[int]) -> None:
+    """Write the bound port(s) atomically, so a reader never sees a partial file.
+
+    One port, or (``--fragments``) the fragments' ports in order, comma-separated."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{port}\n")
+    tmp.write_text(",".join(map(str, ports if isinstance(ports, list) else [ports])) + "\n")
     os.replace(tmp, path)
 
 
@@ -30,36 +32,64 @@ async def serve(
     port_file: Path | None,
     admin: dict | None = None,
     security: dict | None = None,
+    fragments: int = 0,
 ) -> None:
-    """``security``: ``{"tls": TlsConfig | None, "tokens": IslandTokens | None}``."""
+    """``security``: ``{"tls": TlsConfig | None, "tokens": IslandTokens | None, "shard": (i, n),
+    "partition": "hash" | "layers"}``. ``fragments`` P > 0: serve all P fragments of a streaming run
+    (shards i/P, partition "layers") from this process, each on its own port with its own state
+    under ``state_dir/fragment-i``; ``port`` is then the first fragment's (0: any free ports)."""
     admin = admin or {}
-    server = CoordinatorServer(
-        config,
-        state_dir,
-        host=host,
-        port=port,
-        admin_host=admin.get("host", "127.0.0.1"),
-        admin_port=admin.get("port"),
-        admin_token=admin.get("token"),
-        **(security or {}),
-    )
-    await server.start()
-    print(f"atoll coordinator listening on {server.address}", flush=True)
-    if server.admin is not None:
-        print(f"atoll admin HTTP on {server.admin.address}", flush=True)
-        if admin.get("port_file") is not None:
-            write_port_file(admin["port_file"], server.admin.port)
-    if port_file is not None:
-        write_port_file(port_file, server.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    security = dict(security or {})
+    if fragments > 0:
+        if security.get("shard", (0, 1)) != (0, 1):
+            raise ValueError("--fragments runs every shard of the run itself; drop --shard")
+        security.pop("shard", None)
+        security["partition"] = "layers"
+        placements = [
+            {"shard": (i, fragments), "state_dir": state_dir / f"fragment-{i}", "port": port + i if port else 0}
+            for i in range(fragments)
+        ]
+    else:
+        placements = [{"state_dir": state_dir, "port": port}]
+    servers = []
+    for i, place in enumerate(placements):
+        kwargs = dict(security)
+        if "shard" in place:
+            kwargs["shard"] = place["shard"]
+        servers.append(
+            CoordinatorServer(
+                config,
+                place["state_dir"],
+                host=host,
+                port=place["port"],
+                admin_host=admin.get("host", "127.0.0.1"),
+                admin_port=admin.get("port") if i == 0 else None,  # the admin server shows fragment 0
+                admin_token=admin.get("token"),
+                **kwargs,
+            )
+        )
     try:
+        for server in servers:
+            await server.start()
+        addresses = ",".join(server.address for server in servers)
+        print(f"atoll coordinator listening on {addresses}", flush=True)
+        lead = servers[0]
+        if lead.admin is not None:
+            print(f"atoll admin HTTP on {lead.admin.address}", flush=True)
+            if admin.get("port_file") is not None:
+                write_port_file(admin["port_file"], lead.admin.port)
+        if port_file is not None:
+            write_port_file(port_file, [server.port for server in servers])
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
         log.info("shutting down")
-        await server.stop(grace=2.0)
+        for server in servers:
+            if server.port is not None:
+                await server.stop(grace=2.0)
 
 
 def main(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, **kwargs) -> int:

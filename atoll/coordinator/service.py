@@ -211,13 +211,16 @@ class CoordinatorServer:
         tls: TlsConfig | None = None,
         tokens: IslandTokens | None = None,
         shard: tuple[int, int] = (0, 1),
+        partition: str = "hash",
     ) -> None:
-        """``admin_port``: serve the admin HTTP endpoints there (0 picks a port; None: no admin server)."""
+        """``admin_port``: serve the admin HTTP endpoints there (0 picks a port; None: no admin server).
+        ``shard``/``partition``: this coordinator's shard and how tensors map to shards (atoll.sharding)."""
         self.config = config
         self.admin_args = (admin_host, admin_port, admin_token)
         self.tls = tls
         self.tokens = tokens
         self.shard = shard
+        self.partition = partition
         self.admin = None
         self.state_dir = Path(state_dir)
         self.host = host
@@ -234,7 +237,7 @@ class CoordinatorServer:
         return f"{self.host}:{self.port}"
 
     async def start(self) -> None:
-        self.state = RunState(self.config, self.state_dir, shard=self.shard)
+        self.state = RunState(self.config, self.state_dir, shard=self.shard, partition=self.partition)
         self.state.restore()
         admin_host, admin_port, admin_token = self.admin_args
         if admin_port is not None:  # built first: a bad admin config fails before anything listens

@@ -25,6 +25,12 @@ class DemoArgs:
     """Uplink codec spec, e.g. "int8" or "topk:fraction=0.01"."""
     error_feedback: bool = False
     """Islands carry the lossy codec's error into the next round."""
+    downlink_codec: str = "identity"
+    """Codec of the outer update the coordinator sends back."""
+    overlap_steps: int = 0
+    """Islands keep training while the exchange is in flight and apply it this many steps later."""
+    fragments: int = 0
+    """Streaming DiLoCo: P fragments on staggered schedules (0: every tensor syncs at once)."""
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     inner_lr: float = 3e-3
@@ -37,6 +43,10 @@ class DemoArgs:
     def __post_init__(self) -> None:
         if self.islands < 1 or self.rounds < 1 or self.sync_every < 1:
             raise ValueError("islands, rounds and sync_every must be >= 1")
+        if not 0 <= self.overlap_steps < self.sync_every:
+            raise ValueError(f"overlap_steps must be in [0, sync_every), got {self.overlap_steps}")
+        if self.fragments < 0:
+            raise ValueError(f"fragments must be >= 0, got {self.fragments}")
 
 
 def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[list[dict], list[int]]:
@@ -52,6 +62,10 @@ def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[lis
                 str(args.sync_every),
                 "--codec",
                 args.codec,
+                "--downlink-codec",
+                args.downlink_codec,
+                "--fragments",
+                str(args.fragments),
                 "--outer-lr",
                 str(args.outer_lr),
                 "--outer-momentum",
@@ -84,6 +98,9 @@ def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[lis
                     str(args.inner_lr),
                     "--batch-size",
                     str(args.batch_size),
+                    "--overlap-steps",
+                    str(args.overlap_steps),
+                    "--streaming" if args.fragments else "--no-streaming",
                 ],
             )
             for i in range(args.islands)

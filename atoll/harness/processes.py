@@ -160,4 +160,5 @@ class ProcessGroup:
                 proc.kill()
                 raise TimeoutError(f"coordinator did not report a port in {timeout}s:\n{proc.log_tail()}")
             time.sleep(0.05)
-        return proc, f"127.0.0.1:{int(port_file.read_text())}"
+        ports = [int(x) for x in port_file.read_text().strip().split(",")]  # several with --fragments
+        return proc, ",".join(f"127.0.0.1:{port}" for port in ports)

@@ -64,6 +64,10 @@ class IslandArgs:
     sync_every_seconds: float = 0.0
     """If > 0, sync on this time budget instead of the run's H steps (adaptive inner steps)."""
     heartbeat_seconds: float = 5.0
+    overlap_steps: int = 0
+    """If > 0, keep training while the outer exchange is in flight; apply it this many steps later."""
+    streaming: bool = False
+    """Streaming DiLoCo: the coordinator's fragments (``--fragments P``) sync on staggered schedules."""
     token: str = ""
     """This island's bearer token (when the coordinator runs with --island-tokens)."""
     tls_ca: str = ""
@@ -176,6 +180,8 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
         keep_last_delta=bool(args.dump_dir),
         sync_every_seconds=args.sync_every_seconds or None,
         heartbeat_seconds=args.heartbeat_seconds,
+        overlap_steps=args.overlap_steps,
+        streaming=args.streaming,
         client_factory=faults.client_factory,
         token=args.token or None,
         tls=ClientTls(
@@ -203,30 +209,21 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
                 parallel=layout.mode,
             )
         round_mark = time.perf_counter()
-        while len(sync.history) < args.rounds:
-            faults.before_round(sync.round, first_step=sync.round_steps == 0)
-            step_started = time.perf_counter()
-            x, y = data.batch(gen, args.batch_size)  # the island's global batch; each dp rank takes its slice
-            lo = layout.dp_rank * per_rank
-            x, y = x[lo : lo + per_rank].to(layout.device), y[lo : lo + per_rank].to(layout.device)
-            _, loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            faults.after_step(sync.round, time.perf_counter() - step_started)
-            step_loss = loss.detach()
-            if layout.world > 1:
-                dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-            if not math.isfinite(step_loss.item()):
-                raise FloatingPointError(f"inner loss is {step_loss.item()}")
-            stats = sync.step(tokens=args.batch_size * args.block_size, loss=step_loss.item())
-            if stats is None:
-                continue
+
+        def digest_now() -> str | None:
+            if not args.digest:
+                return None
+            if args.overlap_steps:  # the model also holds progress made during the exchange
+                return param_digest(sync.global_params()) if layout.world == 1 else None
+            return model_digest(model)
+
+        def report(stats) -> None:
+            nonlocal round_mark
             if args.dump_dir and stats.round == 0:
                 _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
             round_seconds = time.perf_counter() - round_mark  # compute + sync of this round
             eval_loss = evaluate(model, data) if args.eval_every_round else None
-            digest = model_digest(model) if args.digest else None
+            digest = digest_now()
             round_mark = time.perf_counter()  # evaluation and digests are not part of the round
             if lead:
                 emit(
@@ -246,7 +243,31 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
                     update=stats.update_kind,
                     digest=digest,
                     max_payload_numel=stats.max_payload_numel,
+                    step=sync.inner_steps,
+                    shards=list(stats.shards),
                 )
+
+        while sync.rounds_pushed < args.rounds:
+            faults.before_round(sync.round, first_step=sync.round_steps == 0)
+            step_started = time.perf_counter()
+            x, y = data.batch(gen, args.batch_size)  # the island's global batch; each dp rank takes its slice
+            lo = layout.dp_rank * per_rank
+            x, y = x[lo : lo + per_rank].to(layout.device), y[lo : lo + per_rank].to(layout.device)
+            _, loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            faults.after_step(sync.round, time.perf_counter() - step_started)
+            step_loss = loss.detach()
+            if layout.world > 1:
+                dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+            if not math.isfinite(step_loss.item()):
+                raise FloatingPointError(f"inner loss is {step_loss.item()}")
+            stats = sync.step(tokens=args.batch_size * args.block_size, loss=step_loss.item())
+            if stats is not None:
+                report(stats)
+        for stats in sync.drain():  # overlap: the last exchanges, applied with no further steps
+            report(stats)
     finally:
         sync.close()
         if dist.is_initialized():
