@@ -112,8 +112,11 @@ def test_fsdp_tp_and_single_rank_islands_in_one_run(group, tmp_path):
     for island, nproc in [("A-fsdp", 2), ("B-single", 1), ("C-tp", 2)]:
         got = assemble(dump, island, nproc, shapes)
         for n in ref:
+            # TP sums partial products in another order; AdamW turns those float differences on
+            # near-zero gradients into up to lr-sized steps. Measured: 5.8e-4 x scale on one CPU,
+            # 1.6e-3 x scale on another. A mis-tiled or stale region is off by O(scale).
             err = float((got[n] - ref[n]).abs().max())
-            assert err <= 1e-3 * scale, (island, n, err, scale)
+            assert err <= 5e-3 * scale, (island, n, err, scale)
 
     # Memory: no FSDP rank encoded a whole tensor; the largest region is half the largest tensor.
     largest = max(math.prod(s) for s in shapes.values())

@@ -52,9 +52,11 @@ def test_two_shards_match_one(group, tmp_path):
     assert all(s.round == 3 for s in snaps2)
     merged = {**snaps2[0].params, **snaps2[1].params}
     # The same θ as the unsharded run, up to float rounding: the accumulator adds commits in
-    # arrival order (fused multiply-adds), which varies from run to run even unsharded.
+    # arrival order (fused multiply-adds), which varies from run to run even unsharded, and AdamW
+    # turns that into up to lr-sized steps on near-zero gradients (measured up to 1.2e-5 here; a
+    # missing or doubled island contribution moves θ by ~1e-2).
     worst = max(float((merged[k] - v).abs().max()) for k, v in snap1[0].params.items())
-    assert worst < 1e-5, worst
+    assert worst < 1e-4, worst
 
     def final(events):
         return {e["island"]: e for e in events if e["event"] == "round" and e["round"] == 2}
