@@ -134,7 +134,9 @@ class ProcessGroup:
     def start_coordinator(
         self, state_dir: Path, flags: list[str], *, name: str = "coordinator", port: int = 0, timeout: float = 60.0
     ) -> tuple[ManagedProcess, str]:
-        """Start ``atoll coordinator`` and wait until it reports its port; returns (process, address)."""
+        """Start ``atoll coordinator`` and wait until it reports its port; returns (process, address).
+
+        With ``--fragments P`` in ``flags`` the address lists the P fragments' addresses, comma-separated."""
         port_file = self.work_dir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         proc = self.start(
