@@ -12,6 +12,7 @@ peak RSS (VmHWM) against its RSS before the load.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import tempfile
@@ -26,6 +27,7 @@ import torch  # noqa: E402
 from atoll.compression import get_codec  # noqa: E402
 from atoll.harness import ProcessGroup  # noqa: E402
 from atoll.islands.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from atoll.memory import tune_for_bulk_buffers  # noqa: E402
 from atoll.protos import coordinator_pb2 as pb  # noqa: E402
 
 
@@ -34,6 +36,12 @@ def rss_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(field)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def raw_tcp_seconds(num_conns: int, payload: bytes, rounds: int) -> float:
@@ -92,7 +100,7 @@ def run(islands: int, numel: int, rounds: int, work: Path) -> dict:
                 )
                 h.entries.add(name="w", num_bytes=len(payload))
                 c.push(h, [payload])
-        push_seconds = 0.0
+        push_seconds = coord_cpu = own_cpu = 0.0
         for r in range(rounds):
             barrier = threading.Barrier(islands + 1)
             errors = []
@@ -118,10 +126,12 @@ def run(islands: int, numel: int, rounds: int, work: Path) -> dict:
             for th in threads:
                 th.start()
             barrier.wait()
-            t = time.perf_counter()
+            t, c, o = time.perf_counter(), cpu_seconds(coord.pid), cpu_seconds(os.getpid())
             for th in threads:
                 th.join()
             push_seconds += time.perf_counter() - t
+            coord_cpu += cpu_seconds(coord.pid) - c
+            own_cpu += cpu_seconds(os.getpid()) - o
             if errors:
                 raise RuntimeError(f"{len(errors)} pushes failed: {errors[0]}")
             header, _ = clients[0].pull(pb.PullRequest(run_id="load", island_id="sim-0", have_round=r, wait_seconds=30))
@@ -137,6 +147,8 @@ def run(islands: int, numel: int, rounds: int, work: Path) -> dict:
     return {
         "payload": len(payload),
         "push_seconds": push_seconds,
+        "coordinator_cpu_seconds": coord_cpu,
+        "islands_cpu_seconds": own_cpu,
         "rss_before_kib": rss_before,
         "peak_kib": peak,
         "rounds_completed": len(hist),
@@ -149,7 +161,12 @@ def main() -> None:
     ap.add_argument("--islands", type=int, default=32)
     ap.add_argument("--numel", type=int, default=1 << 20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--default-malloc", action="store_true", help="keep glibc's defaults here (the coordinator tunes its own)"
+    )
     args = ap.parse_args()
+    if not args.default_malloc:
+        tune_for_bulk_buffers()  # what `atoll island` does in its own process
     with tempfile.TemporaryDirectory() as tmp:
         res = run(args.islands, args.numel, args.rounds, Path(tmp))
     total = res["payload"] * args.islands * args.rounds
@@ -161,6 +178,11 @@ def main() -> None:
         f"{res['islands_per_round']}"
     )
     print(f"ingest {ingest:.3f} GB/s, raw loopback TCP {raw:.3f} GB/s, ratio {ingest / raw:.3f}")
+    print(
+        f"CPU during the push phases ({res['push_seconds']:.2f} s): coordinator "
+        f"{res['coordinator_cpu_seconds']:.2f} s, simulated islands {res['islands_cpu_seconds']:.2f} s "
+        f"({os.cpu_count()} cores)"
+    )
     growth = (res["peak_kib"] - res["rss_before_kib"]) / 1024
     print(
         f"coordinator RSS before {res['rss_before_kib'] / 1024:.0f} MiB, peak {res['peak_kib'] / 1024:.0f} MiB "

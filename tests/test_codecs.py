@@ -255,6 +255,25 @@ def test_non_finite_payloads_fail_validation():
         get_codec("fp16").encode(torch.tensor([1e5]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_fast_path_is_exact(dtype):
+    """The one-pass sum check agrees with isfinite, including sums that overflow on finite data."""
+    from atoll.compression.base import all_finite
+
+    big = torch.finfo(dtype).max
+    cases = {
+        "normal": torch.randn(3000),
+        "empty": torch.zeros(0),
+        "overflowing sum": torch.full((3000,), big),  # finite elements, infinite sum
+        "cancelling infinities": torch.tensor([float("inf"), float("-inf")] + [1.0] * 10),
+        "nan": torch.tensor([1.0] * 2000 + [float("nan")]),
+        "inf in a later chunk": torch.cat([torch.full(((1 << 20) + 5,), big), torch.tensor([float("inf")])]),
+    }
+    for name, t in cases.items():
+        t = t.to(dtype)
+        assert all_finite(t) == bool(torch.isfinite(t).all()), name
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 3000),

@@ -15,3 +15,15 @@ def test_32_concurrent_islands(tmp_path):
     # Bounded by what one round of pushes can hold at once (payloads staged encoded, plus gRPC's
     # buffers), not by the number of rounds: measured ~3.5x one round's payloads.
     assert growth < 6 * 32 * res["payload"] + 64 * 2**20, growth
+
+
+def test_bulk_buffer_malloc_tuning_applies_and_can_be_switched_off():
+    import os
+    import subprocess
+
+    code = "from atoll.memory import tune_for_bulk_buffers as t; print(t())"
+    env = dict(os.environ)
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    env["ATOLL_MALLOC_TUNING"] = "0"
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert (on.stdout.strip(), off.stdout.strip()) == ("True", "False")

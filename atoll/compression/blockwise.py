@@ -15,7 +15,7 @@ import struct
 
 import torch
 
-from atoll.compression.base import Codec, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.base import Codec, all_finite, expect_body, expect_params, read_tensor, write_tensor
 from atoll.compression.wire import Frame, WireFormatError
 
 _PARAMS = struct.Struct("<IBBf")  # block, bits, scale kind (0 fp32, 1 fp16-relative), global scale
@@ -158,7 +158,7 @@ def decode_into(
 def scales_finite(body: memoryview, n: int, *, block: int, scale_kind: int, global_scale: float) -> bool:
     nblocks = -(-n // block)
     scales = read_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
-    return bool(torch.isfinite(scales).all()) and math.isfinite(global_scale)
+    return all_finite(scales) and math.isfinite(global_scale)
 
 
 class BlockQuantCodec(Codec):

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from atoll.compression.base import CHUNK, Codec, expect_body, read_tensor, write_tensor
+from atoll.compression.base import CHUNK, Codec, all_finite, expect_body, read_tensor, write_tensor
 from atoll.compression.wire import WireFormatError
 
 
@@ -21,7 +21,7 @@ class _CastCodec(Codec):
             for s in range(0, n, CHUNK):
                 chunk = dest[s : s + CHUNK]
                 chunk.copy_(flat[s : s + CHUNK])
-                if self.store == torch.float16 and not bool(torch.isfinite(chunk).all()):
+                if self.store == torch.float16 and not all_finite(chunk):
                     raise OverflowError("value outside the fp16 range (|x| > 65504) or non-finite; use bf16")
 
         return b"", n * self.store.itemsize, write
@@ -36,7 +36,7 @@ class _CastCodec(Codec):
 
     def _finite(self, frame):
         v = self._values(frame)
-        return all(bool(torch.isfinite(v[s : s + CHUNK]).all()) for s in range(0, v.numel(), CHUNK))
+        return all_finite(v)
 
     def _decode_into(self, frame, out, alpha, accumulate):
         v = self._values(frame)

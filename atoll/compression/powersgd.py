@@ -12,7 +12,7 @@ import struct
 
 import torch
 
-from atoll.compression.base import Codec, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.base import Codec, all_finite, expect_body, expect_params, read_tensor, write_tensor
 from atoll.compression.wire import WireFormatError
 
 _PARAMS = struct.Struct("<BIQQ")  # mode (0 raw, 1 low rank), rank, rows, cols
@@ -90,9 +90,9 @@ class PowerSGDCodec(Codec):
     def _finite(self, frame):
         mode, r, rows, cols = self._params(frame)
         if mode == RAW:
-            return bool(torch.isfinite(read_tensor(frame.body, torch.float32, frame.numel)).all())
+            return all_finite(read_tensor(frame.body, torch.float32, frame.numel))
         p, q = self._factors(frame, r, rows, cols)
-        if not (bool(torch.isfinite(p).all()) and bool(torch.isfinite(q).all())):
+        if not (all_finite(p) and all_finite(q)):
             return False
         # |P Q^T|_max <= max row norm of P * max row norm of Q: rules out overflow to inf.
         bound = float(p.norm(dim=1).max()) * float(q.norm(dim=1).max())

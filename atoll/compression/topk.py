@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from atoll.compression import blockwise
-from atoll.compression.base import CHUNK, Codec, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.base import CHUNK, Codec, all_finite, expect_body, expect_params, read_tensor, write_tensor
 from atoll.compression.wire import WireFormatError
 
 _PARAMS = struct.Struct("<QBBIf")  # k, index width, value kind (0 int8 blockwise, 1 fp16), value block, 0
@@ -139,7 +139,7 @@ class TopKCodec(Codec):
         k, width, kind = self._params(frame)
         rest = frame.body[k * width :]
         if kind == VALUES_FP16:
-            return bool(torch.isfinite(read_tensor(rest, torch.float16, k)).all())
+            return all_finite(read_tensor(rest, torch.float16, k))
         return blockwise.scales_finite(rest, k, block=VALUE_BLOCK, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
 
     def _decode_into(self, frame, out, alpha, accumulate):

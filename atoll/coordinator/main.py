@@ -10,6 +10,7 @@ from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.service import CoordinatorServer
+from atoll.memory import tune_for_bulk_buffers
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -93,5 +94,6 @@ async def serve(
 
 
 def main(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, **kwargs) -> int:
+    tune_for_bulk_buffers()  # the daemon's own process: keep payload buffers on the heap
     asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file, **kwargs))
     return 0

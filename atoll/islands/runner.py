@@ -23,6 +23,7 @@ from atoll.harness.faults import IslandFaults
 from atoll.islands.client import ClientTls, RetryPolicy
 from atoll.islands.diloco import DiLoCo
 from atoll.islands.parallel import MODES, full_tensor, parallelize
+from atoll.memory import tune_for_bulk_buffers
 from atoll.models import GPTConfig, TinyGPT
 
 
@@ -147,6 +148,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
         cmd = relaunch_command(args, argv)
         os.execv(cmd[0], cmd)  # the launcher replaces this process (same pid for the harness)
     torch.set_num_threads(args.threads)
+    tune_for_bulk_buffers()  # our own island process (the DiLoCo class leaves a user's allocator alone)
     data = CharDataset(block_size=args.block_size)
     torch.manual_seed(args.seed)
     model = TinyGPT(

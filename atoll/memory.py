@@ -1,0 +1,49 @@
+"""Process-wide allocator settings for moving large tensor payloads.
+
+Both ends of a push handle a stream of ~1 MiB buffers: gRPC's receive slices, the Python
+``bytes`` of each chunk, a payload's staging buffer. glibc's defaults serve each of them with a
+fresh ``mmap`` (or hand freed heap memory straight back to the kernel), so every buffer is
+page-faulted and zeroed by the kernel again. Measured on this 2-core machine
+(``benchmarks/load.py``), that page churn was the largest single cost of a bare gRPC stream:
+keeping such buffers on the heap doubled its throughput.
+
+:func:`tune_for_bulk_buffers` raises the mmap threshold and the trim threshold so freed buffers
+are reused. The price is that up to ``trim_bytes`` of freed memory stays mapped to the process;
+RSS then tracks the peak of a round's in-flight payloads rather than falling between rounds.
+Set ``ATOLL_MALLOC_TUNING=0`` to keep the allocator's defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD_BYTES = 32 << 20
+"""Allocations below this come from the heap (glibc's own dynamic ceiling on 64-bit)."""
+TRIM_THRESHOLD_BYTES = 256 << 20
+"""Free memory at the top of the heap kept for reuse before it is returned to the kernel."""
+
+
+def tune_for_bulk_buffers(mmap_bytes: int = MMAP_THRESHOLD_BYTES, trim_bytes: int = TRIM_THRESHOLD_BYTES) -> bool:
+    """Apply the settings above; returns whether they took effect (glibc on Linux only)."""
+    if os.environ.get("ATOLL_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and others: no mallopt
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+    if not ok:
+        log.warning("mallopt refused the bulk-buffer settings; keeping the allocator's defaults")
+    return ok
