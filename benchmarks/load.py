@@ -81,6 +81,85 @@ def raw_tcp_seconds(num_conns: int, payload: bytes, rounds: int) -> float:
     return dt
 
 
+def _bare_grpc_sink(port_queue) -> None:
+    """A grpc.aio server whose one client-streaming method counts the raw bytes it is sent."""
+    import asyncio
+
+    import grpc
+
+    from atoll.coordinator.service import GRPC_OPTIONS
+
+    tune_for_bulk_buffers()  # as the coordinator does
+
+    async def serve():
+        async def push(it, context):
+            n = 0
+            async for chunk in it:
+                n += len(chunk)
+            return n.to_bytes(8, "little")
+
+        handler = grpc.method_handlers_generic_handler(
+            "bare.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)}
+        )  # no (de)serializers: the chunks stay raw bytes, as atoll's raw chunk path sends them
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server.add_generic_rpc_handlers((handler,))
+        port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def bare_grpc_seconds(num_conns: int, payload: bytes, rounds: int) -> float:
+    """The transport alone: the same chunks over gRPC to a server that does nothing with them."""
+    import multiprocessing
+
+    import grpc
+
+    from atoll.coordinator.service import GRPC_OPTIONS
+    from atoll.islands.client import CHUNK_BYTES
+
+    ctx = multiprocessing.get_context("spawn")
+    ports = ctx.Queue()
+    sink = ctx.Process(target=_bare_grpc_sink, args=(ports,), daemon=True)
+    sink.start()
+    try:
+        port = ports.get(timeout=60)
+        channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) for _ in range(num_conns)]
+        calls = [ch.stream_unary("/bare.Sink/Push") for ch in channels]
+        view = memoryview(payload)
+
+        def chunks():
+            for start in range(0, len(view), CHUNK_BYTES):
+                yield bytes(view[start : start + CHUNK_BYTES])
+
+        for call in calls:  # connect and warm up, untimed
+            call(chunks(), timeout=60)
+        seconds = 0.0
+        for _ in range(rounds):
+            barrier = threading.Barrier(num_conns + 1)
+
+            def send(call, barrier=barrier):
+                barrier.wait()
+                if int.from_bytes(call(chunks(), timeout=60), "little") != len(payload):
+                    raise RuntimeError("the bare gRPC sink counted the wrong number of bytes")
+
+            threads = [threading.Thread(target=send, args=(c,)) for c in calls]
+            for th in threads:
+                th.start()
+            barrier.wait()
+            t = time.perf_counter()
+            for th in threads:
+                th.join()
+            seconds += time.perf_counter() - t
+        for ch in channels:
+            ch.close()
+        return seconds
+    finally:
+        sink.kill()
+        sink.join(10)
+
+
 def run(islands: int, numel: int, rounds: int, work: Path) -> dict:
     payload = get_codec("identity").encode(torch.randn(numel))
     with ProcessGroup(work) as group:
@@ -171,13 +250,18 @@ def main() -> None:
         res = run(args.islands, args.numel, args.rounds, Path(tmp))
     total = res["payload"] * args.islands * args.rounds
     tcp = raw_tcp_seconds(args.islands, b"\0" * res["payload"], args.rounds)
-    ingest, raw = total / res["push_seconds"] / 1e9, total / tcp / 1e9
+    bare = bare_grpc_seconds(args.islands, b"\0" * res["payload"], args.rounds)
+    ingest, raw, transport = total / res["push_seconds"] / 1e9, total / tcp / 1e9, total / bare / 1e9
     print(
         f"{args.islands} islands x {args.rounds} rounds x {res['payload'] / 2**20:.1f} MiB payloads "
         f"({total / 2**20:.0f} MiB in all); rounds completed {res['rounds_completed']}, islands per round "
         f"{res['islands_per_round']}"
     )
     print(f"ingest {ingest:.3f} GB/s, raw loopback TCP {raw:.3f} GB/s, ratio {ingest / raw:.3f}")
+    print(
+        f"bare gRPC stream of the same chunks (server discards them) {transport:.3f} GB/s = "
+        f"{transport / raw:.3f}x raw TCP; ingest = {ingest / transport:.3f}x the bare gRPC stream"
+    )
     print(
         f"CPU during the push phases ({res['push_seconds']:.2f} s): coordinator "
         f"{res['coordinator_cpu_seconds']:.2f} s, simulated islands {res['islands_cpu_seconds']:.2f} s "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -72,6 +73,10 @@ async def serve(
     try:
         for server in servers:
             await server.start()
+        # Everything allocated so far (torch, grpc, the restored state) lives as long as the
+        # daemon: move it out of the collector's reach so a full collection triggered by the
+        # per-chunk garbage of a push does not walk it each time (perf: ~12% of ingest CPU).
+        gc.freeze()
         addresses = ",".join(server.address for server in servers)
         print(f"atoll coordinator listening on {addresses}", flush=True)
         lead = servers[0]
