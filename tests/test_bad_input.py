@@ -1,5 +1,7 @@
 """Bad input gets a gRPC status with a reason, and changes no state."""
 
+import json
+
 import grpc
 import pytest
 import torch
@@ -183,3 +185,15 @@ def test_duplicate_push_is_harmless(run):
     resp = a.push(good_delta(), round_=0, tokens=10)
     assert resp.duplicate and resp.committed
     assert_same(srv.inspect(state_fingerprint), before)
+
+
+def test_error_feedback_decay_is_validated_and_sent_to_islands():
+    for bad in (0.0, -1.0, 1.01, float("nan")):
+        with pytest.raises(ValueError, match="error_feedback_decay"):
+            RunConfig(error_feedback_decay=bad)
+    assert RunConfig(error_feedback_decay=0.5).to_proto().error_feedback_decay == 0.5
+    assert RunConfig.from_json(RunConfig(error_feedback_decay=0.25).to_json()).error_feedback_decay == 0.25
+    # A config persisted before the field existed still loads, as classic error feedback.
+    legacy = json.loads(RunConfig().to_json())
+    del legacy["error_feedback_decay"]
+    assert RunConfig.from_json(json.dumps(legacy)).error_feedback_decay == 1.0

@@ -316,6 +316,25 @@ def test_codec_specs():
             get_codec(bad)
 
 
+def test_error_feedback_decay_sends_the_decayed_residual_exactly():
+    """C(x + β·e) is sent and e <- x + β·e - D(C(x + β·e)), checked bitwise against a hand replay."""
+    gen = torch.Generator().manual_seed(3)
+    plain = get_codec("topk:fraction=0.05")
+    ef, state = ErrorFeedback(get_codec("topk:fraction=0.05"), decay=0.5), {}
+    residual = torch.zeros(500)
+    for _ in range(4):
+        x = torch.randn(500, generator=gen)
+        want_in = x + 0.5 * residual
+        want = plain.encode(want_in)
+        assert bytes(ef.encode(x, state)) == bytes(want)
+        residual = want_in - plain.decode(want, (500,))
+        torch.testing.assert_close(state["residual"], residual, rtol=0, atol=0)
+    assert float(residual.abs().max()) > 0  # the replay really carried something
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="decay"):
+            ErrorFeedback(plain, decay=bad)
+
+
 @pytest.mark.parametrize("spec", ["topk:fraction=0.01", "int2", "powersgd:rank=1"])
 def test_error_feedback_tracks_the_sum_of_updates(spec):
     """sum(decoded) + residual == sum(true) at every round, and the residual stays bounded."""

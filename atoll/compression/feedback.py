@@ -8,14 +8,19 @@ from atoll.compression.base import Codec
 
 
 class ErrorFeedback:
-    """Wraps any codec: ``encode(x)`` sends ``C(x + e)`` and keeps ``e <- x + e - D(C(x + e))``.
+    """Wraps any codec: ``encode(x)`` sends ``C(x + βe)`` and keeps ``e <- x + βe - D(C(x + βe))``.
 
     The payload is the inner codec's, so decoders need not know error feedback was used. The
     residual lives in the caller's per-tensor ``state`` (shard-sized on a sharded island).
+    ``decay`` is β: 1 is classic error feedback, whose decoded updates sum to the true ones up
+    to the (bounded) last residual; β < 1 forgets old residual geometrically.
     """
 
-    def __init__(self, inner: Codec) -> None:
+    def __init__(self, inner: Codec, decay: float = 1.0) -> None:
+        if not 0 < decay <= 1:
+            raise ValueError(f"error feedback decay must be in (0, 1], got {decay}")
         self.inner = inner
+        self.decay = float(decay)
         self.name = inner.name
         self.codec_id = inner.codec_id
         self.lossy = inner.lossy
@@ -32,7 +37,7 @@ class ErrorFeedback:
         if residual is not None:
             if residual.shape != x.shape:
                 raise ValueError(f"residual has shape {tuple(residual.shape)}, tensor {tuple(x.shape)}")
-            x = x + residual
+            x = x + residual if self.decay == 1.0 else torch.add(x, residual, alpha=self.decay)
         elif x is tensor:
             x = x.clone()
         payload = self.inner.encode(x, state.setdefault("inner", {}), out=out)

@@ -29,6 +29,13 @@ class RunConfig:
     """Codec of the outer update sent back to islands (with downlink error feedback)."""
     error_feedback: bool = False
     """Islands carry what the lossy uplink codec dropped into the next round (per-rank residual)."""
+    error_feedback_decay: float = 1.0
+    """Error feedback sends C(Δ + β·e): the residual decays by β each round (1: classic EF).
+
+    An island restarts every round from the global θ and re-learns what it did not transmit, so
+    with β = 1 a coordinate's residual grows by about one Δ per round until top-k picks it. The
+    value then sent is many rounds' worth. In a 20-round top-k 1% demo that made the global θ
+    diverge; β = 0.5 kept it converging (benchmarks/RESULTS.md)."""
     late_policy: str = "drop"
     """A push for a closed round: "drop" it, or "fold" it into the open round (down-weighted)."""
     staleness_weight: float = 0.5
@@ -62,6 +69,8 @@ class RunConfig:
                 get_codec(getattr(self, field))
             except ValueError as err:
                 raise ValueError(f"{field}: {err}") from None
+        if not 0 < self.error_feedback_decay <= 1:
+            raise ValueError(f"error_feedback_decay must be in (0, 1], got {self.error_feedback_decay}")
         if self.late_policy not in ("drop", "fold"):
             raise ValueError(f"late_policy must be 'drop' or 'fold', got {self.late_policy!r}")
         if not 0 < self.staleness_weight <= 1:

@@ -25,6 +25,8 @@ class DemoArgs:
     """Uplink codec spec, e.g. "int8" or "topk:fraction=0.01"."""
     error_feedback: bool = False
     """Islands carry the lossy codec's error into the next round."""
+    error_feedback_decay: float = 1.0
+    """β: error feedback sends C(Δ + β·residual) (1: classic)."""
     downlink_codec: str = "identity"
     """Codec of the outer update the coordinator sends back."""
     overlap_steps: int = 0
@@ -71,6 +73,8 @@ def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[lis
                 "--outer-momentum",
                 str(args.outer_momentum),
                 "--error-feedback" if args.error_feedback else "--no-error-feedback",
+                "--error-feedback-decay",
+                str(args.error_feedback_decay),
                 "--quorum",
                 str(args.islands),
                 "--round-deadline-seconds",

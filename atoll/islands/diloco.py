@@ -290,7 +290,8 @@ class DiLoCo:
             if self.codec is not None and link.index > 0:
                 raise RuntimeError(f"coordinator shard {link.index} runs codec {resp.codec}, another {self.codec.spec}")
             codec = get_codec(resp.codec)
-            self.codec = ErrorFeedback(codec) if resp.config.error_feedback and codec.lossy else codec
+            decay = resp.config.error_feedback_decay or 1.0  # 0: unset by an older coordinator
+            self.codec = ErrorFeedback(codec, decay) if resp.config.error_feedback and codec.lossy else codec
             self._codec_state = {}
         log.info(
             "%s[%d/%d] joined run %s (shard %d/%d) at round %d (H=%d, codec %s)",

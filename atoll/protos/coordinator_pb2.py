@@ -24,49 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61toll/protos/coordinator.proto\x12\x08\x61toll.v1\"I\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.atoll.v1.DType\"\xfc\x02\n\x0eRunConfigProto\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nsync_every\x18\x02 \x01(\x05\x12\x10\n\x08outer_lr\x18\x03 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x16\n\x0e\x64ownlink_codec\x18\x07 \x01(\t\x12\x0e\n\x06quorum\x18\x08 \x01(\x05\x12\x1e\n\x16round_deadline_seconds\x18\t \x01(\x01\x12\x15\n\rlease_seconds\x18\n \x01(\x01\x12\x16\n\x0e\x65rror_feedback\x18\x0b \x01(\x08\x12\x13\n\x0blate_policy\x18\x0c \x01(\t\x12\x18\n\x10staleness_weight\x18\r \x01(\x01\x12\x15\n\rmax_staleness\x18\x0e \x01(\x05\x12\x13\n\x0b\x61ggregation\x18\x0f \x01(\t\x12\x11\n\tclip_norm\x18\x10 \x01(\x01\x12\x16\n\x0emax_delta_norm\x18\x11 \x01(\x01\"\xcd\x01\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\x12\x0e\n\x06\x63odecs\x18\x03 \x03(\t\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.atoll.v1.TensorSpec\x12\x11\n\tnum_ranks\x18\x05 \x01(\x05\x12\x13\n\x0bshard_index\x18\x06 \x01(\x05\x12\x12\n\nnum_shards\x18\x07 \x01(\x05\x12\x11\n\tpartition\x18\x08 \x01(\t\x12\x15\n\rlayout_digest\x18\t \x01(\t\"i\n\x0cJoinResponse\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.atoll.v1.RunConfigProto\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\tbootstrap\x18\x03 \x01(\x08\x12\r\n\x05\x63odec\x18\x04 \x01(\t\"D\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\"9\n\x11HeartbeatResponse\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"N\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\x12\r\n\x05sizes\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"\xe4\x01\n\nPushHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12 \n\x04kind\x18\x04 \x01(\x0e\x32\x12.atoll.v1.PushKind\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x11\n\tnum_ranks\x18\x06 \x01(\x05\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12&\n\x07\x65ntries\x18\t \x03(\x0b\x32\x15.atoll.v1.TensorEntry\x12\x11\n\x04loss\x18\n \x01(\x01H\x00\x88\x01\x01\x42\x07\n\x05_loss\"K\n\tPushChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.atoll.v1.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"[\n\x0cPushResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\"\x82\x01\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\x12\x12\n\nhave_round\x18\x03 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12&\n\x07regions\x18\x05 \x03(\x0b\x32\x15.atoll.v1.TensorEntry\"\xbd\x01\n\x0cUpdateHeader\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.atoll.v1.UpdateKind\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12&\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x15.atoll.v1.TensorEntry\x12\x11\n\tcommitted\x18\x05 \x01(\x08\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0clatest_round\x18\x07 \x01(\x03\x42\x07\n\x05_loss\"M\n\tPullChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.atoll.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"1\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04*N\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPUSH_KIND_DELTA\x10\x01\x12\x12\n\x0ePUSH_KIND_INIT\x10\x02*q\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15UPDATE_KIND_NOT_READY\x10\x01\x12\x14\n\x10UPDATE_KIND_FULL\x10\x02\x12\x15\n\x11UPDATE_KIND_DELTA\x10\x03\x32\xbc\x02\n\x0b\x43oordinator\x12\x35\n\x04Join\x12\x15.atoll.v1.JoinRequest\x1a\x16.atoll.v1.JoinResponse\x12\x44\n\tHeartbeat\x12\x1a.atoll.v1.HeartbeatRequest\x1a\x1b.atoll.v1.HeartbeatResponse\x12:\n\tPushDelta\x12\x13.atoll.v1.PushChunk\x1a\x16.atoll.v1.PushResponse(\x01\x12:\n\nPullUpdate\x12\x15.atoll.v1.PullRequest\x1a\x13.atoll.v1.PullChunk0\x01\x12\x38\n\x05Leave\x12\x16.atoll.v1.LeaveRequest\x1a\x17.atoll.v1.LeaveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61toll/protos/coordinator.proto\x12\x08\x61toll.v1\"I\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.atoll.v1.DType\"\x9a\x03\n\x0eRunConfigProto\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nsync_every\x18\x02 \x01(\x05\x12\x10\n\x08outer_lr\x18\x03 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x16\n\x0e\x64ownlink_codec\x18\x07 \x01(\t\x12\x0e\n\x06quorum\x18\x08 \x01(\x05\x12\x1e\n\x16round_deadline_seconds\x18\t \x01(\x01\x12\x15\n\rlease_seconds\x18\n \x01(\x01\x12\x16\n\x0e\x65rror_feedback\x18\x0b \x01(\x08\x12\x13\n\x0blate_policy\x18\x0c \x01(\t\x12\x18\n\x10staleness_weight\x18\r \x01(\x01\x12\x15\n\rmax_staleness\x18\x0e \x01(\x05\x12\x13\n\x0b\x61ggregation\x18\x0f \x01(\t\x12\x11\n\tclip_norm\x18\x10 \x01(\x01\x12\x16\n\x0emax_delta_norm\x18\x11 \x01(\x01\x12\x1c\n\x14\x65rror_feedback_decay\x18\x12 \x01(\x01\"\xcd\x01\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\x12\x0e\n\x06\x63odecs\x18\x03 \x03(\t\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.atoll.v1.TensorSpec\x12\x11\n\tnum_ranks\x18\x05 \x01(\x05\x12\x13\n\x0bshard_index\x18\x06 \x01(\x05\x12\x12\n\nnum_shards\x18\x07 \x01(\x05\x12\x11\n\tpartition\x18\x08 \x01(\t\x12\x15\n\rlayout_digest\x18\t \x01(\t\"i\n\x0cJoinResponse\x12(\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x18.atoll.v1.RunConfigProto\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\tbootstrap\x18\x03 \x01(\x08\x12\r\n\x05\x63odec\x18\x04 \x01(\t\"D\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\"9\n\x11HeartbeatResponse\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"N\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\x12\r\n\x05sizes\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"\xe4\x01\n\nPushHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12 \n\x04kind\x18\x04 \x01(\x0e\x32\x12.atoll.v1.PushKind\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x11\n\tnum_ranks\x18\x06 \x01(\x05\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12&\n\x07\x65ntries\x18\t \x03(\x0b\x32\x15.atoll.v1.TensorEntry\x12\x11\n\x04loss\x18\n \x01(\x01H\x00\x88\x01\x01\x42\x07\n\x05_loss\"K\n\tPushChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.atoll.v1.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"[\n\x0cPushResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\"\x82\x01\n\x0bPullRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\x12\x12\n\nhave_round\x18\x03 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12&\n\x07regions\x18\x05 \x03(\x0b\x32\x15.atoll.v1.TensorEntry\"\xbd\x01\n\x0cUpdateHeader\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.atoll.v1.UpdateKind\x12\r\n\x05round\x18\x02 \x01(\x03\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12&\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\x15.atoll.v1.TensorEntry\x12\x11\n\tcommitted\x18\x05 \x01(\x08\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0clatest_round\x18\x07 \x01(\x03\x42\x07\n\x05_loss\"M\n\tPullChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.atoll.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"1\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tisland_id\x18\x02 \x01(\t\"\x0f\n\rLeaveResponse*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04*N\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPUSH_KIND_DELTA\x10\x01\x12\x12\n\x0ePUSH_KIND_INIT\x10\x02*q\n\nUpdateKind\x12\x1b\n\x17UPDATE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15UPDATE_KIND_NOT_READY\x10\x01\x12\x14\n\x10UPDATE_KIND_FULL\x10\x02\x12\x15\n\x11UPDATE_KIND_DELTA\x10\x03\x32\xbc\x02\n\x0b\x43oordinator\x12\x35\n\x04Join\x12\x15.atoll.v1.JoinRequest\x1a\x16.atoll.v1.JoinResponse\x12\x44\n\tHeartbeat\x12\x1a.atoll.v1.HeartbeatRequest\x1a\x1b.atoll.v1.HeartbeatResponse\x12:\n\tPushDelta\x12\x13.atoll.v1.PushChunk\x1a\x16.atoll.v1.PushResponse(\x01\x12:\n\nPullUpdate\x12\x15.atoll.v1.PullRequest\x1a\x13.atoll.v1.PullChunk0\x01\x12\x38\n\x05Leave\x12\x16.atoll.v1.LeaveRequest\x1a\x17.atoll.v1.LeaveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'atoll.protos.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1899
-  _globals['_DTYPE']._serialized_end=2006
-  _globals['_PUSHKIND']._serialized_start=2008
-  _globals['_PUSHKIND']._serialized_end=2086
-  _globals['_UPDATEKIND']._serialized_start=2088
-  _globals['_UPDATEKIND']._serialized_end=2201
+  _globals['_DTYPE']._serialized_start=1929
+  _globals['_DTYPE']._serialized_end=2036
+  _globals['_PUSHKIND']._serialized_start=2038
+  _globals['_PUSHKIND']._serialized_end=2116
+  _globals['_UPDATEKIND']._serialized_start=2118
+  _globals['_UPDATEKIND']._serialized_end=2231
   _globals['_TENSORSPEC']._serialized_start=44
   _globals['_TENSORSPEC']._serialized_end=117
   _globals['_RUNCONFIGPROTO']._serialized_start=120
-  _globals['_RUNCONFIGPROTO']._serialized_end=500
-  _globals['_JOINREQUEST']._serialized_start=503
-  _globals['_JOINREQUEST']._serialized_end=708
-  _globals['_JOINRESPONSE']._serialized_start=710
-  _globals['_JOINRESPONSE']._serialized_end=815
-  _globals['_HEARTBEATREQUEST']._serialized_start=817
-  _globals['_HEARTBEATREQUEST']._serialized_end=885
-  _globals['_HEARTBEATRESPONSE']._serialized_start=887
-  _globals['_HEARTBEATRESPONSE']._serialized_end=944
-  _globals['_TENSORENTRY']._serialized_start=946
-  _globals['_TENSORENTRY']._serialized_end=1024
-  _globals['_PUSHHEADER']._serialized_start=1027
-  _globals['_PUSHHEADER']._serialized_end=1255
-  _globals['_PUSHCHUNK']._serialized_start=1257
-  _globals['_PUSHCHUNK']._serialized_end=1332
-  _globals['_PUSHRESPONSE']._serialized_start=1334
-  _globals['_PUSHRESPONSE']._serialized_end=1425
-  _globals['_PULLREQUEST']._serialized_start=1428
-  _globals['_PULLREQUEST']._serialized_end=1558
-  _globals['_UPDATEHEADER']._serialized_start=1561
-  _globals['_UPDATEHEADER']._serialized_end=1750
-  _globals['_PULLCHUNK']._serialized_start=1752
-  _globals['_PULLCHUNK']._serialized_end=1829
-  _globals['_LEAVEREQUEST']._serialized_start=1831
-  _globals['_LEAVEREQUEST']._serialized_end=1880
-  _globals['_LEAVERESPONSE']._serialized_start=1882
-  _globals['_LEAVERESPONSE']._serialized_end=1897
-  _globals['_COORDINATOR']._serialized_start=2204
-  _globals['_COORDINATOR']._serialized_end=2520
+  _globals['_RUNCONFIGPROTO']._serialized_end=530
+  _globals['_JOINREQUEST']._serialized_start=533
+  _globals['_JOINREQUEST']._serialized_end=738
+  _globals['_JOINRESPONSE']._serialized_start=740
+  _globals['_JOINRESPONSE']._serialized_end=845
+  _globals['_HEARTBEATREQUEST']._serialized_start=847
+  _globals['_HEARTBEATREQUEST']._serialized_end=915
+  _globals['_HEARTBEATRESPONSE']._serialized_start=917
+  _globals['_HEARTBEATRESPONSE']._serialized_end=974
+  _globals['_TENSORENTRY']._serialized_start=976
+  _globals['_TENSORENTRY']._serialized_end=1054
+  _globals['_PUSHHEADER']._serialized_start=1057
+  _globals['_PUSHHEADER']._serialized_end=1285
+  _globals['_PUSHCHUNK']._serialized_start=1287
+  _globals['_PUSHCHUNK']._serialized_end=1362
+  _globals['_PUSHRESPONSE']._serialized_start=1364
+  _globals['_PUSHRESPONSE']._serialized_end=1455
+  _globals['_PULLREQUEST']._serialized_start=1458
+  _globals['_PULLREQUEST']._serialized_end=1588
+  _globals['_UPDATEHEADER']._serialized_start=1591
+  _globals['_UPDATEHEADER']._serialized_end=1780
+  _globals['_PULLCHUNK']._serialized_start=1782
+  _globals['_PULLCHUNK']._serialized_end=1859
+  _globals['_LEAVEREQUEST']._serialized_start=1861
+  _globals['_LEAVEREQUEST']._serialized_end=1910
+  _globals['_LEAVERESPONSE']._serialized_start=1912
+  _globals['_LEAVERESPONSE']._serialized_end=1927
+  _globals['_COORDINATOR']._serialized_start=2234
+  _globals['_COORDINATOR']._serialized_end=2550
 # @@protoc_insertion_point(module_scope)

@@ -51,7 +51,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class RunConfigProto(_message.Message):
-    __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds", "error_feedback", "late_policy", "staleness_weight", "max_staleness", "aggregation", "clip_norm", "max_delta_norm")
+    __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds", "error_feedback", "late_policy", "staleness_weight", "max_staleness", "aggregation", "clip_norm", "max_delta_norm", "error_feedback_decay")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class RunConfigProto(_message.Message):
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
     MAX_DELTA_NORM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FEEDBACK_DECAY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sync_every: int
     outer_lr: float
@@ -86,7 +87,8 @@ class RunConfigProto(_message.Message):
     aggregation: str
     clip_norm: float
     max_delta_norm: float
-    def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., error_feedback: _Optional[bool] = ..., late_policy: _Optional[str] = ..., staleness_weight: _Optional[float] = ..., max_staleness: _Optional[int] = ..., aggregation: _Optional[str] = ..., clip_norm: _Optional[float] = ..., max_delta_norm: _Optional[float] = ...) -> None: ...
+    error_feedback_decay: float
+    def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., error_feedback: _Optional[bool] = ..., late_policy: _Optional[str] = ..., staleness_weight: _Optional[float] = ..., max_staleness: _Optional[int] = ..., aggregation: _Optional[str] = ..., clip_norm: _Optional[float] = ..., max_delta_norm: _Optional[float] = ..., error_feedback_decay: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("run_id", "island_id", "codecs", "tensors", "num_ranks", "shard_index", "num_shards", "partition", "layout_digest")
