@@ -12,12 +12,14 @@ peak RSS (VmHWM) against its RSS before the load.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -81,6 +83,36 @@ def raw_tcp_seconds(num_conns: int, payload: bytes, rounds: int) -> float:
     return dt
 
 
+def released_together(targets: list[Callable[[], object]], pids: tuple[int, ...] = ()) -> tuple[float, list[float]]:
+    """Run each target on its own thread, all released at once by a barrier.
+
+    Returns the seconds from the release until the last one finished, and the CPU seconds each
+    process in ``pids`` used in that window. If any target raised, raises (after all finished).
+    """
+    barrier = threading.Barrier(len(targets) + 1)
+    errors: list[BaseException] = []
+
+    def go(fn):
+        barrier.wait()
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - re-raised below, on the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=go, args=(fn,)) for fn in targets]
+    for th in threads:
+        th.start()
+    barrier.wait()
+    t, cpu = time.perf_counter(), [cpu_seconds(p) for p in pids]
+    for th in threads:
+        th.join()
+    seconds = time.perf_counter() - t
+    cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu, strict=True)]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(targets)} failed: {errors[0]}") from errors[0]
+    return seconds, cpu
+
+
 def _bare_grpc_sink(port_queue) -> None:
     """A grpc.aio server whose one client-streaming method counts the raw bytes it is sent."""
     import asyncio
@@ -135,23 +167,14 @@ def bare_grpc_seconds(num_conns: int, payload: bytes, rounds: int) -> float:
 
         for call in calls:  # connect and warm up, untimed
             call(chunks(), timeout=60)
+
+        def send(call):
+            if int.from_bytes(call(chunks(), timeout=60), "little") != len(payload):
+                raise RuntimeError("the bare gRPC sink counted the wrong number of bytes")
+
         seconds = 0.0
         for _ in range(rounds):
-            barrier = threading.Barrier(num_conns + 1)
-
-            def send(call, barrier=barrier):
-                barrier.wait()
-                if int.from_bytes(call(chunks(), timeout=60), "little") != len(payload):
-                    raise RuntimeError("the bare gRPC sink counted the wrong number of bytes")
-
-            threads = [threading.Thread(target=send, args=(c,)) for c in calls]
-            for th in threads:
-                th.start()
-            barrier.wait()
-            t = time.perf_counter()
-            for th in threads:
-                th.join()
-            seconds += time.perf_counter() - t
+            seconds += released_together([functools.partial(send, c) for c in calls])[0]
         for ch in channels:
             ch.close()
         return seconds
@@ -181,10 +204,8 @@ def run(islands: int, numel: int, rounds: int, work: Path) -> dict:
                 c.push(h, [payload])
         push_seconds = coord_cpu = own_cpu = 0.0
         for r in range(rounds):
-            barrier = threading.Barrier(islands + 1)
-            errors = []
-
-            def island(i, c, r=r, barrier=barrier, errors=errors):
+            pushes = []
+            for i, c in enumerate(clients):
                 h = pb.PushHeader(
                     run_id="load",
                     island_id=f"sim-{i}",
@@ -195,24 +216,11 @@ def run(islands: int, numel: int, rounds: int, work: Path) -> dict:
                     codec="identity",
                 )
                 h.entries.add(name="w", num_bytes=len(payload))
-                barrier.wait()
-                try:
-                    c.push(h, [payload])
-                except Exception as err:  # noqa: BLE001 - reported below
-                    errors.append(err)
-
-            threads = [threading.Thread(target=island, args=(i, c)) for i, c in enumerate(clients)]
-            for th in threads:
-                th.start()
-            barrier.wait()
-            t, c, o = time.perf_counter(), cpu_seconds(coord.pid), cpu_seconds(os.getpid())
-            for th in threads:
-                th.join()
-            push_seconds += time.perf_counter() - t
-            coord_cpu += cpu_seconds(coord.pid) - c
-            own_cpu += cpu_seconds(os.getpid()) - o
-            if errors:
-                raise RuntimeError(f"{len(errors)} pushes failed: {errors[0]}")
+                pushes.append(functools.partial(c.push, h, [payload]))
+            seconds, (c_coord, c_own) = released_together(pushes, pids=(coord.pid, os.getpid()))
+            push_seconds += seconds
+            coord_cpu += c_coord
+            own_cpu += c_own
             header, _ = clients[0].pull(pb.PullRequest(run_id="load", island_id="sim-0", have_round=r, wait_seconds=30))
             if header.round != r + 1:
                 raise RuntimeError(f"round {r} did not close: {header}")
