@@ -37,7 +37,7 @@ class ErrorFeedback:
         if residual is not None:
             if residual.shape != x.shape:
                 raise ValueError(f"residual has shape {tuple(residual.shape)}, tensor {tuple(x.shape)}")
-            x = x + residual if self.decay == 1.0 else torch.add(x, residual, alpha=self.decay)
+            x = torch.add(x, residual, alpha=self.decay)  # alpha 1 is exactly x + residual
         elif x is tensor:
             x = x.clone()
         payload = self.inner.encode(x, state.setdefault("inner", {}), out=out)
