@@ -19,7 +19,17 @@ import torch
 
 from atoll.compression import get_codec
 
-DEFAULT_SPECS = ["identity", "fp16", "bf16", "int8", "int4", "int2", "topk:fraction=0.01", "powersgd:rank=4"]
+DEFAULT_SPECS = [
+    "identity",
+    "fp16",
+    "bf16",
+    "int8",
+    "int4",
+    "int2",
+    "topk:fraction=0.01",
+    "dcttopk:fraction=0.01",
+    "powersgd:rank=4",
+]
 
 
 def best(fn, repeat: int) -> float:
@@ -66,7 +76,7 @@ def main() -> None:
 def measure(spec: str, x: torch.Tensor, dst: torch.Tensor, acc: torch.Tensor, mat_shape, repeat: int) -> None:
     nbytes = 4 * x.numel()
     codec = get_codec(spec)
-    t_in = x.view(mat_shape) if spec.startswith("powersgd") else x
+    t_in = x.view(mat_shape) if spec.startswith(("powersgd", "dcttopk")) else x  # both work on matrices
     shape = tuple(t_in.shape)
     state: dict = {}
     buf = codec.encode(t_in, state)  # warm-up (and PowerSGD's first Q); reused like an island does

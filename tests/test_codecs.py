@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atoll.compression import ErrorFeedback, WireFormatError, available_codecs, get_codec
+from atoll.compression import dct as dct_mod
 from atoll.compression import topk as topk_mod
 from atoll.compression.wire import MAGIC, pack, unpack
 
@@ -28,6 +29,8 @@ ALL_SPECS = [
     "int2:block=32",
     "topk:fraction=0.01",
     "topk:fraction=0.3,values=fp16",
+    "dcttopk:fraction=0.01",
+    "dcttopk:fraction=0.3,values=fp16,chunk=16",
     "powersgd:rank=2",
 ]
 
@@ -59,7 +62,7 @@ def error_bound(spec: str, x: torch.Tensor) -> torch.Tensor:
     return blockwise_bound(x, codec)
 
 
-DENSE_SPECS = [s for s in ALL_SPECS if not s.startswith(("topk", "powersgd"))]
+DENSE_SPECS = [s for s in ALL_SPECS if not s.startswith(("topk", "dcttopk", "powersgd"))]
 
 
 @pytest.mark.parametrize("spec", DENSE_SPECS)
@@ -99,6 +102,9 @@ def test_degenerate_tensors(spec, kind):
         kept = (y != 0).sum().item()
         assert kept == max(1, round(codec.fraction * x.numel()))
         assert torch.allclose(y[y != 0], torch.tensor(-2.5), rtol=1e-2)
+    elif kind == "constant" and spec.startswith("dcttopk"):
+        # A constant block is one DC coefficient; 3 x 333 is 9 blocks of 3 x 37 (or 3 x 16 + padding), k >= 9.
+        torch.testing.assert_close(y, x, rtol=1e-2, atol=1e-2)
     elif kind == "constant" and spec.startswith("powersgd"):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)  # rank 1: exact up to float error
     else:
@@ -141,6 +147,62 @@ def test_topk_small_tensors_and_index_widths():
         assert len(payload) < k * (width + 1.1) + 200
         y = codec.decode(payload, (n,))
         assert int((y != 0).sum()) == k
+
+
+def reference_block_dct(x: np.ndarray, br: int, bc: int) -> np.ndarray:
+    """Orthonormal 2-D DCT-II of every br x bc block, straight from the definition (float64)."""
+
+    def basis(n):
+        k, i = np.arange(n)[:, None], np.arange(n)[None, :]
+        m = np.cos(np.pi * (i + 0.5) * k / n) * np.sqrt(2.0 / n)
+        m[0] /= np.sqrt(2.0)
+        return m
+
+    a, b = basis(br), basis(bc)
+    out = np.empty_like(x)
+    for r in range(0, x.shape[0], br):
+        for c in range(0, x.shape[1], bc):
+            out[r : r + br, c : c + bc] = a @ x[r : r + br, c : c + bc] @ b.T
+    return out
+
+
+def test_dcttopk_keeps_the_largest_block_dct_coefficients():
+    """130 x 200 at chunk 64: rows in blocks of 64 (130 has no divisor in (32, 64], so 2 rows of
+    blocks are padded to 192), cols in blocks of 50. The payload holds the top-k coefficients of
+    an independent float64 block DCT, and the decode is their inverse."""
+    x = torch.randn(130, 200, generator=torch.Generator().manual_seed(5)) + torch.linspace(-2, 2, 200)
+    codec = get_codec("dcttopk:fraction=0.02,values=fp16")
+    padded = np.zeros((192, 200))
+    padded[:130] = x.double().numpy()
+    coef = reference_block_dct(padded, 64, 50)
+    k = round(0.02 * x.numel())
+    keep = np.argsort(-np.abs(coef).ravel())[:k]
+    payload = codec.encode(x)
+    y = codec.decode(payload, (130, 200))
+    frame = unpack(payload)
+    width = frame.params[8]
+    sent = np.frombuffer(bytes(frame.body[: k * width]), dtype=np.uint16 if width == 2 else np.uint32)
+    assert sorted(sent.tolist()) == sorted(keep.tolist())
+    # Parseval: the error energy is the dropped coefficients' energy (values are fp16: ~1e-3 rel.)
+    dropped = float((coef**2).sum() - (coef.ravel()[keep] ** 2).sum())
+    err = float(((y.double().numpy() - x.double().numpy()) ** 2).sum())
+    assert abs(err - dropped) <= 1e-2 * dropped + 1e-3 * float((coef**2).sum()), (err, dropped)
+
+
+def test_dcttopk_beats_raw_topk_on_row_and_column_structure():
+    """Pseudo-gradients of Adam-trained matrices carry per-row/per-column offsets; the block DCT
+    packs them into few coefficients, raw top-k cannot."""
+    gen = torch.Generator().manual_seed(2)
+    rows, cols = torch.randn(256, 1, generator=gen), torch.randn(1, 512, generator=gen)
+    x = rows + cols + 0.5 * torch.randn(256, 512, generator=gen)
+
+    def rel_err(spec):
+        codec = get_codec(spec)
+        return float((codec.decode(codec.encode(x), x.shape) - x).norm() / x.norm())
+
+    raw, dct = rel_err("topk:fraction=0.01"), rel_err("dcttopk:fraction=0.01")
+    assert dct < 0.75 * raw, (dct, raw)
+    assert len(get_codec("dcttopk:fraction=0.01").encode(x)) <= len(get_codec("topk:fraction=0.01").encode(x)) + 8
 
 
 def test_powersgd_warm_start_recovers_low_rank_and_never_exceeds_norm():
@@ -224,7 +286,7 @@ def test_checksummed_but_inconsistent_payloads_are_rejected(spec):
         (params, body[:-1]),  # short body
         (params, body + b"\0\0\0\0"),  # long body
     ]
-    if spec.startswith("topk"):
+    if spec.startswith(("topk", "dcttopk")):
         k = struct.unpack_from("<Q", params)[0]
         variants.append((struct.pack("<Q", 10**9) + params[8:], body))  # k larger than the tensor
         idx = bytearray(body)
@@ -234,6 +296,9 @@ def test_checksummed_but_inconsistent_payloads_are_rejected(spec):
         width = params[8]
         big[(k - 1) * width : k * width] = (50 * 40).to_bytes(width, "little")  # index past the end
         variants.append((params, bytes(big)))
+    if spec.startswith("dcttopk"):  # 50 x 40 tiles into whole blocks (50 x 40 or 10 x 10): no padding
+        variants.append((params[:-4] + struct.pack("<I", 0), body))  # chunk 0
+        variants.append((params[:-4] + struct.pack("<I", 10**6), body))  # chunk past the limit
     if spec.startswith("int"):
         variants.append((params[:4] + bytes([3]) + params[5:], body))  # wrong bit width
     if spec.startswith("powersgd"):
@@ -292,6 +357,29 @@ def test_property_blockwise_bound(n, log_mag, block, bits, scale, seed):
     assert bool(((y - x).abs() <= blockwise_bound(x, codec)).all())
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 150),
+    cols=st.integers(1, 150),
+    log_mag=st.floats(-8, 4),
+    fraction=st.sampled_from([0.01, 0.1, 1.0]),
+    chunk=st.sampled_from([8, 64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_dcttopk_never_adds_energy_and_is_near_lossless_when_everything_fits(
+    rows, cols, log_mag, fraction, chunk, seed
+):
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 10**log_mag
+    x = x.float()
+    codec = get_codec(f"dcttopk:fraction={fraction},chunk={chunk}")
+    y = codec.decode(codec.encode(x), (rows, cols))
+    err, norm = float((y - x).double().norm()), float(x.double().norm())
+    assert err <= 1.01 * norm  # an orthonormal basis: dropping coefficients only removes energy
+    _, _, _, _, padded_rows, padded_cols = dct_mod.layout((rows, cols), chunk)
+    if fraction == 1.0 and (padded_rows, padded_cols) == (rows, cols):
+        assert err <= 0.02 * norm  # every coefficient kept: only the int8 rounding is left
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=400), spec=st.sampled_from(ALL_SPECS))
 def test_property_random_bytes_only_raise_wire_format_error(data, spec):
@@ -301,7 +389,10 @@ def test_property_random_bytes_only_raise_wire_format_error(data, spec):
 
 
 def test_codec_specs():
-    assert available_codecs() == sorted(["identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "powersgd"])
+    assert available_codecs() == sorted(
+        ["identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "dcttopk", "powersgd"]
+    )
+    assert get_codec("dcttopk:fraction=0.01").spec == "dcttopk:fraction=0.01,values=int8,chunk=64"
     assert get_codec("int8:block=128,scale=fp16").spec == "int8:block=128,scale=fp16"
     assert get_codec("topk:fraction=0.01").spec == "topk:fraction=0.01,values=int8"
     for bad, msg in [
@@ -311,6 +402,8 @@ def test_codec_specs():
         ("int8:rank=3", "takes no parameter"),
         ("int8:block=x", "not a int"),
         ("topk:foo=1", "bad parameter"),
+        ("dcttopk:chunk=0", "chunk"),
+        ("dcttopk:chunk=1000", "chunk"),
     ]:
         with pytest.raises(ValueError, match=msg):
             get_codec(bad)
@@ -335,7 +428,7 @@ def test_error_feedback_decay_sends_the_decayed_residual_exactly():
             ErrorFeedback(plain, decay=bad)
 
 
-@pytest.mark.parametrize("spec", ["topk:fraction=0.01", "int2", "powersgd:rank=1"])
+@pytest.mark.parametrize("spec", ["topk:fraction=0.01", "dcttopk:fraction=0.01", "int2", "powersgd:rank=1"])
 def test_error_feedback_tracks_the_sum_of_updates(spec):
     """sum(decoded) + residual == sum(true) at every round, and the residual stays bounded."""
     gen = torch.Generator().manual_seed(0)

@@ -1,7 +1,8 @@
 """Codecs for pseudo-gradients and their wire format.
 
 ``get_codec("int8")``, ``get_codec("int4:block=128,scale=fp16")``, ``get_codec("topk:fraction=0.01")``,
-``get_codec("powersgd:rank=4")``; wrap a lossy one in :class:`ErrorFeedback` to carry its error over.
+``get_codec("dcttopk:fraction=0.01")`` (top-k in a block-DCT basis), ``get_codec("powersgd:rank=4")``;
+wrap a lossy one in :class:`ErrorFeedback` to carry its error over.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from atoll.compression.base import Codec
 from atoll.compression.blockwise import Int2Codec, Int4Codec, Int8Codec
 from atoll.compression.cast import Bf16Codec, Fp16Codec, IdentityCodec
+from atoll.compression.dct import DctTopKCodec
 from atoll.compression.feedback import ErrorFeedback
 from atoll.compression.powersgd import PowerSGDCodec
 from atoll.compression.topk import TopKCodec
@@ -16,10 +18,20 @@ from atoll.compression.wire import WireFormatError
 
 _REGISTRY: dict[str, type[Codec]] = {
     cls.name: cls
-    for cls in (IdentityCodec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, Int2Codec, TopKCodec, PowerSGDCodec)
+    for cls in (
+        IdentityCodec,
+        Fp16Codec,
+        Bf16Codec,
+        Int8Codec,
+        Int4Codec,
+        Int2Codec,
+        TopKCodec,
+        DctTopKCodec,
+        PowerSGDCodec,
+    )
 }
 _BY_ID = {cls.codec_id: cls for cls in _REGISTRY.values()}
-_PARAM_TYPES = {"block": int, "rank": int, "seed": int, "fraction": float, "scale": str, "values": str}
+_PARAM_TYPES = {"block": int, "rank": int, "seed": int, "fraction": float, "scale": str, "values": str, "chunk": int}
 
 
 def available_codecs() -> list[str]:

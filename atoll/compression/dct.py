@@ -1,0 +1,197 @@
+"""Top-k in a blockwise DCT basis (the transform DeMo uses), values quantised, compact indices.
+
+A pseudo-gradient of an Adam-trained matrix spreads its energy thinly over the raw elements:
+after the bundled model's first round the top 1% of raw elements hold 6% of ``||Δ||²``, the
+same number of 2-D DCT-II coefficients over ``chunk x chunk`` blocks 16%
+(``benchmarks/topk_basis.py``). So this codec views the tensor as 2-D (first dim by the rest; a
+0-/1-D tensor as one row), cuts it into blocks (see :func:`block_len`; zero-padded only where a
+dim has no divisor in ``(chunk/2, chunk]``), transforms every block with the orthonormal DCT and
+keeps the top-k coefficients by magnitude (:func:`atoll.compression.topk.select_topk`, no sort
+of the whole tensor).
+
+``k = round(fraction * numel)`` of the *unpadded* tensor, so the payload is plain top-k's size
+(indices may be one width wider when padding crosses a width boundary). The price is compute:
+two small GEMMs per direction (~0.05x memcpy on 2 CPU cores, see ``benchmarks/RESULTS.md``),
+and decoding scatters into dense temporaries of the padded tensor (at most 4x its size) before
+the inverse transform, where raw top-k accumulates in place.
+
+Params: ``k, index width, value kind, value block, chunk``. Body: ``k`` strictly increasing
+indices into the padded coefficient array, then the values (as in ``topk``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+
+import numpy as np
+import torch
+
+from atoll.compression import blockwise
+from atoll.compression.base import Codec, all_finite, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.topk import _INDEX_DTYPES, VALUE_BLOCK, VALUES_FP16, VALUES_INT8, index_width, select_topk
+from atoll.compression.wire import WireFormatError
+
+_PARAMS = struct.Struct("<QBBII")  # k, index width, value kind, value block, chunk
+MAX_CHUNK = 256
+
+
+@functools.lru_cache(maxsize=16)
+def dct_matrix(n: int) -> torch.Tensor:
+    """Orthonormal DCT-II matrix ``M`` (``M @ x`` transforms, ``M.T @ y`` inverts), float32."""
+    k = torch.arange(n, dtype=torch.float64)[:, None]
+    i = torch.arange(n, dtype=torch.float64)[None, :]
+    m = torch.cos(math.pi * (i + 0.5) * k / n) * math.sqrt(2.0 / n)
+    m[0] /= math.sqrt(2.0)
+    return m.to(torch.float32)
+
+
+def block_len(dim: int, chunk: int) -> int:
+    """Block length along a dim: the whole dim if it fits a chunk, else a divisor in
+    ``(chunk/2, chunk]`` (no padding) if there is one, else ``chunk`` (the last block is padded)."""
+    if dim <= chunk:
+        return max(1, dim)
+    for d in range(chunk, chunk // 2, -1):
+        if dim % d == 0:
+            return d
+    return chunk
+
+
+def layout(shape: tuple[int, ...], chunk: int) -> tuple[int, int, int, int, int, int]:
+    """``(rows, cols, block_rows, block_cols, padded_rows, padded_cols)`` of the 2-D view a tensor
+    of ``shape`` is coded in: the first dim by the rest (a 0-/1-D tensor is one row)."""
+    n = math.prod(shape)
+    rows = shape[0] if len(shape) >= 2 else 1
+    cols = n // rows if rows else 0
+    br, bc = block_len(rows, chunk), block_len(cols, chunk)
+    return rows, cols, br, bc, -(-rows // br) * br, -(-cols // bc) * bc
+
+
+def _blockwise(x2d: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left @ block @ right`` for every block of ``x2d``, as two plain GEMMs (no permutes)."""
+    r, c = x2d.shape
+    br, bc = left.shape[0], right.shape[0]
+    rows = torch.matmul(left, x2d.reshape(r // br, br, c))  # mixes rows within each block row
+    return torch.mm(rows.view(-1, bc), right).view(r, c)  # mixes cols within each block
+
+
+def forward(x2d: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """Blockwise orthonormal 2-D DCT-II of a padded ``R x C`` matrix; coefficients stay in place."""
+    return _blockwise(x2d, dct_matrix(br), dct_matrix(bc).T)
+
+
+def inverse(c2d: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    return _blockwise(c2d, dct_matrix(br).T, dct_matrix(bc))
+
+
+class DctTopKCodec(Codec):
+    name = "dcttopk"
+    codec_id = 9
+
+    def __init__(self, fraction: float = 0.01, values: str = "int8", chunk: int = 64) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"dcttopk: fraction must be in (0, 1], got {fraction}")
+        if values not in ("int8", "fp16"):
+            raise ValueError(f"dcttopk: values must be 'int8' or 'fp16', got {values!r}")
+        if not 1 <= chunk <= MAX_CHUNK:
+            raise ValueError(f"dcttopk: chunk must be in [1, {MAX_CHUNK}], got {chunk}")
+        self.fraction = fraction
+        self.values = values
+        self.chunk = chunk
+
+    @property
+    def spec(self) -> str:
+        return f"dcttopk:fraction={self.fraction:g},values={self.values},chunk={self.chunk}"
+
+    def _values_len(self, k: int, kind: int) -> int:
+        if kind == VALUES_FP16:
+            return 2 * k
+        return blockwise.body_len(k, VALUE_BLOCK, 8, blockwise.SCALE_FP32)
+
+    def _encode(self, flat, shape, state):
+        n = flat.numel()
+        rows, cols, br, bc, pr, pc = layout(shape, self.chunk)
+        k = min(n, max(1, round(self.fraction * n))) if n else 0
+        if n:
+            x = torch.zeros(pr, pc) if (pr, pc) != (rows, cols) else flat.view(rows, cols)
+            if (pr, pc) != (rows, cols):
+                x[:rows, :cols] = flat.view(rows, cols)
+            coef = forward(x, br, bc).view(-1)
+        else:
+            coef = flat
+        idx = select_topk(coef, k)
+        vals = coef[idx]
+        width = index_width(pr * pc)
+        kind = VALUES_INT8 if self.values == "int8" else VALUES_FP16
+        params = _PARAMS.pack(k, width, kind, VALUE_BLOCK, self.chunk)
+
+        def write(body):
+            write_tensor(body, _INDEX_DTYPES[width], k).copy_(idx)
+            rest = body[k * width :]
+            if kind == VALUES_FP16:
+                write_tensor(rest, torch.float16, k).copy_(vals)
+            else:
+                blockwise.encode_into(
+                    vals, rest, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
+                )
+
+        return params, k * width + self._values_len(k, kind), write
+
+    def _params(self, frame):
+        k, width, kind, block, chunk = expect_params(frame, _PARAMS, self.name)
+        if not 1 <= chunk <= MAX_CHUNK:
+            raise WireFormatError(f"dcttopk: bad chunk {chunk}")
+        rows, cols, br, bc, pr, pc = layout(frame.shape, chunk)
+        if (
+            k > frame.numel
+            or width not in _INDEX_DTYPES
+            or kind not in (VALUES_INT8, VALUES_FP16)
+            or block != VALUE_BLOCK
+        ):
+            raise WireFormatError(f"dcttopk: bad params k={k} width={width} value kind={kind} block={block}")
+        if width < index_width(pr * pc):
+            raise WireFormatError(f"dcttopk: {width}-byte indices cannot address {pr * pc} coefficients")
+        return k, width, kind, (rows, cols, br, bc, pr, pc)
+
+    def _indices(self, frame, k, width) -> torch.Tensor:
+        idx = read_tensor(frame.body, _INDEX_DTYPES[width], k).to(torch.int64)
+        if width == 2:
+            idx = idx & 0xFFFF  # stored unsigned
+        return idx
+
+    def _check(self, frame):
+        k, width, kind, geo = self._params(frame)
+        expect_body(frame, k * width + self._values_len(k, kind), self.name)
+        if k:
+            a = self._indices(frame, k, width).numpy()
+            if a[0] < 0 or a[-1] >= geo[4] * geo[5] or (k > 1 and not bool(np.all(a[1:] > a[:-1]))):
+                raise WireFormatError("dcttopk: indices must be strictly increasing and inside the blocks")
+
+    def _decoded_values(self, frame, k, width, kind) -> torch.Tensor:
+        rest = frame.body[k * width :]
+        if kind == VALUES_FP16:
+            return read_tensor(rest, torch.float16, k).to(torch.float32)
+        out = torch.empty(k, dtype=torch.float32)
+        blockwise.decode_into(
+            rest, k, out, 1.0, False, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
+        )
+        return out
+
+    def _finite(self, frame):
+        k, width, kind, _ = self._params(frame)
+        rest = frame.body[k * width :]
+        if kind == VALUES_FP16:
+            return all_finite(read_tensor(rest, torch.float16, k))
+        return blockwise.scales_finite(rest, k, block=VALUE_BLOCK, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
+
+    def _decode_into(self, frame, out, alpha, accumulate):
+        k, width, kind, (rows, cols, br, bc, pr, pc) = self._params(frame)
+        coef = torch.zeros(pr * pc)
+        coef[self._indices(frame, k, width)] = self._decoded_values(frame, k, width, kind)
+        dense = inverse(coef.view(pr, pc), br, bc)[:rows, :cols]
+        view = out.view(rows, cols)
+        if accumulate:
+            view.add_(dense, alpha=alpha)
+        else:
+            view.copy_(dense)
