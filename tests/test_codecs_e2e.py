@@ -5,9 +5,9 @@ import pytest
 from atoll.harness.demo import DemoArgs, run_island_group
 
 
-def run(tmp_path, codec: str, error_feedback: bool = False, *, rounds: int = 6, decay: float = 1.0, trace=None):
+def run(tmp_path, codec: str, error_feedback: bool = False, *, rounds: int = 6, decay: float = 1.0, trace=None, **kw):
     args = DemoArgs(
-        rounds=rounds, sync_every=30, codec=codec, error_feedback=error_feedback, error_feedback_decay=decay
+        rounds=rounds, sync_every=30, codec=codec, error_feedback=error_feedback, error_feedback_decay=decay, **kw
     )
     events, codes = run_island_group(args, tmp_path / f"{codec.replace(':', '_')}-{decay:g}", progress=False)
     assert codes == [0, 0]
@@ -32,23 +32,33 @@ def test_int8_matches_identity_with_4x_fewer_bytes(tmp_path, identity):
     assert bytes_id / bytes_q > 3.8, (bytes_id, bytes_q)
 
 
-def test_topk_with_error_feedback_cuts_bytes_30x(tmp_path, identity):
+def test_topk_1pct_with_error_feedback_within_5pct_of_identity_on_30x_fewer_bytes(tmp_path, identity):
+    """Top-k 1% of the block-DCT coefficients, EF with β = 0.3. Measured here (demo defaults, 6
+    rounds): 2.7175 vs identity 2.6220 (+3.6%), 67x fewer bytes pushed."""
+    loss_id, bytes_id = identity
+    loss_k, bytes_k = run(tmp_path, "dcttopk:fraction=0.01", error_feedback=True, decay=0.3)
+    assert bytes_id / bytes_k >= 30, (bytes_id, bytes_k)
+    assert loss_k < 1.05 * loss_id, (loss_k, loss_id)
+
+
+def test_raw_topk_1pct_with_error_feedback_learns_on_30x_fewer_bytes(tmp_path, identity):
+    """Top-k of the raw elements keeps ~6% of a round's ||Δ||² where the DCT basis keeps ~17%
+    (benchmarks/topk_basis.py): measured 2.9103 (+11%) after 6 rounds, pinned so a regression shows."""
     loss_id, bytes_id = identity
     loss_k, bytes_k = run(tmp_path, "topk:fraction=0.01", error_feedback=True)
     assert bytes_id / bytes_k >= 30, (bytes_id, bytes_k)
-    # Measured here: ~11% above identity after 6 rounds (the issue's 5% target is not met; see
-    # benchmarks/RESULTS.md). This pins the current quality so a regression shows.
     assert loss_k < 1.15 * loss_id, (loss_k, loss_id)
     assert loss_k < 0.8 * 4.06  # still clearly learning from the 4.06 start
 
 
 def test_decayed_error_feedback_keeps_a_long_topk_run_converging(tmp_path):
-    """20 rounds of top-k 1%: classic EF (β=1) lets residuals grow ~one Δ per round and the global
-    θ degrades after round 5; β=0.5 keeps improving. Measured here: 3.147 vs 2.627 (identity at 20
-    rounds: 2.495), per-round evals in benchmarks/RESULTS.md."""
+    """20 rounds of top-k 1% at outer lr 0.7 / Nesterov 0.9: classic EF (β=1) lets residuals grow
+    ~one Δ per round and the global θ degrades after round 5; β=0.5 keeps improving. Measured here:
+    3.147 vs 2.627 (identity at 20 rounds: 2.495), per-round evals in benchmarks/RESULTS.md."""
     classic, decayed = [], []
-    loss_1, _ = run(tmp_path, "topk:fraction=0.01", True, rounds=20, decay=1.0, trace=classic)
-    loss_half, _ = run(tmp_path, "topk:fraction=0.01", True, rounds=20, decay=0.5, trace=decayed)
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.9}
+    loss_1, _ = run(tmp_path, "topk:fraction=0.01", True, rounds=20, decay=1.0, trace=classic, **outer)
+    loss_half, _ = run(tmp_path, "topk:fraction=0.01", True, rounds=20, decay=0.5, trace=decayed, **outer)
     assert len(classic) == len(decayed) == 20
     assert loss_half < 0.9 * loss_1, (loss_half, loss_1)
     assert decayed[-1] < decayed[9] < decayed[4], decayed  # still falling in the second half

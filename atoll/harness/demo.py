@@ -33,8 +33,10 @@ class DemoArgs:
     """Islands keep training while the exchange is in flight and apply it this many steps later."""
     fragments: int = 0
     """Streaming DiLoCo: P fragments on staggered schedules (0: every tensor syncs at once)."""
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0
+    """Outer learning rate. The demo's few outer steps do better at 1.0 / Nesterov 0.5 than at the
+    coordinator's long-run defaults 0.7 / 0.9 (identity over 6 rounds: 2.622 vs 2.698)."""
+    outer_momentum: float = 0.5
     inner_lr: float = 3e-3
     batch_size: int = 16
     work_dir: str = ""
