@@ -25,12 +25,23 @@ import functools
 import math
 import struct
 
-import numpy as np
 import torch
 
-from atoll.compression import blockwise
-from atoll.compression.base import Codec, all_finite, expect_body, expect_params, read_tensor, write_tensor
-from atoll.compression.topk import _INDEX_DTYPES, VALUE_BLOCK, VALUES_FP16, VALUES_INT8, index_width, select_topk
+from atoll.compression.base import Codec, expect_body, expect_params
+from atoll.compression.topk import (
+    INDEX_DTYPES,
+    VALUE_BLOCK,
+    VALUES_FP16,
+    VALUES_INT8,
+    check_indices,
+    index_width,
+    read_indices,
+    read_values,
+    select_topk,
+    sparse_body_len,
+    values_finite,
+    write_sparse,
+)
 from atoll.compression.wire import WireFormatError
 
 _PARAMS = struct.Struct("<QBBII")  # k, index width, value kind, value block, chunk
@@ -104,19 +115,14 @@ class DctTopKCodec(Codec):
     def spec(self) -> str:
         return f"dcttopk:fraction={self.fraction:g},values={self.values},chunk={self.chunk}"
 
-    def _values_len(self, k: int, kind: int) -> int:
-        if kind == VALUES_FP16:
-            return 2 * k
-        return blockwise.body_len(k, VALUE_BLOCK, 8, blockwise.SCALE_FP32)
-
     def _encode(self, flat, shape, state):
         n = flat.numel()
         rows, cols, br, bc, pr, pc = layout(shape, self.chunk)
         k = min(n, max(1, round(self.fraction * n))) if n else 0
         if n:
-            x = torch.zeros(pr, pc) if (pr, pc) != (rows, cols) else flat.view(rows, cols)
+            x = flat.view(rows, cols)
             if (pr, pc) != (rows, cols):
-                x[:rows, :cols] = flat.view(rows, cols)
+                x = torch.nn.functional.pad(x, (0, pc - cols, 0, pr - rows))
             coef = forward(x, br, bc).view(-1)
         else:
             coef = flat
@@ -125,18 +131,7 @@ class DctTopKCodec(Codec):
         width = index_width(pr * pc)
         kind = VALUES_INT8 if self.values == "int8" else VALUES_FP16
         params = _PARAMS.pack(k, width, kind, VALUE_BLOCK, self.chunk)
-
-        def write(body):
-            write_tensor(body, _INDEX_DTYPES[width], k).copy_(idx)
-            rest = body[k * width :]
-            if kind == VALUES_FP16:
-                write_tensor(rest, torch.float16, k).copy_(vals)
-            else:
-                blockwise.encode_into(
-                    vals, rest, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
-                )
-
-        return params, k * width + self._values_len(k, kind), write
+        return params, sparse_body_len(k, width, kind), lambda body: write_sparse(body, idx, vals, width, kind)
 
     def _params(self, frame):
         k, width, kind, block, chunk = expect_params(frame, _PARAMS, self.name)
@@ -145,7 +140,7 @@ class DctTopKCodec(Codec):
         rows, cols, br, bc, pr, pc = layout(frame.shape, chunk)
         if (
             k > frame.numel
-            or width not in _INDEX_DTYPES
+            or width not in INDEX_DTYPES
             or kind not in (VALUES_INT8, VALUES_FP16)
             or block != VALUE_BLOCK
         ):
@@ -154,41 +149,19 @@ class DctTopKCodec(Codec):
             raise WireFormatError(f"dcttopk: {width}-byte indices cannot address {pr * pc} coefficients")
         return k, width, kind, (rows, cols, br, bc, pr, pc)
 
-    def _indices(self, frame, k, width) -> torch.Tensor:
-        idx = read_tensor(frame.body, _INDEX_DTYPES[width], k).to(torch.int64)
-        if width == 2:
-            idx = idx & 0xFFFF  # stored unsigned
-        return idx
-
     def _check(self, frame):
-        k, width, kind, geo = self._params(frame)
-        expect_body(frame, k * width + self._values_len(k, kind), self.name)
-        if k:
-            a = self._indices(frame, k, width).numpy()
-            if a[0] < 0 or a[-1] >= geo[4] * geo[5] or (k > 1 and not bool(np.all(a[1:] > a[:-1]))):
-                raise WireFormatError("dcttopk: indices must be strictly increasing and inside the blocks")
-
-    def _decoded_values(self, frame, k, width, kind) -> torch.Tensor:
-        rest = frame.body[k * width :]
-        if kind == VALUES_FP16:
-            return read_tensor(rest, torch.float16, k).to(torch.float32)
-        out = torch.empty(k, dtype=torch.float32)
-        blockwise.decode_into(
-            rest, k, out, 1.0, False, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
-        )
-        return out
+        k, width, kind, (*_, pr, pc) = self._params(frame)
+        expect_body(frame, sparse_body_len(k, width, kind), self.name)
+        check_indices(frame.body, k, width, pr * pc, self.name)
 
     def _finite(self, frame):
         k, width, kind, _ = self._params(frame)
-        rest = frame.body[k * width :]
-        if kind == VALUES_FP16:
-            return all_finite(read_tensor(rest, torch.float16, k))
-        return blockwise.scales_finite(rest, k, block=VALUE_BLOCK, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
+        return values_finite(frame.body, k, width, kind)
 
     def _decode_into(self, frame, out, alpha, accumulate):
         k, width, kind, (rows, cols, br, bc, pr, pc) = self._params(frame)
         coef = torch.zeros(pr * pc)
-        coef[self._indices(frame, k, width)] = self._decoded_values(frame, k, width, kind)
+        coef[read_indices(frame.body, k, width)] = read_values(frame.body, k, width, kind)
         dense = inverse(coef.view(pr, pc), br, bc)[:rows, :cols]
         view = out.view(rows, cols)
         if accumulate:

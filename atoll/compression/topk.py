@@ -23,11 +23,61 @@ _PARAMS = struct.Struct("<QBBIf")  # k, index width, value kind (0 int8 blockwis
 VALUES_INT8, VALUES_FP16 = 0, 1
 VALUE_BLOCK = 256
 SAMPLE = 1 << 16
-_INDEX_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+INDEX_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def index_width(n: int) -> int:
     return 2 if n <= 1 << 15 else 4 if n <= 1 << 31 else 8
+
+
+def sparse_body_len(k: int, width: int, kind: int) -> int:
+    """Bytes of a body of ``k`` indices of ``width`` bytes and ``k`` values of ``kind``."""
+    if kind == VALUES_FP16:
+        return k * width + 2 * k
+    return k * width + blockwise.body_len(k, VALUE_BLOCK, 8, blockwise.SCALE_FP32)
+
+
+def write_sparse(body: memoryview, idx: torch.Tensor, vals: torch.Tensor, width: int, kind: int) -> None:
+    k = idx.numel()
+    write_tensor(body, INDEX_DTYPES[width], k).copy_(idx)
+    rest = body[k * width :]
+    if kind == VALUES_FP16:
+        write_tensor(rest, torch.float16, k).copy_(vals)
+    else:
+        blockwise.encode_into(vals, rest, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
+
+
+def read_indices(body: memoryview, k: int, width: int) -> torch.Tensor:
+    idx = read_tensor(body, INDEX_DTYPES[width], k).to(torch.int64)
+    if width == 2:
+        idx = idx & 0xFFFF  # stored unsigned
+    return idx
+
+
+def check_indices(body: memoryview, k: int, width: int, limit: int, what: str) -> None:
+    """Raise unless the ``k`` indices are strictly increasing and below ``limit``."""
+    if k:
+        a = read_indices(body, k, width).numpy()
+        if a[0] < 0 or a[-1] >= limit or (k > 1 and not bool(np.all(a[1:] > a[:-1]))):
+            raise WireFormatError(f"{what}: indices must be strictly increasing and inside the tensor")
+
+
+def read_values(body: memoryview, k: int, width: int, kind: int) -> torch.Tensor:
+    rest = body[k * width :]
+    if kind == VALUES_FP16:
+        return read_tensor(rest, torch.float16, k).to(torch.float32)
+    out = torch.empty(k, dtype=torch.float32)
+    blockwise.decode_into(
+        rest, k, out, 1.0, False, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
+    )
+    return out
+
+
+def values_finite(body: memoryview, k: int, width: int, kind: int) -> bool:
+    rest = body[k * width :]
+    if kind == VALUES_FP16:
+        return all_finite(read_tensor(rest, torch.float16, k))
+    return blockwise.scales_finite(rest, k, block=VALUE_BLOCK, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
 
 
 def select_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,11 +121,6 @@ class TopKCodec(Codec):
     def spec(self) -> str:
         return f"topk:fraction={self.fraction:g},values={self.values}"
 
-    def _values_len(self, k: int, kind: int) -> int:
-        if kind == VALUES_FP16:
-            return 2 * k
-        return blockwise.body_len(k, VALUE_BLOCK, 8, blockwise.SCALE_FP32)
-
     def _encode(self, flat, shape, state):
         n = flat.numel()
         k = min(n, max(1, round(self.fraction * n))) if n else 0
@@ -84,24 +129,13 @@ class TopKCodec(Codec):
         width = index_width(n)
         kind = VALUES_INT8 if self.values == "int8" else VALUES_FP16
         params = _PARAMS.pack(k, width, kind, VALUE_BLOCK, 0.0)
-
-        def write(body):
-            write_tensor(body, _INDEX_DTYPES[width], k).copy_(idx)
-            rest = body[k * width :]
-            if kind == VALUES_FP16:
-                write_tensor(rest, torch.float16, k).copy_(vals)
-            else:
-                blockwise.encode_into(
-                    vals, rest, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
-                )
-
-        return params, k * width + self._values_len(k, kind), write
+        return params, sparse_body_len(k, width, kind), lambda body: write_sparse(body, idx, vals, width, kind)
 
     def _params(self, frame):
         k, width, kind, block, _ = expect_params(frame, _PARAMS, self.name)
         if (
             k > frame.numel
-            or width not in _INDEX_DTYPES
+            or width not in INDEX_DTYPES
             or kind not in (VALUES_INT8, VALUES_FP16)
             or block != VALUE_BLOCK
         ):
@@ -110,42 +144,18 @@ class TopKCodec(Codec):
             raise WireFormatError(f"topk: {width}-byte indices cannot address {frame.numel} elements")
         return k, width, kind
 
-    def _indices(self, frame, k, width) -> torch.Tensor:
-        idx = read_tensor(frame.body, _INDEX_DTYPES[width], k).to(torch.int64)
-        if width == 2:
-            idx = idx & 0xFFFF  # stored unsigned
-        return idx
-
     def _check(self, frame):
         k, width, kind = self._params(frame)
-        expect_body(frame, k * width + self._values_len(k, kind), self.name)
-        if k:
-            idx = self._indices(frame, k, width)
-            a = idx.numpy()
-            if a[0] < 0 or a[-1] >= frame.numel or (k > 1 and not bool(np.all(a[1:] > a[:-1]))):
-                raise WireFormatError("topk: indices must be strictly increasing and inside the tensor")
-
-    def _decoded_values(self, frame, k, width, kind) -> torch.Tensor:
-        rest = frame.body[k * width :]
-        if kind == VALUES_FP16:
-            return read_tensor(rest, torch.float16, k).to(torch.float32)
-        out = torch.empty(k, dtype=torch.float32)
-        blockwise.decode_into(
-            rest, k, out, 1.0, False, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
-        )
-        return out
+        expect_body(frame, sparse_body_len(k, width, kind), self.name)
+        check_indices(frame.body, k, width, frame.numel, self.name)
 
     def _finite(self, frame):
-        k, width, kind = self._params(frame)
-        rest = frame.body[k * width :]
-        if kind == VALUES_FP16:
-            return all_finite(read_tensor(rest, torch.float16, k))
-        return blockwise.scales_finite(rest, k, block=VALUE_BLOCK, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
+        return values_finite(frame.body, *self._params(frame))
 
     def _decode_into(self, frame, out, alpha, accumulate):
         k, width, kind = self._params(frame)
-        idx = self._indices(frame, k, width)
-        vals = self._decoded_values(frame, k, width, kind)
+        idx = read_indices(frame.body, k, width)
+        vals = read_values(frame.body, k, width, kind)
         if accumulate:
             out.index_add_(0, idx, vals, alpha=alpha)
         else:
