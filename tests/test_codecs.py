@@ -103,7 +103,7 @@ def test_degenerate_tensors(spec, kind):
         assert kept == max(1, round(codec.fraction * x.numel()))
         assert torch.allclose(y[y != 0], torch.tensor(-2.5), rtol=1e-2)
     elif kind == "constant" and spec.startswith("dcttopk"):
-        # A constant block is one DC coefficient; 3 x 333 is 9 blocks of 3 x 37 (or 3 x 16 + padding), k >= 9.
+        # A constant block is one DC coefficient: 3 x 333 is 9 blocks of 3 x 37 (chunk 16: 37 of 3 x 9) <= k.
         torch.testing.assert_close(y, x, rtol=1e-2, atol=1e-2)
     elif kind == "constant" and spec.startswith("powersgd"):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)  # rank 1: exact up to float error
@@ -167,8 +167,8 @@ def reference_block_dct(x: np.ndarray, br: int, bc: int) -> np.ndarray:
 
 
 def test_dcttopk_keeps_the_largest_block_dct_coefficients():
-    """130 x 200 at chunk 64: rows in blocks of 64 (130 has no divisor in (32, 64], so 2 rows of
-    blocks are padded to 192), cols in blocks of 50. The payload holds the top-k coefficients of
+    """130 x 200 at chunk 64: rows in blocks of 64 (130 has no divisor in (32, 64], so the rows
+    are padded to 3 blocks, 192), cols in blocks of 50. The payload holds the top-k coefficients of
     an independent float64 block DCT, and the decode is their inverse."""
     x = torch.randn(130, 200, generator=torch.Generator().manual_seed(5)) + torch.linspace(-2, 2, 200)
     codec = get_codec("dcttopk:fraction=0.02,values=fp16")

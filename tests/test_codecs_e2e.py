@@ -42,7 +42,7 @@ def test_topk_1pct_with_error_feedback_within_5pct_of_identity_on_30x_fewer_byte
 
 
 def test_raw_topk_1pct_with_error_feedback_learns_on_30x_fewer_bytes(tmp_path, identity):
-    """Top-k of the raw elements keeps ~6% of a round's ||Δ||² where the DCT basis keeps ~17%
+    """Top-k of the raw elements keeps ~6% of a round's ||Δ||² where the DCT basis keeps ~16%
     (benchmarks/topk_basis.py): measured 2.9103 (+11%) after 6 rounds, pinned so a regression shows."""
     loss_id, bytes_id = identity
     loss_k, bytes_k = run(tmp_path, "topk:fraction=0.01", error_feedback=True)

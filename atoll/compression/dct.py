@@ -11,7 +11,7 @@ of the whole tensor).
 
 ``k = round(fraction * numel)`` of the *unpadded* tensor, so the payload is plain top-k's size
 (indices may be one width wider when padding crosses a width boundary). The price is compute:
-two small GEMMs per direction (~0.05x memcpy on 2 CPU cores, see ``benchmarks/RESULTS.md``),
+two small GEMMs per direction (~0.04x memcpy on 2 CPU cores, see ``benchmarks/RESULTS.md``),
 and decoding scatters into dense temporaries of the padded tensor (at most 4x its size) before
 the inverse transform, where raw top-k accumulates in place.
 
