@@ -10,7 +10,19 @@ keeping such buffers on the heap doubled its throughput.
 :func:`tune_for_bulk_buffers` raises the mmap threshold and the trim threshold so freed buffers
 are reused. The price is that up to ``trim_bytes`` of freed memory stays mapped to the process;
 RSS then tracks the peak of a round's in-flight payloads rather than falling between rounds.
-Set ``ATOLL_MALLOC_TUNING=0`` to keep the allocator's defaults.
+
+Buffers above glibc's mmap ceiling (32 MiB: a large tensor's delta, a codec's temporaries) are
+still mapped afresh on every allocation, and first-touching one costs a page fault per 4 KiB page:
+~0.1 s for 256 MiB here, five memcpys' worth. PyTorch's CPU allocator can back its buffers of
+2 MiB and more with transparent huge pages (``madvise(MADV_HUGEPAGE)``) when
+``THP_MEM_ALLOC_ENABLE`` is set, which cut that to ~0.025 s (``benchmarks/codecs.py``). PyTorch
+reads the variable once, at its first tensor allocation of any size, so
+:func:`tune_for_bulk_buffers` sets it only where it is unset, and it has to run before the
+process creates its first tensor. The kernel may compact memory to find huge pages (its
+``defrag`` setting), and RSS grows in 2 MiB steps for such buffers.
+
+Set ``ATOLL_MALLOC_TUNING=0`` to keep the allocator's defaults (both of them), or
+``THP_MEM_ALLOC_ENABLE=0`` to keep only the mallopt settings.
 """
 
 from __future__ import annotations
@@ -30,12 +42,18 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 """Allocations below this come from the heap (glibc's own dynamic ceiling on 64-bit)."""
 TRIM_THRESHOLD_BYTES = 256 << 20
 """Free memory at the top of the heap kept for reuse before it is returned to the kernel."""
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
+"""PyTorch's switch for backing CPU buffers of 2 MiB and more with transparent huge pages."""
 
 
 def tune_for_bulk_buffers(mmap_bytes: int = MMAP_THRESHOLD_BYTES, trim_bytes: int = TRIM_THRESHOLD_BYTES) -> bool:
-    """Apply the settings above; returns whether they took effect (glibc on Linux only)."""
+    """Apply the settings above; returns whether the mallopt ones took effect (glibc on Linux only).
+
+    Call it before the process allocates its first tensor, or PyTorch ignores the huge-page one.
+    """
     if os.environ.get("ATOLL_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
         return False
+    os.environ.setdefault(THP_ENV, "1")  # inherited by the processes this one starts
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

@@ -8,16 +8,21 @@ interleaved with the codec so machine noise hits both), compression ratio and re
 ||x - x_hat|| / ||x||. Encode reuses its payload buffer across calls (as an island does every
 round); "decode" is decode-and-accumulate into an fp32 buffer (the coordinator's path);
 "dec(new)" allocates its output, to show what fresh pages cost on this machine.
+
+The process applies :func:`atoll.memory.tune_for_bulk_buffers` first, as ``atoll island`` and
+the daemon do (huge pages for large buffers); ``ATOLL_MALLOC_TUNING=0`` measures without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
 from atoll.compression import get_codec
+from atoll.memory import THP_ENV, tune_for_bulk_buffers
 
 DEFAULT_SPECS = [
     "identity",
@@ -47,6 +52,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--specs", nargs="*", default=DEFAULT_SPECS, help="codec specs to measure")
     args = ap.parse_args()
+    tuned = tune_for_bulk_buffers()  # as `atoll island` and the daemon do, before any tensor exists
     specs = args.specs
     n = args.numel
     gen = torch.Generator().manual_seed(0)
@@ -56,7 +62,11 @@ def main() -> None:
     nbytes = 4 * n
     dst = torch.empty_like(x)
     acc = torch.zeros_like(x)
-    print(f"tensor: {n:,d} fp32 elements ({nbytes / 2**20:.0f} MiB), torch threads {torch.get_num_threads()}")
+    thp = os.environ.get(THP_ENV, "0") != "0"
+    print(
+        f"tensor: {n:,d} fp32 elements ({nbytes / 2**20:.0f} MiB), torch threads {torch.get_num_threads()}, "
+        f"mallopt tuning {'on' if tuned else 'off'}, huge pages {'on' if thp else 'off'}"
+    )
     print(
         f"{'codec':32s} {'memcpy GB/s':>11s} {'enc GB/s':>9s} {'enc/memcpy':>10s} {'dec GB/s':>9s} "
         f"{'dec/memcpy':>10s} {'dec(new)/memcpy':>15s} {'ratio':>8s} {'rel err':>9s}"
