@@ -149,8 +149,8 @@ def test_topk_small_tensors_and_index_widths():
         assert int((y != 0).sum()) == k
 
 
-def reference_block_dct(x: np.ndarray, br: int, bc: int) -> np.ndarray:
-    """Orthonormal 2-D DCT-II of every br x bc block, straight from the definition (float64)."""
+def reference_block_dct(c: np.ndarray, br: int, bc: int, inverse: bool = False) -> np.ndarray:
+    """Orthonormal 2-D DCT-II (or its inverse) of every br x bc block, from the definition (float64)."""
 
     def basis(n):
         k, i = np.arange(n)[:, None], np.arange(n)[None, :]
@@ -159,10 +159,11 @@ def reference_block_dct(x: np.ndarray, br: int, bc: int) -> np.ndarray:
         return m
 
     a, b = basis(br), basis(bc)
-    out = np.empty_like(x)
-    for r in range(0, x.shape[0], br):
-        for c in range(0, x.shape[1], bc):
-            out[r : r + br, c : c + bc] = a @ x[r : r + br, c : c + bc] @ b.T
+    out = np.empty_like(c)
+    for r in range(0, c.shape[0], br):
+        for col in range(0, c.shape[1], bc):
+            blk = c[r : r + br, col : col + bc]
+            out[r : r + br, col : col + bc] = a.T @ blk @ b if inverse else a @ blk @ b.T
     return out
 
 
@@ -187,6 +188,31 @@ def test_dcttopk_keeps_the_largest_block_dct_coefficients():
     dropped = float((coef**2).sum() - (coef.ravel()[keep] ** 2).sum())
     err = float(((y.double().numpy() - x.double().numpy()) ** 2).sum())
     assert abs(err - dropped) <= 1e-2 * dropped + 1e-3 * float((coef**2).sum()), (err, dropped)
+
+
+@pytest.mark.parametrize(
+    "shape, blocks, padded",
+    [((130, 200), (64, 50), (192, 200)), ((128, 120), (64, 60), (128, 120)), ((1, 300), (1, 60), (1, 300))],
+)
+def test_dcttopk_decode_and_decode_add_are_the_inverse_of_the_sent_coefficients(shape, blocks, padded):
+    """Padded (130 rows) and unpadded layouts decode through different paths (the unpadded one
+    writes its last GEMM straight into the output); both must equal a float64 inverse DCT of the
+    coefficients on the wire, into a fresh tensor and accumulated with alpha into a non-zero one."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(*shape, generator=gen)
+    codec = get_codec("dcttopk:fraction=0.05,values=fp16")
+    payload = codec.encode(x)
+    frame = unpack(payload)
+    k, width, kind = struct.unpack_from("<QBB", bytes(frame.params))
+    coef = np.zeros(padded[0] * padded[1])
+    coef[topk_mod.read_indices(frame.body, k, width).numpy()] = topk_mod.read_values(frame.body, k, width, kind)
+    expected = reference_block_dct(coef.reshape(padded), *blocks, inverse=True)[: shape[0], : shape[1]]
+    y = codec.decode(payload, shape)
+    np.testing.assert_allclose(y.numpy(), expected, rtol=0, atol=1e-5)
+    acc = torch.randn(*shape, generator=gen)
+    start = acc.double().numpy()
+    codec.decode_add_(payload, acc, alpha=-0.5)
+    np.testing.assert_allclose(acc.numpy(), start - 0.5 * expected, rtol=0, atol=1e-5)
 
 
 def test_dcttopk_beats_raw_topk_on_row_and_column_structure():

@@ -11,9 +11,10 @@ of the whole tensor).
 
 ``k = round(fraction * numel)`` of the *unpadded* tensor, so the payload is plain top-k's size
 (indices may be one width wider when padding crosses a width boundary). The price is compute:
-two small GEMMs per direction (~0.04x memcpy on 2 CPU cores, see ``benchmarks/RESULTS.md``),
-and decoding scatters into dense temporaries of the padded tensor (at most 4x its size) before
-the inverse transform, where raw top-k accumulates in place.
+two small GEMMs per direction, ~0.07x memcpy to encode on 2 CPU cores with huge pages (see
+:mod:`atoll.memory`), ~0.05x without (``benchmarks/RESULTS.md``). Decoding scatters into a dense
+temporary of the padded tensor before the inverse transform, whose second GEMM writes into the
+output (a padded tensor takes one more temporary), where raw top-k accumulates in place.
 
 Params: ``k, index width, value kind, value block, chunk``. Body: ``k`` strictly increasing
 indices into the padded coefficient array, then the values (as in ``topk``).
@@ -162,9 +163,18 @@ class DctTopKCodec(Codec):
         k, width, kind, (rows, cols, br, bc, pr, pc) = self._params(frame)
         coef = torch.zeros(pr * pc)
         coef[read_indices(frame.body, k, width)] = read_values(frame.body, k, width, kind)
-        dense = inverse(coef.view(pr, pc), br, bc)[:rows, :cols]
-        view = out.view(rows, cols)
+        if (pr, pc) != (rows, cols):
+            dense = inverse(coef.view(pr, pc), br, bc)[:rows, :cols]
+            view = out.view(rows, cols)
+            if accumulate:
+                view.add_(dense, alpha=alpha)
+            else:
+                view.copy_(dense)
+            return
+        # Unpadded: the second GEMM writes (or adds) straight into ``out``, no dense temporary.
+        mixed = torch.matmul(dct_matrix(br).T, coef.view(rows // br, br, cols)).view(-1, bc)
+        target = out.view(-1, bc)
         if accumulate:
-            view.add_(dense, alpha=alpha)
+            target.addmm_(mixed, dct_matrix(bc), alpha=alpha)
         else:
-            view.copy_(dense)
+            torch.mm(mixed, dct_matrix(bc), out=target)
