@@ -205,22 +205,32 @@ class DiLoCo:
         empty = [link.index for link in self.links if not link.shards]
         if empty:
             raise ValueError(f"coordinator shards {empty} of {n} own none of the model's tensors; use fewer shards")
+        bootstrap = []
         for link in self.links:
             link.client = self.client_factory(link.address, retry=self.retry, **self.client_kwargs)
             joined = self._join(link)
             if self.overlap_steps and self.sync_every_seconds is None and self.overlap_steps >= self.sync_every:
                 raise ValueError(f"overlap_steps ({self.overlap_steps}) must be below the run's H ({self.sync_every})")
             if joined.bootstrap:
+                bootstrap.append(link)
+        # Heartbeats from the join on: uploading θ_0 or waiting for another island's can take longer
+        # than the lease, and an island whose lease ran out meanwhile is not waited for (a
+        # bootstrapper's role even passes to the next island that joins).
+        self._hb_thread = threading.Thread(target=self._heartbeats, name="atoll-heartbeat", daemon=True)
+        self._hb_thread.start()
+        try:
+            for link in bootstrap:
                 self._bootstrap(link)
-        for link in self.links:
-            self._pull_until_ready(link, have_round=-1, on_update=self._apply)
-            self._set_params(link)
+            for link in self.links:
+                self._pull_until_ready(link, have_round=-1, on_update=self._apply)
+                self._set_params(link)
+        except BaseException:
+            self._stop_heartbeats()  # a failed start must not keep the island alive on the coordinator
+            raise
         now = time.monotonic()
         for link in self.links:
             link.started = now
             link.first_sync = -(-(link.index + 1) * self.sync_every // n) if self.streaming else self.sync_every
-        self._hb_thread = threading.Thread(target=self._heartbeats, name="atoll-heartbeat", daemon=True)
-        self._hb_thread.start()
         return self
 
     def __enter__(self) -> DiLoCo:
@@ -247,9 +257,7 @@ class DiLoCo:
             if link.exchange is not None:
                 log.warning("%s: closing with round %d's exchange in flight; abandoned", self.island_id, link.round)
                 link.exchange = None
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
-            self._hb_thread = None
+        self._stop_heartbeats()
         if not any(link.client for link in self.links):
             return
         if self.num_ranks > 1:
@@ -312,6 +320,12 @@ class DiLoCo:
         owned = [s for s in link.shards if s.owned]
         payloads = [ident.encode(s.local().detach()) for s in owned]
         link.client.push(self._header(pb.PUSH_KIND_INIT, 0, owned, payloads, "identity"), payloads)
+
+    def _stop_heartbeats(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+            self._hb_thread = None
 
     def _heartbeats(self) -> None:
         while not self._hb_stop.wait(self.heartbeat_seconds):
