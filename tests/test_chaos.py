@@ -71,10 +71,14 @@ def test_island_killed_mid_push_round_closes_at_quorum_and_it_rejoins(group, tmp
     assert procs["D"].wait(10) == 137
     events += collect_events([procs["A"]], until=lambda ev: 2 in rounds_of(ev, "A"), timeout=120)
     hist = persistence.load(tmp_path / "state").history
-    assert hist[0]["islands"] == ["A", "B", "C", "D"]
+    # Round 0 closes once quorum has committed and no *joined* island is missing, so an island
+    # that starts slowly (2 cores, 5 processes importing torch at once) can miss it: a CI run saw
+    # round 0 close with B, C, D before A had joined. Round 1 has waited for A either way.
+    assert len(hist[0]["islands"]) >= 3
     assert hist[1]["islands"] == ["A", "B", "C"]  # D's half push never counted
     assert hist[1]["states"]["D"] == "gone"  # its lease ran out: the round closed without it
-    assert hist[1]["bytes_in"] == 3 * hist[0]["bytes_in"] // 4
+    per_island = hist[0]["bytes_in"] // len(hist[0]["islands"])  # identity: every push the same size
+    assert hist[1]["bytes_in"] == 3 * per_island
     # D comes back under the same name: it receives exactly the θ the others hold.
     d2 = island(group, address, "D", 2)
     events += collect_events([procs["A"], procs["B"], procs["C"], d2], until=all_done(4), timeout=200)
