@@ -13,8 +13,9 @@ of the whole tensor).
 (indices may be one width wider when padding crosses a width boundary). The price is compute:
 two small GEMMs per direction, ~0.07x memcpy to encode on 2 CPU cores with huge pages (see
 :mod:`atoll.memory`), ~0.05x without (``benchmarks/RESULTS.md``). Decoding scatters into a dense
-temporary of the padded tensor before the inverse transform, whose second GEMM writes into the
-output (a padded tensor takes one more temporary), where raw top-k accumulates in place.
+coefficient array of the padded tensor and runs the inverse's first GEMM into a second temporary;
+the second GEMM writes into the output (a padded tensor takes a third temporary). Raw top-k
+accumulates in place.
 
 Params: ``k, index width, value kind, value block, chunk``. Body: ``k`` strictly increasing
 indices into the padded coefficient array, then the values (as in ``topk``).
