@@ -31,16 +31,18 @@ import torch
 
 from atoll.compression.base import Codec, expect_body, expect_params
 from atoll.compression.topk import (
-    INDEX_DTYPES,
     VALUE_BLOCK,
     VALUES_FP16,
     VALUES_INT8,
     check_indices,
+    check_sparse_options,
+    check_sparse_params,
     index_width,
     read_indices,
     read_values,
     select_topk,
     sparse_body_len,
+    sparse_count,
     values_finite,
     write_sparse,
 )
@@ -81,21 +83,35 @@ def layout(shape: tuple[int, ...], chunk: int) -> tuple[int, int, int, int, int,
     return rows, cols, br, bc, -(-rows // br) * br, -(-cols // bc) * bc
 
 
-def _blockwise(x2d: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``left @ block @ right`` for every block of ``x2d``, as two plain GEMMs (no permutes)."""
+def _blockwise(
+    x2d: torch.Tensor, left: torch.Tensor, right: torch.Tensor, out: torch.Tensor | None, alpha: float | None
+) -> torch.Tensor:
+    """``left @ block @ right`` for every block of ``x2d``, as two plain GEMMs (no permutes). The
+    second GEMM writes into ``out`` (contiguous, ``x2d``'s shape) when given, or adds ``alpha`` times
+    its result to it when ``alpha`` is given too."""
     r, c = x2d.shape
     br, bc = left.shape[0], right.shape[0]
-    rows = torch.matmul(left, x2d.reshape(r // br, br, c))  # mixes rows within each block row
-    return torch.mm(rows.view(-1, bc), right).view(r, c)  # mixes cols within each block
+    rows = torch.matmul(left, x2d.reshape(r // br, br, c)).view(-1, bc)  # mixes rows in each block row
+    if out is None:
+        return torch.mm(rows, right).view(r, c)  # mixes cols within each block
+    target = out.view(-1, bc)
+    if alpha is None:
+        torch.mm(rows, right, out=target)
+    else:
+        target.addmm_(rows, right, alpha=alpha)
+    return out
 
 
 def forward(x2d: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     """Blockwise orthonormal 2-D DCT-II of a padded ``R x C`` matrix; coefficients stay in place."""
-    return _blockwise(x2d, dct_matrix(br), dct_matrix(bc).T)
+    return _blockwise(x2d, dct_matrix(br), dct_matrix(bc).T, None, None)
 
 
-def inverse(c2d: torch.Tensor, br: int, bc: int) -> torch.Tensor:
-    return _blockwise(c2d, dct_matrix(br).T, dct_matrix(bc))
+def inverse(
+    c2d: torch.Tensor, br: int, bc: int, out: torch.Tensor | None = None, alpha: float | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`forward`; into (or, with ``alpha``, added to) ``out`` when given."""
+    return _blockwise(c2d, dct_matrix(br).T, dct_matrix(bc), out, alpha)
 
 
 class DctTopKCodec(Codec):
@@ -103,10 +119,7 @@ class DctTopKCodec(Codec):
     codec_id = 9
 
     def __init__(self, fraction: float = 0.01, values: str = "int8", chunk: int = 64) -> None:
-        if not 0 < fraction <= 1:
-            raise ValueError(f"dcttopk: fraction must be in (0, 1], got {fraction}")
-        if values not in ("int8", "fp16"):
-            raise ValueError(f"dcttopk: values must be 'int8' or 'fp16', got {values!r}")
+        check_sparse_options(self.name, fraction, values)
         if not 1 <= chunk <= MAX_CHUNK:
             raise ValueError(f"dcttopk: chunk must be in [1, {MAX_CHUNK}], got {chunk}")
         self.fraction = fraction
@@ -120,7 +133,7 @@ class DctTopKCodec(Codec):
     def _encode(self, flat, shape, state):
         n = flat.numel()
         rows, cols, br, bc, pr, pc = layout(shape, self.chunk)
-        k = min(n, max(1, round(self.fraction * n))) if n else 0
+        k = sparse_count(self.fraction, n)
         if n:
             x = flat.view(rows, cols)
             if (pr, pc) != (rows, cols):
@@ -140,15 +153,7 @@ class DctTopKCodec(Codec):
         if not 1 <= chunk <= MAX_CHUNK:
             raise WireFormatError(f"dcttopk: bad chunk {chunk}")
         rows, cols, br, bc, pr, pc = layout(frame.shape, chunk)
-        if (
-            k > frame.numel
-            or width not in INDEX_DTYPES
-            or kind not in (VALUES_INT8, VALUES_FP16)
-            or block != VALUE_BLOCK
-        ):
-            raise WireFormatError(f"dcttopk: bad params k={k} width={width} value kind={kind} block={block}")
-        if width < index_width(pr * pc):
-            raise WireFormatError(f"dcttopk: {width}-byte indices cannot address {pr * pc} coefficients")
+        check_sparse_params(self.name, frame.numel, k, width, kind, block, pr * pc, "coefficients")
         return k, width, kind, (rows, cols, br, bc, pr, pc)
 
     def _check(self, frame):
@@ -164,18 +169,12 @@ class DctTopKCodec(Codec):
         k, width, kind, (rows, cols, br, bc, pr, pc) = self._params(frame)
         coef = torch.zeros(pr * pc)
         coef[read_indices(frame.body, k, width)] = read_values(frame.body, k, width, kind)
-        if (pr, pc) != (rows, cols):
-            dense = inverse(coef.view(pr, pc), br, bc)[:rows, :cols]
-            view = out.view(rows, cols)
-            if accumulate:
-                view.add_(dense, alpha=alpha)
-            else:
-                view.copy_(dense)
+        view = out.view(rows, cols)
+        if (pr, pc) == (rows, cols):  # the inverse's second GEMM writes (or adds) straight into out
+            inverse(coef.view(pr, pc), br, bc, out=view, alpha=alpha if accumulate else None)
             return
-        # Unpadded: the second GEMM writes (or adds) straight into ``out``, no dense temporary.
-        mixed = torch.matmul(dct_matrix(br).T, coef.view(rows // br, br, cols)).view(-1, bc)
-        target = out.view(-1, bc)
+        dense = inverse(coef.view(pr, pc), br, bc)[:rows, :cols]
         if accumulate:
-            target.addmm_(mixed, dct_matrix(bc), alpha=alpha)
+            view.add_(dense, alpha=alpha)
         else:
-            torch.mm(mixed, dct_matrix(bc), out=target)
+            view.copy_(dense)

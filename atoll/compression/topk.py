@@ -30,6 +30,29 @@ def index_width(n: int) -> int:
     return 2 if n <= 1 << 15 else 4 if n <= 1 << 31 else 8
 
 
+def check_sparse_options(what: str, fraction: float, values: str) -> None:
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{what}: fraction must be in (0, 1], got {fraction}")
+    if values not in ("int8", "fp16"):
+        raise ValueError(f"{what}: values must be 'int8' or 'fp16', got {values!r}")
+
+
+def sparse_count(fraction: float, n: int) -> int:
+    """How many of ``n`` elements a top-``fraction`` codec keeps (at least one of a non-empty tensor)."""
+    return min(n, max(1, round(fraction * n))) if n else 0
+
+
+def check_sparse_params(
+    what: str, numel: int, k: int, width: int, kind: int, block: int, slots: int, unit: str
+) -> None:
+    """Raise unless a sparse payload's params fit a tensor of ``numel`` elements whose indices
+    address ``slots`` positions (``unit``: what they are, for the message)."""
+    if k > numel or width not in INDEX_DTYPES or kind not in (VALUES_INT8, VALUES_FP16) or block != VALUE_BLOCK:
+        raise WireFormatError(f"{what}: bad params k={k} width={width} value kind={kind} block={block}")
+    if width < index_width(slots):
+        raise WireFormatError(f"{what}: {width}-byte indices cannot address {slots} {unit}")
+
+
 def sparse_body_len(k: int, width: int, kind: int) -> int:
     """Bytes of a body of ``k`` indices of ``width`` bytes and ``k`` values of ``kind``."""
     if kind == VALUES_FP16:
@@ -110,10 +133,7 @@ class TopKCodec(Codec):
     codec_id = 7
 
     def __init__(self, fraction: float = 0.01, values: str = "int8") -> None:
-        if not 0 < fraction <= 1:
-            raise ValueError(f"topk: fraction must be in (0, 1], got {fraction}")
-        if values not in ("int8", "fp16"):
-            raise ValueError(f"topk: values must be 'int8' or 'fp16', got {values!r}")
+        check_sparse_options(self.name, fraction, values)
         self.fraction = fraction
         self.values = values
 
@@ -123,7 +143,7 @@ class TopKCodec(Codec):
 
     def _encode(self, flat, shape, state):
         n = flat.numel()
-        k = min(n, max(1, round(self.fraction * n))) if n else 0
+        k = sparse_count(self.fraction, n)
         idx = select_topk(flat, k)
         vals = flat[idx]
         width = index_width(n)
@@ -133,15 +153,7 @@ class TopKCodec(Codec):
 
     def _params(self, frame):
         k, width, kind, block, _ = expect_params(frame, _PARAMS, self.name)
-        if (
-            k > frame.numel
-            or width not in INDEX_DTYPES
-            or kind not in (VALUES_INT8, VALUES_FP16)
-            or block != VALUE_BLOCK
-        ):
-            raise WireFormatError(f"topk: bad params k={k} width={width} value kind={kind} block={block}")
-        if width < index_width(frame.numel):
-            raise WireFormatError(f"topk: {width}-byte indices cannot address {frame.numel} elements")
+        check_sparse_params(self.name, frame.numel, k, width, kind, block, frame.numel, "elements")
         return k, width, kind
 
     def _check(self, frame):
