@@ -1,14 +1,17 @@
-"""DiLoCo.start() against a real coordinator: the island stays alive while θ_0 is on its way."""
+"""Start and stop: DiLoCo.start() keeps the island alive while θ_0 is on its way; the
+coordinator's waits give way to a cancellation (its stop)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+import pytest
 import torch
 
 from atoll.coordinator import RunConfig
-from atoll.coordinator.core import IslandState, island_state
+from atoll.coordinator.core import IslandState, island_state, wait_event
 from atoll.islands import DiLoCo
 from atoll.protos import coordinator_pb2 as pb
 
@@ -73,3 +76,26 @@ def test_island_waiting_for_theta0_keeps_its_lease(start_server, raw_island):
         for t in threads:
             t.join(15)
         sync.close()
+
+
+def test_wait_event_is_cancelled_even_when_the_event_fires_in_the_same_iteration():
+    """The decider and the pull long-poll wait on events; the server's stop cancels them. A
+    cancellation that lands together with the event must still cancel (``asyncio.wait_for``
+    swallowed it before Python 3.12, so the decider ran on and stop hung)."""
+
+    async def scenario():
+        event = asyncio.Event()
+        task = asyncio.create_task(wait_event(event, 10.0))
+        for _ in range(3):
+            await asyncio.sleep(0)  # the task is waiting
+        event.set()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Timeouts and a set event still answer as before.
+        assert await wait_event(event, 0.0) is True
+        t = time.monotonic()
+        assert await wait_event(asyncio.Event(), 0.05) is False
+        assert time.monotonic() - t >= 0.04
+
+    asyncio.run(scenario())

@@ -8,7 +8,6 @@ lock; heavy tensor work runs in a worker thread while the lock is held.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -30,6 +29,23 @@ from atoll.protos.dtypes import TORCH_FROM_PB
 from atoll.sharding import PARTITIONS, shard_of
 
 log = logging.getLogger("atoll.coordinator")
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``event``; returns whether it is set.
+
+    Not ``asyncio.wait_for``: before Python 3.12 it swallows a cancellation of the caller that
+    lands in the same loop iteration as the event (python/cpython#86296): the decider then never
+    stops, and the server's stop waits on it forever. That is the likely cause of a stop that hung
+    in a CI run right after an island's Leave had set the decider's event.
+    """
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
 
 MAX_ID_LEN = 128
 MAX_RANKS = 65536
@@ -595,8 +611,7 @@ class RunState:
                 wake = next_wakeup(now, view, self.policy())
                 if wake is not None:
                     timeout = min(max(wake - now, 0.005), 1.0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.poke.wait(), timeout)
+            await wait_event(self.poke, timeout)
             self.poke.clear()
 
     async def close_round(self, reason: str) -> None:
@@ -690,8 +705,7 @@ class RunState:
             )
         wait = min(max(req.wait_seconds, 0.0), 60.0) if math.isfinite(req.wait_seconds) else 0.0
         if self.params is None or req.have_round == self.round:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.round_changed.wait(), wait)
+            await wait_event(self.round_changed, wait)
             self._island(req.island_id)
         if self.params is None or req.have_round == self.round:
             return PullAnswer(pb.UPDATE_KIND_NOT_READY, self.round, committed=req.island_id in self.committed)
