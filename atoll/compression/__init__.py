@@ -14,7 +14,7 @@ from atoll.compression.dct import DctTopKCodec
 from atoll.compression.feedback import ErrorFeedback
 from atoll.compression.powersgd import PowerSGDCodec
 from atoll.compression.topk import TopKCodec
-from atoll.compression.wire import WireFormatError
+from atoll.compression.wire import WireFormatError, peek_codec_id
 
 _REGISTRY: dict[str, type[Codec]] = {
     cls.name: cls
@@ -74,11 +74,23 @@ def codec_for_id(codec_id: int) -> type[Codec]:
         raise WireFormatError(f"unknown codec id {codec_id}") from None
 
 
-def decode_any(payload, expected_shape: tuple[int, ...] | None = None):
-    """Decode a payload with whichever codec its header names (decoding needs no parameters)."""
-    from atoll.compression.wire import peek_codec_id
-
-    return codec_for_id(peek_codec_id(payload))().decode(payload, expected_shape)
+def codec_of(payload) -> Codec:
+    """A decoder for whichever codec a payload's header names (decoding needs no parameters)."""
+    return codec_for_id(peek_codec_id(payload))()
 
 
-__all__ = ["Codec", "ErrorFeedback", "WireFormatError", "available_codecs", "codec_name", "decode_any", "get_codec"]
+def decode_any(payload, expected_shape: tuple[int, ...] | None = None, *, device=None):
+    """Decode a payload with whichever codec its header names, on ``device`` (default: the CPU)."""
+    return codec_of(payload).decode(payload, expected_shape, device=device)
+
+
+__all__ = [
+    "Codec",
+    "ErrorFeedback",
+    "WireFormatError",
+    "available_codecs",
+    "codec_name",
+    "codec_of",
+    "decode_any",
+    "get_codec",
+]

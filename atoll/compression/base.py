@@ -21,7 +21,42 @@ import torch
 from atoll.compression.wire import Frame, WireFormatError, allocate, seal, unpack
 
 CHUNK = 1 << 20
-"""Elements processed per step by chunked codecs: temporaries stay small and cache-resident."""
+"""Elements processed per step by chunked codecs on the CPU: temporaries stay cache-resident."""
+DEVICE_CHUNK = 1 << 24
+"""Elements per step on an accelerator: fewer kernel launches and host copies, 64 MiB fp32 temporaries."""
+
+
+def chunk_elems(device: torch.device) -> int:
+    """Elements a chunked codec processes per step on ``device``."""
+    return CHUNK if device.type == "cpu" else DEVICE_CHUNK
+
+
+class Difference:
+    """``a - b`` (flat, fp32) computed a chunk at a time into one scratch buffer, never whole.
+
+    Codecs that read their input in chunks (:attr:`Codec.chunked_input`) take it in place of a flat
+    tensor, so the pseudo-gradient θ_start − θ is never materialised: one scratch chunk, not a copy
+    of the largest tensor, on the parameters' device. Elementwise subtraction of a chunk equals the
+    chunk of the whole subtraction, so payloads are bitwise those of ``encode(a - b)``.
+    """
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.shape != b.shape or a.device != b.device:
+            raise ValueError(f"difference of {tuple(a.shape)}@{a.device} and {tuple(b.shape)}@{b.device}")
+        self.a = a.detach().reshape(-1)
+        self.b = b.detach().reshape(-1)
+        self.device = a.device
+        self.dtype = torch.float32
+        self._scratch = torch.empty(min(self.a.numel(), chunk_elems(a.device)), dtype=torch.float32, device=a.device)
+
+    def numel(self) -> int:
+        return self.a.numel()
+
+    def __getitem__(self, sl: slice) -> torch.Tensor:
+        start, stop, _ = sl.indices(self.a.numel())
+        out = self._scratch[: max(stop - start, 0)]
+        return torch.sub(self.a[sl], self.b[sl], out=out)
+
 
 Writer = Callable[[memoryview], None]
 
@@ -49,6 +84,12 @@ class Codec:
     lossy: ClassVar[bool] = True
 
     @property
+    def chunked_input(self) -> bool:
+        """Whether ``_encode`` reads its input only through ``numel()`` and chunk slices (it then
+        accepts a :class:`Difference`)."""
+        return False
+
+    @property
     def spec(self) -> str:
         """Canonical spec string, accepted by :func:`atoll.compression.get_codec`."""
         return self.name
@@ -58,16 +99,34 @@ class Codec:
 
     # ---- public API ------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, state: dict | None = None, *, out: bytearray | None = None) -> bytearray:
-        """Encode a floating-point tensor (any device, any float dtype) into a payload.
+        """Encode a floating-point tensor into a host payload.
 
-        ``out``: a buffer to reuse as the payload (e.g. last round's); returned, resized.
+        The codec's arithmetic runs on the tensor's device; only the finished payload bytes cross to
+        the host (a device-to-host copy into ``out``). ``out``: a buffer to reuse as the payload
+        (e.g. last round's); returned, resized.
         """
         if not tensor.is_floating_point():
             raise TypeError(f"{self.name} encodes floating-point tensors, got {tensor.dtype}")
-        flat = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        params, body_len, write = self._encode(flat, tuple(tensor.shape), {} if state is None else state)
-        dtype = tensor.dtype if tensor.dtype != torch.float64 else torch.float32
-        payload, body = allocate(self.codec_id, dtype, tuple(tensor.shape), params, body_len, out)
+        flat = tensor.detach().reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        return self._pack(flat, tuple(tensor.shape), tensor.dtype, state, out)
+
+    def encode_difference(
+        self, a: torch.Tensor, b: torch.Tensor, state: dict | None = None, *, out: bytearray | None = None
+    ) -> bytearray:
+        """``encode(a - b)`` for tensors on one device; a chunked codec never builds ``a - b`` whole."""
+        if not self.chunked_input:
+            return self.encode(a.float() - b.float(), state, out=out)
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise TypeError(f"{self.name} encodes floating-point tensors, got {a.dtype} and {b.dtype}")
+        dtype = torch.promote_types(a.dtype, b.dtype)
+        return self._pack(Difference(a, b), tuple(a.shape), dtype, state, out)
+
+    def _pack(self, flat, shape: tuple[int, ...], dtype: torch.dtype, state: dict | None, out) -> bytearray:
+        params, body_len, write = self._encode(flat, shape, {} if state is None else state)
+        dtype = dtype if dtype != torch.float64 else torch.float32
+        payload, body = allocate(self.codec_id, dtype, shape, params, body_len, out)
         if body_len:
             write(body)
         return seal(payload)
@@ -90,22 +149,39 @@ class Codec:
             raise WireFormatError("non-finite values (NaN/Inf) in the payload")
         return frame
 
-    def decode(self, payload, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Decode to a new float32 tensor of the payload's shape."""
+    def decode(
+        self, payload, expected_shape: tuple[int, ...] | None = None, *, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """Decode to a new float32 tensor of the payload's shape, on ``device`` (default: the CPU).
+
+        The payload stays on the host; its (compressed) parts are copied to ``device`` and
+        decompressed there."""
         frame = self.frame(payload, expected_shape)
-        out = torch.empty(frame.numel, dtype=torch.float32)
+        out = torch.empty(frame.numel, dtype=torch.float32, device=device)
         if frame.numel:
             self._decode_into(frame, out, 1.0, False)
         return out.reshape(frame.shape)
 
+    def decode_into(self, payload, out: torch.Tensor) -> torch.Tensor:
+        """``out = decode(payload)`` without a temporary; ``out`` is contiguous float32, on any device."""
+        self._check_out(out)
+        frame = self.frame(payload, tuple(out.shape))
+        if frame.numel:
+            self._decode_into(frame, out.view(-1), 1.0, False)
+        return out
+
     def decode_add_(self, payload, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """``out += alpha * decode(payload)``; ``out`` is a contiguous float32 tensor of its shape."""
-        if out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError("decode_add_ needs a contiguous float32 output tensor")
+        """``out += alpha * decode(payload)``; ``out`` is contiguous float32, on any device."""
+        self._check_out(out)
         frame = self.frame(payload, tuple(out.shape))
         if frame.numel:
             self._decode_into(frame, out.view(-1), float(alpha), True)
         return out
+
+    @staticmethod
+    def _check_out(out: torch.Tensor) -> None:
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError("decoding into a tensor needs a contiguous float32 tensor")
 
     # ---- hooks -----------------------------------------------------------------------------
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...], state: dict) -> tuple[bytes, int, Writer]:
@@ -122,11 +198,16 @@ class Codec:
         raise NotImplementedError
 
 
-def read_tensor(buf, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
-    """A tensor view of ``count`` items at byte ``offset`` of a (possibly read-only) buffer.
+def read_tensor(
+    buf, dtype: torch.dtype, count: int, offset: int = 0, *, device: torch.device | None = None
+) -> torch.Tensor:
+    """``count`` items at byte ``offset`` of a (possibly read-only) host buffer: a view of it, or with
+    ``device`` given, on that device (a host-to-device copy of exactly those bytes; none for the CPU).
 
     Callers only read from it; torch warns about read-only buffers, which is moot here.
     """
+    if device is not None and device.type != "cpu":
+        return read_tensor(buf, dtype, count, offset).to(device)
     if count == 0:
         return torch.empty(0, dtype=dtype)
     np_dtype = {
@@ -147,10 +228,16 @@ def read_tensor(buf, dtype: torch.dtype, count: int, offset: int = 0) -> torch.T
 
 
 def write_tensor(buf: memoryview, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
-    """A writable tensor view of ``count`` items at byte ``offset`` of ``buf``."""
+    """A writable host tensor view of ``count`` items at byte ``offset`` of ``buf``."""
     if count == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+
+def to_host(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` (any device) into the host view ``dest``, converting the dtype on ``src``'s device
+    first so only ``dest``'s bytes cross to the host."""
+    dest.copy_(src if src.dtype == dest.dtype else src.to(dest.dtype))
 
 
 def expect_params(frame: Frame, fmt: struct.Struct, what: str) -> tuple:

@@ -15,7 +15,16 @@ import struct
 
 import torch
 
-from atoll.compression.base import Codec, all_finite, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.base import (
+    Codec,
+    all_finite,
+    chunk_elems,
+    expect_body,
+    expect_params,
+    read_tensor,
+    to_host,
+    write_tensor,
+)
 from atoll.compression.wire import Frame, WireFormatError
 
 _PARAMS = struct.Struct("<IBBf")  # block, bits, scale kind (0 fp32, 1 fp16-relative), global scale
@@ -57,29 +66,30 @@ def _unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return u.to(torch.float32) - float(qmax_of(bits) + 1)
 
 
-STEP = 1 << 20
-"""Elements per chunk: small enough that a chunk's temporaries stay in cache."""
-
-
-def _step(block: int) -> int:
-    return max(block, (STEP // block) * block)
+def _step(block: int, device: torch.device) -> int:
+    """Elements per chunk (whole blocks): on the CPU small enough that a chunk's temporaries stay in
+    cache, on an accelerator large enough to amortise kernel launches and host copies."""
+    return max(block, (chunk_elems(device) // block) * block)
 
 
 def encode_into(
     flat: torch.Tensor, body: memoryview, *, block: int, bits: int, scale_kind: int, global_scale: float
 ) -> None:
-    """Quantise ``flat`` (fp32) into ``body`` (laid out per ``body_len``)."""
+    """Quantise ``flat`` (fp32, on any device; or a chunked :class:`~atoll.compression.base.Difference`)
+    into the host ``body`` (laid out per ``body_len``): the arithmetic runs on ``flat``'s device, and
+    each chunk's scales and codes are copied to the host once finished."""
     n = flat.numel()
     nblocks = -(-n // block)
     qmax = qmax_of(bits)
     scale_bytes = 4 if scale_kind == SCALE_FP32 else 2
     scales_out = write_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
     codes_out = write_tensor(body, torch.uint8, packed_len(n, bits), offset=nblocks * scale_bytes)
-    step = _step(block)
+    device = flat.device
+    step = _step(block, device)
     # Two scratch buffers reused by every chunk: per-chunk temporaries cost allocator work and
     # fresh pages, which here is as slow as the arithmetic.
-    scratch_abs = torch.empty(min(step, nblocks * block))
-    scratch_q = torch.empty(min(step, nblocks * block))
+    scratch_abs = torch.empty(min(step, nblocks * block), device=device)
+    scratch_q = torch.empty(min(step, nblocks * block), device=device)
     for s in range(0, n, step):
         x = flat[s : s + step]
         m = x.numel()
@@ -92,11 +102,11 @@ def encode_into(
         scale = a.amax(dim=1).div_(qmax)
         b0 = s // block
         if scale_kind == SCALE_FP32:
-            scales_out[b0 : b0 + nb] = scale
+            to_host(scales_out[b0 : b0 + nb], scale)
             eff = scale
         else:
             rel = (scale / global_scale).to(torch.float16) if global_scale > 0 else torch.zeros_like(scale).half()
-            scales_out[b0 : b0 + nb] = rel
+            to_host(scales_out[b0 : b0 + nb], rel)
             eff = rel.to(torch.float32).mul_(global_scale)
         inv = torch.where(eff > 0, eff.reciprocal(), torch.zeros_like(eff))
         q = scratch_q[: nb * block].view(nb, block)
@@ -109,9 +119,9 @@ def encode_into(
         c0 = packed_len(s, bits)
         take = packed_len(s + m, bits) - c0
         if bits == 8 and take == nb * block:
-            codes_out[c0 : c0 + take].view(torch.int8).view(nb, block).copy_(q)
+            to_host(codes_out[c0 : c0 + take].view(torch.int8).view(nb, block), q)
         else:
-            codes_out[c0 : c0 + take] = _pack_codes(q.to(torch.int8).view(-1), bits)[:take]
+            to_host(codes_out[c0 : c0 + take], _pack_codes(q.to(torch.int8).view(-1), bits)[:take])
 
 
 def decode_into(
@@ -126,22 +136,24 @@ def decode_into(
     scale_kind: int,
     global_scale: float,
 ) -> None:
-    """``out = decode`` or ``out += alpha * decode`` (fp32, length ``n``), one fused pass per chunk."""
+    """``out = decode`` or ``out += alpha * decode`` (fp32, length ``n``, on any device), one fused pass
+    per chunk. Each chunk's scales and codes are copied to ``out``'s device and decoded there."""
     nblocks = -(-n // block)
     scale_bytes = 4 if scale_kind == SCALE_FP32 else 2
     scales = read_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
     codes = read_tensor(body, torch.uint8, packed_len(n, bits), offset=nblocks * scale_bytes)
-    step = _step(block)
+    device = out.device
+    step = _step(block, device)
     for s in range(0, n, step):
         m = min(step, n - s)
         nb = -(-m // block)
         c0 = packed_len(s, bits)
-        sc = scales[s // block : s // block + nb]
+        sc = scales[s // block : s // block + nb].to(device)
         sc = sc.to(torch.float32) if scale_kind == SCALE_FP32 else sc.to(torch.float32).mul_(global_scale)
         if bits == 8:
-            q = codes[c0 : c0 + m].view(torch.int8)
+            q = codes[c0 : c0 + m].to(device).view(torch.int8)
         else:
-            q = _unpack_codes(codes[c0 : packed_len(s + m, bits)], bits, m)
+            q = _unpack_codes(codes[c0 : packed_len(s + m, bits)].to(device), bits, m)
         target = out[s : s + m]
         if nb * block == m:
             q2, t2 = q.view(nb, block), target.view(nb, block)
@@ -171,6 +183,10 @@ class BlockQuantCodec(Codec):
             raise ValueError(f"{self.name}: scale must be 'fp32' or 'fp16', got {scale!r}")
         self.block = block
         self.scale = scale
+
+    @property
+    def chunked_input(self) -> bool:
+        return self.scale == "fp32"  # fp16 scales are relative to the whole tensor's absmax
 
     @property
     def spec(self) -> str:

@@ -6,21 +6,35 @@ from typing import ClassVar
 
 import torch
 
-from atoll.compression.base import CHUNK, Codec, all_finite, expect_body, read_tensor, write_tensor
+from atoll.compression.base import (
+    CHUNK,
+    Codec,
+    all_finite,
+    chunk_elems,
+    expect_body,
+    read_tensor,
+    to_host,
+    write_tensor,
+)
 from atoll.compression.wire import WireFormatError
 
 
 class _CastCodec(Codec):
     store: ClassVar[torch.dtype]
 
+    @property
+    def chunked_input(self) -> bool:
+        return True
+
     def _encode(self, flat, shape, state):
         n = flat.numel()
+        step = chunk_elems(flat.device)
 
         def write(body):
             dest = write_tensor(body, self.store, n)
-            for s in range(0, n, CHUNK):
-                chunk = dest[s : s + CHUNK]
-                chunk.copy_(flat[s : s + CHUNK])
+            for s in range(0, n, step):
+                chunk = dest[s : s + step]
+                to_host(chunk, flat[s : s + step])  # cast on the device, copy the stored bytes
                 if self.store == torch.float16 and not all_finite(chunk):
                     raise OverflowError("value outside the fp16 range (|x| > 65504) or non-finite; use bf16")
 
@@ -40,11 +54,13 @@ class _CastCodec(Codec):
 
     def _decode_into(self, frame, out, alpha, accumulate):
         v = self._values(frame)
-        for s in range(0, v.numel(), CHUNK):
+        step = CHUNK if out.device.type == "cpu" else max(CHUNK, chunk_elems(out.device))
+        for s in range(0, v.numel(), step):
+            part = v[s : s + step].to(out.device)  # the stored bytes to the device; a view on the CPU
             if accumulate:
-                out[s : s + CHUNK].add_(v[s : s + CHUNK], alpha=alpha)
+                out[s : s + step].add_(part, alpha=alpha)
             else:
-                out[s : s + CHUNK].copy_(v[s : s + CHUNK])
+                out[s : s + step].copy_(part)
 
 
 class IdentityCodec(_CastCodec):

@@ -52,9 +52,12 @@ _PARAMS = struct.Struct("<QBBII")  # k, index width, value kind, value block, ch
 MAX_CHUNK = 256
 
 
-@functools.lru_cache(maxsize=16)
-def dct_matrix(n: int) -> torch.Tensor:
-    """Orthonormal DCT-II matrix ``M`` (``M @ x`` transforms, ``M.T @ y`` inverts), float32."""
+@functools.lru_cache(maxsize=32)
+def dct_matrix(n: int, device: torch.device | None = None) -> torch.Tensor:
+    """Orthonormal DCT-II matrix ``M`` (``M @ x`` transforms, ``M.T @ y`` inverts), float32, built
+    on the CPU in float64 (the same bits on every device) and cached per device."""
+    if device is not None and device.type != "cpu":
+        return dct_matrix(n).to(device)
     k = torch.arange(n, dtype=torch.float64)[:, None]
     i = torch.arange(n, dtype=torch.float64)[None, :]
     m = torch.cos(math.pi * (i + 0.5) * k / n) * math.sqrt(2.0 / n)
@@ -104,14 +107,14 @@ def _blockwise(
 
 def forward(x2d: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     """Blockwise orthonormal 2-D DCT-II of a padded ``R x C`` matrix; coefficients stay in place."""
-    return _blockwise(x2d, dct_matrix(br), dct_matrix(bc).T, None, None)
+    return _blockwise(x2d, dct_matrix(br, x2d.device), dct_matrix(bc, x2d.device).T, None, None)
 
 
 def inverse(
     c2d: torch.Tensor, br: int, bc: int, out: torch.Tensor | None = None, alpha: float | None = None
 ) -> torch.Tensor:
     """Inverse of :func:`forward`; into (or, with ``alpha``, added to) ``out`` when given."""
-    return _blockwise(c2d, dct_matrix(br).T, dct_matrix(bc), out, alpha)
+    return _blockwise(c2d, dct_matrix(br, c2d.device).T, dct_matrix(bc, c2d.device), out, alpha)
 
 
 class DctTopKCodec(Codec):
@@ -167,8 +170,8 @@ class DctTopKCodec(Codec):
 
     def _decode_into(self, frame, out, alpha, accumulate):
         k, width, kind, (rows, cols, br, bc, pr, pc) = self._params(frame)
-        coef = torch.zeros(pr * pc)
-        coef[read_indices(frame.body, k, width)] = read_values(frame.body, k, width, kind)
+        coef = torch.zeros(pr * pc, device=out.device)
+        coef[read_indices(frame.body, k, width, out.device)] = read_values(frame.body, k, width, kind, out.device)
         view = out.view(rows, cols)
         if (pr, pc) == (rows, cols):  # the inverse's second GEMM writes (or adds) straight into out
             inverse(coef.view(pr, pc), br, bc, out=view, alpha=alpha if accumulate else None)

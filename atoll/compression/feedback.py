@@ -29,14 +29,25 @@ class ErrorFeedback:
     def spec(self) -> str:
         return self.inner.spec
 
+    @property
+    def chunked_input(self) -> bool:
+        return False  # the residual needs the whole input
+
+    def encode_difference(self, a: torch.Tensor, b: torch.Tensor, state: dict | None = None, *, out=None) -> bytearray:
+        return self.encode(a.float() - b.float(), state, out=out)
+
     def encode(self, tensor: torch.Tensor, state: dict | None = None, *, out: bytearray | None = None) -> bytearray:
+        """Everything on ``tensor``'s device; the residual in ``state`` must be there too (the caller
+        places it: :mod:`atoll.islands.exchange` keeps it in host memory between rounds)."""
         if state is None:
             raise ValueError("error feedback needs a per-tensor state dict to keep its residual in")
-        x = tensor.detach().to(device="cpu", dtype=torch.float32)
+        x = tensor.detach().to(dtype=torch.float32)
         residual = state.get("residual")
         if residual is not None:
-            if residual.shape != x.shape:
-                raise ValueError(f"residual has shape {tuple(residual.shape)}, tensor {tuple(x.shape)}")
+            if residual.shape != x.shape or residual.device != x.device:
+                raise ValueError(
+                    f"residual is {tuple(residual.shape)} on {residual.device}, tensor {tuple(x.shape)} on {x.device}"
+                )
             x = torch.add(x, residual, alpha=self.decay)  # alpha 1 is exactly x + residual
         elif x is tensor:
             x = x.clone()
@@ -45,8 +56,11 @@ class ErrorFeedback:
         state["residual"] = x  # x + e - D(C(x + e))
         return payload
 
-    def decode(self, payload, expected_shape=None) -> torch.Tensor:
-        return self.inner.decode(payload, expected_shape)
+    def decode(self, payload, expected_shape=None, *, device=None) -> torch.Tensor:
+        return self.inner.decode(payload, expected_shape, device=device)
+
+    def decode_into(self, payload, out: torch.Tensor) -> torch.Tensor:
+        return self.inner.decode_into(payload, out)
 
     def decode_add_(self, payload, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         return self.inner.decode_add_(payload, out, alpha)

@@ -12,7 +12,7 @@ import struct
 
 import torch
 
-from atoll.compression.base import Codec, all_finite, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.base import Codec, all_finite, expect_body, expect_params, read_tensor, to_host, write_tensor
 from atoll.compression.wire import WireFormatError
 
 _PARAMS = struct.Struct("<BIQQ")  # mode (0 raw, 1 low rank), rank, rows, cols
@@ -49,23 +49,24 @@ class PowerSGDCodec(Codec):
             n = flat.numel()
 
             def write_raw(body):
-                write_tensor(body, torch.float32, n).copy_(flat)
+                to_host(write_tensor(body, torch.float32, n), flat)
 
             return _PARAMS.pack(RAW, 0, 0, 0), 4 * n, write_raw
         rows, cols = mat
         r = self.rank
         m = flat.view(rows, cols)
         q = state.get("q")
-        if q is None or q.shape != (cols, r):
-            q = torch.randn(cols, r, generator=torch.Generator().manual_seed(self.seed))
+        if q is None or q.shape != (cols, r) or q.device != m.device:
+            # Drawn on the CPU (the same start on every device), then moved: Q lives where M does.
+            q = torch.randn(cols, r, generator=torch.Generator().manual_seed(self.seed)).to(m.device)
         p = m @ q
         p = torch.linalg.qr(p).Q
         q = m.t() @ p
         state["q"] = q
 
         def write(body):
-            write_tensor(body, torch.float32, rows * r).copy_(p.reshape(-1))
-            write_tensor(body, torch.float32, cols * r, offset=4 * rows * r).copy_(q.reshape(-1))
+            to_host(write_tensor(body, torch.float32, rows * r), p.reshape(-1))
+            to_host(write_tensor(body, torch.float32, cols * r, offset=4 * rows * r), q.reshape(-1))
 
         return _PARAMS.pack(LOW_RANK, r, rows, cols), 4 * r * (rows + cols), write
 
@@ -82,9 +83,9 @@ class PowerSGDCodec(Codec):
         mode, r, rows, cols = self._params(frame)
         expect_body(frame, 4 * frame.numel if mode == RAW else 4 * r * (rows + cols), self.name)
 
-    def _factors(self, frame, r, rows, cols):
-        p = read_tensor(frame.body, torch.float32, rows * r).view(rows, r)
-        q = read_tensor(frame.body, torch.float32, cols * r, offset=4 * rows * r).view(cols, r)
+    def _factors(self, frame, r, rows, cols, device=None):
+        p = read_tensor(frame.body, torch.float32, rows * r, device=device).view(rows, r)
+        q = read_tensor(frame.body, torch.float32, cols * r, offset=4 * rows * r, device=device).view(cols, r)
         return p, q
 
     def _finite(self, frame):
@@ -101,10 +102,10 @@ class PowerSGDCodec(Codec):
     def _decode_into(self, frame, out, alpha, accumulate):
         mode, r, rows, cols = self._params(frame)
         if mode == RAW:
-            v = read_tensor(frame.body, torch.float32, frame.numel)
+            v = read_tensor(frame.body, torch.float32, frame.numel, device=out.device)
             out.add_(v, alpha=alpha) if accumulate else out.copy_(v)
             return
-        p, q = self._factors(frame, r, rows, cols)
+        p, q = self._factors(frame, r, rows, cols, out.device)
         m = out.view(rows, cols)
         if accumulate:
             m.addmm_(p, q.t(), alpha=alpha)

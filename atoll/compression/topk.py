@@ -16,7 +16,16 @@ import numpy as np
 import torch
 
 from atoll.compression import blockwise
-from atoll.compression.base import CHUNK, Codec, all_finite, expect_body, expect_params, read_tensor, write_tensor
+from atoll.compression.base import (
+    CHUNK,
+    Codec,
+    all_finite,
+    expect_body,
+    expect_params,
+    read_tensor,
+    to_host,
+    write_tensor,
+)
 from atoll.compression.wire import WireFormatError
 
 _PARAMS = struct.Struct("<QBBIf")  # k, index width, value kind (0 int8 blockwise, 1 fp16), value block, 0
@@ -61,17 +70,18 @@ def sparse_body_len(k: int, width: int, kind: int) -> int:
 
 
 def write_sparse(body: memoryview, idx: torch.Tensor, vals: torch.Tensor, width: int, kind: int) -> None:
+    """Lay ``k`` indices and values (on any device) into the host ``body``."""
     k = idx.numel()
-    write_tensor(body, INDEX_DTYPES[width], k).copy_(idx)
+    to_host(write_tensor(body, INDEX_DTYPES[width], k), idx)
     rest = body[k * width :]
     if kind == VALUES_FP16:
-        write_tensor(rest, torch.float16, k).copy_(vals)
+        to_host(write_tensor(rest, torch.float16, k), vals)
     else:
         blockwise.encode_into(vals, rest, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
 
 
-def read_indices(body: memoryview, k: int, width: int) -> torch.Tensor:
-    idx = read_tensor(body, INDEX_DTYPES[width], k).to(torch.int64)
+def read_indices(body: memoryview, k: int, width: int, device: torch.device | None = None) -> torch.Tensor:
+    idx = read_tensor(body, INDEX_DTYPES[width], k, device=device).to(torch.int64)
     if width == 2:
         idx = idx & 0xFFFF  # stored unsigned
     return idx
@@ -85,11 +95,11 @@ def check_indices(body: memoryview, k: int, width: int, limit: int, what: str) -
             raise WireFormatError(f"{what}: indices must be strictly increasing and inside the tensor")
 
 
-def read_values(body: memoryview, k: int, width: int, kind: int) -> torch.Tensor:
+def read_values(body: memoryview, k: int, width: int, kind: int, device: torch.device | None = None) -> torch.Tensor:
     rest = body[k * width :]
     if kind == VALUES_FP16:
-        return read_tensor(rest, torch.float16, k).to(torch.float32)
-    out = torch.empty(k, dtype=torch.float32)
+        return read_tensor(rest, torch.float16, k, device=device).to(torch.float32)
+    out = torch.empty(k, dtype=torch.float32, device=device)
     blockwise.decode_into(
         rest, k, out, 1.0, False, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0
     )
@@ -104,12 +114,12 @@ def values_finite(body: memoryview, k: int, width: int, kind: int) -> bool:
 
 
 def select_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted int64 indices of the ``k`` largest-magnitude elements of ``flat``."""
+    """Sorted int64 indices (on ``flat``'s device) of the ``k`` largest-magnitude elements of ``flat``."""
     n = flat.numel()
     if k >= n:
-        return torch.arange(n)
+        return torch.arange(n, device=flat.device)
     if k == 0:
-        return torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, dtype=torch.int64, device=flat.device)
     if n <= 4 * SAMPLE:
         return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
     stride = n // SAMPLE
@@ -166,8 +176,8 @@ class TopKCodec(Codec):
 
     def _decode_into(self, frame, out, alpha, accumulate):
         k, width, kind = self._params(frame)
-        idx = read_indices(frame.body, k, width)
-        vals = read_values(frame.body, k, width, kind)
+        idx = read_indices(frame.body, k, width, out.device)
+        vals = read_values(frame.body, k, width, kind, out.device)
         if accumulate:
             out.index_add_(0, idx, vals, alpha=alpha)
         else:
