@@ -1,14 +1,48 @@
-"""The ``atoll`` command: ``coordinator``, ``island`` and ``demo``."""
+"""The ``atoll`` command: ``coordinator``, ``island``, ``demo``, ``status``, ``export`` and ``rollback``.
+
+Every flag is spelled out in full (no prefix matching: ``--sync-every`` is never taken for
+``--sync-every-seconds``). A refusal the user can act on (a damaged state dir, a model the run does
+not take) prints one line and exits non-zero; no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import logging
 import sys
+import textwrap
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+class UserError(Exception):
+    """An error for the user, printed as one line (``atoll <command>: error: ...``), exit 1."""
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstrings under a dataclass's fields (``x: int = 1`` then ``\"\"\"what x is\"\"\"``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (frozen app): no help text, still works
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -17,8 +51,12 @@ def _field_type(f: dataclasses.Field) -> type:
     return _TYPES[name.split("|")[0].strip()]
 
 
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
-    """One ``--flag`` per field of a config dataclass."""
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip=(), track_given: bool = False) -> None:
+    """One ``--flag`` per field of a config dataclass, with the field's docstring as help.
+
+    ``track_given``: flags default to None, so the caller can tell what was given on the command line
+    (the dataclass's own default applies otherwise)."""
+    docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -26,42 +64,85 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         required = f.default is dataclasses.MISSING
         kind = _field_type(f)
+        doc = docs.get(f.name, "")
+        shown = "required" if required else f"default: {default}"
+        help_text = f"{doc} ({shown})" if doc else f"({shown})"
+        help_text = help_text.replace("%", "%%")
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None if track_given else default,
+                help=help_text,
+            )
             continue
         parser.add_argument(
             flag,
             dest=f.name,
             type=kind,
-            default=default,
+            default=None if track_given else default,
             required=required,
-            help=f"(default: {default})" if not required else "(required)",
+            metavar=kind.__name__.upper(),
+            help=help_text,
         )
 
 
 def _config_from(cls, ns: argparse.Namespace, **extra):
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+    values = {k: v for k, v in values.items() if v is not None}
     values.update(extra)
     return cls(**values)
+
+
+def _given(cls, ns: argparse.Namespace) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls) if getattr(ns, f.name, None) is not None)
+
+
+def _version() -> str:
+    try:
+        return version("atoll")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+        return "unknown"
+
+
+def _subparser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+    p.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help="log verbosity (default: INFO)")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
     from atoll.coordinator.config import RunConfig
     from atoll.harness.demo import DemoArgs
-    from atoll.islands.runner import IslandArgs
+    from atoll.workload.island import IslandArgs
 
-    parser = argparse.ArgumentParser(prog="atoll", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="atoll", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"atoll {_version()}")
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log verbosity (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    coord = sub.add_parser("coordinator", help="run the coordinator daemon")
+    coord = _subparser(sub, "coordinator", "run the coordinator daemon")
     coord.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    coord.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
-    coord.add_argument("--state-dir", type=Path, required=True, help="where the per-round state is persisted")
-    coord.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    coord.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
+    coord.add_argument("--state-dir", type=Path, required=True, help="where the run's snapshots are kept (required)")
+    coord.add_argument("--port-file", type=Path, default=None, help="write the bound port(s) here once serving")
+    coord.add_argument(
+        "--keep-snapshots", type=int, default=2, help="verified snapshots kept for an explicit rollback (default: 2)"
+    )
+    coord.add_argument(
+        "--max-inflight-bytes",
+        type=int,
+        default=0,
+        help="push payload bytes held at once; past it pushes get RESOURCE_EXHAUSTED and retry "
+        "(default 0: twice the model's fp32 size, at least 256 MiB)",
+    )
+    coord.add_argument(
+        "--stream-idle-seconds", type=float, default=120.0, help="abort a push stream silent this long (default: 120)"
+    )
     coord.add_argument("--admin-host", default="127.0.0.1", help="admin HTTP address (non-loopback needs a token)")
-    coord.add_argument("--admin-port", type=int, default=None, help="serve /healthz, /metrics, /api/status here")
-    coord.add_argument("--admin-token", default=None, help="bearer token required by the admin endpoints")
+    coord.add_argument("--admin-port", type=int, default=None, help="serve /healthz, /metrics, /api/status, / here")
+    coord.add_argument("--admin-token", default=None, help="bearer token of the admin endpoints (enables POST control)")
     coord.add_argument("--admin-port-file", type=Path, default=None, help="write the admin port here")
     coord.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve gRPC over TLS")
     coord.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
@@ -78,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="streaming DiLoCo: serve all P fragments (shards i/P, --partition layers) from this process, "
-        "one port each; islands run with --streaming",
+        "one port each; islands run with --streaming (default: 0, off)",
     )
     coord.add_argument(
         "--island-tokens",
@@ -86,56 +167,79 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='JSON {"island-id": "token"}: islands must present their own bearer token',
     )
-    _add_dataclass_args(coord, RunConfig)
+    _add_dataclass_args(coord, RunConfig, track_given=True)
 
-    island = sub.add_parser("island", help="run a reference island (tiny GPT on the bundled text)")
+    island = _subparser(sub, "island", "run the reference island (a GPT on the bundled text or your tokens)")
     _add_dataclass_args(island, IslandArgs)
 
-    demo = sub.add_parser("demo", help="coordinator + islands as processes on loopback, a few rounds")
+    demo = _subparser(sub, "demo", "coordinator + islands as processes on loopback, a few rounds")
     _add_dataclass_args(demo, DemoArgs)
+
+    status = _subparser(sub, "status", "print a running coordinator's run at a glance")
+    status.add_argument("--admin", required=True, help="the admin URL, e.g. http://127.0.0.1:9090 (required)")
+    status.add_argument("--token", default=None, help="the admin bearer token, if the coordinator has one")
+
+    export = _subparser(sub, "export", "write the trained θ of a coordinator's state dir as safetensors")
+    export.add_argument("--state-dir", type=Path, required=True, help="the coordinator's state dir (required)")
+    export.add_argument("--out", type=Path, required=True, help="the .safetensors file to write (required)")
+    export.add_argument("--round", type=int, default=None, help="a kept snapshot's round (default: the newest)")
+
+    rollback = _subparser(sub, "rollback", "list a state dir's snapshots, or make an older one the newest")
+    rollback.add_argument("--state-dir", type=Path, required=True, help="the coordinator's state dir (required)")
+    rollback.add_argument(
+        "--round", type=int, default=None, help="roll back to this kept round (without it: list the snapshots)"
+    )
     return parser
+
+
+def _coordinator(ns: argparse.Namespace) -> int:
+    from atoll.coordinator.config import RunConfig
+    from atoll.coordinator.main import main as coordinator_main
+    from atoll.coordinator.security import IslandTokens, TlsConfig
+    from atoll.sharding import parse_shard
+
+    config = _config_from(RunConfig, ns)
+    if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
+        raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+    if ns.fragments < 0:
+        raise ValueError(f"--fragments must be >= 0, got {ns.fragments}")
+    security = {
+        "tls": TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None,
+        "tokens": IslandTokens.load(ns.island_tokens) if ns.island_tokens else None,
+        "shard": parse_shard(ns.shard),
+        "partition": ns.partition,
+    }
+    return coordinator_main(
+        config,
+        ns.state_dir,
+        host=ns.host,
+        port=ns.port,
+        port_file=ns.port_file,
+        admin={"host": ns.admin_host, "port": ns.admin_port, "token": ns.admin_token, "port_file": ns.admin_port_file},
+        security=security,
+        fragments=ns.fragments,
+        options={
+            "keep_snapshots": ns.keep_snapshots,
+            "max_inflight_bytes": ns.max_inflight_bytes,
+            "stream_idle_seconds": ns.stream_idle_seconds,
+            "given": _given(RunConfig, ns),
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from atoll.coordinator.config import ConfigMismatch
+    from atoll.coordinator.persistence import StateError
+    from atoll.islands.errors import CoordinatorRefused
+
     try:
         if ns.command == "coordinator":
-            from atoll.coordinator.config import RunConfig
-            from atoll.coordinator.main import main as coordinator_main
-
-            config = _config_from(RunConfig, ns)
-            from atoll.coordinator.security import IslandTokens, TlsConfig
-            from atoll.sharding import parse_shard
-
-            if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
-                raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
-            security = {
-                "tls": TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None,
-                "tokens": IslandTokens.load(ns.island_tokens) if ns.island_tokens else None,
-                "shard": parse_shard(ns.shard),
-                "partition": ns.partition,
-            }
-            if ns.fragments < 0:
-                raise ValueError(f"--fragments must be >= 0, got {ns.fragments}")
-            return coordinator_main(
-                config,
-                ns.state_dir,
-                host=ns.host,
-                port=ns.port,
-                port_file=ns.port_file,
-                admin={
-                    "host": ns.admin_host,
-                    "port": ns.admin_port,
-                    "token": ns.admin_token,
-                    "port_file": ns.admin_port_file,
-                },
-                security=security,
-                fragments=ns.fragments,
-            )
+            return _coordinator(ns)
         if ns.command == "island":
-            from atoll.islands.runner import IslandArgs, run_island
+            from atoll.workload.island import IslandArgs, run_island
 
             island_argv = list(sys.argv[1:] if argv is None else argv)
             return run_island(_config_from(IslandArgs, ns), island_argv)
@@ -143,6 +247,15 @@ def main(argv: list[str] | None = None) -> int:
             from atoll.harness.demo import DemoArgs, run_demo
 
             return run_demo(_config_from(DemoArgs, ns))
+        from atoll import tools
+
+        return {"status": tools.status, "export": tools.export, "rollback": tools.rollback}[ns.command](ns)
+    except (StateError, ConfigMismatch, CoordinatorRefused, UserError) as err:
+        print(f"atoll {ns.command}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"atoll {ns.command}: interrupted", file=sys.stderr)
+        return 130
     except ValueError as err:
         parser.error(str(err))
     return 2

@@ -44,8 +44,8 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, lr: float, eval_ev
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     from atoll.data import CharDataset
-    from atoll.islands.runner import evaluate
     from atoll.models import GPTConfig, TinyGPT
+    from atoll.workload.island import evaluate
 
     data = CharDataset(block_size=64)
     torch.manual_seed(0)

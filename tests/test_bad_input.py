@@ -15,8 +15,8 @@ SHAPES = {"w": (4, 3), "b": (5,)}
 def state_fingerprint(s):
     return (
         s.round,
-        sorted(s.committed),
-        sorted(s.pending),
+        sorted(s.staging.committed),
+        sorted(s.staging.pending),
         {k: v.clone() for k, v in s.params.items()},
         {k: v.clone() for k, v in s.accum.items()},
         {k: v.clone() for k, v in s.optimizer.buffers.items()},
@@ -85,11 +85,6 @@ CASES = {
         "not the run's codec",
     ),
     "rank out of range": (lambda b: b.push(good_delta(), round_=0, rank=3), grpc.StatusCode.INVALID_ARGUMENT, "rank 3"),
-    "second init": (
-        lambda b: b.push(good_delta(), round_=0, kind=pb.PUSH_KIND_INIT),
-        grpc.StatusCode.FAILED_PRECONDITION,
-        "already has parameters",
-    ),
     "unknown island": (
         lambda b: b.push(good_delta(), round_=0, island_id="ghost"),
         grpc.StatusCode.NOT_FOUND,
@@ -153,6 +148,7 @@ def test_join_errors(start_server, raw_island):
     srv = start_server(RunConfig(run_id="t", sync_every=1, codec="int8"))
     a = raw_island(srv.address, "a", SHAPES, codec="int8")
     a.join()
+    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)  # θ_0 fixes the model
     cases = [
         (raw_island(srv.address, "x", SHAPES, run_id="zzz", codec="int8"), {}, "does not match"),
         (
@@ -169,7 +165,7 @@ def test_join_errors(start_server, raw_island):
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert reason in info.value.details()
     assert "lz-magic" in str(_details(cases[1][0]))
-    assert srv.inspect(lambda s: sorted(s.islands)) == ["a"]
+    assert srv.inspect(lambda s: sorted(s.membership.islands)) == ["a"]
 
 
 def _details(isl):
@@ -177,6 +173,15 @@ def _details(isl):
         isl.join(codecs=["identity", "lz-magic"])
     except grpc.RpcError as err:
         return err.details()
+
+
+def test_a_second_init_is_a_harmless_duplicate(run):
+    """θ_0 exists: an INIT push (a bootstrapper retrying after a lost answer) changes nothing."""
+    srv, _, b = run
+    before = srv.inspect(state_fingerprint)
+    resp = b.push(good_delta(), round_=0, kind=pb.PUSH_KIND_INIT)
+    assert resp.outcome == pb.PUSH_OUTCOME_DUPLICATE and resp.committed
+    assert_same(srv.inspect(state_fingerprint), before)
 
 
 def test_duplicate_push_is_harmless(run):
@@ -191,7 +196,9 @@ def test_error_feedback_decay_is_validated_and_sent_to_islands():
     for bad in (0.0, -1.0, 1.01, float("nan")):
         with pytest.raises(ValueError, match="error_feedback_decay"):
             RunConfig(error_feedback_decay=bad)
-    assert RunConfig(error_feedback_decay=0.5).to_proto().error_feedback_decay == 0.5
+    from atoll.coordinator.service import config_proto
+
+    assert config_proto(RunConfig(error_feedback_decay=0.5)).error_feedback_decay == 0.5
     assert RunConfig.from_json(RunConfig(error_feedback_decay=0.25).to_json()).error_feedback_decay == 0.25
     # A config persisted before the field existed still loads, as classic error feedback.
     legacy = json.loads(RunConfig().to_json())

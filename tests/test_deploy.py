@@ -10,7 +10,7 @@ import yaml
 
 from atoll.cli import _config_from, build_parser
 from atoll.coordinator.config import RunConfig
-from atoll.islands.runner import IslandArgs
+from atoll.workload.island import IslandArgs
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 

@@ -91,7 +91,7 @@ leaves = st.builds(
 def fingerprint(s):
     return (
         s.round,
-        sorted(s.committed),
+        sorted(s.staging.committed),
         {k: v.clone() for k, v in s.params.items()},
         {k: v.clone() for k, v in s.accum.items()},
         len(s.history),

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from atoll.coordinator import RunConfig
-from atoll.coordinator.core import IslandState, island_state, wait_event
+from atoll.coordinator.core import wait_event
+from atoll.coordinator.membership import IslandState, island_state
 from atoll.islands import DiLoCo
 from atoll.protos import coordinator_pb2 as pb
 
@@ -57,12 +58,12 @@ def test_island_waiting_for_theta0_keeps_its_lease(start_server, raw_island):
         t.start()
     try:
         deadline = time.monotonic() + 10
-        while "waiter" not in srv.inspect(lambda s: s.islands):
+        while "waiter" not in srv.inspect(lambda s: s.membership.islands):
             assert time.monotonic() < deadline, "the island never joined"
             time.sleep(0.01)
         states = []
         for _ in range(30):  # 3 leases
-            states.append(srv.inspect(lambda s: island_state(s.islands["waiter"], s.clock(), s.round)))
+            states.append(srv.inspect(lambda s: island_state(s.membership.islands["waiter"], s.clock(), s.round)))
             time.sleep(lease / 10)
         assert threads[1].is_alive(), f"start() returned before θ_0 existed: {errors}"
         assert set(states) == {IslandState.JOINING}, states

@@ -10,8 +10,8 @@ from safetensors import safe_open
 
 from atoll.coordinator import persistence
 from atoll.data import CharDataset
-from atoll.islands.runner import param_digest
 from atoll.models import GPTConfig, TinyGPT
+from atoll.workload.island import param_digest
 
 H, ROUNDS, DATA_SEED, INNER_LR = 5, 3, 7, 3e-3
 

@@ -150,7 +150,7 @@ def test_overlap_keeps_training_while_the_exchange_is_out(start_server, raw_isla
             assert sync.step(tokens=16, loss=inner_step(model, opt, batch)) is None
         assert sync.rounds_pushed == 1 and sync.round == 0
         deadline = time.monotonic() + 30
-        while srv.inspect(lambda s: sorted(s.committed)) != ["solo"]:  # the push is in flight meanwhile
+        while srv.inspect(lambda s: sorted(s.staging.committed)) != ["solo"]:  # the push is in flight meanwhile
             assert time.monotonic() < deadline, "the background push never arrived"
             time.sleep(0.01)
         assert srv.inspect(lambda s: s.round) == 0

@@ -45,7 +45,7 @@ def test_no_commits_waits():
 
 
 def test_island_states():
-    from atoll.coordinator.core import IslandRecord, island_state
+    from atoll.coordinator.membership import IslandRecord, island_state
 
     rec = IslandRecord("a", 1, lease_expires_at=10.0, joined_round=3)
     assert island_state(rec, 1.0, 3) == "joining"

@@ -97,7 +97,7 @@ def test_mutual_tls_requires_a_client_certificate(start_server, pki):
         tls=ClientTls(ca=str(pki / "ca.pem"), cert=str(pki / "client.pem"), key=str(pki / "client.key")),
     )
     assert join(with_cert).bootstrap
-    assert srv.inspect(lambda s: sorted(s.islands)) == ["a"]
+    assert srv.inspect(lambda s: sorted(s.membership.islands)) == ["a"]
     no_cert.close()
     with_cert.close()
 
@@ -132,7 +132,7 @@ def test_island_tokens(start_server):
         with pytest.raises(grpc.RpcError) as info:
             call()
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert srv.inspect(lambda s: (sorted(s.islands), s.params)) == (["a"], None)
+    assert srv.inspect(lambda s: (sorted(s.membership.islands), s.params)) == (["a"], None)
     h.island_id = "a"
     assert a.push(h, [payload]).committed
     for c in (none, wrong, a):

@@ -4,8 +4,8 @@ import pytest
 from conftest import collect_events
 
 from atoll.coordinator import persistence
-from atoll.islands.runner import param_digest
 from atoll.sharding import parse_shard, shard_of
+from atoll.workload.island import param_digest
 
 
 def test_shard_of_and_parse():

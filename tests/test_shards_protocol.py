@@ -98,7 +98,7 @@ def test_bad_coverage_discards_the_island(two_rank_island, case):
         ranks[1].push([("w", rows, torch.ones(2 if case == "gap" else 3, 4))], round_=0)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ("overlap" if case == "overlap" else "cover 20 of 24") in info.value.details()
-    assert srv.inspect(lambda s: (s.round, dict(s.committed), dict(s.pending))) == (0, {}, {})
+    assert srv.inspect(lambda s: (s.round, dict(s.staging.committed), dict(s.staging.pending))) == (0, {}, {})
 
 
 def test_partial_island_is_dropped_at_the_deadline(two_rank_island, start_server):

@@ -67,6 +67,11 @@ class Frame:
         return math.prod(self.shape)
 
 
+def payload_size(ndim: int, params_len: int, body_len: int) -> int:
+    """Bytes of a payload with these parts (e.g. an identity payload: ``payload_size(ndim, 0, 4 * numel)``)."""
+    return _FIXED.size + 8 * ndim + _U32.size + params_len + _U64.size + body_len + _U32.size
+
+
 def allocate(
     codec_id: int,
     dtype: torch.dtype,

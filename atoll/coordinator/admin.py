@@ -1,8 +1,16 @@
-"""The coordinator's admin HTTP server (aiohttp): /healthz, /metrics (Prometheus), /api/status, and a
-live dashboard at / (loss, bytes and the round timeline per island, polled from /api/status).
+"""The coordinator's admin HTTP server (aiohttp).
 
-Bound to loopback by default; on any other address it refuses to start without a bearer token,
-and with a token every endpoint but /healthz requires ``Authorization: Bearer <token>``.
+- ``GET /healthz``: 200 ``ok``, or 503 with the reason (a state save failing, a dead background task).
+- ``GET /metrics``: Prometheus (round, loss, tokens and tokens/s, islands by state, each island's
+  state and last-push age, bytes, pushes, round durations).
+- ``GET /api/status``: the run at a glance as JSON (config, islands, history, health, stall).
+- ``GET /``: a live dashboard polling /api/status.
+- ``POST /api/islands/{id}/evict`` and ``POST /api/config`` (JSON of operational fields): operator
+  control of a live run; they need ``--admin-token``.
+
+Bound to loopback by default; on any other address it refuses to start without a bearer token, and
+with a token every endpoint but /healthz requires ``Authorization: Bearer <token>`` (the dashboard
+page also takes ``?token=``, since a browser cannot set the header on a link).
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import ipaddress
+import json
 import time
 from importlib import resources
 
@@ -18,36 +27,81 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from atoll.coordinator.core import IslandState, RunState
+from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch
+from atoll.coordinator.membership import IslandState
+from atoll.coordinator.service import Counters
+
+STATES = (
+    IslandState.JOINING,
+    IslandState.ACTIVE,
+    IslandState.LATE,
+    IslandState.GONE,
+    IslandState.LEFT,
+    IslandState.EVICTED,
+)
+
+
+def health_problem(server) -> str | None:
+    if server.failed is not None and server.failed.done():
+        return "a background task died; the coordinator is stopping"
+    return server.state.problem
 
 
 class _StateCollector:
     """Reads the run state at scrape time (no global registry, no duplicated bookkeeping)."""
 
-    def __init__(self, state: RunState) -> None:
-        self.state = state
+    def __init__(self, server) -> None:
+        self.server = server
 
     def collect(self):
-        s = self.state
+        s, counters = self.server.state, self.server.counters
         yield GaugeMetricFamily("atoll_round", "The open round (rounds below it are complete)", value=s.round)
         yield CounterMetricFamily("atoll_rounds_completed", "Rounds closed by the outer step", value=len(s.history))
+        yield GaugeMetricFamily(
+            "atoll_healthy", "1 unless a state save is failing", value=0 if health_problem(self.server) else 1
+        )
+        last = s.history[-1] if s.history else {}
+        if last.get("loss") is not None:
+            yield GaugeMetricFamily(
+                "atoll_round_loss", "Token-weighted training loss of the last round", value=last["loss"]
+            )
+        yield GaugeMetricFamily(
+            "atoll_round_tokens", "Tokens the islands processed in the last round", value=last.get("tokens", 0)
+        )
+        seconds = last.get("seconds_open") or 0.0
+        yield GaugeMetricFamily(
+            "atoll_tokens_per_second",
+            "Tokens of the last round over its duration",
+            value=last.get("tokens", 0) / seconds if seconds else 0.0,
+        )
+        yield CounterMetricFamily(
+            "atoll_tokens", "Tokens processed over the run", value=sum(h["tokens"] for h in s.history)
+        )
         states = s.states()
-        g = GaugeMetricFamily("atoll_islands", "Member islands by state", labels=["state"])
-        for name in (IslandState.JOINING, IslandState.ACTIVE, IslandState.LATE, IslandState.GONE):
+        g = GaugeMetricFamily("atoll_islands", "Islands by state", labels=["state"])
+        for name in STATES:
             g.add_metric([name], sum(1 for v in states.values() if v == name))
         yield g
-        for key, help_text in [
-            ("bytes_in", "Payload bytes received in validated pushes"),
-            ("bytes_out", "Payload bytes sent in pulls"),
-            ("pushes_late_folded", "Late pushes folded into a later round"),
-            ("pushes_late_dropped", "Pushes refused because their round had closed"),
-            ("pushes_refused", "Pushes refused for bad input"),
-        ]:
-            yield CounterMetricFamily(f"atoll_{key}", help_text, value=s.counters[key])
-        last = s.history[-1]["seconds_open"] if s.history else 0.0
-        yield GaugeMetricFamily("atoll_last_round_seconds", "How long the last closed round was open", value=last)
+        per = GaugeMetricFamily("atoll_island_state", "1 for each island's current state", labels=["island", "state"])
+        for island, state in states.items():
+            per.add_metric([island, state], 1)
+        yield per
+        age = GaugeMetricFamily(
+            "atoll_island_last_push_age_seconds", "Seconds since the island's last push counted", labels=["island"]
+        )
+        now = s.clock()
+        for island, rec in s.membership.islands.items():
+            if rec.last_push_at is not None:
+                age.add_metric([island], now - rec.last_push_at)
+        yield age
+        for key, help_text in Counters.HELP.items():
+            yield CounterMetricFamily(f"atoll_{key}", help_text, value=getattr(counters, key))
+        yield GaugeMetricFamily("atoll_last_round_seconds", "How long the last closed round was open", value=seconds)
         yield CounterMetricFamily(
             "atoll_round_seconds", "Total seconds rounds were open", value=sum(h["seconds_open"] for h in s.history)
+        )
+        yield GaugeMetricFamily(
+            "atoll_inflight_bytes", "Push bytes held now (streaming or staged)", value=s.budget.used
         )
 
 
@@ -61,16 +115,21 @@ def _is_loopback(host: str) -> bool:
 
 
 class AdminServer:
-    def __init__(self, state: RunState, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+    def __init__(self, server, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+        """``server``: the :class:`~atoll.coordinator.server.CoordinatorServer` (its state and counters)."""
         if not _is_loopback(host) and not token:
             raise ValueError(f"admin HTTP on non-loopback address {host!r} needs a token (--admin-token)")
-        self.state = state
+        self.server = server
         self.host, self.requested_port, self.token = host, port, token
         self.port: int | None = None
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(state))
+        self.registry.register(_StateCollector(server))
         self._runner: web.AppRunner | None = None
         self.started_at = time.time()
+
+    @property
+    def state(self):
+        return self.server.state
 
     @property
     def address(self) -> str:
@@ -83,13 +142,17 @@ class AdminServer:
         app.router.add_get("/api/status", self.status)
         app.router.add_get("/", self.dashboard)
         app.router.add_get("/dashboard", self.dashboard)
+        app.router.add_post("/api/islands/{island}/evict", self.evict)
+        app.router.add_post("/api/config", self.set_config)
         return app
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
+        if request.method == "POST" and not self.token:
+            raise web.HTTPForbidden(text="control endpoints need the coordinator to run with --admin-token\n")
         if self.token and request.path != "/healthz":
             given = request.headers.get("Authorization", "")
-            if request.path in ("/", "/dashboard"):  # a browser opens the page as /dashboard?token=...
+            if not given and request.path in ("/", "/dashboard"):  # a browser link: /dashboard?token=...
                 given = f"Bearer {request.query.get('token', '')}"
             if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
                 raise web.HTTPUnauthorized(text="missing or wrong bearer token\n")
@@ -112,34 +175,72 @@ class AdminServer:
         return web.Response(text=page, content_type="text/html")
 
     async def healthz(self, request: web.Request) -> web.Response:
+        problem = health_problem(self.server)
+        if problem:
+            return web.Response(status=503, text=f"unhealthy: {problem}\n")
         return web.Response(text="ok\n")
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def status(self, request: web.Request) -> web.Response:
-        s = self.state
-        states = s.states()
-        islands = [
-            {
-                "island": i,
-                "state": states[i],
-                "num_ranks": rec.num_ranks,
-                "joined_round": rec.joined_round,
-                "rounds_committed": rec.rounds_committed,
-                "holds_round": rec.holds_round,
-                "committed_this_round": i in s.committed,
-            }
-            for i, rec in sorted(s.islands.items())
-        ]
-        return web.json_response(
-            {
-                "run": dataclasses.asdict(s.config),
-                "round": s.round,
-                "bootstrapped": s.params is not None,
-                "islands": islands,
-                "counters": dict(s.counters),
-                "history": s.history[-100:],
-                "uptime_seconds": time.time() - self.started_at,
-            }
-        )
+        return web.json_response(status_json(self.server, self.started_at))
+
+    async def evict(self, request: web.Request) -> web.Response:
+        island = request.match_info["island"]
+        async with self.state.lock:
+            try:
+                self.state.evict(island)
+            except KeyError:
+                raise web.HTTPNotFound(text=f"no island {island!r} in the run\n") from None
+        return web.json_response({"evicted": island, "round": self.state.round})
+
+    async def set_config(self, request: web.Request) -> web.Response:
+        try:
+            values = await request.json()
+        except json.JSONDecodeError:
+            raise web.HTTPBadRequest(text="the body must be a JSON object of operational fields\n") from None
+        if not isinstance(values, dict):
+            raise web.HTTPBadRequest(text="the body must be a JSON object of operational fields\n")
+        async with self.state.lock:
+            try:
+                changes = self.state.set_operational(values)
+            except (ConfigMismatch, ValueError) as err:
+                raise web.HTTPBadRequest(text=f"{err}\n") from None
+        config = dataclasses.asdict(self.state.config)
+        return web.json_response({"changed": changes, "operational": {k: config[k] for k in OPERATIONAL_FIELDS}})
+
+
+def status_json(server, started_at: float) -> dict:
+    s = server.state
+    states = s.states()
+    now = s.clock()
+    islands = []
+    for island, state in states.items():
+        rec = s.membership.islands.get(island)
+        row = {"island": island, "state": state, "committed_this_round": island in s.staging.committed}
+        if rec is not None:
+            row.update(
+                num_ranks=rec.num_ranks,
+                joined_round=rec.joined_round,
+                rounds_committed=rec.rounds_committed,
+                holds_round=rec.holds_round,
+                last_push_age_seconds=None if rec.last_push_at is None else now - rec.last_push_at,
+            )
+        islands.append(row)
+    return {
+        "run": dataclasses.asdict(s.config),
+        "round": s.round,
+        "bootstrapped": s.params is not None,
+        "run_complete": s.run_complete,
+        "num_params": sum(t.numel() for t in s.params.values()) if s.params else 0,
+        "healthy": health_problem(server) is None,
+        "problem": health_problem(server),
+        "stall": s.stall,
+        "waiting": s.waiting,
+        "islands": islands,
+        "counters": server.counters.as_dict(),
+        "inflight_bytes": s.budget.used,
+        "history": s.history[-100:],
+        "uptime_seconds": time.time() - started_at,
+    }

@@ -8,7 +8,10 @@ import math
 from dataclasses import dataclass
 
 from atoll.compression import get_codec
-from atoll.protos import coordinator_pb2 as pb
+
+TOKENS_PER_STEP_BOUND = 1 << 24
+"""Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
+any published LLM run): a push claiming more than H x this is refused."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +57,11 @@ class RunConfig:
     """After this long since the round opened, a round with quorum closes without stragglers."""
     lease_seconds: float = 30.0
     """An island not heard from for this long stops counting as live."""
+    total_rounds: int = 0
+    """The run is complete after this many rounds (0: no end); islands then stop by themselves."""
+    max_tokens_per_round: int = 0
+    """Refuse a push claiming more tokens than this (0: sync_every x 2^24). A token count weighs an
+    island's delta in the mean, so an absurd claim would take the run over."""
 
     def __post_init__(self) -> None:
         if not self.run_id or len(self.run_id) > 128:
@@ -87,6 +95,13 @@ class RunConfig:
             raise ValueError(f"round_deadline_seconds must be > 0, got {self.round_deadline_seconds}")
         if not self.lease_seconds > 0:
             raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+        if self.total_rounds < 0 or self.max_tokens_per_round < 0:
+            raise ValueError("total_rounds and max_tokens_per_round must be >= 0")
+
+    @property
+    def token_bound(self) -> int:
+        """Most tokens one push may claim."""
+        return self.max_tokens_per_round or self.sync_every * TOKENS_PER_STEP_BOUND
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -95,5 +110,75 @@ class RunConfig:
     def from_json(cls, text: str) -> RunConfig:
         return cls(**json.loads(text))
 
-    def to_proto(self) -> pb.RunConfigProto:
-        return pb.RunConfigProto(**dataclasses.asdict(self))
+
+MATH_FIELDS = (
+    "run_id",
+    "sync_every",
+    "outer_lr",
+    "outer_momentum",
+    "nesterov",
+    "codec",
+    "downlink_codec",
+    "error_feedback",
+    "error_feedback_decay",
+    "aggregation",
+)
+"""Fields that define the run's math or model: a restart may not change them."""
+OPERATIONAL_FIELDS = (
+    "quorum",
+    "round_deadline_seconds",
+    "lease_seconds",
+    "late_policy",
+    "staleness_weight",
+    "max_staleness",
+    "clip_norm",
+    "max_delta_norm",
+    "total_rounds",
+    "max_tokens_per_round",
+)
+"""Fields an operator may change on a live or restarted run (``POST /api/config``, or the command line)."""
+
+
+class ConfigMismatch(ValueError):
+    """The configuration asked for cannot apply to the stored run."""
+
+
+def reconcile(stored: RunConfig, requested: RunConfig, given: frozenset[str]) -> tuple[RunConfig, list[str]]:
+    """The config of a restored run: ``stored``, with the operational fields in ``given`` taken from
+    ``requested``. A math field in ``given`` that differs is refused. Returns the config and one line
+    per changed field."""
+    if "run_id" in given and requested.run_id != stored.run_id:
+        raise ConfigMismatch(f"the state dir holds run {stored.run_id!r}, not {requested.run_id!r}")
+    differ = [
+        f"{name} (run: {getattr(stored, name)!r}, asked: {getattr(requested, name)!r})"
+        for name in MATH_FIELDS
+        if name in given and getattr(requested, name) != getattr(stored, name)
+    ]
+    if differ:
+        raise ConfigMismatch("these fields define the run's math and cannot change on a restart: " + "; ".join(differ))
+    return apply_operational(stored, {name: getattr(requested, name) for name in OPERATIONAL_FIELDS if name in given})
+
+
+def apply_operational(config: RunConfig, values: dict) -> tuple[RunConfig, list[str]]:
+    """``config`` with operational ``values`` applied (ValueError for other fields or bad values);
+    returns the new config and one line per field that changed."""
+    unknown = sorted(set(values) - set(OPERATIONAL_FIELDS))
+    if unknown:
+        raise ConfigMismatch(f"not operational fields (only {', '.join(OPERATIONAL_FIELDS)} can change): {unknown}")
+    values = {k: _typed(k, v) for k, v in values.items()}
+    changes = [f"{k}: {getattr(config, k)!r} -> {v!r}" for k, v in values.items() if getattr(config, k) != v]
+    return dataclasses.replace(config, **values), changes
+
+
+def _typed(name: str, value):
+    """``value`` as the field's type (JSON gives 2.0 for 2 and never a tuple); ValueError otherwise."""
+    kind = {f.name: f.type for f in dataclasses.fields(RunConfig)}[name]
+    ok = {
+        "int": isinstance(value, int) or (isinstance(value, float) and value.is_integer()),
+        "float": isinstance(value, (int, float)),
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+    }[kind]
+    if not ok or (kind != "bool" and isinstance(value, bool)):
+        raise ConfigMismatch(f"{name} must be a {kind}, got {value!r}")
+    return {"int": int, "float": float, "str": str, "bool": bool}[kind](value)

@@ -1,4 +1,4 @@
-"""``atoll coordinator``: run the daemon until SIGINT/SIGTERM."""
+"""``atoll coordinator``: run the daemon until SIGINT/SIGTERM, or until a background task fails."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.service import CoordinatorServer
+from atoll.coordinator.server import CoordinatorServer
 from atoll.memory import tune_for_bulk_buffers
 
 log = logging.getLogger("atoll.coordinator")
@@ -35,11 +35,14 @@ async def serve(
     admin: dict | None = None,
     security: dict | None = None,
     fragments: int = 0,
-) -> None:
+    options: dict | None = None,
+) -> int:
     """``security``: ``{"tls": TlsConfig | None, "tokens": IslandTokens | None, "shard": (i, n),
     "partition": "hash" | "layers"}``. ``fragments`` P > 0: serve all P fragments of a streaming run
     (shards i/P, partition "layers") from this process, each on its own port with its own state
-    under ``state_dir/fragment-i``; ``port`` is then the first fragment's (0: any free ports)."""
+    under ``state_dir/fragment-i``; ``port`` is then the first fragment's (0: any free ports).
+    ``options``: further :class:`CoordinatorServer` keywords (keep_snapshots, max_inflight_bytes,
+    given, ...). Returns the exit code: 0 after a signal, 1 when a background task failed."""
     admin = admin or {}
     security = dict(security or {})
     if fragments > 0:
@@ -48,16 +51,22 @@ async def serve(
         security.pop("shard", None)
         security["partition"] = "layers"
         placements = [
-            {"shard": (i, fragments), "state_dir": state_dir / f"fragment-{i}", "port": port + i if port else 0}
+            {
+                "shard": (i, fragments),
+                "state_dir": state_dir / f"fragment-{i}",
+                "port": port + i if port else 0,
+                "name": f"fragment {i}/{fragments}: ",
+            }
             for i in range(fragments)
         ]
     else:
         placements = [{"state_dir": state_dir, "port": port}]
     servers = []
     for i, place in enumerate(placements):
-        kwargs = dict(security)
+        kwargs = {**security, **(options or {})}
         if "shard" in place:
             kwargs["shard"] = place["shard"]
+            kwargs["name"] = place["name"]
         servers.append(
             CoordinatorServer(
                 config,
@@ -90,7 +99,10 @@ async def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({stopping, *(s.failed for s in servers)}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        return 1 if any(s.failed.done() for s in servers) else 0
     finally:
         log.info("shutting down")
         for server in servers:
@@ -100,5 +112,4 @@ async def serve(
 
 def main(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, **kwargs) -> int:
     tune_for_bulk_buffers()  # the daemon's own process: keep payload buffers on the heap
-    asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file, **kwargs))
-    return 0
+    return asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file, **kwargs))

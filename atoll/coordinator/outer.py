@@ -34,13 +34,18 @@ class NesterovSGD:
     def update(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if grads.keys() != self.buffers.keys():
             raise ValueError("gradient tensors do not match the optimizer's tensors")
-        out = {}
-        for name, g in grads.items():
-            m = self.buffers[name]
-            m.mul_(self.momentum).add_(g)
-            step = g.add(m, alpha=self.momentum) if self.nesterov else m.clone()
-            out[name] = step.mul_(-self.lr)
-        return out
+        return {name: self.step_(name, g.clone()) for name, g in grads.items()}
+
+    def step_(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """Advance ``name``'s momentum by ``g`` and turn ``g`` into the update, in place (the
+        coordinator then holds no second copy of the model); returns ``g``."""
+        m = self.buffers[name]
+        m.mul_(self.momentum).add_(g)
+        if self.nesterov:
+            g.add_(m, alpha=self.momentum)
+        else:
+            g.copy_(m)
+        return g.mul_(-self.lr)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"momentum/{k}": v for k, v in self.buffers.items()}
@@ -48,3 +53,46 @@ class NesterovSGD:
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         for name in self.buffers:
             self.buffers[name].copy_(tensors[f"momentum/{name}"])
+
+
+def outer_step_(
+    accum: dict[str, torch.Tensor],
+    params: dict[str, torch.Tensor],
+    *,
+    weight_total: float,
+    optimizer: NesterovSGD,
+    buffers: frozenset[str],
+    downlink,
+    downlink_ef: dict[str, torch.Tensor],
+    downlink_state: dict[str, dict],
+    robust_grads: dict[str, torch.Tensor] | None = None,
+) -> dict[str, bytearray]:
+    """θ_{r+1} = θ_r + decode(encode(u + e)), tensor by tensor, in place in ``accum`` (which ends up
+    holding θ_{r+1}): besides θ, momentum and the accumulator, only one tensor's temporaries.
+
+    ``accum`` holds Σ w_i Δ_i and ``weight_total`` is Σ w_i (or ``robust_grads`` holds the
+    aggregated pseudo-gradient). u is the outer optimizer's update of the mean; buffers take the
+    mean itself (θ − mean Δ = the islands' mean buffer). A lossy ``downlink`` codec sends u + e and
+    keeps e, the error it made (downlink error feedback). Returns the encoded update per tensor:
+    what islands add to θ_r is exactly what was added here.
+    """
+    payloads = {}
+    for name, acc in accum.items():
+        if robust_grads is not None:
+            acc.copy_(robust_grads.pop(name))
+        else:
+            acc.div_(weight_total)
+        if name in buffers:
+            acc.neg_()
+        else:
+            optimizer.step_(name, acc)
+        if downlink.lossy:
+            acc.add_(downlink_ef[name])
+            payloads[name] = downlink.encode(acc, downlink_state.setdefault(name, {}))
+            sent = downlink.decode(payloads[name], tuple(acc.shape))
+            downlink_ef[name].copy_(acc).sub_(sent)
+            acc.copy_(sent)
+        else:
+            payloads[name] = downlink.encode(acc)
+        acc.add_(params[name])
+    return payloads

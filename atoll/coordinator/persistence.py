@@ -1,26 +1,45 @@
-"""Atomic per-round persistence of the coordinator's state.
+"""The coordinator's state on disk: verified per-round snapshots, kept outer updates, departures.
 
-One safetensors file holds θ, the outer optimizer's buffers, the downlink error feedback and
-(as metadata) the round, run config, membership and history. It is written to a temporary
-file, fsynced, renamed over ``state.safetensors`` and the directory fsynced: a crash at any
-moment leaves either the previous round's file or the new one, never a mix.
+``STATE_DIR/snapshot-<round>.safetensors`` holds θ, the outer optimizer's buffers and the
+downlink error feedback, plus (metadata) the round, run config, membership, history and a
+CRC-32C per tensor. It is written to a temporary file, fsynced, renamed and the directory
+fsynced: a crash leaves the previous snapshot or the new one, never a mix. The newest
+``keep`` snapshots stay; a damaged newest one is refused, never silently replaced by an older
+one: an operator rolls back explicitly (:func:`rollback`, ``atoll rollback``).
+
+``STATE_DIR/updates/update-<round>.safetensors`` keeps the encoded outer update that produced
+θ_round (islands a few rounds behind catch up from these), ``membership.json`` the islands that
+left or were evicted (written at once, so a restart does not bring them back).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import google_crc32c
+import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from atoll.coordinator.config import RunConfig
 
-STATE_FILE = "state.safetensors"
-FORMAT = "atoll-state-1"
+FORMAT = "atoll-state-2"
+SNAPSHOT_PREFIX = "snapshot-"
+SUFFIX = ".safetensors"
+UPDATES = "updates"
+MEMBERSHIP = "membership.json"
+DISCARDED = "discarded"
+LEGACY = ("state.safetensors", ".state.safetensors.tmp")
+
+
+class StateError(ValueError):
+    """The state dir cannot be trusted; the message is one line an operator can act on."""
 
 
 @dataclass
@@ -33,9 +52,53 @@ class Snapshot:
     """Optimizer and error-feedback tensors, by prefixed name."""
     islands: dict[str, dict] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
+    departed: dict[str, str] = field(default_factory=dict)
+    buffers: tuple[str, ...] = ()
+    """Tensors that are floating-point buffers (averaged, no outer momentum)."""
+    shard: tuple[int, int] = (0, 1)
+    partition: str = "hash"
+    layout_digest: str = ""
+    """partition "layers": the whole model's layout digest every island must match."""
 
 
-def save(state_dir: Path, snap: Snapshot) -> Path:
+def digest(t: torch.Tensor) -> str:
+    """CRC-32C of a CPU tensor's bytes (hardware-accelerated, zero-copy)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"{google_crc32c.value(flat):08x}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_rename(tmp: Path, final: Path) -> None:
+    _fsync(tmp)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+
+
+def snapshot_name(round_: int) -> str:
+    return f"{SNAPSHOT_PREFIX}{round_:08d}{SUFFIX}"
+
+
+def snapshot_paths(state_dir: Path) -> list[Path]:
+    """Snapshot files, oldest round first."""
+    d = Path(state_dir)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.name.startswith(SNAPSHOT_PREFIX) and p.name.endswith(SUFFIX))
+
+
+def read_round(path: Path) -> int:
+    return int(path.name[len(SNAPSHOT_PREFIX) : -len(SUFFIX)])
+
+
+def save(state_dir: Path, snap: Snapshot, *, keep: int = 2) -> Path:
+    """Write ``snap`` atomically, then drop all but the newest ``keep`` snapshots."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     tensors = {f"param/{k}": v.contiguous() for k, v in snap.params.items()}
@@ -45,45 +108,189 @@ def save(state_dir: Path, snap: Snapshot) -> Path:
         "round": str(snap.round),
         "config": snap.config.to_json(),
         "islands": json.dumps(snap.islands, sort_keys=True),
+        "departed": json.dumps(snap.departed, sort_keys=True),
         "history": json.dumps(snap.history),
+        "buffers": json.dumps(sorted(snap.buffers)),
+        "shard": f"{snap.shard[0]}/{snap.shard[1]}",
+        "partition": snap.partition,
+        "layout_digest": snap.layout_digest,
+        "digests": json.dumps({k: digest(v) for k, v in tensors.items()}, sort_keys=True),
     }
-    final = state_dir / STATE_FILE
-    tmp = state_dir / f".{STATE_FILE}.tmp"
+    final = state_dir / snapshot_name(snap.round)
+    tmp = state_dir / f".{final.name}.tmp"
     save_file(tensors, str(tmp), metadata=metadata)
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-    dfd = os.open(state_dir, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    _atomic_rename(tmp, final)
+    for old in snapshot_paths(state_dir)[:-keep]:
+        old.unlink()
     return final
 
 
+def _holds_atoll_files(state_dir: Path) -> list[str]:
+    d = Path(state_dir)
+    if not d.is_dir():
+        return []
+    names = [p.name for p in d.iterdir()]
+    ours = (SNAPSHOT_PREFIX, f".{SNAPSHOT_PREFIX}", UPDATES, MEMBERSHIP, *LEGACY)
+    return sorted(n for n in names if n.startswith(ours))
+
+
 def load(state_dir: Path) -> Snapshot | None:
-    """The last persisted snapshot, or None when the directory holds none."""
-    path = Path(state_dir) / STATE_FILE
-    if not path.exists():
+    """The newest snapshot, verified; None for a dir with no atoll files (a fresh run).
+
+    Raises :class:`StateError` when the newest snapshot is damaged or inconsistent, or the dir holds
+    atoll files but no snapshot: a run is never restarted silently from scratch or from the past."""
+    paths = snapshot_paths(state_dir)
+    if not paths:
+        found = _holds_atoll_files(state_dir)
+        if found:
+            raise StateError(
+                f"{state_dir} holds atoll files ({', '.join(found[:4])}) but no valid snapshot; "
+                "refusing to start a fresh run over them (move them away to start one)"
+            )
         return None
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: not an atoll state file (format {meta.get('format')!r})")
-        params, extra = {}, {}
-        for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
-            if key.startswith("param/"):
-                params[key[len("param/") :]] = f.get_tensor(key)
-            else:
-                extra[key] = f.get_tensor(key)
-    return Snapshot(
-        config=RunConfig.from_json(meta["config"]),
-        round=int(meta["round"]),
-        params=params,
-        extra=extra,
-        islands=json.loads(meta["islands"]),
-        history=json.loads(meta["history"]),
-    )
+    try:
+        snap = verify(paths[-1])
+    except StateError as err:
+        older = [str(read_round(p)) for p in paths[:-1]]
+        hint = (
+            f"; roll back with `atoll rollback --state-dir {state_dir} --round N` (kept rounds: {', '.join(older)})"
+            if older
+            else "; no older snapshot is kept to roll back to"
+        )
+        raise StateError(f"{err}{hint}") from None
+    departed = read_departed(state_dir)
+    if departed is not None:  # written at every leave/evict/re-join: newer than any snapshot
+        snap.departed = departed
+    return snap
+
+
+def verify(path: Path) -> Snapshot:
+    """Read one snapshot and check its integrity and consistency; StateError naming the problem."""
+    name = Path(path).name
+
+    def bad(why: str) -> StateError:
+        return StateError(f"{name}: {why}")
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise bad(f"not a readable snapshot ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    if meta.get("format") != FORMAT:
+        raise bad(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        config = RunConfig.from_json(meta["config"])
+        round_ = int(meta["round"])
+        history = json.loads(meta["history"])
+        islands = json.loads(meta["islands"])
+        departed = json.loads(meta["departed"])
+        buffers = tuple(json.loads(meta["buffers"]))
+        digests = json.loads(meta["digests"])
+        shard = tuple(int(x) for x in meta["shard"].split("/"))
+        partition = meta["partition"]
+        layout = meta["layout_digest"]
+    except (KeyError, ValueError, TypeError) as err:
+        raise bad(f"metadata unreadable ({type(err).__name__}: {err})") from None
+    if round_ != read_round(Path(path)):
+        raise bad(f"round {round_} in the metadata, {read_round(Path(path))} in the name")
+    if len(history) != round_ or any(h.get("round") != i for i, h in enumerate(history)):
+        raise bad(f"round {round_} disagrees with its history of {len(history)} rounds")
+    if set(digests) != set(tensors):
+        raise bad(f"tensors {sorted(set(tensors) ^ set(digests))[:3]} have no checksum or no data")
+    for key, t in tensors.items():
+        if digest(t) != digests[key]:
+            raise bad(f"tensor {key} fails its checksum (crc32c {digest(t)}, recorded {digests[key]})")
+    params = {k[len("param/") :]: v for k, v in tensors.items() if k.startswith("param/")}
+    extra = {k: v for k, v in tensors.items() if not k.startswith("param/")}
+    for k, v in params.items():
+        m = extra.get(f"momentum/{k}")
+        if m is None or m.shape != v.shape:
+            raise bad(f"tensor param/{k} has no matching momentum")
+        if not bool(torch.isfinite(v).all()):
+            raise bad(f"tensor param/{k} holds non-finite values")
+    if not params or not set(buffers) <= set(params):
+        raise bad("no parameters, or buffers that are not parameters")
+    return Snapshot(config, round_, params, extra, islands, history, departed, buffers, shard, partition, layout)
+
+
+def list_snapshots(state_dir: Path) -> list[tuple[int, Path, str | None]]:
+    """(round, path, None or why it fails verification) for every snapshot, oldest first."""
+    out = []
+    for p in snapshot_paths(state_dir):
+        try:
+            verify(p)
+            out.append((read_round(p), p, None))
+        except StateError as err:
+            out.append((read_round(p), p, str(err)))
+    return out
+
+
+def rollback(state_dir: Path, round_: int) -> Path:
+    """Make the snapshot of ``round_`` the newest: newer snapshots and updates move to ``discarded/``."""
+    state_dir = Path(state_dir)
+    target = state_dir / snapshot_name(round_)
+    if not target.exists():
+        kept = ", ".join(str(read_round(p)) for p in snapshot_paths(state_dir)) or "none"
+        raise StateError(f"no snapshot of round {round_} in {state_dir} (kept rounds: {kept})")
+    verify(target)
+    aside = state_dir / DISCARDED / time.strftime("%Y%m%d-%H%M%S")
+    newer = [p for p in snapshot_paths(state_dir) if read_round(p) > round_]
+    newer += [p for p in update_paths(state_dir) if int(p.stem.split("-")[1]) > round_]
+    for p in newer:
+        aside.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(p), aside / p.name)
+    _fsync(state_dir)
+    return target
+
+
+# ---- outer updates --------------------------------------------------------------------------
+def update_paths(state_dir: Path) -> list[Path]:
+    d = Path(state_dir) / UPDATES
+    return sorted(d.glob(f"update-*{SUFFIX}")) if d.is_dir() else []
+
+
+def save_update(state_dir: Path, round_: int, payloads: dict[str, bytearray], *, keep_from: int) -> None:
+    """Keep the encoded update that produced θ_round; drop updates of rounds before ``keep_from``."""
+    d = Path(state_dir) / UPDATES
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"update-{round_:08d}{SUFFIX}"
+    tmp = d / f".{final.name}.tmp"
+    tensors = {
+        name: torch.frombuffer(p, dtype=torch.uint8) if len(p) else torch.empty(0, dtype=torch.uint8)
+        for name, p in payloads.items()
+    }
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "round": str(round_)})
+    _atomic_rename(tmp, final)
+    for old in update_paths(state_dir):
+        if int(old.stem.split("-")[1]) < keep_from or int(old.stem.split("-")[1]) > round_:
+            old.unlink()
+
+
+def load_update(state_dir: Path, round_: int) -> dict[str, memoryview] | None:
+    """The kept update of ``round_`` (payloads carry their own CRC, checked when decoded), or None."""
+    path = Path(state_dir) / UPDATES / f"update-{round_:08d}{SUFFIX}"
+    try:
+        with safe_open(str(path), framework="np") as f:
+            return {k: memoryview(np.ascontiguousarray(f.get_tensor(k))) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError):
+        return None
+
+
+# ---- departures -----------------------------------------------------------------------------
+def write_departed(state_dir: Path, departed: dict[str, str]) -> None:
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / f".{MEMBERSHIP}.tmp"
+    tmp.write_text(json.dumps({"departed": departed}, sort_keys=True))
+    _atomic_rename(tmp, state_dir / MEMBERSHIP)
+
+
+def read_departed(state_dir: Path) -> dict[str, str] | None:
+    path = Path(state_dir) / MEMBERSHIP
+    try:
+        return dict(json.loads(path.read_text())["departed"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as err:
+        raise StateError(f"{path.name}: unreadable ({err}); move it away to forget departures") from None

@@ -67,3 +67,24 @@ def next_wakeup(now: float, state: RoundView, policy: RoundPolicy) -> float | No
     times += [i.lease_expires_at for i in state.islands if not i.committed and i.lease_expires_at > now]
     future = [t for t in times if t > now]
     return min(future) if future else None
+
+
+def stall(now: float, state: RoundView, policy: RoundPolicy) -> str | None:
+    """Why the open round can never close as things stand (fewer islands committed or alive than the
+    quorum), with what would unblock it; None while it can still close."""
+    committed = sorted(i.island_id for i in state.islands if i.committed)
+    live = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at > now)
+    if len(committed) + len(live) >= policy.quorum:
+        return None
+    gone = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at <= now)
+    can = len(committed) + len(live)
+    return (
+        f"round {state.round} cannot reach quorum {policy.quorum}: {can} island(s) committed or alive"
+        + (f" ({', '.join(committed + live)})" if can else "")
+        + (f"; gone: {', '.join(gone)}" if gone else "")
+        + ". Unblock: bring islands back"
+        + (
+            f", or lower the quorum to {max(can, 1)} (POST /api/config with the admin token, or restart with"
+            f" --quorum {max(can, 1)})"
+        )
+    )

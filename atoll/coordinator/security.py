@@ -16,7 +16,12 @@ from pathlib import Path
 
 import grpc
 
+from atoll.protos.status import error_status
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+UNAUTHENTICATED = error_status(
+    grpc.StatusCode.UNAUTHENTICATED, "REASON_UNAUTHENTICATED", "missing or unknown island token"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,16 +77,17 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self.tokens = tokens
 
     async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(HEALTH_PREFIX):
-            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler  # an unknown method: gRPC answers UNIMPLEMENTED
         if self.tokens.island_for(handler_call_details.invocation_metadata) is None:
-            return _refusal(await continuation(handler_call_details))
-        return await continuation(handler_call_details)
+            return _refusal(handler)
+        return handler
 
 
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def deny(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown island token")
+        await context.abort_with_status(UNAUTHENTICATED)
 
     kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
     if handler.unary_unary:
@@ -91,7 +97,7 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.unary_stream:
 
         async def deny_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown island token")
+            await context.abort_with_status(UNAUTHENTICATED)
             yield  # pragma: no cover - unreachable, makes this an async generator
 
         return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)

@@ -1,47 +1,200 @@
-"""The gRPC shell around :class:`RunState`, and the server object with start/stop/address."""
+"""The gRPC layer: the only place that knows protobuf and status codes, and the owner of the counters.
+
+Wire messages become :mod:`messages`, answers become wire messages, a refusal becomes a status
+whose details carry the reason (``atoll.v1.Reason`` in a google.rpc.ErrorInfo). Unparseable
+request bytes answer INVALID_ARGUMENT (they never reach the core).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import logging
-from pathlib import Path
+from dataclasses import dataclass
+from typing import ClassVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
 
-from atoll.coordinator.config import RunConfig
-from atoll.coordinator.core import PushPlan, RequestError, RunState
-from atoll.coordinator.security import IslandTokens, TlsConfig, TokenInterceptor
+from atoll.coordinator import pushes
+from atoll.coordinator.core import RunState
+from atoll.coordinator.errors import Reason, RequestError, invalid, refuse
+from atoll.coordinator.messages import (
+    BUFFER,
+    PARAMETER,
+    EntryDecl,
+    IslandCall,
+    JoinRequest,
+    PullRequest,
+    PushHeader,
+    PushKind,
+    PushOutcome,
+    PushResult,
+    TensorDecl,
+    UpdateKind,
+)
+from atoll.coordinator.security import IslandTokens
+from atoll.names import canonical_name
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 from atoll.protos import raw
+from atoll.protos.dtypes import TORCH_FROM_PB
 from atoll.protos.raw import RawData
+from atoll.protos.rpc import SERVICE_NAME, EntryAssembler, StreamOverrun, data_chunks
+from atoll.protos.status import error_status
 
 log = logging.getLogger("atoll.coordinator")
 
-CHUNK_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = 16 << 20
-SERVICE_NAME = "atoll.v1.Coordinator"
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+STREAM_IDLE_SECONDS = 120.0
+"""A push stream that sends nothing for this long is aborted (its bytes released)."""
+PUSH_OUTCOMES = {o: getattr(pb, f"PUSH_OUTCOME_{o.name}") for o in PushOutcome}
+UPDATE_KINDS = {k: getattr(pb, f"UPDATE_KIND_{k.name}") for k in UpdateKind}
+PUSH_KINDS = {pb.PUSH_KIND_DELTA: PushKind.DELTA, pb.PUSH_KIND_INIT: PushKind.INIT}
+TENSOR_KINDS = {pb.TENSOR_KIND_PARAMETER: PARAMETER, pb.TENSOR_KIND_BUFFER: BUFFER}
+
+
+@dataclass
+class Counters:
+    HELP: ClassVar[dict[str, str]] = {
+        "bytes_in": "Payload bytes received in accepted pushes",
+        "bytes_out": "Payload bytes sent in pulls",
+        "pushes_committed": "Islands' contributions committed to their round",
+        "pushes_late_folded": "Late pushes folded into a later round",
+        "pushes_late_dropped": "Pushes for a round that had closed (dropped)",
+        "pushes_refused": "Pushes refused for bad input",
+    }
+    bytes_in: int = 0
+    bytes_out: int = 0
+    pushes_committed: int = 0
+    pushes_late_folded: int = 0
+    pushes_late_dropped: int = 0
+    pushes_refused: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class Malformed:
+    """What a request deserializes to when its bytes do not parse (answered INVALID_ARGUMENT)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def tolerant(parse):
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError as err:
+            return Malformed(str(err) or "unparseable message")
+
+    return deserialize
+
+
+def _parsed(request):
+    if isinstance(request, Malformed):
+        raise invalid(f"request does not parse: {request.error}")
+    return request
+
+
+# ---- wire -> messages ---------------------------------------------------------------------------
+def join_request(m: pb.JoinRequest) -> JoinRequest:
+    return JoinRequest(
+        run_id=m.run_id,
+        island_id=m.island_id,
+        session_id=m.session_id,
+        codecs=tuple(m.codecs),
+        tensors=tuple(
+            TensorDecl(canonical_name(t.name), tuple(t.shape), TORCH_FROM_PB.get(t.dtype), TENSOR_KINDS.get(t.kind))
+            for t in m.tensors
+        ),
+        num_ranks=m.num_ranks,
+        shard_index=m.shard_index,
+        num_shards=m.num_shards,
+        partition=m.partition,
+        layout_digest=m.layout_digest,
+    )
+
+
+def push_header(h: pb.PushHeader) -> PushHeader:
+    return PushHeader(
+        run_id=h.run_id,
+        island_id=h.island_id,
+        session_id=h.session_id,
+        round=h.round,
+        kind=PUSH_KINDS.get(h.kind),
+        rank=h.rank,
+        num_ranks=h.num_ranks,
+        tokens=h.tokens,
+        codec=h.codec,
+        entries=tuple(
+            EntryDecl(canonical_name(e.name), tuple(e.offsets), tuple(e.sizes), e.num_bytes) for e in h.entries
+        ),
+        loss=h.loss if h.HasField("loss") else None,
+        inner_steps=h.inner_steps,
+    )
+
+
+def pull_request(m: pb.PullRequest) -> PullRequest:
+    return PullRequest(
+        run_id=m.run_id,
+        island_id=m.island_id,
+        session_id=m.session_id,
+        have_round=m.have_round,
+        wait_seconds=m.wait_seconds,
+        regions=tuple((canonical_name(e.name), tuple(e.offsets), tuple(e.sizes)) for e in m.regions),
+    )
+
+
+def config_proto(config) -> pb.RunConfigProto:
+    return pb.RunConfigProto(**dataclasses.asdict(config))
+
+
+def push_response(r: PushResult) -> pb.PushResponse:
+    return pb.PushResponse(
+        committed=r.committed,
+        duplicate=r.outcome is PushOutcome.DUPLICATE,
+        round=r.round,
+        bytes_received=r.bytes_received,
+        outcome=PUSH_OUTCOMES[r.outcome],
+    )
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: RequestError):
-    log.warning("refused: %s", err.reason)
-    await context.abort(err.code, err.reason)
+    level = logging.INFO if err.reason in (Reason.NOT_JOINED, Reason.INFLIGHT_BUDGET) else logging.WARNING
+    log.log(level, "refused (%s): %s", err.reason.name, err.message)
+    await context.abort_with_status(
+        error_status(grpc.StatusCode[err.code.value], f"REASON_{err.reason.name}", err.message)
+    )
+
+
+async def next_chunk(it, timeout: float):
+    """The next message of a request stream, or STREAM_IDLE after ``timeout`` seconds of silence.
+
+    Not ``asyncio.wait_for`` (see :func:`atoll.coordinator.core.wait_event`)."""
+    task = asyncio.ensure_future(it.__anext__())
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    finally:
+        if not task.done():
+            task.cancel()
+    if not done:
+        raise refuse(Reason.STREAM_IDLE, f"the push stream sent nothing for {timeout:g}s")
+    return task.result()
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, state: RunState, tokens: IslandTokens | None = None) -> None:
+    def __init__(
+        self,
+        state: RunState,
+        tokens: IslandTokens | None = None,
+        counters: Counters | None = None,
+        stream_idle_seconds: float = STREAM_IDLE_SECONDS,
+    ) -> None:
         self.state = state
         self.tokens = tokens
+        self.counters = counters or Counters()
+        self.stream_idle_seconds = stream_idle_seconds
 
     def _check_identity(self, context, island_id: str) -> None:
         """With island tokens configured, an island may only act for itself."""
@@ -49,233 +202,173 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return
         holder = self.tokens.island_for(context.invocation_metadata())
         if holder is None:
-            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown island token")
+            raise refuse(Reason.UNAUTHENTICATED, "missing or unknown island token")
         if holder != island_id:
-            raise RequestError(
-                grpc.StatusCode.PERMISSION_DENIED, f"token of island {holder!r} cannot act for island {island_id!r}"
-            )
+            raise refuse(Reason.PERMISSION_DENIED, f"token of island {holder!r} cannot act for island {island_id!r}")
 
     async def _unary(self, handler, request, context):
         try:
+            request = _parsed(request)
             self._check_identity(context, request.island_id)
             return handler(request)
         except RequestError as err:
             await _abort(context, err)
 
     async def Join(self, request, context):
-        return await self._unary(self.state.join, request, context)
+        def join(m):
+            a = self.state.join(join_request(m))
+            return pb.JoinResponse(
+                config=config_proto(a.config),
+                round=a.round,
+                bootstrap=a.bootstrap,
+                codec=a.codec,
+                run_complete=a.run_complete,
+            )
+
+        return await self._unary(join, request, context)
 
     async def Heartbeat(self, request, context):
-        return await self._unary(self.state.heartbeat, request, context)
+        def heartbeat(m):
+            round_, lease, complete = self.state.heartbeat(
+                IslandCall(run_id=m.run_id, island_id=m.island_id, session_id=m.session_id)
+            )
+            return pb.HeartbeatResponse(round=round_, lease_seconds=lease, run_complete=complete)
+
+        return await self._unary(heartbeat, request, context)
 
     async def Leave(self, request, context):
-        return await self._unary(self.state.leave, request, context)
+        def leave(m):
+            self.state.leave(IslandCall(run_id=m.run_id, island_id=m.island_id, session_id=m.session_id))
+            return pb.LeaveResponse()
 
+        return await self._unary(leave, request, context)
+
+    # ---- pushes ----------------------------------------------------------------------------
     async def PushDelta(self, request_iterator, context):
         try:
-            return await self._push(request_iterator, context)
+            result, init = await self._push(request_iterator, context)
         except RequestError as err:
-            if err.code == grpc.StatusCode.INVALID_ARGUMENT:
-                self.state.counters["pushes_refused"] += 1
+            if err.code.value == "INVALID_ARGUMENT":
+                self.counters.pushes_refused += 1
             await _abort(context, err)
+            return None
+        c = self.counters
+        if init:  # θ_0: not a pseudo-gradient, not counted
+            pass
+        elif result.outcome in (PushOutcome.STAGED, PushOutcome.COMMITTED, PushOutcome.FOLDED):
+            c.bytes_in += result.bytes_received
+            c.pushes_committed += result.outcome is PushOutcome.COMMITTED
+            c.pushes_late_folded += result.outcome is PushOutcome.FOLDED
+        elif result.outcome is PushOutcome.ROUND_CLOSED:
+            c.pushes_late_dropped += 1
+        return push_response(result)
 
-    async def _push(self, request_iterator, context) -> pb.PushResponse:
+    async def _push(self, request_iterator, context) -> tuple[PushResult, bool]:
+        """The push's result, and whether it was an INIT (θ_0) push."""
         it = request_iterator.__aiter__()
         try:
-            first = await it.__anext__()
+            first = await next_chunk(it, self.stream_idle_seconds)
         except StopAsyncIteration:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty push stream") from None
+            raise invalid("empty push stream") from None
+        first = _parsed(first)
         if isinstance(first, RawData) or first.WhichOneof("kind") != "header":
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a push stream must start with a header")
+            raise invalid("a push stream must start with a header")
         self._check_identity(context, first.header.island_id)
-        plan = self.state.plan_push(first.header)
-        if isinstance(plan, pb.PushResponse):
-            return plan  # duplicate: nothing to read
-        payloads = await _receive_entries(self.state, plan, it)
-        num_bytes = sum(e.num_bytes for e in plan.entries)
-        return await self.state.commit_push(plan, payloads, num_bytes)
+        header = push_header(first.header)
+        plan = self.state.plan_push(header)
+        if isinstance(plan, PushResult):
+            return plan, header.kind is PushKind.INIT  # nothing to read
+        reservation = pushes.open_stream(self.state, plan.island_id, plan.rank)
+        try:
+            payloads = await self._receive(plan, it, reservation)
+            return await self.state.commit_push(plan, payloads, reservation), plan.init
+        except BaseException:
+            reservation.release()
+            raise
+        finally:
+            pushes.close_stream(self.state, plan.island_id, plan.rank)
 
+    async def _receive(self, plan, it, reservation) -> list:
+        """Read a push's data chunks, holding each byte against the in-flight budget as it arrives and
+        validating each entry as soon as it is complete."""
+        assembler = EntryAssembler([e.num_bytes for e in plan.entries])
+        payloads = []
+        while True:
+            try:
+                chunk = _parsed(await next_chunk(it, self.stream_idle_seconds))
+            except StopAsyncIteration:
+                break
+            if isinstance(chunk, RawData):
+                data = chunk.view
+            elif chunk.WhichOneof("kind") == "data":
+                data = memoryview(chunk.data)
+            else:
+                raise invalid("a push stream has one header, then data chunks")
+            reservation.add(data.nbytes)
+            try:
+                complete = assembler.feed(data)
+            except StreamOverrun as err:
+                raise invalid(str(err)) from None
+            for index, payload in complete:
+                await asyncio.to_thread(pushes.check_entry, self.state, plan, index, payload)
+                payloads.append(payload)
+        payloads += [p for _, p in assembler.finish()]
+        if not assembler.done:
+            raise invalid(f"push stream ended early: {assembler.index} of {len(plan.entries)} tensors complete")
+        return payloads
+
+    # ---- pulls -----------------------------------------------------------------------------
     async def PullUpdate(self, request, context):
         try:
+            request = _parsed(request)
             self._check_identity(context, request.island_id)
-            answer = await self.state.pull(request)
+            answer = await self.state.pull(pull_request(request))
         except RequestError as err:
             await _abort(context, err)
             return
         header = pb.UpdateHeader(
-            kind=answer.kind,
+            kind=UPDATE_KINDS[answer.kind],
             round=answer.round,
             codec=answer.codec,
             committed=answer.committed,
-            latest_round=self.state.round,
+            latest_round=answer.latest_round,
+            bootstrap=answer.bootstrap,
+            run_complete=answer.run_complete,
+            waiting=answer.waiting,
         )
         if answer.loss is not None:
             header.loss = answer.loss
-        for name, region, payload in answer.payloads:
-            entry = header.entries.add(name=name, num_bytes=len(payload))
-            if region is not None:
-                entry.offsets.extend(region.offsets)
-                entry.sizes.extend(region.sizes)
+        for entry in answer.entries:
+            e = header.entries.add(name=entry.name, num_bytes=entry.num_bytes)
+            if entry.region is not None:
+                e.offsets.extend(entry.region.offsets)
+                e.sizes.extend(entry.region.sizes)
         yield pb.PullChunk(header=header)
-        self.state.counters["bytes_out"] += sum(len(p) for _, _, p in answer.payloads)
-        for _, _, payload in answer.payloads:
-            view = memoryview(payload)
-            for start in range(0, len(view), CHUNK_BYTES):
-                yield RawData(view[start : start + CHUNK_BYTES])
+        for entry in answer.entries:
+            payload = await asyncio.to_thread(entry.payload) if callable(entry.data) else entry.data
+            if len(payload) != entry.num_bytes:  # pragma: no cover - a bug, not an input
+                raise AssertionError(f"entry {entry.name}: {len(payload)} bytes, header says {entry.num_bytes}")
+            self.counters.bytes_out += len(payload)
+            for chunk in data_chunks([payload]):
+                yield chunk
 
 
-async def _receive_entries(state: RunState, plan: PushPlan, it) -> list[bytearray]:
-    """Read the data chunks of a push, validating each entry as soon as its bytes are in.
-
-    Each entry's buffer is allocated once at its declared size (already bounded by ``plan_push``
-    against the tensor's size), so receiving never regrows or copies a payload twice.
-    """
-    payloads = []
-    index, filled = 0, 0
-    buf: bytearray | None = None
-    async for chunk in it:
-        if isinstance(chunk, RawData):
-            data = chunk.view
-        elif chunk.WhichOneof("kind") == "data":
-            data = memoryview(chunk.data)
-        else:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "a push stream has one header, then data chunks")
-        while data.nbytes:
-            if index >= len(plan.entries):
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT, "push stream carries more bytes than its header declares"
-                )
-            size = plan.entries[index].num_bytes
-            if buf is None:
-                buf, filled = bytearray(size), 0
-            take = min(size - filled, data.nbytes)
-            buf[filled : filled + take] = data[:take]
-            filled += take
-            data = data[take:]
-            if filled == size:
-                payloads.append(await asyncio.to_thread(state.check_entry, plan, index, buf))
-                buf = None
-                index += 1
-    if index != len(plan.entries):
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"push stream ended early: {index} of {len(plan.entries)} tensors complete",
-        )
-    return payloads
-
-
-def _add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
-    """The generated registration, with the bulk streams' chunks on the raw path (atoll.protos.raw)."""
+def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with the bulk streams' chunks on the raw path (atoll.protos.raw) and
+    every request deserializer tolerant of unparseable bytes."""
+    unary = grpc.unary_unary_rpc_method_handler
     handlers = {
-        "Join": grpc.unary_unary_rpc_method_handler(
-            servicer.Join,
-            request_deserializer=pb.JoinRequest.FromString,
-            response_serializer=pb.JoinResponse.SerializeToString,
-        ),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            servicer.Heartbeat,
-            request_deserializer=pb.HeartbeatRequest.FromString,
-            response_serializer=pb.HeartbeatResponse.SerializeToString,
+        "Join": unary(servicer.Join, tolerant(pb.JoinRequest.FromString), pb.JoinResponse.SerializeToString),
+        "Heartbeat": unary(
+            servicer.Heartbeat, tolerant(pb.HeartbeatRequest.FromString), pb.HeartbeatResponse.SerializeToString
         ),
         "PushDelta": grpc.stream_unary_rpc_method_handler(
-            servicer.PushDelta,
-            request_deserializer=raw.deserialize_push_chunk,
-            response_serializer=pb.PushResponse.SerializeToString,
+            servicer.PushDelta, tolerant(raw.deserialize_push_chunk), pb.PushResponse.SerializeToString
         ),
         "PullUpdate": grpc.unary_stream_rpc_method_handler(
-            servicer.PullUpdate, request_deserializer=pb.PullRequest.FromString, response_serializer=raw.serialize
+            servicer.PullUpdate, tolerant(pb.PullRequest.FromString), raw.serialize
         ),
-        "Leave": grpc.unary_unary_rpc_method_handler(
-            servicer.Leave,
-            request_deserializer=pb.LeaveRequest.FromString,
-            response_serializer=pb.LeaveResponse.SerializeToString,
-        ),
+        "Leave": unary(servicer.Leave, tolerant(pb.LeaveRequest.FromString), pb.LeaveResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
-class CoordinatorServer:
-    """The coordinator daemon: ``await start()``, ``address``, ``await stop(grace)``."""
-
-    def __init__(
-        self,
-        config: RunConfig,
-        state_dir: Path,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        admin_host: str = "127.0.0.1",
-        admin_port: int | None = None,
-        admin_token: str | None = None,
-        tls: TlsConfig | None = None,
-        tokens: IslandTokens | None = None,
-        shard: tuple[int, int] = (0, 1),
-        partition: str = "hash",
-    ) -> None:
-        """``admin_port``: serve the admin HTTP endpoints there (0 picks a port; None: no admin server).
-        ``shard``/``partition``: this coordinator's shard and how tensors map to shards (atoll.sharding)."""
-        self.config = config
-        self.admin_args = (admin_host, admin_port, admin_token)
-        self.tls = tls
-        self.tokens = tokens
-        self.shard = shard
-        self.partition = partition
-        self.admin = None
-        self.state_dir = Path(state_dir)
-        self.host = host
-        self.requested_port = port
-        self.port: int | None = None
-        self.state: RunState | None = None
-        self._server: grpc.aio.Server | None = None
-        self._decider: asyncio.Task | None = None
-
-    @property
-    def address(self) -> str:
-        if self.port is None:
-            raise RuntimeError("server not started")
-        return f"{self.host}:{self.port}"
-
-    async def start(self) -> None:
-        self.state = RunState(self.config, self.state_dir, shard=self.shard, partition=self.partition)
-        self.state.restore()
-        admin_host, admin_port, admin_token = self.admin_args
-        if admin_port is not None:  # built first: a bad admin config fails before anything listens
-            from atoll.coordinator.admin import AdminServer
-
-            self.admin = AdminServer(self.state, host=admin_host, port=admin_port, token=admin_token)
-        interceptors = [TokenInterceptor(self.tokens)] if self.tokens else []
-        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
-        _add_servicer(CoordinatorServicer(self.state, self.tokens), self._server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
-        bind = f"{self.host}:{self.requested_port}"
-        if self.tls is not None:
-            self.port = self._server.add_secure_port(bind, self.tls.server_credentials())
-        else:
-            self.port = self._server.add_insecure_port(bind)
-        if self.port == 0:
-            raise RuntimeError(f"could not bind {self.host}:{self.requested_port}")
-        await self._server.start()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._decider = asyncio.create_task(self.state.run_decider(), name="atoll-decider")
-        if self.admin is not None:
-            await self.admin.start()
-            log.info("admin HTTP on %s", self.admin.address)
-        log.info(
-            "coordinator for run %s serving on %s (state in %s)", self.state.config.run_id, self.address, self.state_dir
-        )
-
-    async def stop(self, grace: float | None = 1.0) -> None:
-        if self.admin is not None:
-            await self.admin.stop()
-            self.admin = None
-        if self._decider is not None:
-            self._decider.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._decider
-            self._decider = None
-        if self._server is not None:
-            await self._server.stop(grace)
-            self._server = None

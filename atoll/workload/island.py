@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from atoll.data import CharDataset
 from atoll.harness.faults import IslandFaults
+from atoll.islands import DiLoCo
 from atoll.islands.client import ClientTls, RetryPolicy
-from atoll.islands.diloco import DiLoCo
 from atoll.islands.parallel import MODES, full_tensor, parallelize
 from atoll.memory import tune_for_bulk_buffers
 from atoll.models import GPTConfig, TinyGPT

@@ -1,0 +1,185 @@
+"""Validation of what islands send: pure functions that raise a RequestError with a reason, or return
+the checked value. Nothing here changes state (a refused request changes nothing)."""
+
+from __future__ import annotations
+
+import math
+
+from atoll.compression import available_codecs, codec_name
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.errors import Code, Reason, RequestError, invalid, refuse
+from atoll.coordinator.messages import BUFFER, JoinRequest, PushHeader, TensorDecl
+from atoll.coordinator.regions import Region, check_coverage
+from atoll.coordinator.staging import EntryPlan, StagedRank
+from atoll.sharding import shard_of
+
+MAX_ID_LEN = 128
+MAX_RANKS = 65536
+PAYLOAD_SLACK = 65536
+"""A payload may exceed 8 bytes per element by this much (headers, codec params)."""
+
+
+def run_id(config: RunConfig, given: str) -> None:
+    if given != config.run_id:
+        raise refuse(Reason.WRONG_RUN, f"run id {given!r} does not match this coordinator's run {config.run_id!r}")
+
+
+def join(req: JoinRequest, shard: tuple[int, int], partition: str, config: RunConfig) -> int:
+    """Check a join's routing and codec; returns the island's rank count."""
+    if not req.island_id or len(req.island_id) > MAX_ID_LEN:
+        raise invalid(f"island_id must be 1..{MAX_ID_LEN} characters")
+    num_ranks = req.num_ranks or 1
+    if not 1 <= num_ranks <= MAX_RANKS:
+        raise invalid(f"num_ranks must be in 1..{MAX_RANKS}, got {req.num_ranks}")
+    index, count = shard
+    if (req.shard_index, req.num_shards or 1) != (index, count):
+        raise refuse(
+            Reason.SHARD_MISMATCH,
+            f"island routes to shard {req.shard_index}/{req.num_shards or 1}; "
+            f"this coordinator is shard {index}/{count}",
+        )
+    if (req.partition or "hash") != partition:
+        raise refuse(
+            Reason.SHARD_MISMATCH,
+            f"island partitions tensors by {req.partition or 'hash'!r}; this coordinator by {partition!r}",
+        )
+    if partition == "hash":
+        foreign = sorted(t.name for t in req.tensors if shard_of(t.name, count) != index)
+        if foreign:
+            raise refuse(Reason.SHARD_MISMATCH, f"tensors {foreign[:5]} do not belong to shard {index}/{count}")
+    elif not req.layout_digest:
+        raise invalid('partition "layers" needs the layout_digest of the whole model')
+    if codec_name(config.codec) not in {codec_name(c) for c in req.codecs}:
+        unknown = [c for c in req.codecs if codec_name(c) not in available_codecs()]
+        raise refuse(
+            Reason.CODEC_MISMATCH,
+            f"run {config.run_id!r} uses codec {config.codec!r}; the island offers {list(req.codecs)}"
+            + (f" (unknown here: {unknown})" if unknown else ""),
+        )
+    return num_ranks
+
+
+def tensors(decls: tuple[TensorDecl, ...]) -> dict[str, tuple[int, ...]]:
+    """The declared model as {name: shape}."""
+    specs: dict[str, tuple[int, ...]] = {}
+    for t in decls:
+        if not t.name:
+            raise invalid("a tensor has an empty name")
+        if t.name in specs:
+            raise invalid(f"tensor {t.name!r} listed twice")
+        if t.dtype is None:
+            raise invalid(f"tensor {t.name!r}: unsupported dtype")
+        if any(d < 0 for d in t.shape):
+            raise invalid(f"tensor {t.name!r}: negative dim in shape {list(t.shape)}")
+        specs[t.name] = tuple(int(d) for d in t.shape)
+    if not specs:
+        raise invalid("the island lists no tensors")
+    return specs
+
+
+def buffers_of(decls: tuple[TensorDecl, ...]) -> frozenset[str]:
+    return frozenset(t.name for t in decls if t.kind == BUFFER)
+
+
+def same_model(
+    have: dict[str, tuple[int, ...]],
+    got: dict[str, tuple[int, ...]],
+    have_buffers: frozenset[str],
+    got_buffers: frozenset[str],
+) -> None:
+    missing = sorted(have.keys() - got.keys())
+    extra = sorted(got.keys() - have.keys())
+    if missing or extra:
+        hint = ""
+        if set(missing) <= have_buffers and set(extra) <= got_buffers:
+            hint = " (buffers: every island must sync buffers the same way, see DiLoCo(sync_buffers=))"
+        raise refuse(
+            Reason.MODEL_MISMATCH,
+            f"model does not match the run: missing tensors {missing[:5]}, unknown tensors {extra[:5]}{hint}",
+        )
+    for name, shape in got.items():
+        if have[name] != shape:
+            raise refuse(
+                Reason.MODEL_MISMATCH, f"tensor {name!r} has shape {list(shape)}, the run has {list(have[name])}"
+            )
+    kinds = sorted(have_buffers ^ got_buffers)
+    if kinds:
+        raise refuse(Reason.MODEL_MISMATCH, f"tensors {kinds[:5]} are buffers on one side and parameters on the other")
+
+
+def codec(config: RunConfig, given: str) -> None:
+    """A push's codec: a bad request when it is not the run's (the island joined with the run's)."""
+    if codec_name(given) != codec_name(config.codec):
+        raise RequestError(
+            Reason.CODEC_MISMATCH,
+            f"codec {given!r} is not the run's codec {config.codec!r}",
+            code=Code.INVALID_ARGUMENT,
+        )
+
+
+def tokens(config: RunConfig, claimed: int) -> None:
+    bound = config.token_bound
+    if claimed > bound:
+        raise refuse(
+            Reason.TOKENS_OUT_OF_RANGE,
+            f"the push claims {claimed} tokens, more than the run allows per round ({bound}: "
+            + ("--max-tokens-per-round)" if config.max_tokens_per_round else "H x 2^24; set --max-tokens-per-round)"),
+        )
+
+
+def push_header(h: PushHeader, num_ranks: int, specs: dict[str, tuple[int, ...]]) -> tuple[EntryPlan, ...]:
+    """Check a push header against the island and the model; returns its entries as regions."""
+    if h.num_ranks != num_ranks:
+        raise invalid(f"island {h.island_id!r} joined with {num_ranks} ranks, push says {h.num_ranks}")
+    if not 0 <= h.rank < num_ranks:
+        raise invalid(f"rank {h.rank} outside 0..{num_ranks - 1}")
+    if h.loss is not None and not math.isfinite(h.loss):
+        raise invalid("reported loss is not finite")
+    entries = []
+    for e in h.entries:
+        shape = specs.get(e.name)
+        if shape is None:
+            raise invalid(f"unknown tensor {e.name!r}")
+        try:
+            region = Region.parse(e.offsets, e.sizes, shape)
+        except ValueError as err:
+            raise invalid(f"tensor {e.name!r}: {err}") from None
+        bound = 8 * region.numel + PAYLOAD_SLACK
+        if not 0 < e.num_bytes <= bound:
+            raise invalid(f"tensor {e.name!r}: payload of {e.num_bytes} bytes outside 1..{bound}")
+        entries.append(EntryPlan(e.name, region, e.num_bytes))
+    return tuple(entries)
+
+
+def coverage(specs: dict[str, tuple[int, ...]], ranks: list[StagedRank], what: str) -> None:
+    """The island's ranks must tile every tensor exactly once."""
+    regions: dict[str, list[Region]] = {name: [] for name in specs}
+    for staged in ranks:
+        for entry in staged.plan.entries:
+            regions[entry.name].append(entry.region)
+    try:
+        for name, shape in specs.items():
+            check_coverage(name, shape, regions[name])
+    except ValueError as err:
+        raise refuse(Reason.INCOMPLETE_ISLAND, f"{what}: {err}") from None
+
+
+def regions(entries, specs: dict[str, tuple[int, ...]]) -> list[tuple[str, Region | None]]:
+    """A pull's (name, offsets, sizes) as regions (None: the whole tensor; no entries: every tensor)."""
+    if not entries:
+        return [(name, None) for name in specs]
+    if len(entries) > 4 * len(specs) + 64:
+        raise invalid(f"{len(entries)} regions requested for a model of {len(specs)} tensors")
+    out = []
+    for name, offsets, sizes in entries:
+        shape = specs.get(name)
+        if shape is None:
+            raise invalid(f"unknown tensor {name!r}")
+        if not offsets and not sizes:
+            out.append((name, None))
+            continue
+        try:
+            out.append((name, Region.parse(offsets, sizes, shape)))
+        except ValueError as err:
+            raise invalid(f"tensor {name!r}: {err}") from None
+    return out

@@ -1,0 +1,195 @@
+"""Who takes part in the run: islands, their leases and sessions, departures, the bootstrap claim.
+
+Pure bookkeeping with an injected clock (no gRPC, no tensors): tests build it by hand and move the
+clock, as they do for ``rounds.decide``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from atoll.coordinator.errors import Reason, refuse
+from atoll.coordinator.messages import TensorDecl
+
+log = logging.getLogger("atoll.coordinator")
+
+
+class IslandState:
+    JOINING = "joining"
+    """Joined, has not received θ yet."""
+    ACTIVE = "active"
+    """Holds the current θ (or the one before it) and took part in the last closed round."""
+    LATE = "late"
+    """Alive (lease current) but missed the last closed round: a straggler or catching up."""
+    GONE = "gone"
+    """Lease expired: not waited for; re-joins by itself when it comes back."""
+    LEFT = "left"
+    """Called Leave: no longer a member (may join again)."""
+    EVICTED = "evicted"
+    """Removed by an operator for good: its joins are refused."""
+
+
+@dataclass
+class IslandRecord:
+    island_id: str
+    num_ranks: int
+    lease_expires_at: float
+    joined_round: int
+    rounds_committed: int = 0
+    holds_round: int = -1
+    """The newest θ version this island pulled (-1: none yet)."""
+    last_committed_round: int = -1
+    session_id: str = ""
+    """The process holding this island id ("" until a session joins: restored, or an old client)."""
+    tensors: tuple[TensorDecl, ...] = ()
+    """The model the island declared at its join (checked against θ_0 once that exists)."""
+    layout_digest: str = ""
+    last_push_at: float | None = None
+    """Clock time of its last committed push."""
+    expiry_logged: bool = field(default=False, repr=False)
+
+
+def island_state(rec: IslandRecord, now: float, open_round: int) -> str:
+    if rec.lease_expires_at <= now:
+        return IslandState.GONE
+    if rec.holds_round < 0 and rec.last_committed_round < 0:
+        return IslandState.JOINING
+    if open_round == 0 or rec.last_committed_round >= open_round - 1:
+        return IslandState.ACTIVE
+    return IslandState.LATE
+
+
+class Membership:
+    def __init__(self, clock: Callable[[], float], lease_seconds: Callable[[], float]) -> None:
+        """``lease_seconds``: read at every renewal (an operator may change it on a live run)."""
+        self.clock = clock
+        self.lease_seconds = lease_seconds
+        self.islands: dict[str, IslandRecord] = {}
+        self.departed: dict[str, str] = {}
+        """Islands no longer members, by id: IslandState.LEFT or IslandState.EVICTED (persisted)."""
+        self.bootstrapper: str | None = None
+        """The island holding the claim to upload θ_0 (until θ_0 exists)."""
+
+    # ---- joins and leases ------------------------------------------------------------------
+    def join(
+        self,
+        island_id: str,
+        *,
+        num_ranks: int,
+        session_id: str,
+        round_: int,
+        tensors: tuple[TensorDecl, ...] = (),
+        layout_digest: str = "",
+    ) -> tuple[IslandRecord, bool]:
+        """Register (or re-register) an island; returns its record and whether it is new (a fresh
+        record: its staged pushes must be dropped)."""
+        if self.departed.get(island_id) == IslandState.EVICTED:
+            raise refuse(Reason.EVICTED, f"island {island_id!r} was evicted from the run by an operator")
+        now = self.clock()
+        rec = self.islands.get(island_id)
+        if rec is not None and rec.session_id and session_id and rec.session_id != session_id:
+            if rec.lease_expires_at > now:
+                raise refuse(
+                    Reason.SESSION_CONFLICT,
+                    f"island id {island_id!r} is held by another live process (session {rec.session_id[:8]}, "
+                    f"lease for {rec.lease_expires_at - now:.0f}s more): give each island process its own "
+                    "--island-id, or stop the other one",
+                )
+            log.info("island %s: a new process (session %s) takes over an expired lease", island_id, session_id[:8])
+            rec = None
+        new = rec is None or rec.num_ranks != num_ranks
+        if new:
+            rec = IslandRecord(island_id, num_ranks, now, round_)
+            self.islands[island_id] = rec
+        rec.session_id = session_id or rec.session_id
+        rec.tensors = tensors or rec.tensors
+        rec.layout_digest = layout_digest or rec.layout_digest
+        self.departed.pop(island_id, None)
+        self.renew(rec)
+        return rec, new
+
+    def renew(self, rec: IslandRecord) -> None:
+        rec.lease_expires_at = self.clock() + self.lease_seconds()
+        rec.expiry_logged = False
+
+    def touch(self, island_id: str, session_id: str = "") -> IslandRecord:
+        """The record of a member making a call (its lease renewed); NOT_JOINED for an unknown island
+        or a process whose session another one has taken over."""
+        rec = self.islands.get(island_id)
+        if rec is None or (session_id and rec.session_id and rec.session_id != session_id):
+            if self.departed.get(island_id) == IslandState.EVICTED:
+                raise refuse(Reason.EVICTED, f"island {island_id!r} was evicted from the run by an operator")
+            raise refuse(Reason.NOT_JOINED, f"island {island_id!r} has not joined (or another process holds it)")
+        self.renew(rec)
+        return rec
+
+    def leave(self, island_id: str) -> None:
+        self._depart(island_id, IslandState.LEFT)
+
+    def evict(self, island_id: str) -> None:
+        if island_id not in self.islands and island_id not in self.departed:
+            raise KeyError(island_id)
+        self._depart(island_id, IslandState.EVICTED)
+
+    def _depart(self, island_id: str, how: str) -> None:
+        self.islands.pop(island_id, None)
+        self.departed[island_id] = how
+        if self.bootstrapper == island_id:
+            self.bootstrapper = None
+
+    def newly_expired(self) -> list[IslandRecord]:
+        """Members whose lease ran out since the last call (each reported once, for the log)."""
+        now = self.clock()
+        out = [r for r in self.islands.values() if r.lease_expires_at <= now and not r.expiry_logged]
+        for r in out:
+            r.expiry_logged = True
+        return out
+
+    def live(self) -> list[IslandRecord]:
+        now = self.clock()
+        return [r for r in self.islands.values() if r.lease_expires_at > now]
+
+    # ---- bootstrap -------------------------------------------------------------------------
+    def claim_bootstrap(self, island_id: str) -> bool:
+        """Whether ``island_id`` holds (or now takes) the claim to upload θ_0. The claim moves on when
+        its holder left, was evicted or let its lease lapse: the run's model is fixed by the θ_0 that
+        arrives, never by a join."""
+        holder = self.islands.get(self.bootstrapper) if self.bootstrapper else None
+        if holder is None or holder.island_id == island_id or holder.lease_expires_at <= self.clock():
+            if holder is not None and holder.island_id != island_id:
+                log.warning("bootstrap claim of silent island %s passes to %s", holder.island_id, island_id)
+            self.bootstrapper = island_id
+        return self.bootstrapper == island_id
+
+    # ---- persistence -----------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "islands": {
+                i.island_id: {
+                    "num_ranks": i.num_ranks,
+                    "joined_round": i.joined_round,
+                    "rounds_committed": i.rounds_committed,
+                    "last_committed_round": i.last_committed_round,
+                }
+                for i in self.islands.values()
+            },
+            "departed": dict(sorted(self.departed.items())),
+        }
+
+    def restore(self, islands: dict[str, dict], departed: dict[str, str]) -> None:
+        """Members from a snapshot, each with a fresh lease; departed islands stay out."""
+        self.departed = dict(departed)
+        now = self.clock()
+        for island_id, rec in islands.items():
+            if island_id in self.departed:
+                continue
+            self.islands[island_id] = IslandRecord(
+                island_id,
+                int(rec["num_ranks"]),
+                now + self.lease_seconds(),
+                int(rec["joined_round"]),
+                int(rec["rounds_committed"]),
+                last_committed_round=int(rec.get("last_committed_round", -1)),
+            )

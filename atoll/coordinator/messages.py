@@ -1,0 +1,160 @@
+"""The coordinator core's requests and answers: plain data, no protobuf.
+
+``service.py`` converts the wire messages into these and back; the core and its tests never see
+protobuf. Enum values name what happened, so no caller matches text.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.regions import Region
+
+PARAMETER, BUFFER = "parameter", "buffer"
+"""Tensor kinds: trained parameters take the outer optimizer; floating-point buffers are averaged."""
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    """None: a dtype the wire names but this build does not know."""
+    kind: str = PARAMETER
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinRequest:
+    run_id: str
+    island_id: str
+    session_id: str = ""
+    codecs: tuple[str, ...] = ()
+    tensors: tuple[TensorDecl, ...] = ()
+    num_ranks: int = 1
+    shard_index: int = 0
+    num_shards: int = 1
+    partition: str = "hash"
+    layout_digest: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinAnswer:
+    config: RunConfig
+    round: int
+    bootstrap: bool
+    codec: str
+    run_complete: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class IslandCall:
+    """Heartbeat and Leave: who is calling."""
+
+    run_id: str
+    island_id: str
+    session_id: str = ""
+
+
+class PushKind(enum.Enum):
+    DELTA = "delta"
+    INIT = "init"
+
+
+@dataclass(frozen=True)
+class EntryDecl:
+    name: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    num_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushHeader:
+    run_id: str
+    island_id: str
+    session_id: str = ""
+    round: int
+    kind: PushKind | None
+    """None: a kind this build does not know."""
+    rank: int = 0
+    num_ranks: int = 1
+    tokens: int = 0
+    codec: str = ""
+    entries: tuple[EntryDecl, ...] = ()
+    loss: float | None = None
+    inner_steps: int = 0
+
+
+class PushOutcome(enum.Enum):
+    COMMITTED = "committed"
+    """The island's contribution counts in the open round (or θ_0 is in)."""
+    STAGED = "staged"
+    """This rank is in; other ranks of the island are still missing."""
+    DUPLICATE = "duplicate"
+    """Received before: nothing changed."""
+    FOLDED = "folded"
+    """Late, folded into the open round with a staleness weight."""
+    ROUND_CLOSED = "round_closed"
+    """The round closed without it: dropped."""
+    RUN_COMPLETE = "run_complete"
+    """The run reached its total rounds."""
+
+
+@dataclass(frozen=True)
+class PushResult:
+    outcome: PushOutcome
+    round: int
+    """The coordinator's open round."""
+    committed: bool
+    """Whether the island's contribution for the push's round is complete (also for a duplicate)."""
+    bytes_received: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PullRequest:
+    run_id: str
+    island_id: str
+    session_id: str = ""
+    have_round: int
+    wait_seconds: float = 0.0
+    regions: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+    """(name, offsets, sizes); empty offsets and sizes: the whole tensor; no regions: every tensor."""
+
+
+class UpdateKind(enum.Enum):
+    NOT_READY = "not_ready"
+    FULL = "full"
+    DELTA = "delta"
+
+
+@dataclass
+class PayloadEntry:
+    """One entry of a pull answer. ``data`` is the payload, or a function that builds it (large answers
+    are encoded one entry at a time while streaming, so none is held whole)."""
+
+    name: str
+    region: Region | None
+    num_bytes: int
+    data: bytes | bytearray | Callable[[], bytes | bytearray]
+
+    def payload(self):
+        return self.data() if callable(self.data) else self.data
+
+
+@dataclass
+class PullAnswer:
+    kind: UpdateKind
+    round: int
+    latest_round: int
+    codec: str = "identity"
+    entries: list[PayloadEntry] = field(default_factory=list)
+    committed: bool = False
+    loss: float | None = None
+    bootstrap: bool = False
+    run_complete: bool = False
+    waiting: str = ""

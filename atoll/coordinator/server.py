@@ -1,0 +1,138 @@
+"""The coordinator daemon as an object: ``await start()``, ``address``, ``await stop(grace)``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from atoll.coordinator.closing import run_decider
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.core import RunState
+from atoll.coordinator.security import IslandTokens, TlsConfig, TokenInterceptor
+from atoll.coordinator.service import STREAM_IDLE_SECONDS, CoordinatorServicer, Counters, add_servicer
+from atoll.protos.rpc import SERVER_OPTIONS, SERVICE_NAME
+
+log = logging.getLogger("atoll.coordinator")
+
+
+class CoordinatorServer:
+    def __init__(
+        self,
+        config: RunConfig,
+        state_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        admin_host: str = "127.0.0.1",
+        admin_port: int | None = None,
+        admin_token: str | None = None,
+        tls: TlsConfig | None = None,
+        tokens: IslandTokens | None = None,
+        shard: tuple[int, int] = (0, 1),
+        partition: str = "hash",
+        keep_snapshots: int = 2,
+        max_inflight_bytes: int = 0,
+        stream_idle_seconds: float = STREAM_IDLE_SECONDS,
+        given: Iterable[str] | None = None,
+        name: str = "",
+    ) -> None:
+        """``admin_port``: serve the admin HTTP endpoints there (0 picks a port; None: no admin server).
+        ``shard``/``partition``: this coordinator's shard and how tensors map to shards (atoll.sharding).
+        ``given``: the RunConfig fields the operator set explicitly (None: all of them); on an existing
+        state dir those of the run's math must match it, and its operational ones take them.
+        ``name``: prefix of this server's log lines (a fragment's)."""
+        self.config = config
+        self.admin_args = (admin_host, admin_port, admin_token)
+        self.tls = tls
+        self.tokens = tokens
+        self.state_options = dict(
+            shard=shard,
+            partition=partition,
+            keep_snapshots=keep_snapshots,
+            max_inflight_bytes=max_inflight_bytes,
+            given=None if given is None else frozenset(given),
+            name=name,
+        )
+        self.stream_idle_seconds = stream_idle_seconds
+        self.admin = None
+        self.state_dir = Path(state_dir)
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        self.state: RunState | None = None
+        self.counters = Counters()
+        self.failed: asyncio.Future | None = None
+        """Resolves with the exception that ended a background task (the daemon then exits non-zero)."""
+        self._server: grpc.aio.Server | None = None
+        self._decider: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Restore the run (refusing a state dir that does not verify), then serve."""
+        self.state = RunState(self.config, self.state_dir, **self.state_options)
+        self.state.restore()
+        admin_host, admin_port, admin_token = self.admin_args
+        if admin_port is not None:  # built first: a bad admin config fails before anything listens
+            from atoll.coordinator.admin import AdminServer
+
+            self.admin = AdminServer(self, host=admin_host, port=admin_port, token=admin_token)
+        interceptors = [TokenInterceptor(self.tokens)] if self.tokens else []
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        servicer = CoordinatorServicer(self.state, self.tokens, self.counters, self.stream_idle_seconds)
+        add_servicer(servicer, self._server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        bind = f"{self.host}:{self.requested_port}"
+        if self.tls is not None:
+            self.port = self._server.add_secure_port(bind, self.tls.server_credentials())
+        else:
+            self.port = self._server.add_insecure_port(bind)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {self.host}:{self.requested_port}")
+        await self._server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.failed = asyncio.get_running_loop().create_future()
+        self._decider = asyncio.create_task(run_decider(self.state), name="atoll-decider")
+        self._decider.add_done_callback(self._task_ended)
+        if self.admin is not None:
+            await self.admin.start()
+            log.info("admin HTTP on %s", self.admin.address)
+        log.info(
+            "coordinator for run %s serving on %s (state in %s)", self.state.config.run_id, self.address, self.state_dir
+        )
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self.failed is None or self.failed.done():
+            return
+        err = task.exception()
+        if err is None:
+            err = RuntimeError(f"background task {task.get_name()} returned")
+        log.error("background task %s died; the coordinator stops", task.get_name(), exc_info=err)
+        self.failed.set_exception(err)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self.admin is not None:
+            await self.admin.stop()
+            self.admin = None
+        if self._decider is not None:
+            self._decider.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._decider
+            self._decider = None
+        if self.failed is not None and self.failed.done() and not self.failed.cancelled():
+            self.failed.exception()  # retrieved: no "exception was never retrieved" at exit
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None

@@ -1,0 +1,17 @@
+"""What the island side raises when the coordinator refuses it for a reason the user must act on."""
+
+from __future__ import annotations
+
+
+class CoordinatorRefused(RuntimeError):
+    """The coordinator refused the island (its model, codec, run id or island id does not fit the run,
+    or an operator evicted it). ``reason`` is the protocol's reason (``"REASON_MODEL_MISMATCH"``...);
+    the message says what to change. Retrying does not help."""
+
+    def __init__(self, reason: str | None, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ProtocolError(RuntimeError):
+    """The coordinator sent something that breaks the protocol."""

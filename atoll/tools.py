@@ -1,0 +1,123 @@
+"""The operator's commands: ``atoll status``, ``atoll export`` and ``atoll rollback``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from atoll.coordinator import persistence
+
+
+def _fail(message: str):
+    from atoll.cli import UserError
+
+    return UserError(message)
+
+
+def fetch_status(admin: str, token: str | None) -> dict:
+    url = admin.rstrip("/") + "/api/status"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        raise _fail(f"{url}: HTTP {err.code} {err.read().decode(errors='replace').strip()}") from None
+    except (urllib.error.URLError, OSError) as err:
+        raise _fail(f"{url}: {getattr(err, 'reason', err)}") from None
+
+
+def _age(seconds) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def format_status(s: dict) -> str:
+    run = s["run"]
+    total = run.get("total_rounds") or 0
+    lines = [
+        f"run {run['run_id']}: round {s['round']}"
+        + (f" of {total}" if total else "")
+        + (" (complete)" if s.get("run_complete") else "")
+        + f", {s.get('num_params', 0):,} parameters, H={run['sync_every']}, codec {run['codec']},"
+        f" outer lr {run['outer_lr']} / momentum {run['outer_momentum']}, quorum {run['quorum']}",
+        "health: " + ("ok" if s.get("healthy", True) else f"UNHEALTHY: {s.get('problem')}"),
+    ]
+    if s.get("stall"):
+        lines.append(f"stalled: {s['stall']}")
+    elif s.get("waiting"):
+        lines.append(f"now: {s['waiting']}")
+    lines.append("")
+    lines.append(f"{'island':<24} {'state':<8} {'ranks':>5} {'rounds':>6} {'last push':>9}")
+    for i in s["islands"]:
+        lines.append(
+            f"{i['island']:<24} {i['state']:<8} {i.get('num_ranks', '-'):>5} {i.get('rounds_committed', '-'):>6} "
+            f"{_age(i.get('last_push_age_seconds')):>9}"
+        )
+    hist = s.get("history", [])[-5:]
+    if hist:
+        lines.append("")
+        lines.append(f"{'round':>5} {'loss':>8} {'tokens':>12} {'tokens/s':>10} {'seconds':>8} {'islands':>7}")
+        for h in hist:
+            loss = "-" if h.get("loss") is None else f"{h['loss']:.4f}"
+            secs = h.get("seconds_open") or 0
+            rate = f"{h['tokens'] / secs:,.0f}" if secs else "-"
+            lines.append(f"{h['round']:>5} {loss:>8} {h['tokens']:>12,} {rate:>10} {secs:>8.1f} {len(h['islands']):>7}")
+    return "\n".join(lines)
+
+
+def status(ns: argparse.Namespace) -> int:
+    print(format_status(fetch_status(ns.admin, ns.token)))
+    return 0
+
+
+def _state_dirs(state_dir: Path) -> list[Path]:
+    """The state dir, or the fragments' dirs of a ``--fragments`` coordinator."""
+    fragments = sorted(state_dir.glob("fragment-*"), key=lambda p: int(p.name.split("-")[1]))
+    return fragments or [state_dir]
+
+
+def export(ns: argparse.Namespace) -> int:
+    """θ with the model's own tensor names, from the newest (or a kept) snapshot, verified."""
+    from safetensors.torch import save_file
+
+    dirs = _state_dirs(ns.state_dir)
+    if ns.round is not None and len(dirs) > 1:
+        raise _fail("--round picks one snapshot; fragments close rounds on their own (export the newest)")
+    params, rounds, run_id = {}, [], None
+    for d in dirs:
+        if ns.round is None:
+            snap = persistence.load(d)
+        else:
+            path = d / persistence.snapshot_name(ns.round)
+            if not path.exists():
+                kept = ", ".join(str(persistence.read_round(p)) for p in persistence.snapshot_paths(d)) or "none"
+                raise _fail(f"no snapshot of round {ns.round} in {d} (kept rounds: {kept})")
+            snap = persistence.verify(path)
+        if snap is None:
+            raise _fail(f"{d} holds no snapshot")
+        params.update(snap.params)
+        rounds.append(snap.round)
+        run_id = snap.config.run_id
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"run_id": run_id, "round": ",".join(map(str, rounds)), "format": "atoll-export-1"}
+    save_file({k: v.contiguous() for k, v in sorted(params.items())}, str(ns.out), metadata=meta)
+    numel = sum(v.numel() for v in params.values())
+    print(f"wrote {len(params)} tensors ({numel:,} values) of run {run_id} at round {meta['round']} to {ns.out}")
+    return 0
+
+
+def rollback(ns: argparse.Namespace) -> int:
+    if ns.round is None:
+        listed = persistence.list_snapshots(ns.state_dir)
+        if not listed:
+            raise _fail(f"{ns.state_dir} holds no snapshots")
+        for round_, path, problem in listed:
+            print(f"round {round_:<6} {path.name}  {'ok' if problem is None else 'DAMAGED: ' + problem}")
+        return 0
+    target = persistence.rollback(ns.state_dir, ns.round)
+    print(f"rolled back: {target.name} is now the newest snapshot (newer ones moved to {persistence.DISCARDED}/)")
+    return 0

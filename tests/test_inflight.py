@@ -1,0 +1,114 @@
+"""In-flight push memory follows the bytes received, under a global budget (issue: hardening, item 3).
+
+The real coordinator process, a 4M-element model, push streams that send a header and a few
+bytes and then hang. (Before: each stream's whole declared payload was allocated at its first data
+byte: 60 such streams grew the coordinator by ~1 GB, and it stayed.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from atoll.compression import get_codec
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.status import reason_of
+
+SHAPES = {"w": (2048, 2048)}
+NUM_BYTES = len(get_codec("identity").encode(torch.zeros(2048, 2048)))
+MIB = 1 << 20
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+class HangingPush:
+    """A push stream that sends its header and ``send`` payload bytes, then waits until released."""
+
+    def __init__(self, channel, island: str, rank: int, num_ranks: int, send: int) -> None:
+        self.release = threading.Event()
+        header = pb.PushHeader(
+            run_id="t",
+            island_id=island,
+            round=0,
+            kind=pb.PUSH_KIND_DELTA,
+            rank=rank,
+            num_ranks=num_ranks,
+            tokens=1,
+            codec="identity",
+        )
+        header.entries.add(name="w", num_bytes=NUM_BYTES)
+
+        def chunks():
+            yield pb.PushChunk(header=header).SerializeToString()
+            left = send
+            while left:
+                n = min(left, MIB)
+                yield pb.PushChunk(data=b"\x01" * n).SerializeToString()
+                left -= n
+            self.release.wait(60)
+
+        call = channel.stream_unary("/atoll.v1.Coordinator/PushDelta")
+        self.future = call.future(chunks(), timeout=60)
+
+    def error(self, timeout: float = 10.0) -> grpc.RpcError | None:
+        try:
+            self.future.result(timeout=timeout)
+        except grpc.RpcError as err:
+            return err
+        return None
+
+    def end(self) -> None:
+        self.release.set()
+        self.future.cancel()
+
+
+@pytest.mark.timeout(180)
+def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_path, raw_island):
+    coord, address = group.start_coordinator(
+        tmp_path / "state",
+        ["--run-id", "t", "--sync-every", "1", "--quorum", "2", "--max-inflight-bytes", str(24 * MIB)],
+    )
+    a = raw_island(address, "a", SHAPES)
+    a.join()
+    a.push({"w": torch.randn(2048, 2048)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    h = raw_island(address, "h", SHAPES)
+    h.join(num_ranks=64)
+    time.sleep(1.0)
+    before = rss_bytes(coord.pid)
+    with grpc.insecure_channel(address) as channel:
+        streams = [HangingPush(channel, "h", rank, 64, send=1) for rank in range(60)]
+        time.sleep(3.0)
+        grown = rss_bytes(coord.pid) - before
+        assert grown < 64 * MIB, f"60 hanging 1-byte streams grew the coordinator by {grown / MIB:.0f} MiB"
+
+        # At most one open stream per (island, rank).
+        again = HangingPush(channel, "h", 0, 64, send=1)
+        err = again.error()
+        assert err is not None and reason_of(err) == "REASON_PUSH_IN_PROGRESS", err
+        again.end()
+        for s in streams:
+            s.end()
+        time.sleep(1.0)
+
+        # The global budget: 16 MiB held by a hanging stream leaves no room for another 16 MiB push.
+        hog = HangingPush(channel, "h", 1, 64, send=16 * MIB)
+        time.sleep(2.0)
+        with pytest.raises(grpc.RpcError) as info:
+            a.push({"w": torch.randn(2048, 2048)}, round_=0, tokens=1)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert reason_of(info.value) == "REASON_INFLIGHT_BUDGET"
+        hog.end()
+        time.sleep(1.0)
+        assert a.push({"w": torch.randn(2048, 2048)}, round_=0, tokens=1).committed
+    after = rss_bytes(coord.pid)
+    assert after - before < 64 * MIB, f"memory not returned: {(after - before) / MIB:.0f} MiB more than before"
