@@ -117,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     from atoll.harness.demo import DemoArgs
     from atoll.workload.island import IslandArgs
 
-    parser = argparse.ArgumentParser(prog="atoll", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="atoll",
+        description="atoll: DiLoCo training across islands of accelerators, coordinated over gRPC.",
+        allow_abbrev=False,
+    )
     parser.add_argument("--version", action="version", version=f"atoll {_version()}")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log verbosity (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from atoll.coordinator.config import ConfigMismatch
     from atoll.coordinator.persistence import StateError
-    from atoll.islands.errors import CoordinatorRefused
+    from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable
 
     try:
         if ns.command == "coordinator":
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         from atoll import tools
 
         return {"status": tools.status, "export": tools.export, "rollback": tools.rollback}[ns.command](ns)
-    except (StateError, ConfigMismatch, CoordinatorRefused, UserError) as err:
+    except (StateError, ConfigMismatch, CoordinatorRefused, CoordinatorUnreachable, UserError) as err:
         print(f"atoll {ns.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

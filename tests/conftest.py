@@ -177,7 +177,8 @@ def collect_events(procs, *, until, timeout: float):
     return events
 
 
-def island_flags(address: str, island_id: str, *, rounds: int, codec: str = "identity", extra=()):
+def island_flags(address: str, island_id: str, *, rounds: int | None, codec: str = "identity", extra=()):
+    """``atoll island`` flags; ``rounds=None`` leaves --rounds out (train until the run is complete)."""
     return [
         "island",
         "--coordinator",
@@ -186,8 +187,7 @@ def island_flags(address: str, island_id: str, *, rounds: int, codec: str = "ide
         island_id,
         "--run-id",
         "e2e",
-        "--rounds",
-        str(rounds),
+        *(["--rounds", str(rounds)] if rounds is not None else []),
         "--codec",
         codec,
         "--inner-lr",

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 import torch
 
 from atoll.compression import get_codec
+from atoll.islands.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.status import reason_of
 
@@ -72,12 +74,26 @@ class HangingPush:
         self.future.cancel()
 
 
+def inflight_bytes(admin: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(admin + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return next(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "atoll_inflight_bytes"
+    )
+
+
 @pytest.mark.timeout(180)
 def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_path, raw_island):
     coord, address = group.start_coordinator(
         tmp_path / "state",
-        ["--run-id", "t", "--sync-every", "1", "--quorum", "2", "--max-inflight-bytes", str(24 * MIB)],
+        [
+            *("--run-id", "t", "--sync-every", "1", "--quorum", "2"),
+            *("--max-inflight-bytes", str(24 * MIB), "--admin-port", "0", "--admin-port-file", str(tmp_path / "admin")),
+        ],
     )
+    admin = f"http://127.0.0.1:{(tmp_path / 'admin').read_text().strip()}"
     a = raw_island(address, "a", SHAPES)
     a.join()
     a.push({"w": torch.randn(2048, 2048)}, round_=0, kind=pb.PUSH_KIND_INIT)
@@ -90,6 +106,7 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
         time.sleep(3.0)
         grown = rss_bytes(coord.pid) - before
         assert grown < 64 * MIB, f"60 hanging 1-byte streams grew the coordinator by {grown / MIB:.0f} MiB"
+        assert inflight_bytes(admin) == 60
 
         # At most one open stream per (island, rank).
         again = HangingPush(channel, "h", 0, 64, send=1)
@@ -99,16 +116,28 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
         for s in streams:
             s.end()
         time.sleep(1.0)
+        assert inflight_bytes(admin) == 0  # the streams ended: nothing held
 
         # The global budget: 16 MiB held by a hanging stream leaves no room for another 16 MiB push.
         hog = HangingPush(channel, "h", 1, 64, send=16 * MIB)
         time.sleep(2.0)
+        assert inflight_bytes(admin) == 16 * MIB
+        a.client.retry = RetryPolicy(give_up_seconds=1.0)
         with pytest.raises(grpc.RpcError) as info:
             a.push({"w": torch.randn(2048, 2048)}, round_=0, tokens=1)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert reason_of(info.value) == "REASON_INFLIGHT_BUDGET"
         hog.end()
         time.sleep(1.0)
+        assert inflight_bytes(admin) == 0
         assert a.push({"w": torch.randn(2048, 2048)}, round_=0, tokens=1).committed
-    after = rss_bytes(coord.pid)
-    assert after - before < 64 * MIB, f"memory not returned: {(after - before) / MIB:.0f} MiB more than before"
+        # Memory is returned for reuse: more streams of the same size do not grow the coordinator.
+        settled = rss_bytes(coord.pid)
+        for rank in range(2, 6):
+            hog = HangingPush(channel, "h", rank, 64, send=16 * MIB)
+            time.sleep(1.0)
+            hog.end()
+            time.sleep(0.5)
+        grown = rss_bytes(coord.pid) - settled
+        assert grown < 16 * MIB, f"four more 16 MiB streams grew the coordinator by {grown / MIB:.0f} MiB"
+        assert inflight_bytes(admin) == 0

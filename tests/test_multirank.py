@@ -101,6 +101,13 @@ def test_fsdp_tp_and_single_rank_islands_in_one_run(group, tmp_path):
         assert len(by_island) == 3 and len({e["digest"] for e in by_island.values()}) == 1, r
     assert rounds[ROUNDS - 1]["A-fsdp"]["digest"] == param_digest(snap.params)
     assert all(h["islands"] == ["A-fsdp", "B-single", "C-tp"] for h in snap.history)
+    # Tokens and bytes are the island's (all its ranks), whatever its layout.
+    tokens = H * 16 * 64
+    assert all({e["tokens"] for e in by_island.values()} == {tokens} for by_island in rounds.values())
+    assert all(set(h["tokens_by_island"].values()) == {tokens} for h in snap.history)
+    whole = rounds[0]["B-single"]["bytes_sent"]
+    for island in ("A-fsdp", "C-tp"):
+        assert abs(rounds[0][island]["bytes_sent"] - whole) < 0.02 * whole, (island, whole)
     # The mixed run trains: global loss falls round over round.
     losses = [rounds[r]["A-fsdp"]["global_loss"] for r in range(ROUNDS)]
     assert losses[0] > losses[1] > losses[2], losses

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 import torch
 
 from atoll.coordinator import RunConfig
-from atoll.islands import DiLoCo
+from atoll.islands import CoordinatorRefused, DiLoCo
 from atoll.islands.client import RetryPolicy
 from atoll.sharding import layer_partition, layout_digest
 from tests.conftest import collect_events, coordinator_flags, island_flags
@@ -222,7 +221,7 @@ def test_fragments_refuse_a_mismatched_island(start_server, tmp_path):
     def refused(m, match, **kw):
         sync = DiLoCo(m, None, coordinator=address, run_id="t", retry=RetryPolicy(give_up_seconds=5), **kw)
         try:
-            with pytest.raises(grpc.RpcError, match=match):
+            with pytest.raises(CoordinatorRefused, match=match):
                 sync.start()
         finally:
             sync.close()

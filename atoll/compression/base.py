@@ -52,10 +52,18 @@ class Difference:
     def numel(self) -> int:
         return self.a.numel()
 
-    def __getitem__(self, sl: slice) -> torch.Tensor:
-        start, stop, _ = sl.indices(self.a.numel())
-        out = self._scratch[: max(stop - start, 0)]
-        return torch.sub(self.a[sl], self.b[sl], out=out)
+    def span(self, start: int, length: int) -> torch.Tensor:
+        out = self._scratch.narrow(0, 0, length)
+        return torch.sub(self.a.narrow(0, start, length), self.b.narrow(0, start, length), out=out)
+
+
+def span(x, start: int, length: int) -> torch.Tensor:
+    """Elements ``[start, start + length)`` (clipped) of a flat tensor or a :class:`Difference`.
+
+    ``narrow`` rather than Python slicing: the same view, without the device guard some builds run
+    for ``__getitem__`` (it keeps the codecs runnable under FakeTensorMode on a CPU-only build)."""
+    length = min(length, x.numel() - start)
+    return x.span(start, length) if isinstance(x, Difference) else x.narrow(0, start, length)
 
 
 Writer = Callable[[memoryview], None]
@@ -82,6 +90,8 @@ class Codec:
     name: ClassVar[str]
     codec_id: ClassVar[int]
     lossy: ClassVar[bool] = True
+    stateful: ClassVar[bool] = False
+    """Whether ``encode`` reads or writes per-tensor ``state`` (then encoding twice is not the same)."""
 
     @property
     def chunked_input(self) -> bool:

@@ -22,6 +22,7 @@ from atoll.compression.base import (
     expect_body,
     expect_params,
     read_tensor,
+    span,
     to_host,
     write_tensor,
 )
@@ -51,9 +52,9 @@ def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     u = (q + (qmax_of(bits) + 1)).to(torch.uint8)  # offset to unsigned
     per = 8 // bits
     u = u.view(-1, per)
-    out = u[:, 0].clone()
+    out = u.select(1, 0).clone()
     for j in range(1, per):
-        out |= u[:, j] << (bits * j)
+        out |= u.select(1, j) << (bits * j)
     return out
 
 
@@ -62,7 +63,7 @@ def _unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     per = 8 // bits
     mask = (1 << bits) - 1
     parts = [((packed >> (bits * j)) & mask) for j in range(per)]
-    u = torch.stack(parts, dim=1).reshape(-1)[:n]
+    u = span(torch.stack(parts, dim=1).reshape(-1), 0, n)
     return u.to(torch.float32) - float(qmax_of(bits) + 1)
 
 
@@ -91,13 +92,13 @@ def encode_into(
     scratch_abs = torch.empty(min(step, nblocks * block), device=device)
     scratch_q = torch.empty(min(step, nblocks * block), device=device)
     for s in range(0, n, step):
-        x = flat[s : s + step]
+        x = span(flat, s, step)
         m = x.numel()
         nb = -(-m // block)
         if nb * block != m:
             x = torch.nn.functional.pad(x, (0, nb * block - m))
         x = x.view(nb, block)
-        a = scratch_abs[: nb * block].view(nb, block)
+        a = scratch_abs.narrow(0, 0, nb * block).view(nb, block)
         torch.abs(x, out=a)
         scale = a.amax(dim=1).div_(qmax)
         b0 = s // block
@@ -109,8 +110,8 @@ def encode_into(
             to_host(scales_out[b0 : b0 + nb], rel)
             eff = rel.to(torch.float32).mul_(global_scale)
         inv = torch.where(eff > 0, eff.reciprocal(), torch.zeros_like(eff))
-        q = scratch_q[: nb * block].view(nb, block)
-        torch.mul(x, inv[:, None], out=q)
+        q = scratch_q.narrow(0, 0, nb * block).view(nb, block)
+        torch.mul(x, inv.unsqueeze(1), out=q)
         q.round_()
         if scale_kind != SCALE_FP32:
             # fp16 scales round down by up to 2^-11 (more when subnormal): clamp the overshoot.
@@ -121,7 +122,7 @@ def encode_into(
         if bits == 8 and take == nb * block:
             to_host(codes_out[c0 : c0 + take].view(torch.int8).view(nb, block), q)
         else:
-            to_host(codes_out[c0 : c0 + take], _pack_codes(q.to(torch.int8).view(-1), bits)[:take])
+            to_host(codes_out[c0 : c0 + take], span(_pack_codes(q.to(torch.int8).view(-1), bits), 0, take))
 
 
 def decode_into(
@@ -154,16 +155,16 @@ def decode_into(
             q = codes[c0 : c0 + m].to(device).view(torch.int8)
         else:
             q = _unpack_codes(codes[c0 : packed_len(s + m, bits)].to(device), bits, m)
-        target = out[s : s + m]
+        target = span(out, s, m)
         if nb * block == m:
             q2, t2 = q.view(nb, block), target.view(nb, block)
             if accumulate:
-                t2.addcmul_(q2, sc[:, None], value=alpha)
+                t2.addcmul_(q2, sc.unsqueeze(1), value=alpha)
             else:
-                torch.mul(q2, sc[:, None], out=t2)
+                torch.mul(q2, sc.unsqueeze(1), out=t2)
         else:  # ragged last block
-            v = torch.nn.functional.pad(q.to(torch.float32), (0, nb * block - m)).view(nb, block).mul_(sc[:, None])
-            v = v.view(-1)[:m]
+            v = torch.nn.functional.pad(q.to(torch.float32), (0, nb * block - m)).view(nb, block).mul_(sc.unsqueeze(1))
+            v = span(v.view(-1), 0, m)
             target.add_(v, alpha=alpha) if accumulate else target.copy_(v)
 
 

@@ -13,6 +13,7 @@ from atoll.compression.base import (
     chunk_elems,
     expect_body,
     read_tensor,
+    span,
     to_host,
     write_tensor,
 )
@@ -34,7 +35,7 @@ class _CastCodec(Codec):
             dest = write_tensor(body, self.store, n)
             for s in range(0, n, step):
                 chunk = dest[s : s + step]
-                to_host(chunk, flat[s : s + step])  # cast on the device, copy the stored bytes
+                to_host(chunk, span(flat, s, step))  # cast on the device, copy the stored bytes
                 if self.store == torch.float16 and not all_finite(chunk):
                     raise OverflowError("value outside the fp16 range (|x| > 65504) or non-finite; use bf16")
 
@@ -58,9 +59,9 @@ class _CastCodec(Codec):
         for s in range(0, v.numel(), step):
             part = v[s : s + step].to(out.device)  # the stored bytes to the device; a view on the CPU
             if accumulate:
-                out[s : s + step].add_(part, alpha=alpha)
+                span(out, s, step).add_(part, alpha=alpha)
             else:
-                out[s : s + step].copy_(part)
+                span(out, s, step).copy_(part)
 
 
 class IdentityCodec(_CastCodec):

@@ -24,6 +24,7 @@ class ErrorFeedback:
         self.name = inner.name
         self.codec_id = inner.codec_id
         self.lossy = inner.lossy
+        self.stateful = True
 
     @property
     def spec(self) -> str:

@@ -32,6 +32,7 @@ def as_matrix(shape: tuple[int, ...]) -> tuple[int, int] | None:
 class PowerSGDCodec(Codec):
     name = "powersgd"
     codec_id = 8
+    stateful = True
 
     def __init__(self, rank: int = 4, seed: int = 0) -> None:
         if not 1 <= rank <= 1024:

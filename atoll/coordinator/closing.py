@@ -105,6 +105,15 @@ async def close_round(s: RunState, reason: str) -> None:
         started = time.perf_counter()
         r = s.round
         total = sum(c.tokens for c in committed.values())
+        silent = sorted(i for i, c in committed.items() if c.tokens == 0)
+        if silent and total:
+            log.warning(
+                "%sround %d: islands %s reported no tokens while others did; each weighs 1 token in the mean "
+                "(their step() calls need tokens=)",
+                s.name,
+                r,
+                ", ".join(silent),
+            )
         losses = [(max(c.tokens, 1), c.loss) for c in committed.values() if c.loss is not None]
         loss = sum(t * v for t, v in losses) / sum(t for t, _ in losses) if losses else None
         params, payloads = await asyncio.to_thread(s.outer_step, s.staging.weight_total())

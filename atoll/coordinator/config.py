@@ -27,9 +27,11 @@ class RunConfig:
     nesterov: bool = True
     """Nesterov momentum (DiLoCo) rather than heavy-ball."""
     codec: str = "identity"
-    """Codec islands use for their pseudo-gradients."""
+    """Codec of the islands' pseudo-gradients: identity, fp16, bf16, int8, int4, int2 (blockwise; block=B,
+    scale=fp32|fp16), topk:fraction=F, dcttopk:fraction=F (top-k of block-DCT coefficients),
+    powersgd:rank=R."""
     downlink_codec: str = "identity"
-    """Codec of the outer update sent back to islands (with downlink error feedback)."""
+    """Codec of the outer update sent back to islands (same choices; with downlink error feedback)."""
     error_feedback: bool = False
     """Islands carry what the lossy uplink codec dropped into the next round (per-rank residual)."""
     error_feedback_decay: float = 1.0
@@ -40,13 +42,13 @@ class RunConfig:
     value then sent is many rounds' worth. In a 20-round top-k 1% demo that made the global θ
     diverge; β = 0.5 kept it converging (benchmarks/RESULTS.md)."""
     late_policy: str = "drop"
-    """A push for a closed round: "drop" it, or "fold" it into the open round (down-weighted)."""
+    """A push for a closed round: drop it, or fold it into the open round (down-weighted)."""
     staleness_weight: float = 0.5
     """fold: a delta k rounds late weighs staleness_weight**k times its tokens."""
     max_staleness: int = 1
     """fold: pushes more than this many rounds late are dropped."""
     aggregation: str = "mean"
-    """How deltas are combined: "mean" (token-weighted), "clipped_mean" or "median" (robust)."""
+    """How deltas are combined: mean (token-weighted), clipped_mean or median (robust)."""
     clip_norm: float = 0.0
     """clipped_mean: clip each island's delta to this L2 norm (0: the median of the islands' norms)."""
     max_delta_norm: float = 0.0
@@ -54,9 +56,9 @@ class RunConfig:
     quorum: int = 1
     """Minimum committed islands for a round to close at its deadline."""
     round_deadline_seconds: float = 600.0
-    """After this long since the round opened, a round with quorum closes without stragglers."""
+    """Seconds after the round opened when a round with quorum closes without its stragglers."""
     lease_seconds: float = 30.0
-    """An island not heard from for this long stops counting as live."""
+    """Seconds without a call after which an island stops counting as live."""
     total_rounds: int = 0
     """The run is complete after this many rounds (0: no end); islands then stop by themselves."""
     max_tokens_per_round: int = 0

@@ -67,6 +67,8 @@ def plan(s: RunState, h: PushHeader) -> PushPlan | PushResult:
                 f"round {h.round} is in the future; the coordinator is at round {s.round}",
             )
         if cls is PushClass.CLOSED:
+            if 0 <= h.round < len(s.history) and h.island_id in s.history[h.round]["islands"]:
+                return PushResult(PushOutcome.DUPLICATE, s.round, committed=True)  # counted before it closed
             return PushResult(PushOutcome.ROUND_CLOSED, s.round, committed=False)
         if s.staging.is_duplicate(h.island_id, h.round, h.rank, cls):
             done = s.staging.is_done(h.island_id, h.round, cls)

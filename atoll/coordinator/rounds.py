@@ -78,13 +78,16 @@ def stall(now: float, state: RoundView, policy: RoundPolicy) -> str | None:
         return None
     gone = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at <= now)
     can = len(committed) + len(live)
+    if not can and not gone:
+        return None  # no member at all: the run waits for islands to join
     return (
         f"round {state.round} cannot reach quorum {policy.quorum}: {can} island(s) committed or alive"
         + (f" ({', '.join(committed + live)})" if can else "")
         + (f"; gone: {', '.join(gone)}" if gone else "")
         + ". Unblock: bring islands back"
         + (
-            f", or lower the quorum to {max(can, 1)} (POST /api/config with the admin token, or restart with"
-            f" --quorum {max(can, 1)})"
+            f", or lower the quorum to {can} (POST /api/config with the admin token, or restart with --quorum {can})"
+            if can
+            else ""
         )
     )

@@ -37,8 +37,11 @@ class DemoArgs:
     """Outer learning rate. The demo's few outer steps do better at 1.0 / Nesterov 0.5 than at the
     coordinator's long-run defaults 0.7 / 0.9 (identity over 6 rounds: 2.622 vs 2.698)."""
     outer_momentum: float = 0.5
+    """Outer Nesterov momentum (see outer_lr)."""
     inner_lr: float = 3e-3
+    """AdamW learning rate of the islands' inner steps."""
     batch_size: int = 16
+    """Sequences per inner step on each island."""
     work_dir: str = ""
     """Where logs and coordinator state go (default: a temporary directory)."""
     timeout_seconds: float = 900.0

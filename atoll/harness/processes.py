@@ -132,7 +132,14 @@ class ProcessGroup:
         return proc
 
     def start_coordinator(
-        self, state_dir: Path, flags: list[str], *, name: str = "coordinator", port: int = 0, timeout: float = 60.0
+        self,
+        state_dir: Path,
+        flags: list[str],
+        *,
+        name: str = "coordinator",
+        port: int = 0,
+        timeout: float = 60.0,
+        env: dict[str, str] | None = None,
     ) -> tuple[ManagedProcess, str]:
         """Start ``atoll coordinator`` and wait until it reports its port; returns (process, address).
 
@@ -153,6 +160,7 @@ class ProcessGroup:
                 str(port_file),
                 *flags,
             ],
+            env,
         )
         deadline = time.monotonic() + timeout
         while not port_file.exists():

@@ -1,14 +1,17 @@
 """A blocking gRPC client for the coordinator, with deadlines and retries on every RPC.
 
-Every RPC is retried with capped exponential backoff while the coordinator is unreachable
-(UNAVAILABLE / DEADLINE_EXCEEDED), for at most ``RetryPolicy.give_up_seconds``; pushes are
-idempotent per (island, round, rank) on the server, so retrying them is safe.
+Every RPC is retried with capped exponential backoff while the coordinator is unreachable or
+busy (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED), for at most
+``RetryPolicy.give_up_seconds``; pushes are idempotent per (island, round, rank) on the server,
+so retrying them is safe. A coordinator that stays unreachable is reported at WARNING (which
+Python prints to stderr without any logging setup) within seconds, and again periodically.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,28 +19,44 @@ from typing import TypeVar
 
 import grpc
 
+from atoll.islands.errors import ProtocolError
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 from atoll.protos import raw
 from atoll.protos.raw import RawData
+from atoll.protos.rpc import CLIENT_OPTIONS, EntryAssembler, StreamOverrun, data_chunks, method
 
 log = logging.getLogger("atoll.island")
 
-CHUNK_BYTES = 1 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 16 << 20),
-    ("grpc.max_send_message_length", 16 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    # Keep NAT/WAN paths open during long inner loops, without upsetting the server's ping policy.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 T = TypeVar("T")
+_ADDRESS = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.-]+)):(?P<port>[0-9]{1,5})$")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[ipv6]:port`` -> (host, port); ValueError saying what is wrong otherwise."""
+    a = address.strip()
+    if "://" in a:
+        raise ValueError(f"coordinator address {address!r}: give host:port, without a scheme ({a.split('://')[0]}://)")
+    m = _ADDRESS.match(a)
+    if m is None:
+        if a and ":" not in a:
+            raise ValueError(f"coordinator address {address!r} has no port: give host:port, e.g. {a}:7070")
+        raise ValueError(f"coordinator address {address!r} is not host:port (e.g. coord.example:7070, [::1]:7070)")
+    port = int(m.group("port"))
+    if not 0 < port < 65536:
+        raise ValueError(f"coordinator address {address!r}: port {port} is outside 1..65535")
+    return m.group("v6") or m.group("host"), port
+
+
+def parse_addresses(coordinator: str) -> list[str]:
+    """A coordinator, or its shards comma-separated, each validated (ValueError)."""
+    addresses = [a.strip() for a in coordinator.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("coordinator must be host:port, or a comma-separated list of its shards")
+    for a in addresses:
+        parse_address(a)
+    return addresses
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,12 +69,17 @@ class RetryPolicy:
     """Stop retrying (and raise) once the coordinator has been unreachable this long."""
     rpc_timeout_seconds: float = 60.0
     """Deadline of one unary attempt (streams get this plus their transfer allowance)."""
+    warn_after_seconds: float = 3.0
+    """Report an unreachable coordinator at WARNING once it has failed this long, then every 30 s."""
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_backoff_seconds <= self.max_backoff_seconds:
             raise ValueError("need 0 < initial_backoff_seconds <= max_backoff_seconds")
         if self.give_up_seconds <= 0 or self.rpc_timeout_seconds <= 0:
             raise ValueError("give_up_seconds and rpc_timeout_seconds must be > 0")
+
+
+WARN_EVERY_SECONDS = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,23 +109,22 @@ class CoordinatorClient:
     def __init__(
         self, address: str, *, retry: RetryPolicy | None = None, token: str | None = None, tls: ClientTls | None = None
     ) -> None:
+        parse_address(address)
         self.address = address
         self.retry = retry or RetryPolicy()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         if tls is not None:
             name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-            self._channel = grpc.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS + name)
+            self._channel = grpc.secure_channel(address, tls.credentials(), options=CLIENT_OPTIONS + name)
         else:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         # The bulk streams on the raw chunk path (wire-compatible; see atoll.protos.raw).
         self._push_call = self._channel.stream_unary(
-            "/atoll.v1.Coordinator/PushDelta",
-            request_serializer=raw.serialize,
-            response_deserializer=pb.PushResponse.FromString,
+            method("PushDelta"), request_serializer=raw.serialize, response_deserializer=pb.PushResponse.FromString
         )
         self._pull_call = self._channel.unary_stream(
-            "/atoll.v1.Coordinator/PullUpdate",
+            method("PullUpdate"),
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=raw.deserialize_pull_chunk,
         )
@@ -111,9 +134,11 @@ class CoordinatorClient:
     def close(self) -> None:
         self._channel.close()
 
-    def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (one attempt of an RPC), retrying while the coordinator is unreachable."""
+    def call(self, what: str, fn: Callable[[], T], *, give_up_seconds: float | None = None) -> T:
+        """Run ``fn`` (one attempt of an RPC), retrying while the coordinator is unreachable or busy."""
+        give_up = self.retry.give_up_seconds if give_up_seconds is None else give_up_seconds
         started = time.monotonic()
+        warned_at = None
         backoff = self.retry.initial_backoff_seconds
         while True:
             try:
@@ -121,35 +146,61 @@ class CoordinatorClient:
             except grpc.RpcError as err:
                 code = err.code() if hasattr(err, "code") else None
                 waited = time.monotonic() - started
-                if code not in RETRYABLE or waited >= self.retry.give_up_seconds:
+                if code not in RETRYABLE or waited >= give_up:
+                    if code in RETRYABLE:
+                        log.error(
+                            "%s: coordinator %s still %s after %.0fs; giving up", what, self.address, code.name, waited
+                        )
                     raise
-                log.info("%s: %s (%s), retrying in %.1fs", what, code, err.details(), backoff)
-                time.sleep(backoff * (0.5 + random.random() / 2))
+                busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if (
+                    not busy
+                    and waited >= self.retry.warn_after_seconds
+                    and (warned_at is None or time.monotonic() - warned_at >= WARN_EVERY_SECONDS)
+                ):
+                    log.warning(
+                        "%s: coordinator %s unreachable for %.0fs (%s: %s); retrying for up to %.0fs more",
+                        what,
+                        self.address,
+                        waited,
+                        code.name,
+                        err.details(),
+                        give_up - waited,
+                    )
+                    warned_at = time.monotonic()
+                else:
+                    log.info("%s: %s (%s), retrying in %.1fs", what, code.name, err.details(), backoff)
+                time.sleep(min(backoff * (0.5 + random.random() / 2), max(give_up - waited, 0.0)))
                 backoff = min(backoff * 2, self.retry.max_backoff_seconds)
 
     def _timeout(self, num_bytes: int = 0) -> float:
         # Allow for the transfer itself on slow links (assume >= 1 MB/s) on top of the RPC deadline.
         return self.retry.rpc_timeout_seconds + num_bytes / 1e6
 
-    def join(self, req: pb.JoinRequest) -> pb.JoinResponse:
-        return self.call("Join", lambda: self._stub.Join(req, timeout=self._timeout(), metadata=self._metadata))
+    def join(self, req: pb.JoinRequest, *, give_up_seconds: float | None = None) -> pb.JoinResponse:
+        return self.call(
+            "Join",
+            lambda: self._stub.Join(req, timeout=self._timeout(), metadata=self._metadata),
+            give_up_seconds=give_up_seconds,
+        )
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         return self._stub.Heartbeat(req, timeout=self.retry.rpc_timeout_seconds, metadata=self._metadata)
 
-    def leave(self, req: pb.LeaveRequest) -> pb.LeaveResponse:
-        return self.call("Leave", lambda: self._stub.Leave(req, timeout=self._timeout(), metadata=self._metadata))
+    def leave(self, req: pb.LeaveRequest, *, give_up_seconds: float | None = None) -> pb.LeaveResponse:
+        return self.call(
+            "Leave",
+            lambda: self._stub.Leave(req, timeout=self._timeout(), metadata=self._metadata),
+            give_up_seconds=give_up_seconds,
+        )
 
-    def push(self, header: pb.PushHeader, payloads: list[bytes]) -> pb.PushResponse:
+    def push(self, header: pb.PushHeader, payloads: list) -> pb.PushResponse:
         """Stream one push (header, then the payloads' bytes in chunks)."""
         total = sum(len(p) for p in payloads)
 
-        def chunks() -> Iterator[pb.PushChunk]:
+        def chunks() -> Iterator:
             yield pb.PushChunk(header=header)
-            for payload in payloads:
-                view = memoryview(payload)
-                for start in range(0, len(view), CHUNK_BYTES):
-                    yield RawData(view[start : start + CHUNK_BYTES])
+            yield from data_chunks(payloads)
 
         def attempt() -> pb.PushResponse:
             resp = self._push_call(chunks(), timeout=self._timeout(total), metadata=self._metadata)
@@ -163,31 +214,30 @@ class CoordinatorClient:
 
         def attempt():
             stream = self._pull_call(req, timeout=self._timeout() + req.wait_seconds, metadata=self._metadata)
-            header = None
-            data = bytearray()
+            header, assembler, payloads = None, None, []
             for chunk in stream:
-                if isinstance(chunk, RawData):
-                    data += chunk.view
-                elif chunk.WhichOneof("kind") == "header":
-                    if header is not None:
-                        raise ProtocolError("two headers in one update stream")
-                    header = chunk.header
+                if isinstance(chunk, RawData) or chunk.WhichOneof("kind") == "data":
+                    if assembler is None:
+                        raise ProtocolError("update stream data before its header")
+                    data = chunk.view if isinstance(chunk, RawData) else memoryview(chunk.data)
+                    try:
+                        payloads += [p for _, p in assembler.feed(data)]
+                    except StreamOverrun as err:
+                        raise ProtocolError(str(err)) from None
+                elif header is not None:
+                    raise ProtocolError("two headers in one update stream")
                 else:
-                    data += chunk.data
+                    header = chunk.header
+                    assembler = EntryAssembler([e.num_bytes for e in header.entries])
             if header is None:
                 raise ProtocolError("update stream without a header")
-            expected = sum(e.num_bytes for e in header.entries)
-            if len(data) != expected:
-                raise ProtocolError(f"update stream carried {len(data)} bytes, header declares {expected}")
-            self.bytes_received += len(data) + header.ByteSize()
-            payloads, pos, view = [], 0, memoryview(data)
-            for e in header.entries:
-                payloads.append((e.name, bytes(view[pos : pos + e.num_bytes])))
-                pos += e.num_bytes
-            return header, payloads
+            payloads += [p for _, p in assembler.finish()]
+            if not assembler.done:
+                raise ProtocolError(f"update stream carried {assembler.received} bytes, header declares more")
+            self.bytes_received += assembler.received + header.ByteSize()
+            return header, [(e.name, p) for e, p in zip(header.entries, payloads, strict=True)]
 
         return self.call("PullUpdate", attempt)
 
 
-class ProtocolError(RuntimeError):
-    """The coordinator sent something that breaks the protocol."""
+__all__ = ["ClientTls", "CoordinatorClient", "ProtocolError", "RetryPolicy", "parse_address", "parse_addresses"]

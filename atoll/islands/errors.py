@@ -15,3 +15,7 @@ class CoordinatorRefused(RuntimeError):
 
 class ProtocolError(RuntimeError):
     """The coordinator sent something that breaks the protocol."""
+
+
+class CoordinatorUnreachable(ConnectionError):
+    """The coordinator could not be reached within the island's connect deadline."""

@@ -23,6 +23,8 @@ class Layout:
     """Ranks that see different data (FSDP's data-parallel axis)."""
     dp_rank: int
     device: torch.device
+    dp_group: object = None
+    """The process group of the ranks that see different data (their tokens add up); None: one rank."""
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -71,13 +73,13 @@ def parallelize(model: torch.nn.Module, mode: str, *, tp_size: int = 2) -> Layou
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return Layout(mode, world, rank, world, rank, device)
+        return Layout(mode, world, rank, world, rank, device, mesh.get_group())
     if mode == "tp":
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+        mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("dp", "tp"))
         _check_heads(model, world)
         for block in model.blocks:
-            parallelize_module(block, mesh, _tp_plan())
-        return Layout(mode, world, rank, 1, 0, device)
+            parallelize_module(block, mesh["tp"], _tp_plan())
+        return Layout(mode, world, rank, 1, 0, device, mesh["dp"].get_group())
     if world % tp_size or world == tp_size:
         raise ValueError(f"fsdp+tp needs a multiple of tp_size={tp_size} ranks greater than it, got {world}")
     mesh = init_device_mesh(device.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
@@ -87,7 +89,7 @@ def parallelize(model: torch.nn.Module, mode: str, *, tp_size: int = 2) -> Layou
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     dp_rank = mesh.get_local_rank("dp")
-    return Layout(mode, world, rank, world // tp_size, dp_rank, device)
+    return Layout(mode, world, rank, world // tp_size, dp_rank, device, mesh["dp"].get_group())
 
 
 def _check_heads(model, tp: int) -> None:

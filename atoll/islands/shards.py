@@ -2,8 +2,10 @@
 
 A plain tensor is the whole region. A DTensor (FSDP2 ``fully_shard``, tensor parallel, or both on
 a 2-D mesh) covers ``compute_local_shape_and_global_offset`` of its global shape. Regions held
-identically by several ranks (replicated parameters) are pushed by the lowest such rank only, so
-an island's pushes tile every tensor exactly once; every rank still pulls all regions it holds.
+identically by several ranks (replicated parameters, buffers) are pushed by the lowest such rank
+only, so an island's pushes tile every tensor exactly once; every rank still pulls all regions it
+holds. Names are canonical (:mod:`atoll.names`): a compiled or checkpoint-wrapped model has the
+names of the plain one.
 """
 
 from __future__ import annotations
@@ -13,20 +15,30 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from atoll.names import canonical_name
+
+PARAMETER, BUFFER = "parameter", "buffer"
+
 
 @dataclass(frozen=True)
 class LocalShard:
     name: str
-    param: torch.nn.Parameter
+    tensor: torch.Tensor
+    """The parameter (or buffer) itself; :meth:`local` is this rank's part of it."""
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     owned: bool
     """True when this rank pushes the region (lowest rank holding it)."""
+    kind: str = PARAMETER
 
     def local(self) -> torch.Tensor:
-        """This rank's part of the parameter (a view: writing it updates the parameter)."""
-        p = self.param
-        return p.to_local() if _is_dtensor(p) else p
+        """This rank's part of the tensor (a view: writing it updates the parameter)."""
+        t = self.tensor
+        return t.to_local() if _is_dtensor(t) else t
+
+    @property
+    def param(self) -> torch.Tensor:
+        return self.tensor
 
     @property
     def key(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
@@ -34,7 +46,7 @@ class LocalShard:
 
     @property
     def is_full(self) -> bool:
-        return tuple(self.sizes) == tuple(self.param.shape) and not any(self.offsets)
+        return tuple(self.sizes) == tuple(self.tensor.shape) and not any(self.offsets)
 
 
 def _is_dtensor(p) -> bool:
@@ -54,10 +66,25 @@ def _region(p) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
 
 
-def local_shards(model: torch.nn.Module, group=None) -> list[LocalShard]:
-    """This rank's shards of ``model``'s parameters; collective over ``group`` when distributed."""
-    named = list(model.named_parameters())
-    regions = [(name, *_region(p)) for name, p in named]
+def synced_tensors(model: torch.nn.Module, *, buffers: bool = True) -> list[tuple[str, torch.Tensor, str]]:
+    """(canonical name, tensor, kind) of what DiLoCo syncs: every parameter, and with ``buffers`` every
+    floating-point buffer (BatchNorm running statistics; integer counters stay local)."""
+    out = [(canonical_name(n), p, PARAMETER) for n, p in model.named_parameters()]
+    if buffers:
+        out += [(canonical_name(n), b, BUFFER) for n, b in model.named_buffers() if b.is_floating_point()]
+    seen: dict[str, int] = {}
+    for name, _, _ in out:
+        seen[name] = seen.get(name, 0) + 1
+    twice = sorted(n for n, k in seen.items() if k > 1)
+    if twice:
+        raise ValueError(f"tensors {twice[:5]} have the same name once wrapper prefixes are removed")
+    return out
+
+
+def local_shards(model: torch.nn.Module, group=None, *, buffers: bool = True) -> list[LocalShard]:
+    """This rank's shards of ``model``'s synced tensors; collective over ``group`` when distributed."""
+    named = synced_tensors(model, buffers=buffers)
+    regions = [(name, *_region(t)) for name, t, _ in named]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, regions, group=group)
@@ -66,6 +93,6 @@ def local_shards(model: torch.nn.Module, group=None) -> list[LocalShard]:
     else:
         held_below = set()
     return [
-        LocalShard(name, p, offsets, sizes, (name, offsets, sizes) not in held_below)
-        for (name, p), (_, offsets, sizes) in zip(named, regions, strict=True)
+        LocalShard(name, t, offsets, sizes, (name, offsets, sizes) not in held_below, kind)
+        for (name, t, kind), (_, offsets, sizes) in zip(named, regions, strict=True)
     ]

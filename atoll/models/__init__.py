@@ -1,5 +1,5 @@
 """The reference workload's model."""
 
-from atoll.models.tiny_gpt import GPTConfig, TinyGPT
+from atoll.models.tiny_gpt import PRESETS, GPTConfig, TinyGPT, preset
 
-__all__ = ["GPTConfig", "TinyGPT"]
+__all__ = ["PRESETS", "GPTConfig", "TinyGPT", "preset"]

@@ -1,4 +1,8 @@
-"""A tiny character-level GPT (pre-norm transformer decoder), trainable on a CPU in minutes."""
+"""A GPT (pre-norm transformer decoder): tiny and char-level for the demo, up to ~1.3B by preset.
+
+``PRESETS`` gives the sizes (``atoll island --model gpt-125m``); the vocabulary comes from the data.
+The GPT presets tie the output head to the token embedding, as GPT-2 does.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    tie_weights: bool = False
+    """Share the token embedding with the output head (GPT-2)."""
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1 or self.block_size < 1 or self.n_layer < 1:
@@ -62,6 +68,8 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.apply(self._init)
+        if cfg.tie_weights:
+            self.head.weight = self.tok.weight
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -81,3 +89,23 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+PRESETS: dict[str, dict] = {
+    "tiny": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64},
+    "gpt-small": {"n_layer": 6, "n_head": 8, "n_embd": 512, "block_size": 256, "tie_weights": True},
+    "gpt-125m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "tie_weights": True},
+    "gpt-350m": {"n_layer": 24, "n_head": 16, "n_embd": 1024, "block_size": 1024, "tie_weights": True},
+    "gpt-760m": {"n_layer": 24, "n_head": 16, "n_embd": 1536, "block_size": 1024, "tie_weights": True},
+    "gpt-1.3b": {"n_layer": 24, "n_head": 32, "n_embd": 2048, "block_size": 1024, "tie_weights": True},
+}
+"""Model sizes by name (parameters with GPT-2's 50,257-token vocabulary: gpt-125m 124M, gpt-350m 354M,
+gpt-760m 757M, gpt-1.3b 1.3B)."""
+
+
+def preset(name: str, *, vocab_size: int, **overrides) -> GPTConfig:
+    """The config of a preset; keyword arguments that are not None override its fields."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+    fields = {**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}}
+    return GPTConfig(vocab_size=vocab_size, **fields)

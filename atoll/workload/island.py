@@ -1,7 +1,7 @@
-"""The reference island: trains the tiny GPT on the bundled text under DiLoCo.
+"""``atoll island``: the reference island, a GPT trained under DiLoCo on the bundled text or the user's data.
 
-Prints one JSON object per line on stdout (``{"event": "round", ...}``) so the harness and the
-demo can follow it; logs go to stderr.
+On a terminal it shows its progress; otherwise it prints one JSON object per line on stdout
+(``{"event": "round", ...}``) for the harness and the demo to follow. Logs go to stderr.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,43 +20,69 @@ import torch
 import torch.distributed as dist
 
 from atoll.data import CharDataset
+from atoll.data.tokens import TokenDataset
 from atoll.harness.faults import IslandFaults
 from atoll.islands import DiLoCo
 from atoll.islands.client import ClientTls, RetryPolicy
 from atoll.islands.parallel import MODES, full_tensor, parallelize
 from atoll.memory import tune_for_bulk_buffers
-from atoll.models import GPTConfig, TinyGPT
+from atoll.models import PRESETS, TinyGPT, preset
+from atoll.workload.progress import Reporter
 
 
 @dataclass(frozen=True, kw_only=True)
 class IslandArgs:
     coordinator: str
-    """host:port of the coordinator."""
+    """host:port of the coordinator (its fragments comma-separated with --streaming)."""
     island_id: str
+    """This island's name in the run (each island process its own)."""
     run_id: str = "atoll"
-    rounds: int = 5
-    """Rounds to train before leaving."""
+    """The run to join (must match the coordinator's --run-id)."""
+    rounds: int = 0
+    """Rounds this process trains before it leaves (0: until the run is complete)."""
     codec: str = ""
-    """Codec to insist on (name or spec); empty: use whatever the run's codec is."""
+    """Codec to insist on: a name takes the run's parameters, a spec must match them exactly (empty: the run's)."""
+    data: str = ""
+    """Training data: a .bin file of uint16 token ids (nanoGPT's train.bin) or a UTF-8 text file
+    (bytes); empty: the bundled text, char-level."""
+    vocab_size: int = 0
+    """Vocabulary of a .bin token file (0: from PATH.json or meta.json beside it, {"vocab_size": N})."""
+    model: str = "tiny"
+    """Model size preset: tiny, gpt-small, gpt-125m, gpt-350m, gpt-760m or gpt-1.3b."""
+    n_layer: int = 0
+    """Transformer blocks (0: the preset's)."""
+    n_embd: int = 0
+    """Embedding width (0: the preset's)."""
+    n_head: int = 0
+    """Attention heads (0: the preset's)."""
+    block_size: int = 0
+    """Context length in tokens (0: the preset's)."""
     batch_size: int = 16
+    """Sequences per inner step for the whole island (split over its data-parallel ranks)."""
     inner_lr: float = 1e-3
     """AdamW learning rate of the inner optimizer."""
+    lr_warmup_steps: int = 0
+    """Linear warmup of the inner learning rate over this many inner steps (0: none)."""
     seed: int = 0
     """Model init seed (θ_0 comes from the bootstrap island, so only its seed matters)."""
-    data_seed: int | None = None
-    """Seed of this island's batch sampler; defaults to a hash of island_id."""
-    n_layer: int = 2
-    n_embd: int = 64
-    n_head: int = 4
-    block_size: int = 64
+    data_seed: int = -1
+    """Seed of this island's batch sampler (-1: a hash of island_id)."""
     threads: int = 1
-    """torch intra-op threads (islands on one small machine should not oversubscribe it)."""
+    """torch intra-op threads on the CPU (islands sharing a small machine should not oversubscribe it)."""
     eval_every_round: bool = True
+    """Evaluate the held-out loss after every round."""
     give_up_seconds: float = 600.0
+    """Retry an unreachable coordinator for this long during training before failing (seconds)."""
+    connect_timeout_seconds: float = 120.0
+    """How long to try reaching the coordinator at start (seconds)."""
     nproc: int = 1
     """Ranks of this island; above 1, the island re-launches itself under torch.distributed.run."""
     parallel: str = "none"
     """How the ranks share the model: none, fsdp, tp or fsdp+tp."""
+    outer_state: str = "host"
+    """Where DiLoCo keeps its round-start θ and residuals: host (pinned on CUDA) or device."""
+    checkpoint_dir: str = ""
+    """Save the island here at each push (in the background) and resume from it at start."""
     digest: bool = True
     """Report a sha256 of the full θ after every pull (gathers θ: verification only)."""
     dump_dir: str = ""
@@ -63,12 +90,15 @@ class IslandArgs:
     faults: str = ""
     """Island-side fault schedule as JSON (see atoll.harness.faults)."""
     sync_every_seconds: float = 0.0
-    """If > 0, sync on this time budget instead of the run's H steps (adaptive inner steps)."""
+    """If > 0, sync on this time budget (seconds) instead of the run's H steps."""
     heartbeat_seconds: float = 5.0
+    """Seconds between lease renewals."""
     overlap_steps: int = 0
     """If > 0, keep training while the outer exchange is in flight; apply it this many steps later."""
     streaming: bool = False
-    """Streaming DiLoCo: the coordinator's fragments (``--fragments P``) sync on staggered schedules."""
+    """Streaming DiLoCo: the coordinator's fragments (--fragments P) sync on staggered schedules."""
+    progress: str = "auto"
+    """auto (a progress line on a terminal, JSON lines otherwise), terminal or json."""
     token: str = ""
     """This island's bearer token (when the coordinator runs with --island-tokens)."""
     tls_ca: str = ""
@@ -76,16 +106,23 @@ class IslandArgs:
     tls_cert: str = ""
     """This island's certificate (mutual TLS)."""
     tls_key: str = ""
+    """This island's private key (mutual TLS)."""
     tls_server_name: str = ""
     """Name expected in the coordinator's certificate, if not the address's host."""
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.rounds < 0:
+            raise ValueError(f"rounds must be >= 0, got {self.rounds}")
         if self.nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {self.nproc}")
         if self.parallel not in MODES:
             raise ValueError(f"parallel must be one of {MODES}, got {self.parallel!r}")
+        if self.model not in PRESETS:
+            raise ValueError(f"model must be one of {', '.join(PRESETS)}, got {self.model!r}")
+        if self.progress not in ("auto", "terminal", "json"):
+            raise ValueError(f"progress must be auto, terminal or json, got {self.progress!r}")
+        if min(self.n_layer, self.n_embd, self.n_head, self.block_size, self.vocab_size, self.lr_warmup_steps) < 0:
+            raise ValueError("model sizes, vocab_size and lr_warmup_steps must be >= 0")
 
 
 def param_digest(params: dict[str, torch.Tensor]) -> str:
@@ -104,23 +141,26 @@ def model_digest(model: torch.nn.Module) -> str:
         return param_digest({n: full_tensor(p) for n, p in model.named_parameters()})
 
 
+def autocast(device: torch.device):
+    """bf16 autocast on accelerators (fp32 master weights); plain fp32 on the CPU."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if device.type != "cpu" else nullcontext()
+
+
 @torch.no_grad()
-def evaluate(model: TinyGPT, data: CharDataset) -> float:
+def evaluate(model: TinyGPT, data, device: torch.device | None = None) -> float:
     was_training = model.training
     model.eval()
+    device = device or next(model.parameters()).device
     total, count = 0.0, 0
     for x, y in data.eval_batches():
-        _, loss = model(x, y)
+        with autocast(device):
+            _, loss = model(x.to(device), y.to(device))
         total += loss.item() * x.numel()
         count += x.numel()
     if hasattr(model, "reshard"):  # FSDP2 root keeps its parameters gathered after a forward
         model.reshard()
     model.train(was_training)
     return total / count
-
-
-def emit(event: str, **fields) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 def relaunch_command(args: IslandArgs, argv: list[str]) -> list[str]:
@@ -141,6 +181,25 @@ def relaunch_command(args: IslandArgs, argv: list[str]) -> list[str]:
     return [*launcher, "-m", "atoll", *rest]
 
 
+def load_data(args: IslandArgs, block_size: int):
+    if not args.data:
+        return CharDataset(block_size=block_size)
+    return TokenDataset.from_file(args.data, block_size=block_size, vocab_size=args.vocab_size)
+
+
+def build_model(args: IslandArgs, vocab_size: int) -> TinyGPT:
+    cfg = preset(
+        args.model,
+        vocab_size=vocab_size,
+        n_layer=args.n_layer or None,
+        n_embd=args.n_embd or None,
+        n_head=args.n_head or None,
+        block_size=args.block_size or None,
+    )
+    torch.manual_seed(args.seed)
+    return TinyGPT(cfg)
+
+
 def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         if argv is None:
@@ -149,28 +208,37 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
         os.execv(cmd[0], cmd)  # the launcher replaces this process (same pid for the harness)
     torch.set_num_threads(args.threads)
     tune_for_bulk_buffers()  # our own island process (the DiLoCo class leaves a user's allocator alone)
-    data = CharDataset(block_size=args.block_size)
-    torch.manual_seed(args.seed)
-    model = TinyGPT(
-        GPTConfig(
-            vocab_size=data.vocab_size,
-            block_size=args.block_size,
-            n_layer=args.n_layer,
-            n_head=args.n_head,
-            n_embd=args.n_embd,
-        )
-    )
+    block = args.block_size or PRESETS[args.model]["block_size"]
+    data = load_data(args, block)
+    model = build_model(args, data.vocab_size)
     layout = parallelize(model, args.parallel)
-    lead = layout.rank == 0
     opt = torch.optim.AdamW(model.parameters(), lr=args.inner_lr, weight_decay=0.1, betas=(0.9, 0.95))
+    warmup = args.lr_warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
     data_seed = args.data_seed
-    if data_seed is None:
+    if data_seed < 0:
         data_seed = int.from_bytes(hashlib.sha256(args.island_id.encode()).digest()[:4], "little")
     gen = torch.Generator().manual_seed(data_seed)
     if args.batch_size % layout.dp_size:
         raise ValueError(f"batch_size {args.batch_size} must divide over {layout.dp_size} data-parallel ranks")
     per_rank = args.batch_size // layout.dp_size
     faults = IslandFaults(args.faults)
+    ckpt = None
+    if args.checkpoint_dir:
+        from atoll.workload.checkpoint import IslandCheckpointer
+
+        ckpt = IslandCheckpointer(args.checkpoint_dir, rank=layout.rank, world=layout.world)
+
+    def save_checkpoint(sync: DiLoCo) -> None:
+        extra = {
+            "diloco": sync.state_dict(),
+            "scheduler": sched.state_dict(),
+            "generator": gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        ckpt.save(sync.inner_steps, model, opt, extra)
+
     sync = DiLoCo(
         model,
         opt,
@@ -179,13 +247,17 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
         run_id=args.run_id,
         island_id=args.island_id,
         retry=RetryPolicy(give_up_seconds=args.give_up_seconds),
+        connect_timeout_seconds=args.connect_timeout_seconds,
         keep_last_delta=bool(args.dump_dir),
         sync_every_seconds=args.sync_every_seconds or None,
         heartbeat_seconds=args.heartbeat_seconds,
         overlap_steps=args.overlap_steps,
         streaming=args.streaming,
+        outer_state=args.outer_state,
+        token_group=layout.dp_group,
         client_factory=faults.client_factory,
         token=args.token or None,
+        before_push=save_checkpoint if ckpt else None,
         tls=ClientTls(
             ca=args.tls_ca,
             cert=args.tls_cert or None,
@@ -195,88 +267,110 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
         if args.tls_ca
         else None,
     )
-    sync.start()
+    resumed = ckpt.load(model, opt) if ckpt else None
+    if resumed is not None:
+        sync.load_state_dict(resumed["diloco"])
+        sched.load_state_dict(resumed["scheduler"])
+        gen.set_state(resumed["generator"])
+        torch.set_rng_state(resumed["torch_rng"])
+        if resumed["cuda_rng"]:
+            torch.cuda.set_rng_state_all(resumed["cuda_rng"])
+    reporter = Reporter(args.progress, lead=layout.rank == 0, island=args.island_id)
     try:
-        start_eval = evaluate(model, data)
-        digest = model_digest(model) if args.digest else None
-        if lead:
-            emit(
-                "joined",
-                island=args.island_id,
-                round=sync.round,
-                sync_every=sync.sync_every,
-                eval_loss=start_eval,
-                digest=digest,
-                ranks=layout.world,
-                parallel=layout.mode,
-            )
-        round_mark = time.perf_counter()
-
-        def digest_now() -> str | None:
-            if not args.digest:
-                return None
-            if args.overlap_steps:  # the model also holds progress made during the exchange
-                return param_digest(sync.global_params()) if layout.world == 1 else None
-            return model_digest(model)
-
-        def report(stats) -> None:
-            nonlocal round_mark
-            if args.dump_dir and stats.round == 0:
-                _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
-            round_seconds = time.perf_counter() - round_mark  # compute + sync of this round
-            eval_loss = evaluate(model, data) if args.eval_every_round else None
-            digest = digest_now()
-            round_mark = time.perf_counter()  # evaluation and digests are not part of the round
-            if lead:
-                emit(
-                    "round",
-                    island=args.island_id,
-                    round=stats.round,
-                    now_round=sync.round,
-                    loss=stats.loss,
-                    global_loss=stats.global_loss,
-                    eval_loss=eval_loss,
-                    bytes_sent=stats.bytes_sent,
-                    bytes_received=stats.bytes_received,
-                    sync_seconds=stats.sync_seconds,
-                    round_seconds=round_seconds,
-                    inner_steps=stats.inner_steps,
-                    tokens=stats.tokens,
-                    update=stats.update_kind,
-                    digest=digest,
-                    max_payload_numel=stats.max_payload_numel,
-                    step=sync.inner_steps,
-                    shards=list(stats.shards),
-                )
-
-        while sync.rounds_pushed < args.rounds:
-            faults.before_round(sync.round, first_step=sync.round_steps == 0)
-            step_started = time.perf_counter()
-            x, y = data.batch(gen, args.batch_size)  # the island's global batch; each dp rank takes its slice
-            lo = layout.dp_rank * per_rank
-            x, y = x[lo : lo + per_rank].to(layout.device), y[lo : lo + per_rank].to(layout.device)
-            _, loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            faults.after_step(sync.round, time.perf_counter() - step_started)
-            step_loss = loss.detach()
-            if layout.world > 1:
-                dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-            if not math.isfinite(step_loss.item()):
-                raise FloatingPointError(f"inner loss is {step_loss.item()}")
-            stats = sync.step(tokens=args.batch_size * args.block_size, loss=step_loss.item())
-            if stats is not None:
-                report(stats)
-        for stats in sync.drain():  # overlap: the last exchanges, applied with no further steps
-            report(stats)
+        sync.start()
+        _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, reporter, resumed is not None)
+        done = {"round": sync.round, "run_complete": sync.run_complete}
     finally:
         sync.close()
+        if ckpt is not None:
+            ckpt.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
-    if lead:
-        emit("done", island=args.island_id, round=sync.round)
+    reporter.event("done", **done)
     return 0
+
+
+def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, reporter, resumed) -> None:
+    device = layout.device
+    start_eval = evaluate(model, data, device)
+    digest = model_digest(model) if args.digest else None
+    reporter.event(
+        "joined",
+        round=sync.round,
+        sync_every=sync.sync_every,
+        eval_loss=start_eval,
+        digest=digest,
+        ranks=layout.world,
+        parallel=layout.mode,
+        resumed=resumed,
+        run_complete=sync.run_complete,
+    )
+    round_mark = time.perf_counter()
+
+    def digest_now() -> str | None:
+        if not args.digest:
+            return None
+        if args.overlap_steps:  # the model also holds progress made during the exchange
+            return param_digest(sync.global_params()) if layout.world == 1 else None
+        return model_digest(model)
+
+    def report(stats) -> None:
+        nonlocal round_mark
+        if args.dump_dir and stats.round == 0:
+            _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
+        round_seconds = time.perf_counter() - round_mark  # compute + sync of this round
+        eval_loss = evaluate(model, data, device) if args.eval_every_round else None
+        digest = digest_now()
+        round_mark = time.perf_counter()  # evaluation and digests are not part of the round
+        reporter.event(
+            "round",
+            round=stats.round,
+            now_round=sync.round,
+            loss=stats.loss,
+            global_loss=stats.global_loss,
+            eval_loss=eval_loss,
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            sync_seconds=stats.sync_seconds,
+            round_seconds=round_seconds,
+            inner_steps=stats.inner_steps,
+            tokens=stats.tokens,
+            update=stats.update_kind,
+            digest=digest,
+            max_payload_numel=stats.max_payload_numel,
+            step=sync.inner_steps,
+            shards=list(stats.shards),
+            dropped=stats.dropped,
+            run_complete=stats.run_complete,
+        )
+
+    pushed_before = sync.rounds_pushed
+    while not sync.run_complete and (not args.rounds or sync.rounds_pushed - pushed_before < args.rounds):
+        faults.before_round(sync.round, first_step=sync.round_steps == 0)
+        step_started = time.perf_counter()
+        x, y = data.batch(gen, args.batch_size)  # the island's global batch; each dp rank takes its slice
+        lo = layout.dp_rank * per_rank
+        x, y = x[lo : lo + per_rank].to(device), y[lo : lo + per_rank].to(device)
+        with autocast(device):
+            _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        faults.after_step(sync.round, time.perf_counter() - step_started)
+        step_loss = loss.detach().float()
+        if layout.world > 1:
+            dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+        if not math.isfinite(step_loss.item()):
+            raise FloatingPointError(f"inner loss is {step_loss.item()}")
+        stats = sync.step(tokens=per_rank * x.shape[1], loss=step_loss.item())
+        reporter.step(
+            sync, step_loss.item(), per_rank * x.shape[1] * layout.dp_size, time.perf_counter() - step_started
+        )
+        if stats is not None:
+            report(stats)
+    for stats in sync.drain():  # overlap: the last exchanges, applied with no further steps
+        report(stats)
 
 
 def _dump_delta(dump_dir: Path, island_id: str, rank: int, sync: DiLoCo) -> None:
@@ -288,7 +382,3 @@ def _dump_delta(dump_dir: Path, island_id: str, rank: int, sync: DiLoCo) -> None
         tensors[f"t{i}"] = delta.contiguous().cpu()
         meta[f"t{i}"] = json.dumps({"name": name, "offsets": list(offsets), "sizes": list(sizes)})
     save_file(tensors, str(dump_dir / f"{island_id}-rank{rank}.safetensors"), metadata=meta)
-
-
-if __name__ == "__main__":  # pragma: no cover - used via `atoll island`
-    sys.exit(run_island(IslandArgs(coordinator=sys.argv[1], island_id=sys.argv[2])))

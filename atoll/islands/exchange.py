@@ -1,0 +1,178 @@
+"""Per-shard outer state and the exchange math, on the device the parameters live on.
+
+One :class:`ShardState` per local shard owns its outer state and where it lives:
+
+- the round-start θ (fp32) and the error-feedback residual, in host memory by default (pinned
+  when CUDA is present; write-backs run on a side stream so training is not held up), or on the
+  parameters' device (``DiLoCo(outer_state="device")``: faster, one more model copy there);
+- the overlap snapshot (θ when the exchange was pushed), placed the same way;
+- codec state that is not the residual (PowerSGD's Q: small) stays on the device with the codec.
+
+The pseudo-gradient θ_start − θ is formed and encoded on the parameters' device, a chunk at a time
+for chunked codecs; only the encoded payload crosses to the host. Pulled payloads are copied to the
+device compressed and decoded and applied there. On the CPU nothing moves and the arithmetic is
+exactly that of the plain implementation (payloads and θ bitwise unchanged).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atoll.compression import codec_of
+from atoll.islands.shards import LocalShard
+
+HOST, DEVICE = "host", "device"
+PLACEMENTS = (HOST, DEVICE)
+
+
+class Placement:
+    """Where outer state lives, and the (deliberate) copies between there and the device."""
+
+    def __init__(self, where: str, device: torch.device) -> None:
+        if where not in PLACEMENTS:
+            raise ValueError(f"outer_state must be one of {PLACEMENTS}, got {where!r}")
+        self.where = where
+        self.device = device
+        self.on_host = where == HOST and device.type != "cpu"
+        """Outer state in host memory for a device that is not the CPU (else it stays where it is)."""
+        self.pin = self.on_host and device.type == "cuda" and torch.cuda.is_available()
+        self._side = torch.cuda.Stream(device) if self.pin else None
+        self._written = None
+        """Event of the last write-back on the side stream."""
+
+    def keep(self, t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Keep ``t`` (a finished device tensor nobody modifies afterwards) as outer state: ``t`` itself,
+        or a host copy (into ``into`` when it fits) written on the side stream."""
+        if not self.on_host:
+            return t
+        dst = into if into is not None and into.shape == t.shape and into.dtype == t.dtype else self._host_like(t)
+        if self._side is None:
+            dst.copy_(t)  # a device without streams: a plain device-to-host copy
+            return dst
+        ready = torch.cuda.current_stream(self.device).record_event()
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(ready)
+            dst.copy_(t, non_blocking=True)
+        t.record_stream(self._side)  # the allocator keeps t until the copy is done
+        self._written = self._side.record_event()
+        return dst
+
+    def copy_of(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of a live tensor (a parameter about to change) as outer state, taken now on the
+        current stream, so later kernels cannot overtake it."""
+        if not self.on_host:
+            return t.detach().clone()
+        dst = self._host_like(t)
+        dst.copy_(t.detach(), non_blocking=self.pin)
+        return dst
+
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        """Outer state on the device: ``t`` itself, or a host-to-device copy of it."""
+        if not self.on_host:
+            return t
+        if self._written is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._written)
+        return t.to(self.device, non_blocking=self.pin)
+
+    def settle(self) -> None:
+        """Wait for write-backs before the host reads outer state (a checkpoint)."""
+        if self._written is not None:
+            self._written.synchronize()
+            self._written = None
+
+    def _host_like(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+
+
+class ShardState:
+    """The outer state of one local shard, and the math of one exchange on it."""
+
+    def __init__(self, shard: LocalShard, placement: Placement) -> None:
+        self.shard = shard
+        self.placement = placement
+        self.start: torch.Tensor | None = None
+        """θ of the round start (fp32, placed)."""
+        self.codec_state: dict = {}
+        """The codec's per-tensor state; its ``residual`` (error feedback) placed like ``start``."""
+        self.snapshot: torch.Tensor | None = None
+        """Overlap: θ when the exchange was pushed (placed)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.local().device
+
+    @torch.no_grad()
+    def encode(self, codec) -> bytearray:
+        """Encode this shard's pseudo-gradient θ_start − θ; the arithmetic runs on the parameters'
+        device and the payload is on the host."""
+        start = self.placement.fetch(self.start)
+        kept = self.codec_state.get("residual")
+        if kept is not None:
+            self.codec_state["residual"] = self.placement.fetch(kept)
+        payload = codec.encode_difference(start, self.shard.local().detach(), self.codec_state)
+        if "residual" in self.codec_state:
+            self.codec_state["residual"] = self.placement.keep(self.codec_state["residual"], into=kept)
+        return payload
+
+    @torch.no_grad()
+    def delta(self) -> torch.Tensor:
+        """θ_start − θ as a tensor on the device (for inspection: ``keep_last_delta``)."""
+        return self.placement.fetch(self.start) - self.shard.local().detach().float()
+
+    @torch.no_grad()
+    def take_snapshot(self) -> None:
+        self.snapshot = self.placement.copy_of(self.shard.local().float())
+
+    @torch.no_grad()
+    def apply(self, payload, full: bool) -> None:
+        """Advance θ_start by one pulled update: θ itself (``full``) or θ_start + u, decoded on the device."""
+        codec = codec_of(payload)
+        if full:
+            new = codec.decode(payload, self.shard.sizes, device=self.device)
+        else:
+            new = self.placement.fetch(self.start)
+            if codec.lossy:  # decode then add, as the coordinator does: bitwise its θ
+                new.add_(codec.decode(payload, self.shard.sizes, device=self.device))
+            else:  # fp32: adding straight from the payload is the same arithmetic, without a temporary
+                codec.decode_add_(payload, new)
+        self.start = self.placement.keep(new, into=self.start)
+
+    @torch.no_grad()
+    def load_into_param(self, merge: bool) -> None:
+        """Write θ_start into the parameter; with ``merge``, keep the progress made since the snapshot:
+        θ ← θ_start + (θ − θ_snapshot)."""
+        start = self.placement.fetch(self.start)
+        local = self.shard.local()
+        if merge:
+            local.add_(start - self.placement.fetch(self.snapshot))
+            self.snapshot = None
+        else:
+            local.copy_(start)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """CPU copies of the outer state (the snapshot is not kept: it is θ at a push, which a
+        checkpoint taken at the push holds as the model itself)."""
+        self.placement.settle()
+        return {"start": _cpu(self.start), "codec_state": _map_tensors(self.codec_state, _cpu)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        device = self.device
+        start = sd["start"].to(device=device, dtype=torch.float32)
+        self.start = self.placement.keep(start)
+        state = _map_tensors(sd["codec_state"], lambda t: t.to(device))
+        if state.get("residual") is not None:
+            state["residual"] = self.placement.keep(state["residual"])
+        self.codec_state = state
+
+
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().to("cpu", copy=True)
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,245 @@
+"""One island's link with one coordinator shard: join, bootstrap, heartbeats, push, pull.
+
+Every protocol outcome is handled here, by its reason or outcome field (never by message text):
+a coordinator that forgot the island (NOT_JOINED) is re-joined and the call repeated; a refusal
+the user must act on (model, codec, run id, island id) becomes :class:`CoordinatorRefused`; a push
+for a closed round comes back as ``PUSH_OUTCOME_ROUND_CLOSED`` (the work is dropped); a pull
+that finds the bootstrap claim passed to this island uploads θ_0; a long wait for an outer step
+is reported at WARNING with what the round waits for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from atoll.islands.client import RETRYABLE, CoordinatorClient
+from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.status import reason_of
+
+log = logging.getLogger("atoll.island")
+
+FATAL = {
+    "REASON_WRONG_RUN",
+    "REASON_MODEL_MISMATCH",
+    "REASON_CODEC_MISMATCH",
+    "REASON_SHARD_MISMATCH",
+    "REASON_SESSION_CONFLICT",
+    "REASON_EVICTED",
+    "REASON_BAD_REQUEST",
+    "REASON_NOT_BOOTSTRAPPER",
+    "REASON_TOKENS_OUT_OF_RANGE",
+    "REASON_INCOMPLETE_ISLAND",
+    "REASON_UNAUTHENTICATED",
+    "REASON_PERMISSION_DENIED",
+}
+"""Refusals that retrying cannot fix: the user must change something."""
+WAIT_WARN_SECONDS = 60.0
+"""Report a wait for an outer step at WARNING after this long, and again as long as it lasts."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    run_id: str
+    island_id: str
+    session_id: str
+    rank: int
+    num_ranks: int
+
+
+def refused(err: grpc.RpcError) -> CoordinatorRefused | None:
+    """The refusal to raise for a call the coordinator refused for good, else None."""
+    reason = reason_of(err)
+    if reason in FATAL:
+        return CoordinatorRefused(reason, err.details() or reason)
+    return None
+
+
+class Session:
+    def __init__(
+        self,
+        index: int,
+        client: CoordinatorClient,
+        me: Identity,
+        join_request: Callable[[], pb.JoinRequest],
+        regions: list[pb.TensorEntry],
+        *,
+        pull_wait_seconds: float = 10.0,
+    ) -> None:
+        """``join_request()`` builds this link's JoinRequest (its tensors, partition, codecs);
+        ``regions``: what this rank pulls (its shards' regions; whole tensors with no offsets)."""
+        self.index = index
+        self.regions = regions
+        self.client = client
+        self.me = me
+        self.join_request = join_request
+        self.pull_wait_seconds = pull_wait_seconds
+        self.round = -1
+        self.run_complete = False
+        self.joined: pb.JoinResponse | None = None
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    def join(self, *, give_up_seconds: float | None = None) -> pb.JoinResponse:
+        try:
+            resp = self.client.join(self.join_request(), give_up_seconds=give_up_seconds)
+        except grpc.RpcError as err:
+            fatal = refused(err)
+            if fatal is not None:
+                raise fatal from None
+            if err.code() in RETRYABLE:
+                waited = give_up_seconds if give_up_seconds is not None else self.client.retry.give_up_seconds
+                raise CoordinatorUnreachable(
+                    f"coordinator {self.address} unreachable for {waited:.0f}s ({err.code().name}: {err.details()})"
+                ) from None
+            raise
+        self.joined = resp
+        self.run_complete = self.run_complete or resp.run_complete
+        return resp
+
+    def heartbeat(self) -> None:
+        m = self.me
+        try:
+            resp = self.client.heartbeat(
+                pb.HeartbeatRequest(run_id=m.run_id, island_id=m.island_id, round=self.round, session_id=m.session_id)
+            )
+            self.run_complete = self.run_complete or resp.run_complete
+        except grpc.RpcError as err:
+            if reason_of(err) == "REASON_NOT_JOINED":
+                log.info("coordinator shard %d forgot %s; re-joining", self.index, m.island_id)
+                try:
+                    self.join(give_up_seconds=self.client.retry.rpc_timeout_seconds)
+                except (grpc.RpcError, CoordinatorRefused) as again:
+                    log.warning("re-join of shard %d failed: %s", self.index, again)
+
+    def leave(self) -> None:
+        m = self.me
+        try:
+            self.client.leave(
+                pb.LeaveRequest(run_id=m.run_id, island_id=m.island_id, session_id=m.session_id),
+                give_up_seconds=self.client.retry.rpc_timeout_seconds,
+            )
+        except grpc.RpcError as err:
+            log.warning("leave failed on shard %d: %s", self.index, err.details())
+
+    # ---- pushes ------------------------------------------------------------------------------
+    def header(self, kind, round_: int, shards, payloads, codec: str, *, tokens=0, loss=None, steps=0) -> pb.PushHeader:
+        m = self.me
+        h = pb.PushHeader(
+            run_id=m.run_id,
+            island_id=m.island_id,
+            session_id=m.session_id,
+            round=round_,
+            kind=kind,
+            rank=m.rank,
+            num_ranks=m.num_ranks,
+            tokens=tokens,
+            codec=codec,
+            inner_steps=steps,
+        )
+        if loss is not None:
+            h.loss = loss
+        for s, payload in zip(shards, payloads, strict=True):
+            h.entries.add(name=s.name, offsets=list(s.offsets), sizes=list(s.sizes), num_bytes=len(payload))
+        return h
+
+    def push(self, header: pb.PushHeader, payloads: list) -> int:
+        """Push; returns the PushOutcome (PUSH_OUTCOME_ROUND_CLOSED: the work was dropped)."""
+        while True:
+            try:
+                resp = self.client.push(header, payloads)
+            except grpc.RpcError as err:
+                if reason_of(err) == "REASON_NOT_JOINED":  # the coordinator restarted and forgot us
+                    self.join()
+                    continue
+                fatal = refused(err)
+                if fatal is not None:
+                    raise fatal from None
+                raise
+            if resp.outcome == pb.PUSH_OUTCOME_ROUND_CLOSED:
+                log.warning(
+                    "%s: round %d closed before our push arrived; it is dropped", self.me.island_id, header.round
+                )
+            elif resp.outcome == pb.PUSH_OUTCOME_RUN_COMPLETE:
+                self.run_complete = True
+            return resp.outcome
+
+    # ---- pulls -------------------------------------------------------------------------------
+    def pull_until_ready(
+        self,
+        have_round: int,
+        *,
+        on_update: Callable[[pb.UpdateHeader, list], None],
+        repush: Callable[[], tuple] | None = None,
+        bootstrap: Callable[[], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> tuple[str, float | None]:
+        """Long-poll until the outer step past ``have_round`` is out; hand each update (several when
+        catching up, one round each) to ``on_update(header, payloads)``. Returns (update kind, loss):
+        ``"NOT_READY"`` when the run completed with this island already holding its final θ.
+
+        ``repush()``: (header, payloads) of this island's push for ``have_round``, sent again when the
+        coordinator says it has none (it restarted). ``bootstrap()``: upload θ_0 when the claim passes
+        to this island. ``cancel``: give up between polls once set (the island is closing)."""
+        started = warned = time.monotonic()
+        m = self.me
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise RuntimeError(f"{m.island_id}: closed while waiting for round {have_round}'s outer step")
+            req = pb.PullRequest(
+                run_id=m.run_id,
+                island_id=m.island_id,
+                session_id=m.session_id,
+                have_round=have_round,
+                wait_seconds=self.pull_wait_seconds,
+            )
+            req.regions.extend(self.regions)
+            try:
+                header, payloads = self.client.pull(req)
+            except grpc.RpcError as err:
+                if reason_of(err) == "REASON_NOT_JOINED":
+                    self.join()
+                    continue
+                fatal = refused(err)
+                if fatal is not None:
+                    raise fatal from None
+                raise
+            self.run_complete = self.run_complete or header.run_complete
+            if header.kind == pb.UPDATE_KIND_NOT_READY:
+                if header.bootstrap and bootstrap is not None:
+                    log.warning("%s: the bootstrap claim passed to this island; uploading θ_0", m.island_id)
+                    bootstrap()
+                    continue
+                if header.run_complete and header.round == have_round:
+                    return "NOT_READY", None
+                if repush is not None and not header.committed and header.round == have_round:
+                    # The coordinator lost our push (it restarted): idempotent, so send it again.
+                    log.info("%s: coordinator has no push from us for round %d; re-pushing", m.island_id, have_round)
+                    if self.push(*repush()) == pb.PUSH_OUTCOME_ROUND_CLOSED:
+                        repush = None
+                now = time.monotonic()
+                if now - warned >= WAIT_WARN_SECONDS:
+                    log.warning(
+                        "%s: waited %.0fs for round %d's outer step (shard %d): %s",
+                        m.island_id,
+                        now - started,
+                        header.round,
+                        self.index,
+                        header.waiting or "the coordinator has not closed the round",
+                    )
+                    warned = now
+                continue
+            on_update(header, payloads)
+            self.round = header.round
+            if header.round < header.latest_round:  # several rounds behind: next delta right away
+                have_round, repush = header.round, None
+                continue
+            return pb.UpdateKind.Name(header.kind), (header.loss if header.HasField("loss") else None)

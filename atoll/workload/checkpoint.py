@@ -1,0 +1,134 @@
+"""Island checkpoints: model, inner optimizer, LR schedule, data position, RNG and DiLoCo state.
+
+Saved at each push (``DiLoCo(before_push=...)``), in the background, and loaded at start, so a
+killed island restarted with the same arguments resumes where it was: it re-pushes the round it
+had pushed (the coordinator answers "duplicate" if it has it) and continues with exactly the
+optimizer moments, data position and random state of the uninterrupted run.
+
+``DIR/step-<inner steps>/`` holds a torch.distributed.checkpoint of the model and optimizer (as the
+island shards them: FSDP2 and TP DTensors via ``get_state_dict``), and per rank ``rank-<r>.pt``
+(torch.save of the rest) and a ``done-<r>`` marker written last. A checkpoint counts only once every
+rank's marker is there: a crash mid-save leaves the previous one in charge. DCP writes from a
+background thread on a process group of its own (gloo), so its collectives never interleave with
+the training thread's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger("atoll.island")
+
+PREFIX = "step-"
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class IslandCheckpointer:
+    def __init__(self, directory: str | Path, *, rank: int = 0, world: int = 1, keep: int = 2) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world, self.keep = rank, world, keep
+        self.group = dist.new_group(backend="gloo") if world > 1 else None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.saves = 0
+        self.save_seconds = 0.0
+        """Time the training thread spent starting saves (staging to CPU)."""
+
+    # ---- saving ---------------------------------------------------------------------------------
+    def save(self, step: int, model: torch.nn.Module, optimizer, extra: dict) -> None:
+        """Stage the state on the CPU now and write it in the background (the previous save must be
+        done; a save that failed raises here)."""
+        started = time.perf_counter()
+        self.wait()
+        path = self.dir / f"{PREFIX}{step:010d}"
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        future = dcp.async_save(
+            {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=self.group
+        )
+        self._thread = threading.Thread(target=self._finish, args=(future, path, extra), name="atoll-ckpt", daemon=True)
+        self._thread.start()
+        self.saves += 1
+        self.save_seconds += time.perf_counter() - started
+
+    def _finish(self, future, path: Path, extra: dict) -> None:
+        try:
+            future.result()
+            import io
+
+            buf = io.BytesIO()
+            torch.save(extra, buf)
+            _fsync_write(path / f"rank-{self.rank}.pt", buf.getvalue())
+            _fsync_write(path / f"done-{self.rank}", b"ok\n")
+            if self.rank == 0:
+                self._prune()
+        except BaseException as err:  # raised by the next save or wait()
+            self._error = err
+
+    def wait(self) -> None:
+        """Block until the save in progress is written."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing the island checkpoint failed: {err}") from err
+
+    def _complete(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        out = []
+        for p in sorted(self.dir.glob(f"{PREFIX}*")):
+            if p.is_dir() and (p / ".metadata").exists() and all((p / f"done-{r}").exists() for r in range(self.world)):
+                out.append(p)
+        return out
+
+    def _prune(self) -> None:
+        complete = self._complete()
+        if not complete:
+            return
+        newest = complete[-1]
+        keep = set(complete[-self.keep :])
+        for p in self.dir.glob(f"{PREFIX}*"):
+            if p not in keep and p.name < newest.name:
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ---- loading --------------------------------------------------------------------------------
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (rank 0 decides; every rank loads the same)."""
+        complete = self._complete()
+        choice = [str(complete[-1]) if complete else ""]
+        if self.world > 1:
+            dist.broadcast_object_list(choice, src=0, group=self.group)
+        return Path(choice[0]) if choice[0] else None
+
+    def load(self, model: torch.nn.Module, optimizer) -> dict | None:
+        """Load the newest complete checkpoint into ``model`` and ``optimizer``; returns this rank's
+        extra state, or None when there is none."""
+        path = self.latest()
+        if path is None:
+            return None
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = torch.load(path / f"rank-{self.rank}.pt", weights_only=True)
+        log.info("loaded the island checkpoint %s", path)
+        return extra

@@ -1,0 +1,43 @@
+"""The examples under examples/ run as users would run them: a coordinator and two island processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from atoll.harness.processes import ManagedProcess
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(group, tmp_path, script: str, run_id: str, sync_every: int, extra=()) -> list[dict]:
+    coord, address = group.start_coordinator(
+        tmp_path / "state", ["--run-id", run_id, "--sync-every", str(sync_every), "--quorum", "2"]
+    )
+    procs = []
+    for island in ("site-a", "site-b"):
+        argv = [sys.executable, str(EXAMPLES / script), "--coordinator", address, "--island-id", island, *extra]
+        procs.append(ManagedProcess(island, argv, group.work_dir))
+        group.processes.append(procs[-1])
+    codes = [p.wait(240) for p in procs]
+    assert codes == [0, 0], [p.log_tail() for p in procs]
+    coord.stop()
+    return [json.loads(p.lines[-1]) for p in procs]
+
+
+@pytest.mark.timeout(300)
+def test_plain_pytorch_example(group, tmp_path):
+    a, b = run_example(group, tmp_path, "plain_pytorch.py", "example", 20)
+    assert a["digest"] == b["digest"]
+    assert a["last_loss"] < 0.7 * a["first_loss"], a
+
+
+@pytest.mark.timeout(300)
+def test_hugging_face_transformers_example(group, tmp_path):
+    pytest.importorskip("transformers", reason="the dev extra installs transformers (pip install -e '.[dev]')")
+    a, b = run_example(group, tmp_path, "hf_transformers.py", "hf", 10)
+    assert a["digest"] == b["digest"]
+    assert a["last_loss"] < a["first_loss"], a

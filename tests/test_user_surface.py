@@ -1,0 +1,386 @@
+"""The user's surface (issue: no silent misreadings, fast clear failures, wrappers, observability).
+
+Each test is what a new user ran into: a flag read as another, an override dropped silently, a
+wrong address hanging for minutes, a compiled model refused, buffers left unsynced, missing token
+counts weighing 1, metrics without the loss, a traceback where one line would do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+from conftest import collect_events, coordinator_flags, island_flags
+
+from atoll.cli import build_parser
+from atoll.coordinator import RunConfig
+from atoll.islands import CoordinatorRefused, DiLoCo
+from atoll.islands import session as session_module
+from atoll.islands.client import RetryPolicy
+from atoll.protos import coordinator_pb2 as pb
+
+H = 4
+
+
+def model_fn(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def run_rounds(sync, model, rounds: int, seed: int = 1, tokens: int = 10) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(rounds * sync.sync_every):
+        x = torch.randn(16, 6, generator=gen)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sync.step(tokens=tokens, loss=loss.item())
+
+
+def diloco(address, model=None, **kw):
+    kw.setdefault("island_id", "u")
+    kw.setdefault("retry", RetryPolicy(give_up_seconds=15))
+    return DiLoCo(model if model is not None else model_fn(), None, coordinator=address, run_id="t", **kw)
+
+
+# ---- 1. no silent misreadings ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["island", "--coordinator", "h:1", "--island-id", "a", "--sync-every", "10"],
+        ["coordinator", "--state-dir", "x", "--sync", "5"],
+        ["demo", "--island", "3"],
+    ],
+)
+def test_no_prefix_matching_anywhere_in_the_cli(argv, capsys):
+    """(Before: ``--sync-every 10`` was taken as ``--sync-every-seconds 10``.)"""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_an_h_the_run_overrides_is_warned_about_naming_both(start_server, caplog):
+    srv = start_server(RunConfig(run_id="t", sync_every=H))
+    caplog.set_level(logging.WARNING, logger="atoll")
+    sync = diloco(srv.address, sync_every=5).start()
+    sync.close()
+    assert any("sync_every=5 overrides the run's H=4" in r.getMessage() for r in caplog.records)
+
+
+def test_codec_parameters_the_run_does_not_use_are_refused_naming_both(start_server):
+    srv = start_server(RunConfig(run_id="t", sync_every=H, codec="int8"))
+    with pytest.raises(
+        CoordinatorRefused, match=r"'int8:block=64,scale=fp32' was asked for; the run uses 'int8:block=256"
+    ):
+        diloco(srv.address, codec="int8:block=64").start()
+    diloco(srv.address, codec="int8", island_id="v").start().close()  # a name alone takes the run's parameters
+
+
+# ---- 2. fast, clear failures ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("address", "says"),
+    [
+        ("localhost", "has no port"),
+        ("http://coord:7070", "without a scheme"),
+        ("coord:http", "not host:port"),
+        ("coord:99999", "outside 1..65535"),
+        ("", "host:port"),
+        ("a:1,,b", "'b' has no port"),
+    ],
+)
+def test_malformed_addresses_raise_at_construction(address, says):
+    with pytest.raises(ValueError, match=says):
+        diloco(address)
+
+
+def dead_address() -> str:
+    import socket
+
+    with socket.socket() as s:  # bound, never listening: connections are refused at once
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_an_unreachable_coordinator_warns_within_seconds_and_the_connect_deadline_holds():
+    """A user's script with no logging setup: the warning reaches stderr (Python prints WARNING and up
+    by default), within seconds; start() gives up at the deadline the user set."""
+    script = textwrap.dedent(
+        f"""
+        import time, torch
+        from atoll.islands import DiLoCo
+        started = time.monotonic()
+        try:
+            DiLoCo(torch.nn.Linear(2, 2), None, coordinator="{dead_address()}", connect_timeout_seconds=6).start()
+        except Exception as err:
+            print(f"raised {{type(err).__name__}} after {{time.monotonic() - started:.1f}}s")
+        """
+    )
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - started
+    assert "unreachable for" in proc.stderr, proc.stderr
+    raised = float(proc.stdout.split("after ")[1].rstrip("s\n"))
+    assert 5.0 <= raised <= 12.0 and took < 30, proc.stdout
+
+
+def test_a_long_wait_for_the_outer_step_says_what_the_round_waits_for(start_server, raw_island, monkeypatch, caplog):
+    monkeypatch.setattr(session_module, "WAIT_WARN_SECONDS", 1.0)
+    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=2, round_deadline_seconds=600))
+    caplog.set_level(logging.WARNING, logger="atoll")
+    sync = diloco(srv.address, pull_wait_seconds=0.5).start()
+    other = raw_island(srv.address, "other", {"0.weight": (8, 6), "0.bias": (8,), "2.weight": (3, 8), "2.bias": (3,)})
+    other.join()
+    done = []
+    worker = threading.Thread(target=lambda: done.append(run_rounds(sync, sync.model, 1)))
+    worker.start()
+    time.sleep(2.5)
+    model = model_fn()
+    other.push({n: torch.zeros_like(p) for n, p in model.named_parameters()}, round_=0, tokens=10)
+    worker.join(20)
+    sync.close()
+    waits = [r.getMessage() for r in caplog.records if "for round 0's outer step" in r.getMessage()]
+    assert waits and "1 of quorum 2 committed, waiting for other" in waits[0]
+
+
+# ---- 3. names of wrapped models --------------------------------------------------------------------
+def test_a_compiled_and_checkpoint_wrapped_island_joins_a_run_of_plain_islands(start_server):
+    """(Before: ``_orig_mod.`` and ``_checkpoint_wrapped_module.`` made the names differ: refused.)"""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    srv = start_server(RunConfig(run_id="t", sync_every=H, quorum=2))
+    plain = diloco(srv.address, island_id="plain")
+    inner = model_fn()
+    inner[0] = checkpoint_wrapper(inner[0])
+    wrapped_model = torch.compile(inner)  # compiled lazily: only the names matter here
+    assert any("_orig_mod." in n and "_checkpoint_wrapped_module." in n for n, _ in wrapped_model.named_parameters())
+    wrapped = diloco(srv.address, model=wrapped_model, island_id="wrapped")
+    plain.start()
+    wrapped.start()
+    try:
+        assert set(wrapped.global_params()) == {n for n, _ in plain.model.named_parameters()}
+        for a, b in zip(plain.global_params().values(), wrapped.global_params().values(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        plain.close()
+        wrapped.close()
+
+
+# ---- 4. buffers --------------------------------------------------------------------------------------
+def bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
+
+
+def test_floating_point_buffers_are_averaged_over_the_islands(start_server):
+    """(Before: BatchNorm's running statistics were never synced: same weights, different buffers.)"""
+    srv = start_server(RunConfig(run_id="t", sync_every=H, quorum=2, outer_lr=0.7, outer_momentum=0.9))
+    islands = [diloco(srv.address, model=bn_model(), island_id=f"i{k}") for k in range(2)]
+    for s in islands:
+        s.start()
+    before = islands[0].model[1].running_mean.clone()
+    local = []
+    threads = []
+
+    def train(s, seed):
+        gen = torch.Generator().manual_seed(seed)
+        opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+        for step in range(H):
+            x = torch.randn(16, 6, generator=gen) * (1 + seed)
+            loss = s.model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == H - 1:
+                local.append(s.model[1].running_mean.clone())
+            s.step(tokens=16, loss=loss.item())
+
+    for k, s in enumerate(islands):
+        threads.append(threading.Thread(target=train, args=(s, k)))
+        threads[-1].start()
+    for t in threads:
+        t.join(30)
+    try:
+        means = [s.model[1].running_mean for s in islands]
+        assert torch.equal(means[0], means[1]) and not torch.equal(means[0], before)
+        torch.testing.assert_close(means[0], (local[0] + local[1]) / 2, rtol=0, atol=1e-6)  # a plain mean
+        assert torch.equal(islands[0].model[1].num_batches_tracked, torch.tensor(H))  # integer: stays local
+    finally:
+        for s in islands:
+            s.close()
+
+
+def test_buffers_can_be_left_out_but_not_by_half_the_run(start_server):
+    srv = start_server(RunConfig(run_id="t", sync_every=H))
+    first = diloco(srv.address, model=bn_model(), island_id="a", sync_buffers=False).start()
+    try:
+        with pytest.raises(CoordinatorRefused, match="sync buffers the same way"):
+            diloco(srv.address, model=bn_model(), island_id="b").start()
+    finally:
+        first.close()
+
+
+# ---- 5. tokens --------------------------------------------------------------------------------------
+def test_missing_token_counts_are_warned_about_on_both_sides(start_server, raw_island, caplog):
+    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=1, round_deadline_seconds=0.5))
+    caplog.set_level(logging.WARNING, logger="atoll")
+    shapes = {"w": (2, 2)}
+    a, b = raw_island(srv.address, "a", shapes), raw_island(srv.address, "b", shapes)
+    a.join()
+    b.join()
+    a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    b.push({"w": torch.ones(2, 2)}, round_=0, tokens=0, loss=1.0)
+    a.push({"w": torch.ones(2, 2)}, round_=0, tokens=1000, loss=1.0)  # both in: the round closes
+    a.pull(0)
+    assert any("reported no tokens" in r.getMessage() and "b" in r.getMessage() for r in caplog.records)
+
+    class W(torch.nn.Module):  # the run's model: one tensor "w"
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(2, 2))
+
+    sync = diloco(srv.address, model=W(), island_id="c", sync_every=1)
+    sync.start()
+    try:
+        sync.step(loss=1.0)  # no tokens=
+    finally:
+        sync.close()
+    assert any("step() got no tokens=" in r.getMessage() for r in caplog.records)
+
+
+# ---- 6. observability -------------------------------------------------------------------------------
+def test_metrics_carry_loss_tokens_and_each_islands_state(start_server, raw_island):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv = start_server(RunConfig(run_id="t", sync_every=1), admin_port=0)
+    a = raw_island(srv.address, "a", {"w": (2, 2)})
+    a.join()
+    a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({"w": torch.ones(2, 2)}, round_=0, tokens=640, loss=2.5)
+    a.pull(0)
+    with urllib.request.urlopen(srv.server.admin.address + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    m = {
+        s.name + json.dumps(s.labels, sort_keys=True): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert m["atoll_round_loss{}"] == 2.5 and m["atoll_round_tokens{}"] == 640 and m["atoll_tokens_per_second{}"] > 0
+    assert m['atoll_island_state{"island": "a", "state": "active"}'] == 1
+    assert 0 <= m['atoll_island_last_push_age_seconds{"island": "a"}'] < 30
+
+
+def test_lease_expiry_is_logged_and_fragment_lines_say_which(start_server, raw_island, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="atoll")
+    srv = start_server(
+        RunConfig(run_id="t", sync_every=1, lease_seconds=0.3), shard=(1, 2), partition="layers", name="fragment 1/2: "
+    )
+    a = raw_island(srv.address, "a", {"w": (2, 2)})
+    a.join(shard_index=1, num_shards=2, partition="layers", layout_digest="d")
+    time.sleep(2.5)
+    messages = [r.getMessage() for r in caplog.records if r.name == "atoll.coordinator"]
+    assert any(m.startswith("fragment 1/2: island a joined") for m in messages)
+    assert any(m.startswith("fragment 1/2: island a: lease expired") for m in messages)
+
+
+def test_atoll_status_prints_the_run_at_a_glance(start_server, raw_island):
+    srv = start_server(RunConfig(run_id="glance", sync_every=1), admin_port=0, admin_token="tok")
+    a = raw_island(srv.address, "a", {"w": (2, 2)}, run_id="glance")
+    a.join()
+    a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({"w": torch.ones(2, 2)}, round_=0, tokens=640, loss=2.5)
+    a.pull(0)
+    cmd = [sys.executable, "-m", "atoll", "status", "--admin", srv.server.admin.address]
+    out = subprocess.run([*cmd, "--token", "tok"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "run glance: round 1" in out.stdout and "health: ok" in out.stdout
+    assert any(line.split()[:2] == ["a", "active"] for line in out.stdout.splitlines())
+    assert "2.5000" in out.stdout and "640" in out.stdout
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "HTTP 401" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_progress_on_a_terminal_and_json_lines_otherwise():
+    import io
+
+    from atoll.workload.progress import Reporter
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    class FakeSync:
+        round, round_steps, sync_every = 3, 5, 20
+
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        r = Reporter("auto", lead=True, island="i", stream=stream)
+        r.step(FakeSync(), 2.5, 1024, 0.1)
+        r.event(
+            "round",
+            round=3,
+            loss=2.5,
+            global_loss=2.4,
+            eval_loss=2.6,
+            inner_steps=20,
+            tokens=20480,
+            bytes_sent=2_488_000,
+            bytes_received=1_200,
+            sync_seconds=0.5,
+            round_seconds=5.0,
+        )
+    assert "step 5/20" in tty.getvalue() and "10,240 tok/s" in tty.getvalue() and "next sync in ~2s" in tty.getvalue()
+    assert "sent 2.5 MB" in tty.getvalue() and "10% of the round" in tty.getvalue()
+    assert json.loads(pipe.getvalue())["bytes_sent"] == 2_488_000  # one JSON object per line, nothing else
+
+
+# ---- 7. CLI polish -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["coordinator", "island", "demo", "status", "export", "rollback"])
+def test_every_flag_has_help_with_allowed_values(command):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    for action in sub._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 12, (command, action.option_strings)
+    text = sub.format_help()
+    if command == "coordinator":
+        for words in ("drop", "fold", "clipped_mean", "median", "seconds", "int8", "topk"):
+            assert words in text, words
+
+
+def test_version_and_log_level_after_the_subcommand(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out.startswith("atoll ")
+    ns = build_parser().parse_args(["status", "--admin", "http://x", "--log-level", "DEBUG"])
+    assert ns.log_level == "DEBUG"
+    assert build_parser().parse_args(["status", "--admin", "http://x"]).log_level == "INFO"
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_leaves_the_run_with_one_line_and_a_model_mismatch_is_one_line(group, tmp_path):
+    coord, address = group.start_coordinator(tmp_path / "state", coordinator_flags(sync_every=500, quorum=1))
+    isl = group.start("i", island_flags(address, "i", rounds=3))
+    collect_events([isl], until=lambda ev: any(e["event"] == "joined" for e in ev), timeout=60)
+    time.sleep(1.0)
+    isl.proc.send_signal(signal.SIGINT)
+    assert isl.wait(30) == 130
+    err = isl.log_tail()
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "atoll island: interrupted"
+    assert "island i left" in coord.log_tail(20000)
+    wrong = group.start("w", island_flags(address, "w", rounds=1, extra=["--n-embd", "32"]))
+    assert wrong.wait(60) == 1
+    lines = wrong.log_tail().strip().splitlines()
+    assert "Traceback" not in wrong.log_tail()
+    assert lines[-1] == "atoll island: error: tensor 'tok.weight' has shape [58, 32], the run has [58, 64]"
+    coord.stop()
