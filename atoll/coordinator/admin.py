@@ -241,6 +241,7 @@ def status_json(server, started_at: float) -> dict:
         "islands": islands,
         "counters": server.counters.as_dict(),
         "inflight_bytes": s.budget.used,
+        "inflight_peak_bytes": s.budget.peak,
         "history": s.history[-100:],
         "uptime_seconds": time.time() - started_at,
     }

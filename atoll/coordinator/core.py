@@ -167,10 +167,20 @@ class RunState:
     def _reset_accum(self) -> None:
         self.accum = {k: torch.zeros(s, dtype=torch.float32) for k, s in self.specs.items()}
 
-    def _size_budget(self) -> None:
+    def _size_budget(self, specs: dict[str, tuple[int, ...]] | None = None) -> None:
+        """The default in-flight budget: twice the model's fp32 size (at least 256 MiB). Sized from a
+        joining island's declared model before θ_0 exists, so θ_0's own upload fits."""
+        model_bytes = 4 * sum(math.prod(s) for s in (specs or self.specs).values())
         if self._budget_from_model:
-            model_bytes = 4 * sum(math.prod(s) for s in self.specs.values())
-            self.budget.limit = max(MIN_INFLIGHT_BYTES, 2 * model_bytes)
+            self.budget.limit = max(self.budget.limit, MIN_INFLIGHT_BYTES, 2 * model_bytes)
+        elif model_bytes > self.budget.limit:
+            log.error(
+                "%s--max-inflight-bytes %d is below one fp32 push of this model (%d bytes): such pushes can never "
+                "complete; raise it (compressed pushes are smaller)",
+                self.name,
+                self.budget.limit,
+                model_bytes,
+            )
 
     def snapshot(self, params, round_: int, history: list[dict]) -> persistence.Snapshot:
         extra = dict(self.optimizer.state_tensors())
@@ -221,6 +231,8 @@ class RunState:
         )
         if new:
             self.staging.drop_island(req.island_id)
+        if self.params is None:
+            self._size_budget(specs)
         if was_departed:
             self._write_departed()
         bootstrap = self.params is None and self.membership.claim_bootstrap(req.island_id)

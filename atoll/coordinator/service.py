@@ -250,7 +250,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except RequestError as err:
             if err.code.value == "INVALID_ARGUMENT":
                 self.counters.pushes_refused += 1
-            await _abort(context, err)
+            # The traceback holds the refused stream's frames, and they its received bytes: drop it now
+            # rather than when the cyclic collector gets to it (gc.freeze makes that late).
+            await _abort(context, err.with_traceback(None))
             return None
         c = self.counters
         if init:  # θ_0: not a pseudo-gradient, not counted
@@ -293,6 +295,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         validating each entry as soon as it is complete."""
         assembler = EntryAssembler([e.num_bytes for e in plan.entries])
         payloads = []
+        try:
+            return await self._read(plan, it, reservation, assembler, payloads)
+        except BaseException:
+            assembler.discard()  # a refused or broken stream: its bytes go now, not with its traceback
+            payloads.clear()
+            raise
+
+    async def _read(self, plan, it, reservation, assembler: EntryAssembler, payloads: list) -> list:
         while True:
             try:
                 chunk = _parsed(await next_chunk(it, self.stream_idle_seconds))

@@ -93,6 +93,10 @@ class EntryAssembler:
             self.index += 1
         return out
 
+    def discard(self) -> None:
+        """Drop the bytes of an entry still incomplete."""
+        self._parts, self._filled = [], 0
+
     def finish(self) -> list[tuple[int, bytes]]:
         """Entries of zero bytes left at the end; StreamOverrun-free check that all are complete."""
         return self.feed(memoryview(b""))
