@@ -46,14 +46,23 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for backing CPU buffers of 2 MiB and more with transparent huge pages."""
 
 
-def tune_for_bulk_buffers(mmap_bytes: int = MMAP_THRESHOLD_BYTES, trim_bytes: int = TRIM_THRESHOLD_BYTES) -> bool:
+def tune_for_bulk_buffers(
+    mmap_bytes: int = MMAP_THRESHOLD_BYTES, trim_bytes: int = TRIM_THRESHOLD_BYTES, *, heap: bool = True
+) -> bool:
     """Apply the settings above; returns whether the mallopt ones took effect (glibc on Linux only).
+
+    ``heap=False``: huge pages only, the allocator's thresholds stay as they are. An island wants
+    that: it streams its payloads a tensor at a time and maps large received ones itself, so a heap
+    cache would only add up to ``trim_bytes`` to its footprint (measured: 2.3x its shard above the
+    model with it, 1.7x without, at 124M parameters). The daemon keeps the cache: it doubles ingest.
 
     Call it before the process allocates its first tensor, or PyTorch ignores the huge-page one.
     """
     if os.environ.get("ATOLL_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
         return False
     os.environ.setdefault(THP_ENV, "1")  # inherited by the processes this one starts
+    if not heap:
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

@@ -192,8 +192,11 @@ def test_downlink_serves_regions_exactly_and_the_full_theta_one_entry_at_a_time(
     assert entries[1].num_bytes == identity_size((3, 4)) and torch.equal(sliced, whole[2:5])
     full = Downlink.full_entries(theta, [("w", None), ("b", None)])
     assert all(callable(e.data) for e in full)  # nothing encoded until sent
-    assert [len(e.payload()) for e in full] == [e.num_bytes for e in full]
-    assert torch.equal(get_codec("identity").decode(full[1].payload(), (5,)), theta["b"])
+    joined = [b"".join(bytes(p) for p in e.parts()) for e in full]
+    assert [len(j) for j in joined] == [e.num_bytes for e in full]
+    assert torch.equal(get_codec("identity").decode(joined[1], (5,)), theta["b"])
+    body = full[0].parts()[1]  # θ's own memory, not a copy
+    assert body.obj is not None and np.shares_memory(np.asarray(body), theta["w"].numpy())
 
 
 # ---- the outer step ---------------------------------------------------------------------------

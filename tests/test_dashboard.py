@@ -61,3 +61,44 @@ def test_dashboard_renders_live_charts_and_timeline(start_server, raw_island, tm
     assert (tmp_path / "dash.png").stat().st_size > 10_000
     # Without the token the page is refused.
     assert "missing or wrong bearer token" in render(f"{base}/dashboard", tmp_path / "profile2")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
+def test_dashboard_after_a_two_island_run(group, tmp_path):
+    """Two real islands train four rounds and leave. The page shows the run's config, human units,
+    throughput, and the islands that left, with their state. ``ATOLL_DASHBOARD_PNG=docs/dashboard.png``
+    also writes the screenshot there (the picture in the README)."""
+    import os
+    import shutil
+
+    from conftest import collect_events, coordinator_flags, island_flags
+
+    admin_file = tmp_path / "admin.port"
+    coord, address = group.start_coordinator(
+        tmp_path / "state",
+        coordinator_flags(
+            sync_every=20,
+            quorum=2,
+            extra=["--admin-port", "0", "--admin-port-file", str(admin_file), "--admin-token", "tok"],
+        ),
+    )
+    islands = [group.start(f"site-{k}", island_flags(address, f"site-{k}", rounds=4)) for k in "ab"]
+    collect_events(islands, until=lambda ev: sum(e["event"] == "done" for e in ev) == 2, timeout=180)
+    assert [p.wait(30) for p in islands] == [0, 0]
+    base = f"http://127.0.0.1:{admin_file.read_text().strip()}"
+    shot = tmp_path / "dashboard.png"
+    dom = render(f"{base}/?token=tok", tmp_path / "profile", screenshot=shot)
+    coord.stop()
+    assert '<b id="round">4</b>' in dom
+    config = re.search(r'<div class="config" id="config">(.*?)</div>', dom, re.S).group(1)
+    assert "H <b>20</b>" in config and "codec <b>identity</b>" in config and "quorum <b>2</b>" in config
+    bytes_svg = re.search(r'<svg id="bytes-chart".*?</svg>', dom, re.S).group(0)
+    assert re.search(r'class="label">[0-9.]+ (KB|MB)<', bytes_svg), bytes_svg  # not 2.488e+5
+    rate_svg = re.search(r'<svg id="rate-chart".*?</svg>', dom, re.S).group(0)
+    assert rate_svg.count('class="point"') == 4
+    rows = re.findall(r'<tr><td>(site-\w)</td><td class="state-(\w+)">', dom)
+    assert rows == [("site-a", "left"), ("site-b", "left")]
+    assert shot.stat().st_size > 20_000
+    if os.environ.get("ATOLL_DASHBOARD_PNG"):
+        shutil.copy(shot, os.environ["ATOLL_DASHBOARD_PNG"])

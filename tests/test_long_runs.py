@@ -328,3 +328,22 @@ def test_export_writes_theta_with_the_models_own_names(start_server, tmp_path):
         text=True,
     )
     assert older.returncode == 0 and "at round 1" in older.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_island_process_resumes_from_its_checkpoint_bitwise(tmp_path):
+    """``atoll island --checkpoint-dir``, SIGKILLed a few steps into round 2 and restarted with the
+    same command: the run ends with bitwise the θ (and the per-round losses) of the run that was never
+    interrupted (model and AdamW state via torch.distributed.checkpoint, data position, RNG, DiLoCo
+    state). benchmarks/resume.py measures heal time and checkpoint cost on the same code."""
+    import argparse
+
+    from benchmarks.resume import run
+
+    args = argparse.Namespace(rounds=4, sync_every=10, kill_after_round=1, kill_delay=0.2)
+    ref = run(tmp_path / "ref", args, kill=False)
+    got = run(tmp_path / "killed", args, kill=True)
+    assert got["round"] == ref["round"] == 4
+    assert got["digest"] == ref["digest"]
+    assert [h["loss"] for h in got["history"]] == [h["loss"] for h in ref["history"]]
+    assert got["heal_seconds"] < 60

@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from atoll.compression.wire import Frame, WireFormatError, allocate, seal, unpack
+from atoll.compression.wire import Frame, WireFormatError, allocate, payload_size, seal, unpack
 
 CHUNK = 1 << 20
 """Elements processed per step by chunked codecs on the CPU: temporaries stay cache-resident."""
@@ -140,6 +140,16 @@ class Codec:
         if body_len:
             write(body)
         return seal(payload)
+
+    def encoded_size(self, shape: tuple[int, ...]) -> int:
+        """Bytes of the payload of any tensor of ``shape`` (known before encoding: a push header
+        declares it, and the payload can then be encoded while the stream goes out)."""
+        params_len, body_len = self._sizes(tuple(int(d) for d in shape))
+        return payload_size(len(shape), params_len, body_len)
+
+    def _sizes(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(params bytes, body bytes) of a payload of ``shape``."""
+        raise NotImplementedError
 
     def frame(self, payload, expected_shape: tuple[int, ...] | None = None) -> Frame:
         """Parse a payload and check it belongs to this codec and (if given) the expected shape."""

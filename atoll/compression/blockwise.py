@@ -205,6 +205,10 @@ class BlockQuantCodec(Codec):
 
         return params, body_len(flat.numel(), self.block, self.bits, kind), write
 
+    def _sizes(self, shape):
+        kind = SCALE_FP32 if self.scale == "fp32" else SCALE_FP16
+        return _PARAMS.size, body_len(math.prod(shape), self.block, self.bits, kind)
+
     def _params(self, frame: Frame):
         block, bits, kind, g = expect_params(frame, _PARAMS, self.name)
         if bits != self.bits or block < 8 or block % 8 or kind not in (SCALE_FP32, SCALE_FP16):

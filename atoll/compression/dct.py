@@ -151,6 +151,11 @@ class DctTopKCodec(Codec):
         params = _PARAMS.pack(k, width, kind, VALUE_BLOCK, self.chunk)
         return params, sparse_body_len(k, width, kind), lambda body: write_sparse(body, idx, vals, width, kind)
 
+    def _sizes(self, shape):
+        *_, pr, pc = layout(shape, self.chunk)
+        kind = VALUES_INT8 if self.values == "int8" else VALUES_FP16
+        return _PARAMS.size, sparse_body_len(sparse_count(self.fraction, math.prod(shape)), index_width(pr * pc), kind)
+
     def _params(self, frame):
         k, width, kind, block, chunk = expect_params(frame, _PARAMS, self.name)
         if not 1 <= chunk <= MAX_CHUNK:

@@ -57,6 +57,9 @@ class ErrorFeedback:
         state["residual"] = x  # x + e - D(C(x + e))
         return payload
 
+    def encoded_size(self, shape) -> int:
+        return self.inner.encoded_size(shape)
+
     def decode(self, payload, expected_shape=None, *, device=None) -> torch.Tensor:
         return self.inner.decode(payload, expected_shape, device=device)
 

@@ -71,6 +71,15 @@ class PowerSGDCodec(Codec):
 
         return _PARAMS.pack(LOW_RANK, r, rows, cols), 4 * r * (rows + cols), write
 
+    def _sizes(self, shape):
+        mat = as_matrix(shape)
+        if mat is None or self.rank * (mat[0] + mat[1]) >= mat[0] * mat[1]:
+            n = 1
+            for d in shape:
+                n *= d
+            return _PARAMS.size, 4 * n
+        return _PARAMS.size, 4 * self.rank * (mat[0] + mat[1])
+
     def _params(self, frame):
         mode, r, rows, cols = expect_params(frame, _PARAMS, self.name)
         if mode == RAW:

@@ -10,6 +10,7 @@ tensor), then the values' body (see ``values``).
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -160,6 +161,11 @@ class TopKCodec(Codec):
         kind = VALUES_INT8 if self.values == "int8" else VALUES_FP16
         params = _PARAMS.pack(k, width, kind, VALUE_BLOCK, 0.0)
         return params, sparse_body_len(k, width, kind), lambda body: write_sparse(body, idx, vals, width, kind)
+
+    def _sizes(self, shape):
+        n = math.prod(shape)
+        kind = VALUES_INT8 if self.values == "int8" else VALUES_FP16
+        return _PARAMS.size, sparse_body_len(sparse_count(self.fraction, n), index_width(n), kind)
 
     def _params(self, frame):
         k, width, kind, block, _ = expect_params(frame, _PARAMS, self.name)

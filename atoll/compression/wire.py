@@ -72,6 +72,32 @@ def payload_size(ndim: int, params_len: int, body_len: int) -> int:
     return _FIXED.size + 8 * ndim + _U32.size + params_len + _U64.size + body_len + _U32.size
 
 
+def header(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], params: bytes, body_len: int) -> bytes:
+    """The bytes of a payload before its body."""
+    if dtype not in DTYPE_IDS:
+        raise WireFormatError(f"unsupported dtype {dtype}")
+    if len(shape) > MAX_NDIM:
+        raise WireFormatError(f"tensor has {len(shape)} dims, the wire format allows {MAX_NDIM}")
+    return b"".join(
+        [
+            _FIXED.pack(MAGIC, WIRE_VERSION, codec_id, DTYPE_IDS[dtype], len(shape)),
+            struct.pack(f"<{len(shape)}Q", *shape),
+            _U32.pack(len(params)),
+            params,
+            _U64.pack(body_len),
+        ]
+    )
+
+
+def parts(codec_id: int, dtype: torch.dtype, shape: tuple[int, ...], params: bytes, body) -> list:
+    """A payload whose body is already in memory, as [head, body, crc] without copying the body
+    (sent as is: a pull of the full θ serves θ's own memory)."""
+    body = memoryview(body).cast("B")
+    head = header(codec_id, dtype, shape, params, body.nbytes)
+    crc = google_crc32c.extend(google_crc32c.value(head), np.frombuffer(body, dtype=np.uint8))
+    return [head, body, _U32.pack(crc)]
+
+
 def allocate(
     codec_id: int,
     dtype: torch.dtype,
@@ -87,19 +113,7 @@ def allocate(
     if given, is resized and reused as the payload: fresh large buffers cost page faults that can
     exceed the encoding itself, so callers that encode every round pass last round's buffer.
     """
-    if dtype not in DTYPE_IDS:
-        raise WireFormatError(f"unsupported dtype {dtype}")
-    if len(shape) > MAX_NDIM:
-        raise WireFormatError(f"tensor has {len(shape)} dims, the wire format allows {MAX_NDIM}")
-    head = b"".join(
-        [
-            _FIXED.pack(MAGIC, WIRE_VERSION, codec_id, DTYPE_IDS[dtype], len(shape)),
-            struct.pack(f"<{len(shape)}Q", *shape),
-            _U32.pack(len(params)),
-            params,
-            _U64.pack(body_len),
-        ]
-    )
+    head = header(codec_id, dtype, shape, params, body_len)
     total = len(head) + body_len + _U32.size
     if out is None:
         payload = bytearray(total)

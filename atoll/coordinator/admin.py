@@ -242,6 +242,7 @@ def status_json(server, started_at: float) -> dict:
         "counters": server.counters.as_dict(),
         "inflight_bytes": s.budget.used,
         "inflight_peak_bytes": s.budget.peak,
+        "inflight_budget_bytes": s.budget.limit,
         "history": s.history[-100:],
         "uptime_seconds": time.time() - started_at,
     }

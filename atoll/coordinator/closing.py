@@ -72,6 +72,7 @@ async def run_decider(s: RunState) -> None:
             if not await try_publish(s):
                 await asyncio.sleep(s.sealed.retry_in)
                 continue
+            await asyncio.to_thread(persistence.prune, s.state_dir, s.keep_snapshots)
         elif s.params is not None and not s.run_complete:
             now = s.clock()
             v = view(s)
@@ -116,6 +117,7 @@ async def close_round(s: RunState, reason: str) -> None:
             )
         losses = [(max(c.tokens, 1), c.loss) for c in committed.values() if c.loss is not None]
         loss = sum(t * v for t, v in losses) / sum(t for t, _ in losses) if losses else None
+        await asyncio.to_thread(s.downlink.release_latest)
         params, payloads = await asyncio.to_thread(s.outer_step, s.staging.weight_total())
         record = {
             "round": r,
@@ -135,7 +137,8 @@ async def close_round(s: RunState, reason: str) -> None:
         s.sealed = Sealed(r, params, payloads, record, frozenset(committed))
         keep_from = s.round + 1 - (s.config.max_staleness if s.config.late_policy == "fold" else 0)
         s.staging.advance(keep_from)
-    await try_publish(s)
+    if await try_publish(s):
+        await asyncio.to_thread(persistence.prune, s.state_dir, s.keep_snapshots)
 
 
 async def try_publish(s: RunState) -> bool:
@@ -184,9 +187,9 @@ async def try_publish(s: RunState) -> bool:
 
 
 def _persist(s: RunState, sealed: Sealed, history: list[dict]) -> None:
-    nxt = sealed.round + 1
-    persistence.save_update(s.state_dir, nxt, sealed.payloads, keep_from=s.downlink.keep_from(nxt))
-    persistence.save(s.state_dir, s.snapshot(sealed.params, nxt, history), keep=s.keep_snapshots)
+    """The snapshot of θ_{r+1} (durable); its update is written once published (Downlink.publish),
+    and older snapshots are pruned after the publish (:func:`close_round`)."""
+    persistence.save(s.state_dir, s.snapshot(sealed.params, sealed.round + 1, history), keep=None)
 
 
 __all__ = ["IslandState", "Sealed", "close_round", "run_decider", "try_publish", "view"]

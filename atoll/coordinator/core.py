@@ -354,6 +354,7 @@ class RunState:
             nxt = req.have_round + 1  # one round at a time; a lagging island pulls again until latest
             entries = self.downlink.delta_entries(nxt, regions, self.specs)
             self._holds(req.island_id, nxt)
+            self.release_pulled_update()
             loss = self.history[nxt - 1]["loss"] if len(self.history) >= nxt else None
             return PullAnswer(
                 UpdateKind.DELTA, nxt, codec=self.config.downlink_codec, entries=entries, loss=loss, **latest
@@ -361,6 +362,12 @@ class RunState:
         loss = self.history[-1]["loss"] if self.history else None
         self._holds(req.island_id, round_)
         return PullAnswer(UpdateKind.FULL, round_, entries=Downlink.full_entries(params, regions), loss=loss, **latest)
+
+    def release_pulled_update(self) -> None:
+        """Once every live island holds the latest θ, its update is served from the state dir (to
+        islands coming back) and the memory is free for the next round's pushes."""
+        if all(r.holds_round >= self.round for r in self.membership.live()):
+            self.downlink.release_latest(wait=False)
 
     def _holds(self, island_id: str, round_: int) -> None:
         rec = self.membership.islands.get(island_id)

@@ -134,16 +134,22 @@ class UpdateKind(enum.Enum):
 
 @dataclass
 class PayloadEntry:
-    """One entry of a pull answer. ``data`` is the payload, or a function that builds it (large answers
-    are encoded one entry at a time while streaming, so none is held whole)."""
+    """One entry of a pull answer. ``data`` is the payload, or a function that gives it when the entry
+    is sent (large answers are encoded one entry at a time, so none is held whole): as one buffer, or
+    as a list of buffers sent one after the other."""
 
     name: str
     region: Region | None
     num_bytes: int
-    data: bytes | bytearray | Callable[[], bytes | bytearray]
+    data: bytes | bytearray | memoryview | Callable[[], object]
 
     def payload(self):
         return self.data() if callable(self.data) else self.data
+
+    def parts(self) -> list:
+        """The payload as a list of buffers."""
+        got = self.payload()
+        return got if isinstance(got, list) else [got]
 
 
 @dataclass

@@ -97,8 +97,9 @@ def read_round(path: Path) -> int:
     return int(path.name[len(SNAPSHOT_PREFIX) : -len(SUFFIX)])
 
 
-def save(state_dir: Path, snap: Snapshot, *, keep: int = 2) -> Path:
-    """Write ``snap`` atomically, then drop all but the newest ``keep`` snapshots."""
+def save(state_dir: Path, snap: Snapshot, *, keep: int | None = 2) -> Path:
+    """Write ``snap`` atomically, then drop all but the newest ``keep`` snapshots (None: leave that
+    to :func:`prune`, off the critical path: freeing a large file's blocks takes a while)."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     tensors = {f"param/{k}": v.contiguous() for k, v in snap.params.items()}
@@ -120,9 +121,15 @@ def save(state_dir: Path, snap: Snapshot, *, keep: int = 2) -> Path:
     tmp = state_dir / f".{final.name}.tmp"
     save_file(tensors, str(tmp), metadata=metadata)
     _atomic_rename(tmp, final)
-    for old in snapshot_paths(state_dir)[:-keep]:
-        old.unlink()
+    if keep is not None:
+        prune(state_dir, keep)
     return final
+
+
+def prune(state_dir: Path, keep: int) -> None:
+    """Drop all but the newest ``keep`` snapshots."""
+    for old in snapshot_paths(state_dir)[:-keep]:
+        old.unlink(missing_ok=True)
 
 
 def _holds_atoll_files(state_dir: Path) -> list[str]:
@@ -250,8 +257,11 @@ def update_paths(state_dir: Path) -> list[Path]:
     return sorted(d.glob(f"update-*{SUFFIX}")) if d.is_dir() else []
 
 
-def save_update(state_dir: Path, round_: int, payloads: dict[str, bytearray], *, keep_from: int) -> None:
-    """Keep the encoded update that produced θ_round; drop updates of rounds before ``keep_from``."""
+def save_update(
+    state_dir: Path, round_: int, payloads: dict[str, bytearray], *, keep_from: int, durable: bool = True
+) -> None:
+    """Keep the encoded update that produced θ_round; drop updates of rounds before ``keep_from``.
+    ``durable=False`` skips the fsyncs (a cache whose loss only costs a full θ to a lagging island)."""
     d = Path(state_dir) / UPDATES
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"update-{round_:08d}{SUFFIX}"
@@ -261,7 +271,10 @@ def save_update(state_dir: Path, round_: int, payloads: dict[str, bytearray], *,
         for name, p in payloads.items()
     }
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "round": str(round_)})
-    _atomic_rename(tmp, final)
+    if durable:
+        _atomic_rename(tmp, final)
+    else:
+        os.replace(tmp, final)
     for old in update_paths(state_dir):
         if int(old.stem.split("-")[1]) < keep_from or int(old.stem.split("-")[1]) > round_:
             old.unlink()

@@ -75,6 +75,7 @@ def plan(s: RunState, h: PushHeader) -> PushPlan | PushResult:
             return PushResult(PushOutcome.DUPLICATE, s.round, committed=done)
         checks.tokens(s.config, h.tokens)
         specs = s.specs
+        s.release_pulled_update()  # the update was written meanwhile: the pushes may have its room
     else:
         raise invalid("unknown push kind")
     entries = checks.push_header(h, rec.num_ranks, specs)

@@ -136,3 +136,5 @@ class CoordinatorServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self.state is not None:
+            await asyncio.to_thread(self.state.downlink.close)

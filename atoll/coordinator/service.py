@@ -355,12 +355,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 e.sizes.extend(entry.region.sizes)
         yield pb.PullChunk(header=header)
         for entry in answer.entries:
-            payload = await asyncio.to_thread(entry.payload) if callable(entry.data) else entry.data
-            if len(payload) != entry.num_bytes:  # pragma: no cover - a bug, not an input
-                raise AssertionError(f"entry {entry.name}: {len(payload)} bytes, header says {entry.num_bytes}")
-            self.counters.bytes_out += len(payload)
-            for chunk in data_chunks([payload]):
+            parts = await asyncio.to_thread(entry.parts) if callable(entry.data) else entry.parts()
+            size = sum(memoryview(p).nbytes for p in parts)
+            if size != entry.num_bytes:  # pragma: no cover - a bug, not an input
+                raise AssertionError(f"entry {entry.name}: {size} bytes, header says {entry.num_bytes}")
+            self.counters.bytes_out += size
+            for chunk in data_chunks(parts):
                 yield chunk
+            del parts
 
 
 def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:

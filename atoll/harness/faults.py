@@ -91,6 +91,8 @@ class _DyingClient(CoordinatorClient):
     def push(self, header, payloads):
         if header.round not in self.kill_rounds or header.kind != 1:
             return super().push(header, payloads)
+        if callable(payloads):  # a streamed push: encode them all here, then die halfway through
+            payloads = [payloads(i) for i in range(len(header.entries))]
         half = sum(len(p) for p in payloads) // 2
         from atoll.protos import coordinator_pb2 as pb
 

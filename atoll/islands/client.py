@@ -9,17 +9,20 @@ Python prints to stderr without any logging setup) within seconds, and again per
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
 import random
 import re
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
 
-from atoll.islands.errors import ProtocolError
+from atoll.islands.errors import PartialUpdate, ProtocolError
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 from atoll.protos import raw
@@ -194,50 +197,124 @@ class CoordinatorClient:
             give_up_seconds=give_up_seconds,
         )
 
-    def push(self, header: pb.PushHeader, payloads: list) -> pb.PushResponse:
-        """Stream one push (header, then the payloads' bytes in chunks)."""
-        total = sum(len(p) for p in payloads)
+    def push(self, header: pb.PushHeader, payloads) -> pb.PushResponse:
+        """Stream one push: the header, then the payloads' bytes in chunks.
 
-        def chunks() -> Iterator:
-            yield pb.PushChunk(header=header)
-            yield from data_chunks(payloads)
+        ``payloads``: the entries' payloads, or a function ``encode(i)`` that returns entry i's (of the
+        size the header declares). Then each entry is encoded on this (the calling) thread while the
+        previous one is on the wire, and no more than two are held at once; an attempt that is
+        retried encodes again, so ``encode`` must give the same bytes each time."""
+        total = sum(e.num_bytes for e in header.entries)
+        if not callable(payloads):
 
-        def attempt() -> pb.PushResponse:
-            resp = self._push_call(chunks(), timeout=self._timeout(total), metadata=self._metadata)
+            def attempt() -> pb.PushResponse:
+                chunks = itertools.chain([pb.PushChunk(header=header)], data_chunks(payloads))
+                resp = self._push_call(chunks, timeout=self._timeout(total), metadata=self._metadata)
+                self.bytes_sent += total + header.ByteSize()
+                return resp
+
+            return self.call("PushDelta", attempt)
+
+        def streamed() -> pb.PushResponse:
+            ready: queue.Queue = queue.Queue()
+            alive = threading.Semaphore(2)  # entries in memory: the one on the wire and the next
+
+            def chunks():
+                yield pb.PushChunk(header=header)
+                while (payload := ready.get()) is not None:
+                    yield from data_chunks([payload])
+                    del payload
+                    alive.release()
+
+            call = self._push_call.future(chunks(), timeout=self._timeout(total), metadata=self._metadata)
+            try:
+                for i, entry in enumerate(header.entries):
+                    if not _acquire(alive, call):
+                        break  # answered before reading everything (a duplicate, a closed round)
+                    payload = payloads(i)
+                    if len(payload) != entry.num_bytes:
+                        raise ProtocolError(
+                            f"entry {entry.name}: {len(payload)} bytes encoded, header declares {entry.num_bytes}"
+                        )
+                    ready.put(payload)
+                    del payload
+                ready.put(None)
+                resp = call.result()
+            except BaseException:
+                call.cancel()
+                ready.put(None)  # let the request stream end
+                raise
             self.bytes_sent += total + header.ByteSize()
             return resp
 
-        return self.call("PushDelta", attempt)
+        return self.call("PushDelta", streamed)
 
-    def pull(self, req: pb.PullRequest) -> tuple[pb.UpdateHeader, list[tuple[str, bytes]]]:
-        """One long-poll pull; returns the header and each entry's payload."""
+    def pull(self, req: pb.PullRequest, on_entry=None) -> tuple[pb.UpdateHeader, list[tuple[str, bytes]]]:
+        """One long-poll pull; returns the header and each entry's payload.
+
+        ``on_entry(header, i, payload)``: hand each entry over as soon as its bytes are in instead
+        (the payloads list is then empty), so no more than one entry is held. Once an entry was
+        handed over the pull is not retried: a broken stream raises :class:`PartialUpdate`."""
 
         def attempt():
             stream = self._pull_call(req, timeout=self._timeout() + req.wait_seconds, metadata=self._metadata)
-            header, assembler, payloads = None, None, []
-            for chunk in stream:
-                if isinstance(chunk, RawData) or chunk.WhichOneof("kind") == "data":
-                    if assembler is None:
-                        raise ProtocolError("update stream data before its header")
-                    data = chunk.view if isinstance(chunk, RawData) else memoryview(chunk.data)
-                    try:
-                        payloads += [p for _, p in assembler.feed(data)]
-                    except StreamOverrun as err:
-                        raise ProtocolError(str(err)) from None
-                elif header is not None:
-                    raise ProtocolError("two headers in one update stream")
-                else:
-                    header = chunk.header
-                    assembler = EntryAssembler([e.num_bytes for e in header.entries])
-            if header is None:
-                raise ProtocolError("update stream without a header")
-            payloads += [p for _, p in assembler.finish()]
-            if not assembler.done:
-                raise ProtocolError(f"update stream carried {assembler.received} bytes, header declares more")
+            header, assembler, payloads, handed = None, None, [], 0
+            try:
+                for chunk in stream:
+                    if isinstance(chunk, RawData) or chunk.WhichOneof("kind") == "data":
+                        if assembler is None:
+                            raise ProtocolError("update stream data before its header")
+                        data = chunk.view if isinstance(chunk, RawData) else memoryview(chunk.data)
+                        try:
+                            done = assembler.feed(data)
+                        except StreamOverrun as err:
+                            raise ProtocolError(str(err)) from None
+                        handed += _deliver(done, header, on_entry, payloads)
+                    elif header is not None:
+                        raise ProtocolError("two headers in one update stream")
+                    else:
+                        header = chunk.header
+                        assembler = EntryAssembler([e.num_bytes for e in header.entries])
+                if header is None:
+                    raise ProtocolError("update stream without a header")
+                handed += _deliver(assembler.finish(), header, on_entry, payloads)
+                if not assembler.done:
+                    raise ProtocolError(f"update stream carried {assembler.received} bytes, header declares more")
+            except grpc.RpcError as err:
+                if handed:
+                    raise PartialUpdate(f"the update stream broke after {handed} entries: {err.details()}") from err
+                raise
             self.bytes_received += assembler.received + header.ByteSize()
+            if on_entry is not None:
+                return header, []
             return header, [(e.name, p) for e, p in zip(header.entries, payloads, strict=True)]
 
         return self.call("PullUpdate", attempt)
 
 
-__all__ = ["ClientTls", "CoordinatorClient", "ProtocolError", "RetryPolicy", "parse_address", "parse_addresses"]
+def _deliver(done: list, header, on_entry, payloads: list) -> int:
+    if on_entry is None:
+        payloads += [p for _, p in done]
+        return 0
+    for i, payload in done:
+        on_entry(header, i, payload)
+    return len(done)
+
+
+def _acquire(alive: threading.Semaphore, call) -> bool:
+    """Wait for room for one more entry; False once the call has ended (it reads no more)."""
+    while not call.done():
+        if alive.acquire(timeout=0.1):
+            return True
+    return False
+
+
+__all__ = [
+    "ClientTls",
+    "CoordinatorClient",
+    "PartialUpdate",
+    "ProtocolError",
+    "RetryPolicy",
+    "parse_address",
+    "parse_addresses",
+]

@@ -318,11 +318,18 @@ class DiLoCo:
             merge=bool(self.options.overlap_steps),
             bytes0=links.bytes(indices),
         )
+        # A stateless codec (no error feedback, no warm start) on a plain exchange (θ stays put until it
+        # is applied) streams: each payload is encoded as the push stream asks for it, and again if
+        # asked again. Otherwise the payloads are encoded now and kept until the exchange is done.
+        streamed = not flight.merge and not links.codec.stateful
+        if streamed:
+            flight.rebuild, flight.encoder = links.encode, links.encoder
         for i in indices:
             owned = links.owned(i)
             if self.options.keep_last_delta:
                 self.last_delta.update({s.key: links.states[s.key].delta() for s in owned})
-            payloads = links.encode(i)
+            payloads = None if streamed else links.encode(i)
+            sizes = links.sizes(i) if streamed else [len(p) for p in payloads]
             flight.max_payload_numel = max([flight.max_payload_numel, *(s.local().numel() for s in owned)])
             if flight.merge:
                 for s in links.link_shards[i]:
@@ -332,17 +339,16 @@ class DiLoCo:
                 pb.PUSH_KIND_DELTA,
                 session.round,
                 owned,
-                payloads,
+                sizes,
                 links.codec.spec,
                 tokens=tokens,
                 loss=flight.loss,
                 steps=flight.steps,
             )
             flight.pushes.append((i, header, payloads))
+            del payloads
             self.flights[i] = flight
         self.schedule.synced(indices)
-        if not flight.merge and not links.codec.stateful:  # θ stays put until the flight is applied
-            flight.rebuild = links.encode
         if self.options.before_push is not None:
             self.options.before_push(self)
         if flight.merge:
@@ -358,15 +364,19 @@ class DiLoCo:
     def _exchange_io(self, flight: Flight) -> None:
         """Push to every link first, then wait for each shard's outer step; no parameter is touched."""
         try:
-            for i, header, payloads in flight.pushes:
-                flight.outcomes[i] = self.sessions[i].push(header, payloads)
+            for i, header, _ in flight.pushes:
+                flight.outcomes[i] = self.sessions[i].push(header, flight.source(i))
             flight.release_payloads()
             for i, header, _ in flight.pushes:
                 dropped = flight.outcomes[i] == pb.PUSH_OUTCOME_ROUND_CLOSED
+                # In the background (overlap) updates are kept and applied by the training thread; on
+                # the training thread they are applied entry by entry as they arrive.
+                buffered = flight.thread is not None
                 flight.result = self.sessions[i].pull_until_ready(
                     header.round,
-                    on_update=lambda h, pl, i=i: flight.updates.append((i, h, pl)),
-                    repush=None if dropped else (lambda i=i, h=header: (h, flight.payloads_of(i))),
+                    on_update=(lambda h, pl, i=i: flight.updates.append((i, h, pl))) if buffered else None,
+                    on_entry=None if buffered else self.links.entry_applier(i),
+                    repush=None if dropped else (lambda i=i, h=header: (h, flight.source(i))),
                     cancel=self.links.stopping,
                 )
         except BaseException as err:  # re-raised in the training loop by _finish
@@ -483,7 +493,7 @@ class DiLoCo:
                 continue
             # The run moved on while this island was down: its partial round is stale.
             log.warning("%s: the run moved on to round %d meanwhile; catching up", self.island_id, resp.round)
-            s.pull_until_ready(s.round, on_update=links.applier(s))
+            s.pull_until_ready(s.round, on_entry=links.entry_applier(s.index))
             links.load_params(s.index, merge=False)
             sd["links"][s.index].update(steps=0, tokens=0, losses=[])
 

@@ -19,3 +19,8 @@ class ProtocolError(RuntimeError):
 
 class CoordinatorUnreachable(ConnectionError):
     """The coordinator could not be reached within the island's connect deadline."""
+
+
+class PartialUpdate(ConnectionError):
+    """A pulled update broke off after some of its entries were applied: the island resyncs from the
+    full θ (the applied part cannot be taken back)."""

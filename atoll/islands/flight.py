@@ -54,6 +54,8 @@ class Flight:
     """(link, header, payloads) per link; payloads are dropped once acknowledged when ``rebuild`` can
     encode them again (a coordinator that restarted asks for them)."""
     rebuild: Callable[[int], list] | None = None
+    encoder: Callable[[int], Callable[[int], bytes]] | None = None
+    """Streamed pushes: ``encoder(link)(j)`` encodes the link's j-th payload as the stream asks."""
     updates: list[tuple[int, pb.UpdateHeader, list]] = field(default_factory=list)
     """(link, header, payloads) of every update pulled, in order."""
     outcomes: dict[int, int] = field(default_factory=dict)
@@ -63,6 +65,13 @@ class Flight:
     blocked: float = 0.0
     error: BaseException | None = None
     thread: threading.Thread | None = None
+
+    def source(self, link: int):
+        """What to push for a link: its payloads, or an encoder that makes them one at a time."""
+        for i, _, payloads in self.pushes:
+            if i == link and payloads is not None:
+                return payloads
+        return self.encoder(link) if self.encoder is not None else self.payloads_of(link)
 
     def payloads_of(self, link: int) -> list:
         """The link's payloads: kept, or encoded again (the same bytes: see ``rebuild``)."""

@@ -161,18 +161,46 @@ class Links:
         """Upload this rank's owned regions of θ as θ_0 (identity codec)."""
         ident = get_codec("identity")
         owned = [s for s in self.link_shards[session.index] if s.owned]
-        payloads = [ident.encode(s.local().detach()) for s in owned]
-        session.push(session.header(pb.PUSH_KIND_INIT, 0, owned, payloads, "identity"), payloads)
+        sizes = [ident.encoded_size(s.sizes) for s in owned]
+        header = session.header(pb.PUSH_KIND_INIT, 0, owned, sizes, "identity")
+        session.push(header, lambda j: ident.encode(owned[j].local().detach()))  # one tensor at a time
 
     def pull_theta(self, session: Session) -> None:
         """Wait for the run's θ (uploading θ_0 if the claim comes to this island) and load it."""
-        session.pull_until_ready(-1, on_update=self.applier(session), bootstrap=lambda: self.bootstrap(session))
+        session.pull_until_ready(
+            -1, on_entry=self.entry_applier(session.index), bootstrap=lambda: self.bootstrap(session)
+        )
         self.load_params(session.index, merge=False)
 
     # ---- the exchange ---------------------------------------------------------------------------
     def encode(self, index: int) -> list:
         """The link's owned pseudo-gradients, encoded (on the parameters' device; payloads on the host)."""
         return [self.states[s.key].encode(self.codec) for s in self.owned(index)]
+
+    def encoder(self, index: int):
+        """``encode(j)``: the link's j-th owned pseudo-gradient, encoded when the push stream asks."""
+        owned = self.owned(index)
+        return lambda j: self.states[owned[j].key].encode(self.codec)
+
+    def sizes(self, index: int) -> list[int]:
+        """Payload bytes of the link's owned pseudo-gradients, known before encoding."""
+        return [self.codec.encoded_size(s.sizes) for s in self.owned(index)]
+
+    def entry_applier(self, index: int):
+        """``on_entry(header, i, payload)``: apply one pulled entry to its shard as soon as it arrives."""
+        by_key = {((s.name, (), ()) if s.is_full else s.key): s for s in self.link_shards[index]}
+
+        def apply(header: pb.UpdateHeader, i: int, payload) -> None:
+            e = header.entries[i]
+            s = by_key.get((e.name, tuple(e.offsets), tuple(e.sizes)))
+            if s is None:
+                raise RuntimeError(
+                    f"update entry {e.name!r} {list(e.offsets)}+{list(e.sizes)} is no region of this rank"
+                )
+            codec_of(payload).frame(payload, s.sizes)  # WireFormatError before it changes anything
+            self.states[s.key].apply(payload, header.kind == pb.UPDATE_KIND_FULL)
+
+        return apply
 
     def owned(self, index: int) -> list[LocalShard]:
         return [s for s in self.link_shards[index] if s.owned]

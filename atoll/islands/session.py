@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from atoll.compression import WireFormatError
 from atoll.islands.client import RETRYABLE, CoordinatorClient
-from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable
+from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, PartialUpdate
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.status import reason_of
 
@@ -40,6 +41,8 @@ FATAL = {
     "REASON_PERMISSION_DENIED",
 }
 """Refusals that retrying cannot fix: the user must change something."""
+MAX_RESYNCS = 3
+"""Full-θ pulls after a broken update before giving up (a coordinator sending corrupt data)."""
 WAIT_WARN_SECONDS = 60.0
 """Report a wait for an outer step at WARNING after this long, and again as long as it lasts."""
 
@@ -131,7 +134,10 @@ class Session:
             log.warning("leave failed on shard %d: %s", self.index, err.details())
 
     # ---- pushes ------------------------------------------------------------------------------
-    def header(self, kind, round_: int, shards, payloads, codec: str, *, tokens=0, loss=None, steps=0) -> pb.PushHeader:
+    def header(
+        self, kind, round_: int, shards, sizes: list[int], codec: str, *, tokens=0, loss=None, steps=0
+    ) -> pb.PushHeader:
+        """A push header for ``shards`` whose payloads are ``sizes`` bytes."""
         m = self.me
         h = pb.PushHeader(
             run_id=m.run_id,
@@ -147,12 +153,13 @@ class Session:
         )
         if loss is not None:
             h.loss = loss
-        for s, payload in zip(shards, payloads, strict=True):
-            h.entries.add(name=s.name, offsets=list(s.offsets), sizes=list(s.sizes), num_bytes=len(payload))
+        for s, size in zip(shards, sizes, strict=True):
+            h.entries.add(name=s.name, offsets=list(s.offsets), sizes=list(s.sizes), num_bytes=size)
         return h
 
-    def push(self, header: pb.PushHeader, payloads: list) -> int:
-        """Push; returns the PushOutcome (PUSH_OUTCOME_ROUND_CLOSED: the work was dropped)."""
+    def push(self, header: pb.PushHeader, payloads) -> int:
+        """Push (``payloads``: a list, or ``encode(i)``, see CoordinatorClient.push); returns the
+        PushOutcome (PUSH_OUTCOME_ROUND_CLOSED: the work was dropped)."""
         while True:
             try:
                 resp = self.client.push(header, payloads)
@@ -177,7 +184,8 @@ class Session:
         self,
         have_round: int,
         *,
-        on_update: Callable[[pb.UpdateHeader, list], None],
+        on_update: Callable[[pb.UpdateHeader, list], None] | None = None,
+        on_entry: Callable[[pb.UpdateHeader, int, object], None] | None = None,
         repush: Callable[[], tuple] | None = None,
         bootstrap: Callable[[], None] | None = None,
         cancel: threading.Event | None = None,
@@ -186,10 +194,13 @@ class Session:
         catching up, one round each) to ``on_update(header, payloads)``. Returns (update kind, loss):
         ``"NOT_READY"`` when the run completed with this island already holding its final θ.
 
+        ``on_entry(header, i, payload)`` instead of ``on_update``: apply each entry as it arrives (one
+        entry held at a time); an update that breaks off half-applied is followed by the full θ.
         ``repush()``: (header, payloads) of this island's push for ``have_round``, sent again when the
         coordinator says it has none (it restarted). ``bootstrap()``: upload θ_0 when the claim passes
         to this island. ``cancel``: give up between polls once set (the island is closing)."""
         started = warned = time.monotonic()
+        resyncs = 0
         m = self.me
         while True:
             if cancel is not None and cancel.is_set():
@@ -203,7 +214,14 @@ class Session:
             )
             req.regions.extend(self.regions)
             try:
-                header, payloads = self.client.pull(req)
+                header, payloads = self.client.pull(req, on_entry=on_entry)
+            except (PartialUpdate, WireFormatError) as err:
+                resyncs += 1
+                if resyncs > MAX_RESYNCS:
+                    raise
+                log.warning("%s: an update broke off half-applied (%s); pulling the full θ", m.island_id, err)
+                have_round, repush = -1, None
+                continue
             except grpc.RpcError as err:
                 if reason_of(err) == "REASON_NOT_JOINED":
                     self.join()
@@ -237,7 +255,8 @@ class Session:
                     )
                     warned = now
                 continue
-            on_update(header, payloads)
+            if on_update is not None:
+                on_update(header, payloads)
             self.round = header.round
             if header.round < header.latest_round:  # several rounds behind: next delta right away
                 have_round, repush = header.round, None

@@ -7,7 +7,10 @@ payloads concatenated in order. Chunks travel on the raw path (:mod:`atoll.proto
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable, Iterator
+
+import numpy as np
 
 from atoll.protos.raw import RawData
 
@@ -55,16 +58,33 @@ class StreamOverrun(ValueError):
     """A stream carried more bytes than its header declares."""
 
 
+MAPPED_ENTRY_BYTES = 1 << 20
+"""Entries this large get an anonymous mapping of their own (see :func:`entry_buffer`)."""
+
+
+def entry_buffer(size: int) -> np.ndarray:
+    """Room for one entry of ``size`` bytes that costs only the pages written into it.
+
+    A large entry is an anonymous mapping of its own: pages become resident as bytes arrive and go
+    back to the kernel when the entry is dropped (through the allocator they would be kept for reuse
+    in some heap arena, where many concurrent pushes leave a lot of memory behind). A small one comes
+    from the allocator."""
+    if size < MAPPED_ENTRY_BYTES:
+        return np.empty(size, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+
+
 class EntryAssembler:
     """Cuts the data chunks of a stream into the entries its header declares.
 
-    An entry's bytes are kept as the chunks that brought them and joined once the entry is complete,
-    so memory follows the bytes actually received, never a size a header declares."""
+    An entry's buffer (:func:`entry_buffer`) is reserved when its first bytes arrive and filled as
+    they come, so resident memory follows the bytes actually received, never a size a header
+    declares, and a complete entry needs no second copy."""
 
     def __init__(self, sizes: list[int]) -> None:
         self.sizes = sizes
         self.index = 0
-        self._parts: list[memoryview] = []
+        self._buf: np.ndarray | None = None
         self._filled = 0
         self.received = 0
 
@@ -72,31 +92,34 @@ class EntryAssembler:
     def done(self) -> bool:
         return self.index >= len(self.sizes)
 
-    def feed(self, data: memoryview) -> list[tuple[int, bytes]]:
+    def feed(self, data: memoryview) -> list[tuple[int, memoryview]]:
         """Take one chunk; returns the entries it completed, as (index, payload)."""
         out = []
         self.received += data.nbytes
         while data.nbytes:
             if self.done:
                 raise StreamOverrun("the stream carries more bytes than its header declares")
-            take = min(self.sizes[self.index] - self._filled, data.nbytes)
-            self._parts.append(data[:take])
+            size = self.sizes[self.index]
+            if self._buf is None:
+                self._buf = entry_buffer(size)
+            take = min(size - self._filled, data.nbytes)
+            self._buf[self._filled : self._filled + take] = np.frombuffer(data[:take], dtype=np.uint8)
             self._filled += take
             data = data[take:]
-            if self._filled == self.sizes[self.index]:
-                out.append((self.index, b"".join(self._parts)))
-                self._parts, self._filled = [], 0
+            if self._filled == size:
+                out.append((self.index, memoryview(self._buf)))
+                self._buf, self._filled = None, 0
                 self.index += 1
         # Zero-byte entries complete without data.
         while not self.done and self.sizes[self.index] == 0:
-            out.append((self.index, b""))
+            out.append((self.index, memoryview(b"")))
             self.index += 1
         return out
 
     def discard(self) -> None:
         """Drop the bytes of an entry still incomplete."""
-        self._parts, self._filled = [], 0
+        self._buf, self._filled = None, 0
 
-    def finish(self) -> list[tuple[int, bytes]]:
+    def finish(self) -> list[tuple[int, memoryview]]:
         """Entries of zero bytes left at the end; StreamOverrun-free check that all are complete."""
         return self.feed(memoryview(b""))

@@ -207,7 +207,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
         cmd = relaunch_command(args, argv)
         os.execv(cmd[0], cmd)  # the launcher replaces this process (same pid for the harness)
     torch.set_num_threads(args.threads)
-    tune_for_bulk_buffers()  # our own island process (the DiLoCo class leaves a user's allocator alone)
+    tune_for_bulk_buffers(heap=False)  # huge pages only (see atoll.memory); DiLoCo itself tunes nothing
     block = args.block_size or PRESETS[args.model]["block_size"]
     data = load_data(args, block)
     model = build_model(args, data.vocab_size)
@@ -229,7 +229,10 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
 
         ckpt = IslandCheckpointer(args.checkpoint_dir, rank=layout.rank, world=layout.world)
 
+    checkpoint_seconds = [0.0]  # of the training thread, per push (the writing runs in the background)
+
     def save_checkpoint(sync: DiLoCo) -> None:
+        started = time.perf_counter()
         extra = {
             "diloco": sync.state_dict(),
             "scheduler": sched.state_dict(),
@@ -238,6 +241,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
         ckpt.save(sync.inner_steps, model, opt, extra)
+        checkpoint_seconds[0] = time.perf_counter() - started
 
     sync = DiLoCo(
         model,
@@ -278,7 +282,9 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
     reporter = Reporter(args.progress, lead=layout.rank == 0, island=args.island_id)
     try:
         sync.start()
-        _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, reporter, resumed is not None)
+        _train(
+            args, sync, model, opt, sched, data, gen, layout, per_rank, faults, reporter, resumed, checkpoint_seconds
+        )
         done = {"round": sync.round, "run_complete": sync.run_complete}
     finally:
         sync.close()
@@ -290,7 +296,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
     return 0
 
 
-def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, reporter, resumed) -> None:
+def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, reporter, resumed, ckpt_seconds) -> None:
     device = layout.device
     start_eval = evaluate(model, data, device)
     digest = model_digest(model) if args.digest else None
@@ -302,7 +308,7 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, r
         digest=digest,
         ranks=layout.world,
         parallel=layout.mode,
-        resumed=resumed,
+        resumed=resumed is not None,
         run_complete=sync.run_complete,
     )
     round_mark = time.perf_counter()
@@ -342,6 +348,8 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, r
             shards=list(stats.shards),
             dropped=stats.dropped,
             run_complete=stats.run_complete,
+            gpu_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            checkpoint_seconds=ckpt_seconds[0],
         )
 
     pushed_before = sync.rounds_pushed
