@@ -260,6 +260,30 @@ def test_decode_add_matches_decode(spec):
         codec.decode_add_(payload, torch.zeros(29, 37).t())
 
 
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_two_weighted_contributions_sum_the_same_in_either_order(spec):
+    """The coordinator adds each island's weighted delta as its push arrives. ``decode_add_`` rounds
+    ``alpha * decode`` on its own before adding it (no fused multiply-add into the accumulator), so a
+    round of two islands gives bitwise the same mean whichever pushed first: what makes a run
+    reproducible across processes. Larger shapes reach the chunked and GEMM paths."""
+    codec = get_codec(spec)
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(300, 257, generator=gen), torch.randn(300, 257, generator=gen) * 1e-3
+    pa, pb = codec.encode(a, {}), codec.encode(b, {})
+    wa, wb = 1 / 3, 0.7071
+
+    def total(first, second):
+        acc = torch.zeros(300, 257)
+        codec.decode_add_(first[0], acc, alpha=first[1])
+        codec.decode_add_(second[0], acc, alpha=second[1])
+        return acc
+
+    ab, ba = total((pa, wa), (pb, wb)), total((pb, wb), (pa, wa))
+    assert torch.equal(ab, ba), f"{int((ab != ba).sum())} elements differ"
+    expected = (codec.decode(pa, (300, 257)) * wa) + (codec.decode(pb, (300, 257)) * wb)
+    assert torch.equal(ab, expected)
+
+
 def test_wire_round_trip_and_header_errors():
     body = np.arange(12, dtype=np.float32)
     payload = pack(1, torch.float16, (3, 4), b"\x01\x02", body)

@@ -57,6 +57,15 @@ class Difference:
         return torch.sub(self.a.narrow(0, start, length), self.b.narrow(0, start, length), out=out)
 
 
+def weighted(v: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``alpha * v`` rounded on its own, for ``out += weighted(v, alpha)``: a fused multiply-add into
+    the accumulator would make the sum of two contributions depend on which came first, and the
+    coordinator adds pushes in arrival order. ``v`` itself when ``alpha`` is 1 (exact either way)."""
+    if alpha == 1.0:
+        return v
+    return v * alpha if v.dtype == torch.float32 else v.to(torch.float32).mul_(alpha)
+
+
 def span(x, start: int, length: int) -> torch.Tensor:
     """Elements ``[start, start + length)`` (clipped) of a flat tensor or a :class:`Difference`.
 
@@ -191,7 +200,9 @@ class Codec:
         return out
 
     def decode_add_(self, payload, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """``out += alpha * decode(payload)``; ``out`` is contiguous float32, on any device."""
+        """``out += alpha * decode(payload)``; ``out`` is contiguous float32, on any device. The
+        product is rounded before it is added (see :func:`weighted`), so two contributions sum to
+        bitwise the same result in either order."""
         self._check_out(out)
         frame = self.frame(payload, tuple(out.shape))
         if frame.numel:

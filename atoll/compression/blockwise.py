@@ -24,6 +24,7 @@ from atoll.compression.base import (
     read_tensor,
     span,
     to_host,
+    weighted,
     write_tensor,
 )
 from atoll.compression.wire import Frame, WireFormatError
@@ -159,13 +160,13 @@ def decode_into(
         if nb * block == m:
             q2, t2 = q.view(nb, block), target.view(nb, block)
             if accumulate:
-                t2.addcmul_(q2, sc.unsqueeze(1), value=alpha)
+                t2.add_(weighted(q2 * sc.unsqueeze(1), alpha))
             else:
                 torch.mul(q2, sc.unsqueeze(1), out=t2)
         else:  # ragged last block
             v = torch.nn.functional.pad(q.to(torch.float32), (0, nb * block - m)).view(nb, block).mul_(sc.unsqueeze(1))
             v = span(v.view(-1), 0, m)
-            target.add_(v, alpha=alpha) if accumulate else target.copy_(v)
+            target.add_(weighted(v, alpha)) if accumulate else target.copy_(v)
 
 
 def scales_finite(body: memoryview, n: int, *, block: int, scale_kind: int, global_scale: float) -> bool:

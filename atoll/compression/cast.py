@@ -16,6 +16,7 @@ from atoll.compression.base import (
     read_tensor,
     span,
     to_host,
+    weighted,
     write_tensor,
 )
 from atoll.compression.wire import WireFormatError
@@ -63,7 +64,7 @@ class _CastCodec(Codec):
         for s in range(0, v.numel(), step):
             part = v[s : s + step].to(out.device)  # the stored bytes to the device; a view on the CPU
             if accumulate:
-                span(out, s, step).add_(part, alpha=alpha)
+                span(out, s, step).add_(weighted(part, alpha))
             else:
                 span(out, s, step).copy_(part)
 

@@ -29,7 +29,7 @@ import struct
 
 import torch
 
-from atoll.compression.base import Codec, expect_body, expect_params
+from atoll.compression.base import Codec, expect_body, expect_params, weighted
 from atoll.compression.topk import (
     VALUE_BLOCK,
     VALUES_FP16,
@@ -101,7 +101,7 @@ def _blockwise(
     if alpha is None:
         torch.mm(rows, right, out=target)
     else:
-        target.addmm_(rows, right, alpha=alpha)
+        target.add_(weighted(torch.mm(rows, right), alpha))
     return out
 
 
@@ -183,6 +183,6 @@ class DctTopKCodec(Codec):
             return
         dense = inverse(coef.view(pr, pc), br, bc)[:rows, :cols]
         if accumulate:
-            view.add_(dense, alpha=alpha)
+            view.add_(weighted(dense, alpha))
         else:
             view.copy_(dense)

@@ -12,7 +12,16 @@ import struct
 
 import torch
 
-from atoll.compression.base import Codec, all_finite, expect_body, expect_params, read_tensor, to_host, write_tensor
+from atoll.compression.base import (
+    Codec,
+    all_finite,
+    expect_body,
+    expect_params,
+    read_tensor,
+    to_host,
+    weighted,
+    write_tensor,
+)
 from atoll.compression.wire import WireFormatError
 
 _PARAMS = struct.Struct("<BIQQ")  # mode (0 raw, 1 low rank), rank, rows, cols
@@ -113,11 +122,11 @@ class PowerSGDCodec(Codec):
         mode, r, rows, cols = self._params(frame)
         if mode == RAW:
             v = read_tensor(frame.body, torch.float32, frame.numel, device=out.device)
-            out.add_(v, alpha=alpha) if accumulate else out.copy_(v)
+            out.add_(weighted(v, alpha)) if accumulate else out.copy_(v)
             return
         p, q = self._factors(frame, r, rows, cols, out.device)
         m = out.view(rows, cols)
         if accumulate:
-            m.addmm_(p, q.t(), alpha=alpha)
+            m.add_(weighted(torch.mm(p, q.t()), alpha))
         else:
             torch.mm(p, q.t(), out=m)

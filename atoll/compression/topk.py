@@ -25,6 +25,7 @@ from atoll.compression.base import (
     expect_params,
     read_tensor,
     to_host,
+    weighted,
     write_tensor,
 )
 from atoll.compression.wire import WireFormatError
@@ -185,7 +186,7 @@ class TopKCodec(Codec):
         idx = read_indices(frame.body, k, width, out.device)
         vals = read_values(frame.body, k, width, kind, out.device)
         if accumulate:
-            out.index_add_(0, idx, vals, alpha=alpha)
+            out.index_add_(0, idx, weighted(vals, alpha))
         else:
             out.zero_()
             out[idx] = vals
