@@ -250,3 +250,109 @@ def test_status_json_is_valid_with_a_closed_round(start_server, raw_island):
     a.pull(0)
     code, body = get(srv.server.admin.address + "/api/status")
     assert code == 200 and json.loads(body)["round"] == 1
+
+
+# ---- 1b. the real thing: a full disk, and a task that dies -------------------------------------
+def _mount_namespaces() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt && umount /mnt"], capture_output=True
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _mount_namespaces(), reason="needs unshare -m and tmpfs mounts (root)")
+def test_a_state_dir_on_a_full_tmpfs_recovers_when_space_returns(tmp_path, raw_island):
+    """The coordinator process with its state dir on a 24 MiB tmpfs in a mount namespace of its own;
+    the test fills the disk (through /proc/PID/root), a round's save fails with ENOSPC, the daemon
+    says so and keeps the round unpublished; the filler goes, the round is published."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    state = tmp_path / "state"
+    state.mkdir()
+    port_file, admin_file = tmp_path / "port", tmp_path / "admin"
+    log = open(tmp_path / "coordinator.log", "wb")  # noqa: SIM115 - closed below
+    cmd = (
+        f"mount -t tmpfs -o size=24m tmpfs {state} && exec {sys.executable} -m atoll coordinator "
+        f"--state-dir {state} --run-id t --sync-every 1 --port-file {port_file} --admin-port 0 "
+        f"--admin-port-file {admin_file}"
+    )
+    proc = subprocess.Popen(["unshare", "-m", "sh", "-c", cmd], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and admin_file.exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
+            time.sleep(0.05)
+        address = f"127.0.0.1:{port_file.read_text().strip()}"
+        admin = f"http://127.0.0.1:{admin_file.read_text().strip()}"
+        shapes = {"w": (1024, 1024)}  # a 4 MiB θ: each snapshot is 8 MiB
+        a = raw_island(address, "a", shapes)
+        a.join()
+        a.push({"w": torch.randn(1024, 1024)}, round_=0, kind=pb.PUSH_KIND_INIT)
+        inside = f"/proc/{proc.pid}/root{state}"
+        filler = f"{inside}/filler"
+        with open(filler, "wb", buffering=0) as f, pytest.raises(OSError):  # fill it: no room for a snapshot
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        a.push({"w": torch.randn(1024, 1024) * 0.01}, round_=0, tokens=1)
+        header, _ = a.pull(0, wait_seconds=2.0)
+        assert header.kind == pb.UPDATE_KIND_NOT_READY
+        deadline = time.monotonic() + 10
+        while get(admin + "/healthz")[0] != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert "No space left on device" in get(admin + "/healthz")[1]
+        os.unlink(filler)
+        header, _ = a.pull(0, wait_seconds=30)
+        assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1
+        assert get(admin + "/healthz")[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+    text = (tmp_path / "coordinator.log").read_text()
+    assert "ERROR" in text and "No space left on device" in text and "saving works again" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_background_task_ends_the_daemon_with_a_non_zero_exit(tmp_path):
+    """A bug in the round decider (here: decide() raising) is logged with its traceback and the
+    process exits 1, for its supervisor to restart it. (Before: the task died silently and the
+    daemon went on answering, with rounds that never closed.)"""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, atoll.coordinator.closing as c\n"
+        "def broken(*a, **k):\n"
+        "    raise RuntimeError('a bug in decide')\n"
+        "c.decide = broken\n"
+        "from atoll.cli import main\n"
+        f"sys.exit(main(['coordinator', '--state-dir', r'{tmp_path / 'state'}', '--run-id', 't']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # No θ yet: the decider does not decide. Bootstrap one island to wake it.
+        out = proc.stdout.readline()
+        address = out.strip().rsplit(" ", 1)[-1]
+        from conftest import RawIsland
+
+        a = RawIsland(address, "a", {"w": (2, 2)})
+        a.join()
+        a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+        a.close()
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert "background task atoll-decider died" in err and "a bug in decide" in err
