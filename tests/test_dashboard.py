@@ -99,6 +99,8 @@ def test_dashboard_after_a_two_island_run(group, tmp_path):
     assert rate_svg.count('class="point"') == 4
     rows = re.findall(r'<tr><td>(site-\w)</td><td class="state-(\w+)">', dom)
     assert rows == [("site-a", "left"), ("site-b", "left")]
+    committed = re.findall(r'<tr><td>site-\w</td><td class="state-left">left</td><td>[^<]*</td><td>(\d+)</td>', dom)
+    assert committed == ["4", "4"], dom  # what an island that left did stays in the table
     assert shot.stat().st_size > 20_000
     if os.environ.get("ATOLL_DASHBOARD_PNG"):
         shutil.copy(shot, os.environ["ATOLL_DASHBOARD_PNG"])

@@ -227,6 +227,8 @@ def status_json(server, started_at: float) -> dict:
                 holds_round=rec.holds_round,
                 last_push_age_seconds=None if rec.last_push_at is None else now - rec.last_push_at,
             )
+        else:  # left or evicted: what it did is still the run's history
+            row.update(rounds_committed=sum(island in h["islands"] for h in s.history))
         islands.append(row)
     return {
         "run": dataclasses.asdict(s.config),
