@@ -66,6 +66,15 @@ def weighted(v: torch.Tensor, alpha: float) -> torch.Tensor:
     return v * alpha if v.dtype == torch.float32 else v.to(torch.float32).mul_(alpha)
 
 
+def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """``out += weighted(a @ b, alpha)`` for a 2-D ``out``, a block of rows at a time: the product's
+    temporary is one chunk (cache-sized on the CPU), not the whole matrix."""
+    rows = max(1, chunk_elems(out.device) // max(1, out.shape[1]))
+    for r in range(0, out.shape[0], rows):
+        n = min(rows, out.shape[0] - r)
+        out.narrow(0, r, n).add_(weighted(torch.mm(a.narrow(0, r, n), b), alpha))
+
+
 def span(x, start: int, length: int) -> torch.Tensor:
     """Elements ``[start, start + length)`` (clipped) of a flat tensor or a :class:`Difference`.
 

@@ -29,7 +29,7 @@ import struct
 
 import torch
 
-from atoll.compression.base import Codec, expect_body, expect_params, weighted
+from atoll.compression.base import Codec, add_product, expect_body, expect_params, weighted
 from atoll.compression.topk import (
     VALUE_BLOCK,
     VALUES_FP16,
@@ -101,7 +101,7 @@ def _blockwise(
     if alpha is None:
         torch.mm(rows, right, out=target)
     else:
-        target.add_(weighted(torch.mm(rows, right), alpha))
+        add_product(target, rows, right, alpha)
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 
 from atoll.compression.base import (
     Codec,
+    add_product,
     all_finite,
     expect_body,
     expect_params,
@@ -127,6 +128,6 @@ class PowerSGDCodec(Codec):
         p, q = self._factors(frame, r, rows, cols, out.device)
         m = out.view(rows, cols)
         if accumulate:
-            m.add_(weighted(torch.mm(p, q.t()), alpha))
+            add_product(m, p, q.t(), alpha)
         else:
             torch.mm(p, q.t(), out=m)

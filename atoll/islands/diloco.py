@@ -27,8 +27,9 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from atoll.islands import resume
 from atoll.islands.client import ClientTls, RetryPolicy
-from atoll.islands.flight import Flight, RoundStats, flight_state, restore_flight
+from atoll.islands.flight import Flight, RoundStats
 from atoll.islands.links import Links
 from atoll.islands.options import IslandOptions
 from atoll.islands.schedule import Schedule
@@ -37,7 +38,6 @@ from atoll.islands.shards import LocalShard, local_shards
 from atoll.protos import coordinator_pb2 as pb
 
 log = logging.getLogger("atoll.island")
-STATE_FORMAT = "atoll-diloco-1"
 
 
 class DiLoCo:
@@ -159,7 +159,7 @@ class DiLoCo:
             joined = links.join_all()
             if self._resume is not None:
                 self.links = links
-                self._resume_links(joined)
+                resume.resume_links(self, self._resume, joined)
             else:
                 for s, resp in zip(links.sessions, joined, strict=True):
                     if resp.bootstrap:
@@ -416,7 +416,7 @@ class DiLoCo:
         """This rank's regions of θ for the current round, as received (fp32), keyed by name."""
         return {s.name: self.links.states[s.key].start for s in self.shards}
 
-    # ---- checkpoints -----------------------------------------------------------------------
+    # ---- checkpoints (atoll.islands.resume) ----------------------------------------------
     def state_dict(self) -> dict:
         """This rank's DiLoCo state, for a checkpoint of the island: rounds, steps and tokens into
         the round, round-start θ, error-feedback residuals and codec state, and an exchange that was
@@ -425,23 +425,7 @@ class DiLoCo:
         per rank beside a torch.distributed.checkpoint of the model)."""
         if self.links is None:
             raise RuntimeError("state_dict() needs a started DiLoCo")
-        snapshots = {k: st.snapshot for k, st in self.links.states.items() if st.snapshot is not None}
-        return {
-            "format": STATE_FORMAT,
-            "run_id": self.run_id,
-            "island_id": self.island_id,
-            "session_id": self.session_id,
-            "rank": self.rank,
-            "num_ranks": self.num_ranks,
-            "inner_steps": self.inner_steps,
-            "links": [
-                {"round": s.round, "run_complete": s.run_complete, **self.schedule.links[s.index].state_dict()}
-                for s in self.sessions
-            ],
-            "flights": [flight_state(f) for f in self._in_flight()],
-            "shards": {_key_str(k): st.state_dict() for k, st in self.links.states.items()},
-            "snapshots": {_key_str(k): t.detach().to("cpu", copy=True) for k, t in snapshots.items()},
-        }
+        return resume.state_dict(self)
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore a state from :meth:`state_dict` before ``start()``: start() then rejoins (with the
@@ -449,55 +433,7 @@ class DiLoCo:
         was in flight (idempotent) and catches up by exact deltas if the run moved on."""
         if self.links is not None:
             raise RuntimeError("load_state_dict() goes before start()")
-        if sd.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a DiLoCo state (format {sd.get('format')!r}, expected {STATE_FORMAT!r})")
-        mine = (self.run_id, self.island_id, self.rank, self.num_ranks)
-        theirs = (sd["run_id"], sd["island_id"], sd["rank"], sd["num_ranks"])
-        if theirs != mine:
-            raise ValueError(
-                f"the state is of island {theirs[1]!r} rank {theirs[2]}/{theirs[3]} of run {theirs[0]!r}; "
-                f"this is island {mine[1]!r} rank {mine[2]}/{mine[3]} of run {mine[0]!r}"
-            )
+        resume.check(self, sd)
         self.session_id = sd["session_id"]
         self.inner_steps = int(sd["inner_steps"])
         self._resume = sd
-
-    def _resume_links(self, joined: list[pb.JoinResponse]) -> None:
-        """start() after load_state_dict(): outer state back, flights re-pushed, catch up if behind."""
-        sd, links = self._resume, self.links
-        keys = {_key_str(k): k for k in links.states}
-        if set(keys) != set(sd["shards"]):
-            raise ValueError("the saved DiLoCo state is of another model layout (its shards differ)")
-        for name, shard_sd in sd["shards"].items():
-            state = links.states[keys[name]]
-            state.load_state_dict(shard_sd)
-            if name in sd["snapshots"]:
-                state.snapshot = state.placement.keep(sd["snapshots"][name].to(state.device))
-        for s, link_sd in zip(self.sessions, sd["links"], strict=True):
-            s.round = int(link_sd["round"])
-            s.run_complete = s.run_complete or bool(link_sd["run_complete"])
-        in_flight = set()
-        for fsd in sd["flights"]:
-            flight = restore_flight(fsd, self.sessions)
-            in_flight.update(flight.links)
-            for i in flight.links:
-                self.flights[i] = flight
-            if flight.merge:
-                flight.thread = threading.Thread(target=self._exchange_io, args=(flight,), daemon=True)
-                flight.thread.start()
-            else:
-                self._exchange_io(flight)
-                self._finish(flight)
-        for s, resp in zip(self.sessions, joined, strict=True):
-            if s.index in in_flight or resp.round <= s.round:
-                continue
-            # The run moved on while this island was down: its partial round is stale.
-            log.warning("%s: the run moved on to round %d meanwhile; catching up", self.island_id, resp.round)
-            s.pull_until_ready(s.round, on_entry=links.entry_applier(s.index))
-            links.load_params(s.index, merge=False)
-            sd["links"][s.index].update(steps=0, tokens=0, losses=[])
-
-
-def _key_str(key: tuple) -> str:
-    name, offsets, sizes = key
-    return f"{name}|{','.join(map(str, offsets))}|{','.join(map(str, sizes))}"
