@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atoll.compression.base import weighted
 from atoll.coordinator.errors import Reason, refuse
 from atoll.coordinator.regions import Region
 
@@ -203,11 +204,12 @@ def assemble(ranks: list[StagedRank], specs: dict[str, tuple[int, ...]], codec) 
 
 
 def accumulate(ranks: list[StagedRank], accum: dict[str, torch.Tensor], codec, weight: float) -> None:
-    """``accum += weight * Δ`` for an island's ranks, decoding straight into the accumulator."""
+    """``accum += weight * Δ`` for an island's ranks, decoding straight into the accumulator. ``weight * Δ``
+    is rounded before the add, so two islands sum to the same bits in either arrival order."""
     for staged in ranks:
         for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
             target = accum[entry.name][entry.region.slices()]
             if target.is_contiguous():
                 codec.decode_add_(payload, target, alpha=weight)
             else:
-                target.add_(codec.decode(payload, entry.region.sizes), alpha=weight)
+                target.add_(weighted(codec.decode(payload, entry.region.sizes), weight))  # no fused w·Δ + acc
