@@ -180,7 +180,18 @@ async def next_chunk(it, timeout: float):
             task.cancel()
     if not done:
         raise refuse(Reason.STREAM_IDLE, f"the push stream sent nothing for {timeout:g}s")
-    return task.result()
+    err = task.exception()
+    if err is None:
+        return task.result()
+    # The end of the stream (StopAsyncIteration) or its failure. Raised with no reference from this
+    # frame to the task, which holds the exception, whose traceback holds the caller's frame and
+    # with it every payload the push received: that cycle kept two pushes' bytes per round alive
+    # until the cyclic collector happened to run (measured: +2x |θ| per round, 17x in all).
+    del task, done
+    try:
+        raise err
+    finally:
+        del err
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
