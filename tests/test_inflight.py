@@ -25,12 +25,13 @@ NUM_BYTES = len(get_codec("identity").encode(torch.zeros(2048, 2048)))
 MIB = 1 << 20
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident set (``VmHWM``: its peak) from /proc."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 class HangingPush:
@@ -151,14 +152,6 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
         assert inflight_bytes(admin) == 0
 
 
-def peak_rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 @pytest.mark.timeout(240)
 def test_coordinator_memory_does_not_grow_with_rounds_or_the_catch_up_window(group, tmp_path, raw_island):
     """The accelerator issue's measurement, from outside: the coordinator process, two islands, a
@@ -187,7 +180,7 @@ def test_coordinator_memory_does_not_grow_with_rounds_or_the_catch_up_window(gro
             header, _ = island.pull(r, wait_seconds=30)
             assert header.round == r + 1
         at[r + 1] = rss_bytes(coord.pid)
-    peak = peak_rss_bytes(coord.pid) - start
+    peak = rss_bytes(coord.pid, "VmHWM") - start
     by_round = {r: round((v - start) / theta, 2) for r, v in at.items()}
     assert peak < 8 * theta, f"coordinator peak {peak / theta:.1f}x |θ| above its start; by round {by_round}"
     grown = max(at[r] for r in range(6, 13)) - at[6]  # after warm-up, a plateau: nothing accumulates
