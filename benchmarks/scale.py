@@ -7,7 +7,8 @@ Each island is its own process running the real DiLoCo wrapper on a model with t
 of a realistic size (1e-3 of the parameter's scale), so the pseudo-gradients are dense and
 incompressible as a real one is; the coordinator is ``atoll coordinator`` over real gRPC on loopback.
 
-Per round it prints: push (longest island push), outer step and persist (coordinator), pull (longest
+Per round it prints: push (longest island push), outer step, persist and publish (coordinator: the
+update handed to the downlink and waiting pulls woken), pull (longest
 transfer of the update), bytes up and down. Per configuration: coordinator peak RSS over fp32 |θ|
 (above its RSS before θ_0 arrived, and against 5x |θ| plus the peak of the in-flight push budget),
 island peak extra host memory over its fp32 shard (above its RSS with the model built), and
@@ -205,7 +206,8 @@ def main() -> None:
             theta = res["theta_bytes"]
             print(f"\n== {codec}, {n} islands, |θ| = {theta / MIB:,.0f} MiB fp32 ({theta // 4:,} parameters)")
             print(
-                f"{'round':>5} {'push s':>7} {'outer s':>7} {'persist s':>9} {'pull s':>7} {'MB up':>8} {'MB down':>8}"
+                f"{'round':>5} {'push s':>7} {'outer s':>7} {'persist s':>9} {'publish s':>9} {'pull s':>7}"
+                f" {'MB up':>8} {'MB down':>8}"
             )
             closes = []
             for r, h in enumerate(res["history"]):
@@ -216,7 +218,8 @@ def main() -> None:
                 down = sum(x["received"] for x in rows) / 1e6
                 closes.append(h["outer_step_seconds"] + h["persist_seconds"])
                 print(
-                    f"{r:>5} {push:7.2f} {h['outer_step_seconds']:7.2f} {h['persist_seconds']:9.2f} {pull:7.2f}"
+                    f"{r:>5} {push:7.2f} {h['outer_step_seconds']:7.2f} {h['persist_seconds']:9.2f}"
+                    f" {h.get('publish_seconds', 0):9.3f} {pull:7.2f}"
                     f" {up:8.1f} {down:8.1f}"
                 )
             extra = max(isl[-1]["extra_peak"] for isl in res["islands"])

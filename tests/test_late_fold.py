@@ -34,7 +34,10 @@ def close_round_0_without_b(srv, a):
     d_a = {"w": torch.randn(3, 4)}
     a.push(d_a, round_=0, tokens=100)
     header, _ = a.pull(0)  # closes at the 0.2 s deadline (b is live but missing)
-    assert header.round == 1 and srv.inspect(lambda s: s.history[-1]["islands"]) == ["a"]
+    record = srv.inspect(lambda s: dict(s.history[-1]))
+    assert header.round == 1 and record["islands"] == ["a"]
+    # the phases of closing a round, as benchmarks/scale.py prints them
+    assert all(0 <= record[k] < 10 for k in ("outer_step_seconds", "persist_seconds", "publish_seconds"))
     return d_a
 
 

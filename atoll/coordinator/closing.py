@@ -163,7 +163,8 @@ async def try_publish(s: RunState) -> bool:
                 "%ssaving works again: round %d saved after %d failed attempts", s.name, sealed.round, sealed.failures
             )
             s.problem = None
-        sealed.record["persist_seconds"] = time.perf_counter() - started
+        published = time.perf_counter()
+        sealed.record["persist_seconds"] = published - started
         s.params, s.history = sealed.params, history
         s.round = sealed.round + 1
         s.downlink.publish(s.round, sealed.payloads)
@@ -183,6 +184,7 @@ async def try_publish(s: RunState) -> bool:
         if s.run_complete:
             log.warning("%srun %s is complete after %d rounds", s.name, s.config.run_id, s.round)
         s.publish()
+        record["publish_seconds"] = time.perf_counter() - published
         return True
 
 
