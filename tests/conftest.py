@@ -135,6 +135,16 @@ class RawIsland:
         self.client.close()
 
 
+def inner_step(model, opt, batch) -> float:
+    """One MSE step of the small regression models the wrapper tests train; returns the loss."""
+    x, y = batch
+    loss = ((model(x) - y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 @pytest.fixture
 def raw_island():
     made: list[RawIsland] = []

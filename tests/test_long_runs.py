@@ -15,7 +15,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from conftest import ServerThread, collect_events, coordinator_flags, island_flags
+from conftest import ServerThread, collect_events, coordinator_flags, inner_step, island_flags
 
 from atoll.coordinator import RunConfig, persistence
 from atoll.islands import CoordinatorRefused, DiLoCo
@@ -33,15 +33,6 @@ def make_model() -> torch.nn.Module:
 def batches(n: int):
     gen = torch.Generator().manual_seed(3)
     return [(torch.randn(32, 8, generator=gen), torch.randn(32, 4, generator=gen)) for _ in range(n)]
-
-
-def inner_step(model, opt, batch) -> float:
-    x, y = batch
-    loss = ((model(x) - y) ** 2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
 
 
 def config(**kw) -> RunConfig:

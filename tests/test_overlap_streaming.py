@@ -16,7 +16,7 @@ from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorRefused, DiLoCo
 from atoll.islands.client import RetryPolicy
 from atoll.sharding import layer_partition, layout_digest
-from tests.conftest import collect_events, coordinator_flags, island_flags
+from tests.conftest import collect_events, coordinator_flags, inner_step, island_flags
 
 H = 4
 OUTER_LR = 0.7
@@ -30,15 +30,6 @@ def make_model() -> torch.nn.Module:
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     return [(torch.randn(16, 8, generator=gen), torch.randn(16, 8, generator=gen)) for _ in range(n)]
-
-
-def inner_step(model, opt, batch) -> float:
-    x, y = batch
-    loss = ((model(x) - y) ** 2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
 
 
 def config(**kw) -> RunConfig:

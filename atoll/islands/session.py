@@ -133,6 +133,17 @@ class Session:
         except grpc.RpcError as err:
             log.warning("leave failed on shard %d: %s", self.index, err.details())
 
+    def _rejoin_or_raise(self, err: grpc.RpcError) -> None:
+        """A push or pull failed: re-join when the coordinator forgot this island (it restarted; the
+        caller retries), raise CoordinatorRefused for a reason the user must fix, else ``err``."""
+        if reason_of(err) == "REASON_NOT_JOINED":
+            self.join()
+            return
+        fatal = refused(err)
+        if fatal is not None:
+            raise fatal from None
+        raise err
+
     # ---- pushes ------------------------------------------------------------------------------
     def header(
         self, kind, round_: int, shards, sizes: list[int], codec: str, *, tokens=0, loss=None, steps=0
@@ -164,13 +175,8 @@ class Session:
             try:
                 resp = self.client.push(header, payloads)
             except grpc.RpcError as err:
-                if reason_of(err) == "REASON_NOT_JOINED":  # the coordinator restarted and forgot us
-                    self.join()
-                    continue
-                fatal = refused(err)
-                if fatal is not None:
-                    raise fatal from None
-                raise
+                self._rejoin_or_raise(err)
+                continue
             if resp.outcome == pb.PUSH_OUTCOME_ROUND_CLOSED:
                 log.warning(
                     "%s: round %d closed before our push arrived; it is dropped", self.me.island_id, header.round
@@ -223,13 +229,8 @@ class Session:
                 have_round, repush = -1, None
                 continue
             except grpc.RpcError as err:
-                if reason_of(err) == "REASON_NOT_JOINED":
-                    self.join()
-                    continue
-                fatal = refused(err)
-                if fatal is not None:
-                    raise fatal from None
-                raise
+                self._rejoin_or_raise(err)
+                continue
             self.run_complete = self.run_complete or header.run_complete
             if header.kind == pb.UPDATE_KIND_NOT_READY:
                 if header.bootstrap and bootstrap is not None:
