@@ -16,11 +16,12 @@ from pathlib import Path
 
 import grpc
 
+from atoll.protos.reasons import Reason
 from atoll.protos.status import error_status
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 UNAUTHENTICATED = error_status(
-    grpc.StatusCode.UNAUTHENTICATED, "REASON_UNAUTHENTICATED", "missing or unknown island token"
+    grpc.StatusCode.UNAUTHENTICATED, Reason.UNAUTHENTICATED, "missing or unknown island token"
 )
 
 

@@ -22,25 +22,11 @@ from atoll.compression import WireFormatError
 from atoll.islands.client import RETRYABLE, CoordinatorClient
 from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, PartialUpdate
 from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.reasons import FATAL, Reason
 from atoll.protos.status import reason_of
 
 log = logging.getLogger("atoll.island")
 
-FATAL = {
-    "REASON_WRONG_RUN",
-    "REASON_MODEL_MISMATCH",
-    "REASON_CODEC_MISMATCH",
-    "REASON_SHARD_MISMATCH",
-    "REASON_SESSION_CONFLICT",
-    "REASON_EVICTED",
-    "REASON_BAD_REQUEST",
-    "REASON_NOT_BOOTSTRAPPER",
-    "REASON_TOKENS_OUT_OF_RANGE",
-    "REASON_INCOMPLETE_ISLAND",
-    "REASON_UNAUTHENTICATED",
-    "REASON_PERMISSION_DENIED",
-}
-"""Refusals that retrying cannot fix: the user must change something."""
 MAX_RESYNCS = 3
 """Full-θ pulls after a broken update before giving up (a coordinator sending corrupt data)."""
 WAIT_WARN_SECONDS = 60.0
@@ -116,7 +102,7 @@ class Session:
             )
             self.run_complete = self.run_complete or resp.run_complete
         except grpc.RpcError as err:
-            if reason_of(err) == "REASON_NOT_JOINED":
+            if reason_of(err) is Reason.NOT_JOINED:
                 log.info("coordinator shard %d forgot %s; re-joining", self.index, m.island_id)
                 try:
                     self.join(give_up_seconds=self.client.retry.rpc_timeout_seconds)
@@ -136,7 +122,7 @@ class Session:
     def _rejoin_or_raise(self, err: grpc.RpcError) -> None:
         """A push or pull failed: re-join when the coordinator forgot this island (it restarted; the
         caller retries), raise CoordinatorRefused for a reason the user must fix, else ``err``."""
-        if reason_of(err) == "REASON_NOT_JOINED":
+        if reason_of(err) is Reason.NOT_JOINED:
             self.join()
             return
         fatal = refused(err)

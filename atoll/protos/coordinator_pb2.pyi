@@ -29,8 +29,6 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_NO_PARAMETERS: _ClassVar[Reason]
     REASON_NOT_BOOTSTRAPPER: _ClassVar[Reason]
     REASON_ROUND_IN_FUTURE: _ClassVar[Reason]
-    REASON_ROUND_CLOSED: _ClassVar[Reason]
-    REASON_RUN_COMPLETE: _ClassVar[Reason]
     REASON_PUSH_IN_PROGRESS: _ClassVar[Reason]
     REASON_INFLIGHT_BUDGET: _ClassVar[Reason]
     REASON_TOKENS_OUT_OF_RANGE: _ClassVar[Reason]
@@ -85,8 +83,6 @@ REASON_EVICTED: Reason
 REASON_NO_PARAMETERS: Reason
 REASON_NOT_BOOTSTRAPPER: Reason
 REASON_ROUND_IN_FUTURE: Reason
-REASON_ROUND_CLOSED: Reason
-REASON_RUN_COMPLETE: Reason
 REASON_PUSH_IN_PROGRESS: Reason
 REASON_INFLIGHT_BUDGET: Reason
 REASON_TOKENS_OUT_OF_RANGE: Reason
