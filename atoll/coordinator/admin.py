@@ -101,7 +101,7 @@ class _StateCollector:
             "atoll_round_seconds", "Total seconds rounds were open", value=sum(h["seconds_open"] for h in s.history)
         )
         yield GaugeMetricFamily(
-            "atoll_inflight_bytes", "Push bytes held now (streaming or staged)", value=s.budget.used
+            "atoll_inflight_bytes", "Push bytes held now (streaming or staged)", value=s.accumulator.budget.used
         )
 
 
@@ -163,7 +163,7 @@ class AdminServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.requested_port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -218,7 +218,7 @@ def status_json(server, started_at: float) -> dict:
     islands = []
     for island, state in states.items():
         rec = s.membership.islands.get(island)
-        row = {"island": island, "state": state, "committed_this_round": island in s.staging.committed}
+        row = {"island": island, "state": state, "committed_this_round": island in s.accumulator.committed}
         if rec is not None:
             row.update(
                 num_ranks=rec.num_ranks,
@@ -233,18 +233,18 @@ def status_json(server, started_at: float) -> dict:
     return {
         "run": dataclasses.asdict(s.config),
         "round": s.round,
-        "bootstrapped": s.params is not None,
+        "bootstrapped": s.model.ready,
         "run_complete": s.run_complete,
-        "num_params": sum(t.numel() for t in s.params.values()) if s.params else 0,
+        "num_params": sum(t.numel() for t in s.model.params.values()) if s.model.ready else 0,
         "healthy": health_problem(server) is None,
         "problem": health_problem(server),
         "stall": s.stall,
         "waiting": s.waiting,
         "islands": islands,
         "counters": server.counters.as_dict(),
-        "inflight_bytes": s.budget.used,
-        "inflight_peak_bytes": s.budget.peak,
-        "inflight_budget_bytes": s.budget.limit,
+        "inflight_bytes": s.accumulator.budget.used,
+        "inflight_peak_bytes": s.accumulator.budget.peak,
+        "inflight_budget_bytes": s.accumulator.budget.limit,
         "history": s.history[-100:],
         "uptime_seconds": time.time() - started_at,
     }

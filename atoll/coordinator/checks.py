@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from atoll.compression import available_codecs, codec_name
+from atoll.compression import available_codecs, codec_name, get_codec
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.errors import Code, Reason, RequestError, invalid, refuse
+from atoll.coordinator.errors import Reason, RequestError, invalid, refuse
 from atoll.coordinator.messages import BUFFER, JoinRequest, PushHeader, TensorDecl
 from atoll.coordinator.regions import Region, check_coverage
 from atoll.coordinator.staging import EntryPlan, StagedRank
@@ -49,14 +49,35 @@ def join(req: JoinRequest, shard: tuple[int, int], partition: str, config: RunCo
             raise refuse(Reason.SHARD_MISMATCH, f"tensors {foreign[:5]} do not belong to shard {index}/{count}")
     elif not req.layout_digest:
         raise invalid('partition "layers" needs the layout_digest of the whole model')
-    if codec_name(config.codec) not in {codec_name(c) for c in req.codecs}:
-        unknown = [c for c in req.codecs if codec_name(c) not in available_codecs()]
+    offered_codec(config, req.codecs)
+    return num_ranks
+
+
+def offered_codec(config: RunConfig, offered: tuple[str, ...]) -> None:
+    """The island must offer the run's codec: by name (it takes the run's parameters), or as a spec
+    with parameters, which must then be exactly the run's (refused here, before the island holds any
+    claim on the run, rather than by the island after it joined)."""
+    run = get_codec(config.codec).spec
+    for c in offered:
+        if codec_name(c) != codec_name(run) or ":" not in c:
+            continue
+        try:
+            asked = get_codec(c).spec
+        except ValueError as err:
+            raise invalid(f"codec spec {c!r}: {err}") from None
+        if asked != run:
+            raise refuse(
+                Reason.CODEC_MISMATCH,
+                f"codec {asked!r} was asked for; run {config.run_id!r} uses {run!r} "
+                "(pass the codec name alone to take the run's parameters)",
+            )
+    if codec_name(run) not in {codec_name(c) for c in offered}:
+        unknown = [c for c in offered if codec_name(c) not in available_codecs()]
         raise refuse(
             Reason.CODEC_MISMATCH,
-            f"run {config.run_id!r} uses codec {config.codec!r}; the island offers {list(req.codecs)}"
+            f"run {config.run_id!r} uses codec {config.codec!r}; the island offers {list(offered)}"
             + (f" (unknown here: {unknown})" if unknown else ""),
         )
-    return num_ranks
 
 
 def tensors(decls: tuple[TensorDecl, ...]) -> dict[str, tuple[int, ...]]:
@@ -113,7 +134,7 @@ def codec(config: RunConfig, given: str) -> None:
         raise RequestError(
             Reason.CODEC_MISMATCH,
             f"codec {given!r} is not the run's codec {config.codec!r}",
-            code=Code.INVALID_ARGUMENT,
+            code="INVALID_ARGUMENT",
         )
 
 

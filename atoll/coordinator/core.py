@@ -1,28 +1,42 @@
-"""The coordinator's run: sequences membership, staging, the outer step, persistence and the downlink.
+"""The coordinator's run: builds the objects that own its state and sequences them.
 
 Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`messages`, refusals
-:class:`~atoll.coordinator.errors.RequestError`. All mutation happens on the event loop under one
-lock; heavy tensor work runs in a worker thread while the lock is held. Pushes are checked here
-(:mod:`checks`); the background decider that closes rounds and retries a failed save is in
-:mod:`closing`.
+:class:`~atoll.coordinator.errors.RequestError`. Who owns what:
+
+- :class:`~atoll.coordinator.membership.Membership`: islands, leases, sessions, departures, the
+  bootstrap claim;
+- :class:`~atoll.coordinator.accumulator.RoundAccumulator`: staged pushes, committed contributions,
+  the round's sum, the in-flight budget, open streams;
+- :class:`~atoll.coordinator.model.GlobalModel`: θ, specs, buffers, outer optimizer, downlink EF;
+- :class:`~atoll.coordinator.ledger.Ledger`: the open round, history, the sealed round, wake-ups;
+- :class:`~atoll.coordinator.downlink.Downlink`: the latest encoded update and the kept ones.
+
+:mod:`pushes` and :mod:`pulls` act on those; :mod:`closing` is the decider task. θ_0 and every
+round take ONE path: :meth:`RunState.seal` -> :meth:`RunState.try_publish` (persist, then publish).
+
+Locking rule. Every piece of run state is read and written on the event loop, so a synchronous
+method (join, heartbeat, leave, evict, set_operational, plan_push, a pull's bookkeeping) runs
+without interleaving and takes no lock. ``lock`` serialises the coroutines that await a worker
+thread *in the middle of* changing the round's sum, θ or the ledger: committing a push
+(:meth:`commit_push`), closing a round (:meth:`close_round`) and saving/publishing one
+(:meth:`try_publish`). While one of them holds it, none of the others starts. Worker threads get the
+tensors and payloads they work on as arguments and never change this object.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from atoll.compression import get_codec
-from atoll.coordinator import checks, persistence, pushes, robust
+from atoll.coordinator import checks, persistence
+from atoll.coordinator.accumulator import RoundAccumulator
 from atoll.coordinator.config import ConfigMismatch, RunConfig, apply_operational, reconcile
 from atoll.coordinator.downlink import Downlink
 from atoll.coordinator.errors import Reason, refuse
+from atoll.coordinator.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger, Sealed
 from atoll.coordinator.membership import Membership, island_state
 from atoll.coordinator.messages import (
     IslandCall,
@@ -31,37 +45,17 @@ from atoll.coordinator.messages import (
     PullAnswer,
     PullRequest,
     PushHeader,
+    PushOutcome,
     PushResult,
-    UpdateKind,
 )
-from atoll.coordinator.outer import NesterovSGD, outer_step_
+from atoll.coordinator.model import GlobalModel
+from atoll.coordinator.pulls import Pulls
+from atoll.coordinator.pushes import Pushes
 from atoll.coordinator.rounds import RoundPolicy
-from atoll.coordinator.staging import (
-    InflightBudget,
-    PushPlan,
-    Reservation,
-    Staging,
-)
+from atoll.coordinator.staging import PushPlan, Reservation, StagedRank, release
 from atoll.sharding import PARTITIONS
 
 log = logging.getLogger("atoll.coordinator")
-
-MIN_INFLIGHT_BYTES = 256 << 20
-
-
-async def wait_event(event: asyncio.Event, timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for ``event``; returns whether it is set.
-
-    Not ``asyncio.wait_for``: before Python 3.12 it swallows a cancellation of the caller that
-    lands in the same loop iteration as the event (python/cpython#86296): the decider then never
-    stops, and the server's stop waits on it forever.
-    """
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({waiter}, timeout=timeout)
-    finally:
-        waiter.cancel()
-    return event.is_set()
 
 
 class RunState:
@@ -81,7 +75,8 @@ class RunState:
         """``shard``: (index, count) of this coordinator; ``partition``: "hash" or "layers" (see
         :mod:`atoll.sharding`). ``max_inflight_bytes``: push bytes held at once (0: twice the model's
         fp32 size, at least 256 MiB). ``given``: the config fields the operator set (None: all); on a
-        restart the stored run's math must match them and its operational fields take them."""
+        restart the stored run's math must match them and its operational fields take them.
+        ``name``: prefix of this coordinator's log lines ("fragment 1/4: "), empty when it is alone."""
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
         if keep_snapshots < 1:
@@ -92,39 +87,46 @@ class RunState:
         self.config = config
         self.given = given
         self.name = name
-        """Prefix of this coordinator's log lines ("fragment 1/4: "), empty when it is the only one."""
         self.membership = Membership(clock, lambda: self.config.lease_seconds)
-        self.staging = Staging()
+        self.accumulator = RoundAccumulator(max_inflight_bytes)
+        self.model = GlobalModel(config)
+        self.ledger = Ledger(clock())
         self.downlink = Downlink(self.state_dir)
-        self.budget = InflightBudget(max_inflight_bytes or MIN_INFLIGHT_BYTES)
-        self._budget_from_model = not max_inflight_bytes
-        self.streams: set[tuple[str, int]] = set()
-        """(island, rank) of the push streams open now."""
-        self.round = 0
-        self.params: dict[str, torch.Tensor] | None = None
-        self.specs: dict[str, tuple[int, ...]] = {}
-        self.buffers: frozenset[str] = frozenset()
-        self.layout_digest: str | None = None
-        self.optimizer: NesterovSGD | None = None
-        self.accum: dict[str, torch.Tensor] = {}
-        self.downlink_ef: dict[str, torch.Tensor] = {}
-        self.history: list[dict] = []
-        self.opened_at = clock()
-        self.sealed = None
-        """The closed round's outer step while it waits to be saved (see :mod:`closing`)."""
+        owners = dict(membership=self.membership, accumulator=self.accumulator, model=self.model, ledger=self.ledger)
+        self.pushes = Pushes(lambda: self.config, clock=clock, name=name, **owners)
+        self.pulls = Pulls(lambda: self.config, downlink=self.downlink, waiting=lambda: self.waiting, **owners)
         self.problem: str | None = None
         """Why the coordinator is unhealthy (a save failing), None when it is well."""
         self.stall: str | None = None
         """Why the open round cannot close, with what would unblock it; None when it can."""
         self.waiting = ""
+        """What the open round waits for (the decider's last reason), for people."""
         self.lock = asyncio.Lock()
-        self.round_changed = asyncio.Event()
-        self.poke = asyncio.Event()
-        self.uplink = get_codec(config.codec)
-        self.downlink_codec = get_codec(config.downlink_codec)
-        self._downlink_state: dict[str, dict] = {}
 
-    # ---- lifecycle -------------------------------------------------------------------------
+    # ---- what the run is -----------------------------------------------------------------------
+    @property
+    def round(self) -> int:
+        return self.ledger.round
+
+    @property
+    def history(self) -> list[dict]:
+        return self.ledger.history
+
+    @property
+    def run_complete(self) -> bool:
+        return self.ledger.complete(self.config.total_rounds)
+
+    def policy(self) -> RoundPolicy:
+        return RoundPolicy(quorum=self.config.quorum, deadline_seconds=self.config.round_deadline_seconds)
+
+    def states(self) -> dict[str, str]:
+        """Every island's state (joining / active / late / gone / left / evicted)."""
+        now = self.clock()
+        out = {i: island_state(rec, now, self.round) for i, rec in self.membership.islands.items()}
+        out.update({i: how for i, how in self.membership.departed.items() if i not in out})
+        return dict(sorted(out.items()))
+
+    # ---- lifecycle -------------------------------------------------------------------------------
     def restore(self) -> bool:
         """Load the newest verified snapshot; True if there was one. StateError / ConfigMismatch
         (one line each) when the state dir cannot be trusted or does not fit the asked config."""
@@ -136,92 +138,52 @@ class RunState:
                 f"the state dir belongs to shard {snap.shard[0]}/{snap.shard[1]} ({snap.partition}), not "
                 f"{self.shard[0]}/{self.shard[1]} ({self.partition})"
             )
-        given = frozenset(f.name for f in RunConfig.__dataclass_fields__.values()) if self.given is None else self.given
+        given = frozenset(RunConfig.__dataclass_fields__) if self.given is None else self.given
         self.config, changes = reconcile(snap.config, self.config, given)
         for line in changes:
             log.warning("%srestored run %s: %s (from the command line)", self.name, self.config.run_id, line)
-        self.uplink, self.downlink_codec = get_codec(self.config.codec), get_codec(self.config.downlink_codec)
-        self.round, self.params, self.history = snap.round, snap.params, snap.history
-        self.specs = {k: tuple(v.shape) for k, v in snap.params.items()}
-        self.buffers = frozenset(snap.buffers)
-        self.layout_digest = snap.layout_digest or None
-        self._init_optimizer()
-        self.optimizer.load_state_tensors(snap.extra)
-        for name in self.downlink_ef:
-            self.downlink_ef[name] = snap.extra[f"downlink_ef/{name}"]
+        self.model.configure(self.config)
+        self.model.restore(snap.params, snap.extra, snap.buffers, snap.layout_digest)
+        self.ledger.round, self.ledger.history = snap.round, snap.history
+        self.ledger.opened_at = self.clock()
         self.membership.restore(snap.islands, snap.departed)
         self.downlink.restore(self.round)
-        self.opened_at = self.clock()
-        self._reset_accum()
-        self._size_budget()
+        self.accumulator.reset(self.model.zeros())
+        self._size_budget(self.model.specs)
         log.info("%srestored run %s at round %d from %s", self.name, self.config.run_id, self.round, self.state_dir)
         return True
 
-    def _init_optimizer(self) -> None:
-        c = self.config
-        shapes = {k: s for k, s in self.specs.items() if k not in self.buffers}
-        self.optimizer = NesterovSGD(shapes, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
-        lossy = self.downlink_codec.lossy
-        self.downlink_ef = {k: torch.zeros(s) for k, s in self.specs.items()} if lossy else {}
-
-    def _reset_accum(self) -> None:
-        self.accum = {k: torch.zeros(s, dtype=torch.float32) for k, s in self.specs.items()}
-
-    def _size_budget(self, specs: dict[str, tuple[int, ...]] | None = None) -> None:
-        """The default in-flight budget: twice the model's fp32 size (at least 256 MiB). Sized from a
-        joining island's declared model before θ_0 exists, so θ_0's own upload fits."""
-        model_bytes = 4 * sum(math.prod(s) for s in (specs or self.specs).values())
-        if self._budget_from_model:
-            self.budget.limit = max(self.budget.limit, MIN_INFLIGHT_BYTES, 2 * model_bytes)
-        elif model_bytes > self.budget.limit:
+    def _size_budget(self, specs: dict[str, tuple[int, ...]]) -> None:
+        short = self.accumulator.size_budget(specs)
+        if short is not None:
             log.error(
                 "%s--max-inflight-bytes %d is below one fp32 push of this model (%d bytes): such pushes can never "
                 "complete; raise it (compressed pushes are smaller)",
                 self.name,
-                self.budget.limit,
-                model_bytes,
+                self.accumulator.budget.limit,
+                short,
             )
 
-    def snapshot(self, params, round_: int, history: list[dict]) -> persistence.Snapshot:
-        extra = dict(self.optimizer.state_tensors())
-        extra.update({f"downlink_ef/{k}": v for k, v in self.downlink_ef.items()})
-        members = self.membership.to_json()
-        return persistence.Snapshot(
-            self.config,
-            round_,
-            params,
-            extra,
-            members["islands"],
-            history,
-            members["departed"],
-            tuple(sorted(self.buffers)),
-            self.shard,
-            self.partition,
-            self.layout_digest or "",
-        )
+    def close(self) -> None:
+        """Wait for the update being written to the state dir (the server is stopping)."""
+        self.downlink.close()
 
-    @property
-    def run_complete(self) -> bool:
-        return bool(self.config.total_rounds) and self.round >= self.config.total_rounds
-
-    def policy(self) -> RoundPolicy:
-        return RoundPolicy(quorum=self.config.quorum, deadline_seconds=self.config.round_deadline_seconds)
-
-    # ---- membership RPCs -------------------------------------------------------------------
+    # ---- membership ------------------------------------------------------------------------------
     def join(self, req: JoinRequest) -> JoinAnswer:
         checks.run_id(self.config, req.run_id)
         num_ranks = checks.join(req, self.shard, self.partition, self.config)
         specs = checks.tensors(req.tensors)
-        if self.params is not None:
-            if self.partition == "layers" and req.layout_digest != self.layout_digest:
+        model = self.model
+        if model.ready:
+            if self.partition == "layers" and req.layout_digest != model.layout_digest:
                 raise refuse(
                     Reason.MODEL_MISMATCH,
-                    f"island's model layout {req.layout_digest} differs from the run's {self.layout_digest}: "
+                    f"island's model layout {req.layout_digest} differs from the run's {model.layout_digest}: "
                     "islands would cut different fragments",
                 )
-            checks.same_model(self.specs, specs, self.buffers, checks.buffers_of(req.tensors))
+            checks.same_model(model.specs, specs, model.buffers, checks.buffers_of(req.tensors))
         was_departed = req.island_id in self.membership.departed
-        rec, new = self.membership.join(
+        _, new = self.membership.join(
             req.island_id,
             num_ranks=num_ranks,
             session_id=req.session_id,
@@ -230,12 +192,12 @@ class RunState:
             layout_digest=req.layout_digest,
         )
         if new:
-            self.staging.drop_island(req.island_id)
-        if self.params is None:
+            self.accumulator.drop_island(req.island_id)
+        if not model.ready:
             self._size_budget(specs)
         if was_departed:
             self._write_departed()
-        bootstrap = self.params is None and self.membership.claim_bootstrap(req.island_id)
+        bootstrap = not model.ready and self.ledger.sealed is None and self.membership.claim_bootstrap(req.island_id)
         log.info(
             "%sisland %s joined (%d ranks) at round %d%s",
             self.name,
@@ -244,7 +206,7 @@ class RunState:
             self.round,
             ", bootstrapping θ" if bootstrap else "",
         )
-        self.poke.set()
+        self.ledger.poke.set()
         return JoinAnswer(
             config=self.config,
             round=self.round,
@@ -263,18 +225,18 @@ class RunState:
         checks.run_id(self.config, call.run_id)
         self.membership.touch(call.island_id, call.session_id)
         self.membership.leave(call.island_id)
-        self.staging.drop_island(call.island_id)
+        self.accumulator.drop_island(call.island_id)
         self._write_departed()
         log.info("%sisland %s left at round %d", self.name, call.island_id, self.round)
-        self.poke.set()
+        self.ledger.poke.set()
 
     def evict(self, island_id: str) -> None:
         """Remove an island for good (operator): it no longer counts, its joins are refused."""
         self.membership.evict(island_id)  # KeyError for an unknown island
-        self.staging.drop_island(island_id)
+        self.accumulator.drop_island(island_id)
         self._write_departed()
         log.warning("%sisland %s evicted by an operator at round %d", self.name, island_id, self.round)
-        self.poke.set()
+        self.ledger.poke.set()
 
     def set_operational(self, values: dict) -> list[str]:
         """Change operational fields of the live run (operator); returns what changed. Persisted
@@ -282,102 +244,162 @@ class RunState:
         self.config, changes = apply_operational(self.config, values)
         for line in changes:
             log.warning("%srun %s changed by an operator: %s", self.name, self.config.run_id, line)
-        self.poke.set()
+        self.ledger.poke.set()
         return changes
 
     def _write_departed(self) -> None:
-        if self.params is not None:  # before θ_0 there is no run to protect
+        if self.model.ready:  # before θ_0 there is no run to protect
             persistence.write_departed(self.state_dir, self.membership.departed)
 
-    # ---- pushes (atoll.coordinator.pushes) --------------------------------------------------
+    # ---- pushes and pulls ------------------------------------------------------------------------
     def plan_push(self, h: PushHeader) -> PushPlan | PushResult:
-        return pushes.plan(self, h)
+        self.pulls.release_if_held()  # the update was written meanwhile: the pushes may have its room
+        return self.pushes.plan(h)
+
+    def open_stream(self, plan: PushPlan) -> Reservation:
+        return self.accumulator.open_stream(plan.island_id, plan.rank)
+
+    def close_stream(self, plan: PushPlan) -> None:
+        self.accumulator.close_stream(plan.island_id, plan.rank)
+
+    def check_entry(self, plan: PushPlan, index: int, payload) -> None:
+        """Validate one entry of a push as it completes (worker thread; changes nothing)."""
+        self.pushes.check_entry(plan, index, payload)
 
     async def commit_push(self, plan: PushPlan, payloads: list, reservation: Reservation) -> PushResult:
-        return await pushes.commit(self, plan, payloads, reservation)
+        """Stage one rank's validated payloads; the island's contribution commits when all its ranks
+        are in, and θ_0 is sealed and published. The reservation is released once the payloads are
+        consumed or dropped."""
+        async with self.lock:
+            staged = StagedRank(plan, payloads, reservation)
+            try:
+                if not plan.init:
+                    return await self.pushes.commit_delta(staged)
+                got = self.pushes.commit_init(staged)
+            except BaseException:
+                release([staged])
+                raise
+            if isinstance(got, PushResult):
+                return got
+            params, specs, buffers, layout = got
+            self.model.define(specs, buffers, layout)
+            self.seal(Sealed(BOOTSTRAP, params, None, None, frozenset({plan.island_id})))
+            log.info("%sbootstrapped θ_0 from island %s (%d tensors)", self.name, plan.island_id, len(params))
+        await self.try_publish()
+        return PushResult(PushOutcome.COMMITTED, self.round, committed=True, bytes_received=plan.num_bytes)
 
-    # ---- the outer step --------------------------------------------------------------------
-    def outer_step(self, weight_total: float) -> tuple[dict[str, torch.Tensor], dict[str, bytearray]]:
-        """θ_{r+1} and the encoded update, from the accumulator (which becomes θ_{r+1}); see
-        :func:`atoll.coordinator.outer.outer_step_`."""
-        robust_grads = None
-        if self.config.aggregation != "mean":
-            robust_grads = robust.aggregate(
-                self.config.aggregation, list(self.staging.dense.values()), clip_norm=self.config.clip_norm
-            )
-        payloads = outer_step_(
-            self.accum,
-            self.params,
-            weight_total=weight_total,
-            optimizer=self.optimizer,
-            buffers=self.buffers,
-            downlink=self.downlink_codec,
-            downlink_ef=self.downlink_ef,
-            downlink_state=self._downlink_state,
-            robust_grads=robust_grads,
-        )
-        params, self.accum = self.accum, {}
-        return params, payloads
-
-    def publish(self) -> None:
-        self.round_changed.set()
-        self.round_changed = asyncio.Event()
-        self.poke.set()
-
-    # ---- pulls -----------------------------------------------------------------------------
     async def pull(self, req: PullRequest) -> PullAnswer:
-        checks.run_id(self.config, req.run_id)
-        rec = self.membership.touch(req.island_id, req.session_id)
-        wait = min(max(req.wait_seconds, 0.0), 60.0) if math.isfinite(req.wait_seconds) else 0.0
-        if self.params is None:
-            if rec.tensors and self.membership.claim_bootstrap(req.island_id):
-                return PullAnswer(UpdateKind.NOT_READY, self.round, self.round, bootstrap=True)
-            await wait_event(self.round_changed, wait)
-            self.membership.touch(req.island_id, req.session_id)
-            if self.params is None:
-                holder = self.membership.bootstrapper or "the first island to join"
-                return PullAnswer(UpdateKind.NOT_READY, 0, 0, waiting=f"waiting for θ_0 from {holder}")
-        if rec.tensors:
-            checks.same_model(self.specs, checks.tensors(rec.tensors), self.buffers, checks.buffers_of(rec.tensors))
-        regions = checks.regions(req.regions, self.specs)
-        if req.have_round == self.round and not self.run_complete:
-            await wait_event(self.round_changed, wait)
-            self.membership.touch(req.island_id, req.session_id)
-        round_, params = self.round, self.params
-        latest = dict(latest_round=round_, run_complete=self.run_complete)
-        if req.have_round == round_:
-            committed = req.island_id in self.staging.committed or (
-                self.sealed is not None and req.island_id in self.sealed.islands
-            )
-            return PullAnswer(UpdateKind.NOT_READY, round_, committed=committed, waiting=self.waiting, **latest)
-        if self.downlink.can_catch_up(req.have_round, round_):
-            nxt = req.have_round + 1  # one round at a time; a lagging island pulls again until latest
-            entries = self.downlink.delta_entries(nxt, regions, self.specs)
-            self._holds(req.island_id, nxt)
-            self.release_pulled_update()
-            loss = self.history[nxt - 1]["loss"] if len(self.history) >= nxt else None
-            return PullAnswer(
-                UpdateKind.DELTA, nxt, codec=self.config.downlink_codec, entries=entries, loss=loss, **latest
-            )
-        loss = self.history[-1]["loss"] if self.history else None
-        self._holds(req.island_id, round_)
-        return PullAnswer(UpdateKind.FULL, round_, entries=Downlink.full_entries(params, regions), loss=loss, **latest)
+        return await self.pulls.pull(req)
 
-    def release_pulled_update(self) -> None:
-        """Once every live island holds the latest θ, its update is served from the state dir (to
-        islands coming back) and the memory is free for the next round's pushes."""
-        if all(r.holds_round >= self.round for r in self.membership.live()):
-            self.downlink.release_latest(wait=False)
+    # ---- the one seal -> persist -> publish path -------------------------------------------------
+    async def close_round(self, reason: str) -> None:
+        """Compute the open round's outer step and seal it, then save and publish it."""
+        async with self.lock:
+            acc = self.accumulator
+            committed = acc.committed
+            if not committed or self.ledger.sealed is not None:
+                return
+            started = time.perf_counter()
+            r, c = self.round, self.config
+            total = sum(x.tokens for x in committed.values())
+            silent = sorted(i for i, x in committed.items() if x.tokens == 0)
+            if silent and total:
+                log.warning(
+                    "%sround %d: islands %s reported no tokens while others did; each weighs 1 token in the mean "
+                    "(their step() calls need tokens=)",
+                    self.name,
+                    r,
+                    ", ".join(silent),
+                )
+            losses = [(max(x.tokens, 1), x.loss) for x in committed.values() if x.loss is not None]
+            loss = sum(t * v for t, v in losses) / sum(t for t, _ in losses) if losses else None
+            await asyncio.to_thread(self.downlink.release_latest)  # its room goes to θ_{r+1}
+            sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
+            params, payloads = await asyncio.to_thread(self.model.step, sums, acc.weight_total(), robust_grads)
+            record = {
+                "round": r,
+                "islands": sorted(committed),
+                "late": sorted([island, rnd] for island, rnd in acc.late),
+                "states": self.states(),
+                "tokens": total,
+                "tokens_by_island": {i: x.tokens for i, x in sorted(committed.items())},
+                "bytes_by_island": {i: x.num_bytes for i, x in sorted(committed.items())},
+                "loss": loss,
+                "bytes_in": sum(x.num_bytes for x in committed.values()),
+                "bytes_out_per_island": sum(len(p) for p in payloads.values()),
+                "reason": reason,
+                "seconds_open": self.clock() - self.ledger.opened_at,
+                "outer_step_seconds": time.perf_counter() - started,
+            }
+            self.seal(Sealed(r, params, payloads, record, frozenset(committed)))
+            acc.advance(r + 1 - (c.max_staleness if c.late_policy == "fold" else 0))
+        await self.try_publish()
 
-    def _holds(self, island_id: str, round_: int) -> None:
-        rec = self.membership.islands.get(island_id)
-        if rec is not None:
-            rec.holds_round = max(rec.holds_round, round_)
+    def seal(self, sealed: Sealed) -> None:
+        """θ of a closed round (or θ_0) is computed: it takes no more pushes and waits to be saved."""
+        self.ledger.sealed = sealed
 
-    # ---- status ----------------------------------------------------------------------------
-    def states(self) -> dict[str, str]:
-        """Every island's state (joining / active / late / gone / left / evicted)."""
-        now = self.clock()
-        out = {i: island_state(rec, now, self.round) for i, rec in self.membership.islands.items()}
-        out.update({i: how for i, how in self.membership.departed.items() if i not in out})
-        return dict(sorted(out.items()))
+    async def try_publish(self) -> bool:
+        """Save the sealed round (or θ_0) and only then publish it; False if the save failed (the
+        decider retries with backoff, the round stays unpublished and /healthz says why)."""
+        async with self.lock:
+            sealed = self.ledger.sealed
+            if sealed is None:
+                return True
+            started = time.perf_counter()
+            history = self.history if sealed.record is None else [*self.history, sealed.record]
+            snap = self.snapshot(sealed.params, sealed.round + 1, history)
+            try:
+                await asyncio.to_thread(persistence.save, self.state_dir, snap, keep=None)
+            except Exception as err:  # a full disk, a read-only or vanished dir: retried until it works
+                sealed.failures += 1
+                what = "θ_0" if sealed.round == BOOTSTRAP else f"round {sealed.round}"
+                self.problem = f"saving {what} failed ({err}); it stays unpublished and is retried"
+                if sealed.failures == 1 or sealed.failures % 20 == 0:
+                    log.error("%s%s (attempt %d)", self.name, self.problem, sealed.failures)
+                sealed.retry_in = min(sealed.retry_in * 2, SAVE_RETRY_SECONDS[1])
+                return False
+            if self.problem is not None:
+                log.warning("%ssaving works again after %d failed attempts", self.name, sealed.failures)
+                self.problem = None
+            published = time.perf_counter()
+            self.model.install(sealed.params)
+            if sealed.payloads is not None:
+                self.downlink.publish(sealed.round + 1, sealed.payloads)
+            self.accumulator.reset(self.model.zeros())
+            if sealed.round == BOOTSTRAP:  # sized from θ_0 itself, not from what a join declared
+                self._size_budget(self.model.specs)
+            self.ledger.advance(sealed, self.clock())
+            record = sealed.record
+            if record is not None:
+                record["persist_seconds"] = published - started
+                log.info(
+                    "%sclosed round %d (%s): loss %s, outer step %.3fs + persist %.3fs",
+                    self.name,
+                    sealed.round,
+                    record["reason"],
+                    "n/a" if record["loss"] is None else f"{record['loss']:.4f}",
+                    record["outer_step_seconds"],
+                    record["persist_seconds"],
+                )
+                record["publish_seconds"] = time.perf_counter() - published
+            if self.run_complete:
+                log.warning("%srun %s is complete after %d rounds", self.name, self.config.run_id, self.round)
+        await asyncio.to_thread(persistence.prune, self.state_dir, self.keep_snapshots)
+        return True
+
+    def snapshot(self, params, round_: int, history: list[dict]) -> persistence.Snapshot:
+        members = self.membership.to_json()
+        return persistence.Snapshot(
+            self.config,
+            round_,
+            params,
+            self.model.state_tensors(),
+            members["islands"],
+            history,
+            members["departed"],
+            tuple(sorted(self.model.buffers)),
+            self.shard,
+            self.partition,
+            self.model.layout_digest or "",
+        )

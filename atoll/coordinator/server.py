@@ -137,4 +137,4 @@ class CoordinatorServer:
             await self._server.stop(grace)
             self._server = None
         if self.state is not None:
-            await asyncio.to_thread(self.state.downlink.close)
+            await asyncio.to_thread(self.state.close)

@@ -16,7 +16,6 @@ from typing import ClassVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from atoll.coordinator import pushes
 from atoll.coordinator.core import RunState
 from atoll.coordinator.errors import Reason, RequestError, invalid, refuse
 from atoll.coordinator.messages import (
@@ -37,10 +36,9 @@ from atoll.coordinator.security import IslandTokens
 from atoll.names import canonical_name
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
-from atoll.protos import raw
 from atoll.protos.dtypes import TORCH_FROM_PB
 from atoll.protos.raw import RawData
-from atoll.protos.rpc import SERVICE_NAME, EntryAssembler, StreamOverrun, data_chunks
+from atoll.protos.rpc import SERVICE_NAME, EntryAssembler, StreamOverrun, data_chunks, server_handlers
 from atoll.protos.status import error_status
 
 log = logging.getLogger("atoll.coordinator")
@@ -163,15 +161,13 @@ def push_response(r: PushResult) -> pb.PushResponse:
 async def _abort(context: grpc.aio.ServicerContext, err: RequestError):
     level = logging.INFO if err.reason in (Reason.NOT_JOINED, Reason.INFLIGHT_BUDGET) else logging.WARNING
     log.log(level, "refused (%s): %s", err.reason.name, err.message)
-    await context.abort_with_status(
-        error_status(grpc.StatusCode[err.code.value], f"REASON_{err.reason.name}", err.message)
-    )
+    await context.abort_with_status(error_status(grpc.StatusCode[err.code], err.reason, err.message))
 
 
 async def next_chunk(it, timeout: float):
     """The next message of a request stream, or STREAM_IDLE after ``timeout`` seconds of silence.
 
-    Not ``asyncio.wait_for`` (see :func:`atoll.coordinator.core.wait_event`)."""
+    Not ``asyncio.wait_for`` (see :func:`atoll.coordinator.pulls.wait_event`)."""
     task = asyncio.ensure_future(it.__anext__())
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
@@ -259,7 +255,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             result, init = await self._push(request_iterator, context)
         except RequestError as err:
-            if err.code.value == "INVALID_ARGUMENT":
+            if err.code == "INVALID_ARGUMENT":
                 self.counters.pushes_refused += 1
             # The traceback holds the refused stream's frames, and they its received bytes: drop it now
             # rather than when the cyclic collector gets to it (gc.freeze makes that late).
@@ -291,7 +287,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         plan = self.state.plan_push(header)
         if isinstance(plan, PushResult):
             return plan, header.kind is PushKind.INIT  # nothing to read
-        reservation = pushes.open_stream(self.state, plan.island_id, plan.rank)
+        reservation = self.state.open_stream(plan)
         try:
             payloads = await self._receive(plan, it, reservation)
             return await self.state.commit_push(plan, payloads, reservation), plan.init
@@ -299,7 +295,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             reservation.release()
             raise
         finally:
-            pushes.close_stream(self.state, plan.island_id, plan.rank)
+            self.state.close_stream(plan)
 
     async def _receive(self, plan, it, reservation) -> list:
         """Read a push's data chunks, holding each byte against the in-flight budget as it arrives and
@@ -331,7 +327,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             except StreamOverrun as err:
                 raise invalid(str(err)) from None
             for index, payload in complete:
-                await asyncio.to_thread(pushes.check_entry, self.state, plan, index, payload)
+                await asyncio.to_thread(self.state.check_entry, plan, index, payload)
                 payloads.append(payload)
         payloads += [p for _, p in assembler.finish()]
         if not assembler.done:
@@ -377,21 +373,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
 
 def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
-    """The generated registration, with the bulk streams' chunks on the raw path (atoll.protos.raw) and
-    every request deserializer tolerant of unparseable bytes."""
-    unary = grpc.unary_unary_rpc_method_handler
-    handlers = {
-        "Join": unary(servicer.Join, tolerant(pb.JoinRequest.FromString), pb.JoinResponse.SerializeToString),
-        "Heartbeat": unary(
-            servicer.Heartbeat, tolerant(pb.HeartbeatRequest.FromString), pb.HeartbeatResponse.SerializeToString
-        ),
-        "PushDelta": grpc.stream_unary_rpc_method_handler(
-            servicer.PushDelta, tolerant(raw.deserialize_push_chunk), pb.PushResponse.SerializeToString
-        ),
-        "PullUpdate": grpc.unary_stream_rpc_method_handler(
-            servicer.PullUpdate, tolerant(pb.PullRequest.FromString), raw.serialize
-        ),
-        "Leave": unary(servicer.Leave, tolerant(pb.LeaveRequest.FromString), pb.LeaveResponse.SerializeToString),
-    }
+    """Register the servicer with the protocol's method table, every request deserializer tolerant of
+    unparseable bytes."""
+    handlers = server_handlers(servicer, tolerant)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

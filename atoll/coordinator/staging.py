@@ -1,15 +1,16 @@
-"""The open round's contributions, and the memory budget of pushes in flight.
+"""What a push is while the coordinator holds it: its plan, its staged ranks, its share of the in-flight
+budget, its class against the open round, and the decoding of an island's ranks (dense, or added
+into a sum).
 
-A push is classified once (:func:`classify`) against the open round; its ranks are staged until the
-island's last rank arrives, then the island's contribution commits whole. Staged bytes are held
-against :class:`InflightBudget`: memory follows the bytes actually received, never the sizes a
-header declares.
+A push is classified once (:func:`classify`) against the open round; the accumulator
+(:mod:`atoll.coordinator.accumulator`) stages its ranks. Staged bytes are held against
+:class:`InflightBudget`: memory follows the bytes actually received, never the sizes a header declares.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -124,68 +125,6 @@ def classify(push_round: int, open_round: int, *, sealed: bool, fold: bool, max_
     if fold and open_round - push_round <= max_staleness:
         return PushClass.LATE
     return PushClass.CLOSED
-
-
-@dataclass
-class Staging:
-    """The open round's contributions (and late ones folded into it)."""
-
-    pending: dict[tuple[str, int], dict[int, StagedRank]] = field(default_factory=dict)
-    """Ranks staged so far, by (island, round the push is for)."""
-    committed: dict[str, Committed] = field(default_factory=dict)
-    """Islands whose contribution to the open round is complete."""
-    late: dict[tuple[str, int], Committed] = field(default_factory=dict)
-    """Late contributions (island, their round) folded into the open round's accumulator."""
-    folded: set[tuple[str, int]] = field(default_factory=set)
-    """Every (island, round) folded in recent rounds: a late delta is applied once."""
-    dense: dict[tuple[str, int], tuple[float, dict[str, torch.Tensor]]] = field(default_factory=dict)
-    """Robust aggregation: each contribution's (weight, dense delta) for the open round."""
-
-    def is_duplicate(self, island_id: str, round_: int, rank: int, cls: PushClass) -> bool:
-        key = (island_id, round_)
-        done = key in self.folded if cls is PushClass.LATE else island_id in self.committed
-        return done or rank in self.pending.get(key, {})
-
-    def is_done(self, island_id: str, round_: int, cls: PushClass) -> bool:
-        return (island_id, round_) in self.folded if cls is PushClass.LATE else island_id in self.committed
-
-    def stage(self, staged: StagedRank, num_ranks: int) -> list[StagedRank] | None:
-        """Add one rank; returns the island's ranks in order once all are in (and unstages them)."""
-        key = (staged.plan.island_id, staged.plan.round)
-        ranks = self.pending.setdefault(key, {})
-        ranks[staged.plan.rank] = staged
-        if len(ranks) < num_ranks:
-            return None
-        del self.pending[key]
-        return [ranks[r] for r in sorted(ranks)]
-
-    def commit(self, island_id: str, round_: int, record: Committed, late: bool) -> None:
-        if late:
-            self.late[(island_id, round_)] = record
-            self.folded.add((island_id, round_))
-        else:
-            self.committed[island_id] = record
-
-    def committed_islands(self) -> list[str]:
-        return sorted(self.committed)
-
-    def weight_total(self) -> float:
-        return sum(c.weight for c in self.committed.values()) + sum(c.weight for c in self.late.values())
-
-    def drop_island(self, island_id: str) -> None:
-        """Forget an island's staged (incomplete) pushes."""
-        for key in [k for k in self.pending if k[0] == island_id]:
-            release(self.pending.pop(key).values())
-
-    def advance(self, keep_from: int) -> None:
-        """The round closed: clear its contributions; keep staged pushes for rounds >= ``keep_from``."""
-        self.committed, self.late, self.dense = {}, {}, {}
-        for key in [k for k in self.pending if k[1] < keep_from]:
-            release(self.pending.pop(key).values())
-        self.folded = {k for k in self.folded if k[1] >= keep_from - 1}
-
-    def staged_bytes(self) -> int:
-        return sum(r.plan.num_bytes for ranks in self.pending.values() for r in ranks.values())
 
 
 def release(ranks) -> None:

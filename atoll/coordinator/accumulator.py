@@ -1,0 +1,144 @@
+"""The open round's accumulator: staged pushes, committed and folded contributions, the running sum of
+weighted pseudo-gradients, the in-flight byte budget and the open push streams.
+
+:class:`RoundAccumulator` is their one owner. A push's ranks are *staged* until the island's last rank
+arrives; the island's contribution then *commits* whole (or is *folded*, late, with a staleness
+weight) and is decoded into the sum. At the close the core *takes* the sum for the outer step and
+the accumulator *advances* to the next round.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from atoll.coordinator import robust
+from atoll.coordinator.errors import Reason, refuse
+from atoll.coordinator.staging import (
+    Committed,
+    InflightBudget,
+    PushClass,
+    Reservation,
+    StagedRank,
+    accumulate,
+    release,
+)
+
+MIN_INFLIGHT_BYTES = 256 << 20
+
+
+class RoundAccumulator:
+    def __init__(self, max_inflight_bytes: int = 0) -> None:
+        """``max_inflight_bytes``: push bytes held at once (0: sized from the model, see :meth:`size_budget`)."""
+        self.budget = InflightBudget(max_inflight_bytes or MIN_INFLIGHT_BYTES)
+        self._budget_from_model = not max_inflight_bytes
+        self.pending: dict[tuple[str, int], dict[int, StagedRank]] = {}
+        """Ranks staged so far, by (island, round the push is for)."""
+        self.committed: dict[str, Committed] = {}
+        """Islands whose contribution to the open round is complete."""
+        self.late: dict[tuple[str, int], Committed] = {}
+        """Late contributions (island, their round) folded into the open round."""
+        self.folded: set[tuple[str, int]] = set()
+        """Every (island, round) folded in recent rounds: a late delta is applied once."""
+        self.dense: dict[tuple[str, int], tuple[float, dict[str, torch.Tensor]]] = {}
+        """Robust aggregation: each contribution's (weight, dense delta) for the open round."""
+        self.streams: set[tuple[str, int]] = set()
+        """(island, rank) of the push streams open now."""
+        self._sums: dict[str, torch.Tensor] = {}
+
+    # ---- the budget and the streams ------------------------------------------------------------
+    def size_budget(self, specs: dict[str, tuple[int, ...]]) -> int | None:
+        """The default in-flight budget: twice the model's fp32 size (at least 256 MiB); sized from a
+        joining island's declared model before θ_0 exists, so θ_0's own upload fits. Returns the
+        model's fp32 bytes when an explicit budget is below one fp32 push of it (None otherwise)."""
+        model_bytes = 4 * sum(math.prod(s) for s in specs.values())
+        if self._budget_from_model:
+            self.budget.limit = max(self.budget.limit, MIN_INFLIGHT_BYTES, 2 * model_bytes)
+            return None
+        return model_bytes if model_bytes > self.budget.limit else None
+
+    def open_stream(self, island_id: str, rank: int) -> Reservation:
+        """One open push stream per (island, rank); its bytes are held against the in-flight budget."""
+        if (island_id, rank) in self.streams:
+            raise refuse(Reason.PUSH_IN_PROGRESS, f"a push stream of island {island_id!r} rank {rank} is already open")
+        self.streams.add((island_id, rank))
+        return Reservation(self.budget)
+
+    def close_stream(self, island_id: str, rank: int) -> None:
+        self.streams.discard((island_id, rank))
+
+    # ---- staging and committing ----------------------------------------------------------------
+    def is_done(self, island_id: str, round_: int, cls: PushClass) -> bool:
+        return (island_id, round_) in self.folded if cls is PushClass.LATE else island_id in self.committed
+
+    def is_duplicate(self, island_id: str, round_: int, rank: int, cls: PushClass) -> bool:
+        return self.is_done(island_id, round_, cls) or rank in self.pending.get((island_id, round_), {})
+
+    def stage(self, staged: StagedRank, num_ranks: int) -> list[StagedRank] | None:
+        """Add one rank; returns the island's ranks in order once all are in (and unstages them)."""
+        key = (staged.plan.island_id, staged.plan.round)
+        ranks = self.pending.setdefault(key, {})
+        ranks[staged.plan.rank] = staged
+        if len(ranks) < num_ranks:
+            return None
+        del self.pending[key]
+        return [ranks[r] for r in sorted(ranks)]
+
+    def add(self, ranks: list[StagedRank], codec, weight: float) -> None:
+        """``sum += weight · Δ`` for an island's ranks, decoded straight into the sum (worker thread)."""
+        accumulate(ranks, self._sums, codec, weight)
+
+    def add_dense(self, key: tuple[str, int], delta: dict[str, torch.Tensor], weight: float, mean: bool) -> None:
+        """A contribution already decoded densely: added (``mean``) or kept for robust aggregation."""
+        if mean:
+            for name, t in delta.items():
+                self._sums[name].add_(t, alpha=weight)
+        else:
+            self.dense[key] = (weight, delta)
+
+    def commit(self, island_id: str, round_: int, record: Committed, late: bool) -> None:
+        if late:
+            self.late[(island_id, round_)] = record
+            self.folded.add((island_id, round_))
+        else:
+            self.committed[island_id] = record
+
+    def committed_islands(self) -> list[str]:
+        return sorted(self.committed)
+
+    def weight_total(self) -> float:
+        return sum(c.weight for c in self.committed.values()) + sum(c.weight for c in self.late.values())
+
+    def drop_island(self, island_id: str) -> None:
+        """Forget an island's staged (incomplete) pushes."""
+        for key in [k for k in self.pending if k[0] == island_id]:
+            release(self.pending.pop(key).values())
+
+    def staged_bytes(self) -> int:
+        return sum(r.plan.num_bytes for ranks in self.pending.values() for r in ranks.values())
+
+    # ---- the close -------------------------------------------------------------------------------
+    def reset(self, zeros: dict[str, torch.Tensor]) -> None:
+        """A fresh sum for the open round (``zeros``: shaped like θ)."""
+        self._sums = zeros
+
+    def take(self, aggregation: str, clip_norm: float) -> tuple[dict[str, torch.Tensor], dict | None]:
+        """The round's sum for the outer step (it is θ_{r+1}'s storage from then on) and, for a robust
+        ``aggregation``, the aggregated pseudo-gradient (None for the mean)."""
+        robust_grads = None
+        if aggregation != "mean":
+            robust_grads = robust.aggregate(aggregation, list(self.dense.values()), clip_norm=clip_norm)
+        sums, self._sums = self._sums, {}
+        return sums, robust_grads
+
+    def advance(self, keep_from: int) -> None:
+        """The round closed: clear its contributions; keep staged pushes for rounds >= ``keep_from``."""
+        self.committed, self.late, self.dense = {}, {}, {}
+        for key in [k for k in self.pending if k[1] < keep_from]:
+            release(self.pending.pop(key).values())
+        self.folded = {k for k in self.folded if k[1] >= keep_from - 1}
+
+    def sum_of(self, name: str) -> torch.Tensor:
+        """The open round's running sum of one tensor (for inspection)."""
+        return self._sums[name]

@@ -1,0 +1,71 @@
+"""Where the run stands: the open round, when it opened, the closed rounds' records, a sealed round that
+waits to be saved, and the events that wake long-polls and the decider.
+
+One owner (:class:`Ledger`); the core advances it on the one seal -> persist -> publish path, the
+pushes and pulls read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+SAVE_RETRY_SECONDS = (0.5, 30.0)
+"""First wait after a failed save, and the cap of its doubling."""
+BOOTSTRAP = -1
+"""The "round" that θ_0 closes: publishing it opens round 0."""
+
+
+@dataclass
+class Sealed:
+    """A closed round (or θ_0) whose θ is computed and waits to be saved; it takes no more pushes."""
+
+    round: int
+    """The round that closed (:data:`BOOTSTRAP` for θ_0); publishing it opens ``round + 1``."""
+    params: dict[str, torch.Tensor]
+    payloads: dict[str, bytearray] | None
+    """The encoded outer update (None for θ_0: islands pull the full θ)."""
+    record: dict | None
+    """The round's history record (None for θ_0)."""
+    islands: frozenset[str]
+    """Islands whose push counted (pulls answer committed=True for them meanwhile)."""
+    retry_in: float = SAVE_RETRY_SECONDS[0]
+    failures: int = 0
+
+
+class Ledger:
+    def __init__(self, now: float) -> None:
+        self.round = 0
+        """The open round: rounds below it are complete (θ is θ_round)."""
+        self.opened_at = now
+        self.history: list[dict] = []
+        """One record per closed round."""
+        self.sealed: Sealed | None = None
+        self.round_changed = asyncio.Event()
+        """Set (and replaced) when a round is published: wakes the long-polls."""
+        self.poke = asyncio.Event()
+        """Set when anything the decider looks at changed."""
+
+    def complete(self, total_rounds: int) -> bool:
+        return bool(total_rounds) and self.round >= total_rounds
+
+    def committed_before(self, island_id: str, round_: int) -> bool:
+        """Whether ``island_id``'s push counted in the closed round ``round_``."""
+        return 0 <= round_ < len(self.history) and island_id in self.history[round_]["islands"]
+
+    def loss_of(self, round_: int) -> float | None:
+        """The islands' mean loss of the closed round ``round_`` (None: unknown)."""
+        return self.history[round_]["loss"] if 0 <= round_ < len(self.history) else None
+
+    def advance(self, sealed: Sealed, now: float) -> None:
+        """The sealed round is saved: open the next one and wake whoever waits for it."""
+        if sealed.record is not None:
+            self.history.append(sealed.record)
+        self.round = sealed.round + 1
+        self.sealed = None
+        self.opened_at = now
+        self.round_changed.set()
+        self.round_changed = asyncio.Event()
+        self.poke.set()

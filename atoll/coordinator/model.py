@@ -1,0 +1,100 @@
+"""The run's global model: θ (fp32), its tensor specs and buffers, the outer optimizer and the downlink
+error feedback; :meth:`GlobalModel.step` turns a round's summed pseudo-gradients into θ_{r+1}.
+
+One owner of these: the pushes read the specs and codec, the pulls read θ, the core asks for a step
+and installs what it published. Nothing else writes them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from atoll.compression import get_codec
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.outer import NesterovSGD, outer_step_
+
+
+class GlobalModel:
+    def __init__(self, config: RunConfig) -> None:
+        self.params: dict[str, torch.Tensor] | None = None
+        """θ of the open round; None until θ_0 is published."""
+        self.specs: dict[str, tuple[int, ...]] = {}
+        """Every tensor's shape (set by θ_0's declaration, before θ_0 itself is published)."""
+        self.buffers: frozenset[str] = frozenset()
+        """Tensors that are floating-point buffers (averaged, no outer momentum)."""
+        self.layout_digest: str | None = None
+        self.optimizer: NesterovSGD | None = None
+        self.downlink_ef: dict[str, torch.Tensor] = {}
+        """Downlink error feedback: what the lossy downlink codec did not send yet, per tensor."""
+        self._downlink_state: dict[str, dict] = {}
+        self.configure(config)
+
+    def configure(self, config: RunConfig) -> None:
+        """Take the run's math (codecs, outer optimizer): at start and when a stored run is restored."""
+        self._config = config
+        self.uplink = get_codec(config.codec)
+        self.downlink = get_codec(config.downlink_codec)
+
+    @property
+    def ready(self) -> bool:
+        """θ_0 is published: the run has parameters."""
+        return self.params is not None
+
+    @property
+    def fp32_bytes(self) -> int:
+        return 4 * sum(math.prod(s) for s in self.specs.values())
+
+    def define(self, specs: dict[str, tuple[int, ...]], buffers: frozenset[str], layout_digest: str | None) -> None:
+        """Fix the model's tensors (θ_0 arrived): fresh outer optimizer and downlink error feedback."""
+        self.specs, self.buffers, self.layout_digest = dict(specs), frozenset(buffers), layout_digest
+        c = self._config
+        shapes = {k: s for k, s in self.specs.items() if k not in self.buffers}
+        self.optimizer = NesterovSGD(shapes, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
+        self.downlink_ef = {k: torch.zeros(s) for k, s in self.specs.items()} if self.downlink.lossy else {}
+        self._downlink_state = {}
+
+    def restore(self, params: dict[str, torch.Tensor], extra: dict[str, torch.Tensor], buffers, layout_digest) -> None:
+        """θ, momentum and downlink error feedback from a verified snapshot."""
+        self.define({k: tuple(v.shape) for k, v in params.items()}, frozenset(buffers), layout_digest or None)
+        self.optimizer.load_state_tensors(extra)
+        for name in self.downlink_ef:
+            self.downlink_ef[name] = extra[f"downlink_ef/{name}"]
+        self.params = params
+
+    def install(self, params: dict[str, torch.Tensor]) -> None:
+        """θ of a published round (or θ_0)."""
+        self.params = params
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """What a snapshot keeps besides θ: momentum and downlink error feedback, by prefixed name."""
+        out = dict(self.optimizer.state_tensors())
+        out.update({f"downlink_ef/{k}": v for k, v in self.downlink_ef.items()})
+        return out
+
+    def zeros(self) -> dict[str, torch.Tensor]:
+        """An fp32 accumulator shaped like θ."""
+        return {k: torch.zeros(s, dtype=torch.float32) for k, s in self.specs.items()}
+
+    def step(
+        self,
+        sums: dict[str, torch.Tensor],
+        weight_total: float,
+        robust_grads: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray]]:
+        """θ_{r+1} and the encoded outer update, from a round's Σ w_i Δ_i (``sums``, which becomes
+        θ_{r+1}: no second copy of the model) or its robust aggregate; θ_r and the optimizer's
+        momentum advance only here. See :func:`atoll.coordinator.outer.outer_step_`."""
+        payloads = outer_step_(
+            sums,
+            self.params,
+            weight_total=weight_total,
+            optimizer=self.optimizer,
+            buffers=self.buffers,
+            downlink=self.downlink,
+            downlink_ef=self.downlink_ef,
+            downlink_state=self._downlink_state,
+            robust_grads=robust_grads,
+        )
+        return sums, payloads

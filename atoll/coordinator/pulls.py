@@ -1,0 +1,121 @@
+"""Pulls: a long-poll for the next θ, answered with the encoded outer update (one round at a time for an
+island a few rounds behind), the full θ, or NOT_READY saying what the open round waits for.
+
+:class:`Pulls` acts on the objects that own the state (membership, the accumulator, the global model,
+the ledger, the downlink) and holds none of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+
+from atoll.coordinator import checks
+from atoll.coordinator.accumulator import RoundAccumulator
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.downlink import Downlink
+from atoll.coordinator.ledger import Ledger
+from atoll.coordinator.membership import Membership
+from atoll.coordinator.messages import PullAnswer, PullRequest, UpdateKind
+from atoll.coordinator.model import GlobalModel
+
+MAX_WAIT_SECONDS = 60.0
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``event``; returns whether it is set.
+
+    Not ``asyncio.wait_for``: before Python 3.12 it swallows a cancellation of the caller that
+    lands in the same loop iteration as the event (python/cpython#86296): the decider then never
+    stops, and the server's stop waits on it forever.
+    """
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
+class Pulls:
+    def __init__(
+        self,
+        config: Callable[[], RunConfig],
+        *,
+        membership: Membership,
+        accumulator: RoundAccumulator,
+        model: GlobalModel,
+        ledger: Ledger,
+        downlink: Downlink,
+        waiting: Callable[[], str],
+    ) -> None:
+        """``waiting()``: what the open round waits for, for people (the decider's last reason)."""
+        self._config = config
+        self.membership = membership
+        self.accumulator = accumulator
+        self.model = model
+        self.ledger = ledger
+        self.downlink = downlink
+        self.waiting = waiting
+
+    async def pull(self, req: PullRequest) -> PullAnswer:
+        c, ledger, model = self._config(), self.ledger, self.model
+        checks.run_id(c, req.run_id)
+        rec = self.membership.touch(req.island_id, req.session_id)
+        wait = min(max(req.wait_seconds, 0.0), MAX_WAIT_SECONDS) if math.isfinite(req.wait_seconds) else 0.0
+        if not model.ready:
+            if rec.tensors and ledger.sealed is None and self.membership.claim_bootstrap(req.island_id):
+                return PullAnswer(UpdateKind.NOT_READY, ledger.round, ledger.round, bootstrap=True)
+            await wait_event(ledger.round_changed, wait)
+            self.membership.touch(req.island_id, req.session_id)
+            if not model.ready:
+                holder = self.membership.bootstrapper or "the first island to join"
+                why = "θ_0 is being saved" if ledger.sealed is not None else f"waiting for θ_0 from {holder}"
+                return PullAnswer(UpdateKind.NOT_READY, 0, 0, waiting=why)
+        if rec.tensors:
+            checks.same_model(model.specs, checks.tensors(rec.tensors), model.buffers, checks.buffers_of(rec.tensors))
+        regions = checks.regions(req.regions, model.specs)
+        if req.have_round == ledger.round and not ledger.complete(c.total_rounds):
+            await wait_event(ledger.round_changed, wait)
+            self.membership.touch(req.island_id, req.session_id)
+        round_, params = ledger.round, model.params
+        latest = dict(latest_round=round_, run_complete=ledger.complete(self._config().total_rounds))
+        if req.have_round == round_:
+            sealed = ledger.sealed
+            committed = req.island_id in self.accumulator.committed or (
+                sealed is not None and req.island_id in sealed.islands
+            )
+            return PullAnswer(UpdateKind.NOT_READY, round_, committed=committed, waiting=self.waiting(), **latest)
+        if self.downlink.can_catch_up(req.have_round, round_):
+            nxt = req.have_round + 1  # one round at a time; a lagging island pulls again until latest
+            entries = self.downlink.delta_entries(nxt, regions, model.specs)
+            self._holds(req.island_id, nxt)
+            self.release_if_held()
+            return PullAnswer(
+                UpdateKind.DELTA,
+                nxt,
+                codec=c.downlink_codec,
+                entries=entries,
+                loss=ledger.loss_of(nxt - 1),
+                **latest,
+            )
+        self._holds(req.island_id, round_)
+        return PullAnswer(
+            UpdateKind.FULL,
+            round_,
+            entries=Downlink.full_entries(params, regions),
+            loss=ledger.loss_of(round_ - 1),
+            **latest,
+        )
+
+    def release_if_held(self) -> None:
+        """Once every live island holds the latest θ, its update is served from the state dir (to
+        islands coming back) and the memory is free for the next round's pushes."""
+        if all(r.holds_round >= self.ledger.round for r in self.membership.live()):
+            self.downlink.release_latest(wait=False)
+
+    def _holds(self, island_id: str, round_: int) -> None:
+        rec = self.membership.islands.get(island_id)
+        if rec is not None:
+            rec.holds_round = max(rec.holds_round, round_)
