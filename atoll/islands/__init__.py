@@ -1,8 +1,29 @@
-"""Island side: the DiLoCo wrapper and the coordinator client."""
+"""Island side: the DiLoCo algorithm (:class:`DiLoCo`) and its connection to the coordinator
+(:class:`CoordinatorLink`).
 
-from atoll.islands.client import CoordinatorClient, RetryPolicy
+    from atoll.islands import CoordinatorLink, DiLoCo
+
+    link = CoordinatorLink("coord.example:7070", run_id="my-run", island_id="site-a")
+    with DiLoCo(model, link) as sync:
+        ...
+"""
+
+from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands.diloco import DiLoCo
 from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable
 from atoll.islands.flight import RoundStats
+from atoll.islands.link import CoordinatorLink, Transport
+from atoll.islands.options import DiLoCoOptions
 
-__all__ = ["CoordinatorClient", "CoordinatorRefused", "CoordinatorUnreachable", "DiLoCo", "RetryPolicy", "RoundStats"]
+__all__ = [
+    "ClientTls",
+    "CoordinatorClient",
+    "CoordinatorLink",
+    "CoordinatorRefused",
+    "CoordinatorUnreachable",
+    "DiLoCo",
+    "DiLoCoOptions",
+    "RetryPolicy",
+    "RoundStats",
+    "Transport",
+]

@@ -16,7 +16,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -25,9 +25,8 @@ import grpc
 from atoll.islands.errors import PartialUpdate, ProtocolError
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
-from atoll.protos import raw
 from atoll.protos.raw import RawData
-from atoll.protos.rpc import CLIENT_OPTIONS, EntryAssembler, StreamOverrun, data_chunks, method
+from atoll.protos.rpc import CLIENT_OPTIONS, EntryAssembler, StreamOverrun, bulk_calls, data_chunks
 
 log = logging.getLogger("atoll.island")
 
@@ -122,15 +121,7 @@ class CoordinatorClient:
         else:
             self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
-        # The bulk streams on the raw chunk path (wire-compatible; see atoll.protos.raw).
-        self._push_call = self._channel.stream_unary(
-            method("PushDelta"), request_serializer=raw.serialize, response_deserializer=pb.PushResponse.FromString
-        )
-        self._pull_call = self._channel.unary_stream(
-            method("PullUpdate"),
-            request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=raw.deserialize_pull_chunk,
-        )
+        self._push_call, self._pull_call = bulk_calls(self._channel)
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -197,6 +188,15 @@ class CoordinatorClient:
             give_up_seconds=give_up_seconds,
         )
 
+    def push_chunks(self, header: pb.PushHeader, chunks: Iterable) -> pb.PushResponse:
+        """One attempt at a push whose data chunks the caller cuts (:func:`~atoll.protos.rpc.data_chunks`
+        of its payloads): no retry. What :meth:`push` does below its retries and streaming."""
+        total = sum(e.num_bytes for e in header.entries)
+        messages = itertools.chain([pb.PushChunk(header=header)], chunks)
+        resp = self._push_call(messages, timeout=self._timeout(total), metadata=self._metadata)
+        self.bytes_sent += total + header.ByteSize()
+        return resp
+
     def push(self, header: pb.PushHeader, payloads) -> pb.PushResponse:
         """Stream one push: the header, then the payloads' bytes in chunks.
 
@@ -206,14 +206,7 @@ class CoordinatorClient:
         retried encodes again, so ``encode`` must give the same bytes each time."""
         total = sum(e.num_bytes for e in header.entries)
         if not callable(payloads):
-
-            def attempt() -> pb.PushResponse:
-                chunks = itertools.chain([pb.PushChunk(header=header)], data_chunks(payloads))
-                resp = self._push_call(chunks, timeout=self._timeout(total), metadata=self._metadata)
-                self.bytes_sent += total + header.ByteSize()
-                return resp
-
-            return self.call("PushDelta", attempt)
+            return self.call("PushDelta", lambda: self.push_chunks(header, data_chunks(payloads)))
 
         def streamed() -> pb.PushResponse:
             ready: queue.Queue = queue.Queue()

@@ -1,14 +1,27 @@
-"""One outer exchange in flight (push, wait for the outer step, pull) and the stats of a finished one."""
+"""Outer exchanges: one in flight (push, wait for the outer step, pull), their owner
+(:class:`Exchanges`: begin, the I/O, finish) and the stats of a finished one.
+
+The I/O of an exchange runs on the training thread, or on a background thread when overlapping; it
+never touches a parameter. Applying the pulled update is :meth:`Exchanges.finish`, on the training
+thread.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from atoll.islands.routes import Routes
+from atoll.islands.schedule import Schedule
 from atoll.protos import coordinator_pb2 as pb
+
+log = logging.getLogger("atoll.island")
 
 
 @dataclass
@@ -65,6 +78,8 @@ class Flight:
     blocked: float = 0.0
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    ready: Callable[[], object] | None = None
+    """Waited for before the first push (``before_push``'s answer: a checkpoint being written)."""
 
     def source(self, link: int):
         """What to push for a link: its payloads, or an encoder that makes them one at a time."""
@@ -147,3 +162,158 @@ def restore_flight(sd: dict, sessions) -> Flight:
 
 def _bytes_tensor(p) -> torch.Tensor:
     return torch.frombuffer(bytearray(p), dtype=torch.uint8) if len(p) else torch.empty(0, dtype=torch.uint8)
+
+
+class Exchanges:
+    """The island's exchanges in flight, one per coordinator link at most (a flight may cover several)."""
+
+    def __init__(self, routes: Routes, schedule: Schedule, *, overlap: bool, group=None, token_group=None) -> None:
+        self.routes = routes
+        self.schedule = schedule
+        self.overlap = overlap
+        self.group = group
+        self.token_group = token_group
+        self.by_link: dict[int, Flight] = {}
+        """The exchange in flight per link, if any."""
+        me = routes.sessions[0].me
+        self.rank, self.num_ranks, self.island_id = me.rank, me.num_ranks, me.island_id
+        self._warned_tokens = False
+
+    def in_flight(self) -> list[Flight]:
+        return list(dict.fromkeys(self.by_link.values()))
+
+    def abandon(self) -> None:
+        self.by_link = {}
+
+    def begin(self, indices: list[int], pushed_at: int, before_push: Callable[[], object] | None) -> Flight:
+        """Encode the links' pseudo-gradients and push them (in the background when overlapping).
+        ``before_push()`` runs once they are encoded; if it returns a callable, the push waits for it
+        (a checkpoint's write: a push the coordinator counts always has a durable checkpoint)."""
+        started = time.perf_counter()
+        routes, sessions = self.routes, self.routes.sessions
+        count = self.schedule.links[indices[0]]
+        flight = Flight(
+            links=indices,
+            round=min(sessions[i].round for i in indices),
+            steps=count.steps,
+            tokens=self._island_tokens(count.tokens),
+            loss=count.mean_loss(),
+            pushed_at=pushed_at,
+            merge=self.overlap,
+            bytes0=routes.link.bytes(indices),
+        )
+        # A stateless codec (no error feedback, no warm start) on a plain exchange (θ stays put until it
+        # is applied) streams: each payload is encoded as the push stream asks for it, and again if
+        # asked again. Otherwise the payloads are encoded now and kept until the exchange is done.
+        streamed = not flight.merge and not routes.codec.stateful
+        if streamed:
+            flight.rebuild, flight.encoder = routes.encode, routes.encoder
+        for i in indices:
+            owned = routes.owned(i)
+            payloads = None if streamed else routes.encode(i)
+            sizes = routes.sizes(i) if streamed else [len(p) for p in payloads]
+            flight.max_payload_numel = max([flight.max_payload_numel, *(s.local().numel() for s in owned)])
+            if flight.merge:
+                for s in routes.link_shards[i]:
+                    routes.states[s.key].take_snapshot()
+            session = sessions[i]
+            header = session.header(
+                pb.PUSH_KIND_DELTA,
+                session.round,
+                owned,
+                sizes,
+                routes.codec.spec,
+                tokens=flight.tokens,
+                loss=flight.loss,
+                steps=flight.steps,
+            )
+            flight.pushes.append((i, header, payloads))
+            del payloads
+            self.by_link[i] = flight
+        self.schedule.synced(indices)
+        if before_push is not None:
+            ready = before_push()
+            flight.ready = ready if callable(ready) else None
+        self.launch(flight)
+        flight.blocked += time.perf_counter() - started
+        return flight
+
+    def launch(self, flight: Flight) -> None:
+        """Run the flight's I/O: on a background thread when it merges (overlap), else right here."""
+        for i in flight.links:
+            self.by_link[i] = flight
+        if flight.merge:
+            flight.thread = threading.Thread(target=self._io, args=(flight,), name="atoll-exchange", daemon=True)
+            flight.thread.start()
+        else:
+            self._io(flight)
+
+    def _io(self, flight: Flight) -> None:
+        """Push to every link first, then wait for each shard's outer step; no parameter is touched."""
+        sessions, routes = self.routes.sessions, self.routes
+        try:
+            if flight.ready is not None:
+                flight.ready()
+            for i, header, _ in flight.pushes:
+                flight.outcomes[i] = sessions[i].push(header, flight.source(i))
+            flight.release_payloads()
+            for i, header, _ in flight.pushes:
+                dropped = flight.outcomes[i] == pb.PUSH_OUTCOME_ROUND_CLOSED
+                # In the background (overlap) updates are kept and applied by the training thread; on
+                # the training thread they are applied entry by entry as they arrive.
+                buffered = flight.thread is not None
+                flight.result = sessions[i].pull_until_ready(
+                    header.round,
+                    on_update=(lambda h, pl, i=i: flight.updates.append((i, h, pl))) if buffered else None,
+                    on_entry=None if buffered else routes.entry_applier(i),
+                    repush=None if dropped else (lambda i=i, h=header: (h, flight.source(i))),
+                    cancel=routes.link.stopping,
+                )
+        except BaseException as err:  # re-raised in the training loop by finish()
+            flight.error = err
+
+    def finish(self, flight: Flight, run_complete: Callable[[], bool]) -> RoundStats:
+        """Wait for the exchange (if in the background) and apply its outer update(s)."""
+        started = time.perf_counter()
+        if flight.thread is not None:
+            flight.thread.join()
+            flight.thread = None
+        for i in flight.links:
+            self.by_link.pop(i, None)
+        if flight.error is not None:
+            raise flight.error
+        by_link: dict[int, list] = {}
+        for i, header, payloads in flight.updates:
+            by_link.setdefault(i, []).append((header, payloads))
+        for i in flight.links:
+            self.routes.apply_all(i, by_link.get(i, []))
+            self.routes.load_params(i, merge=flight.merge)
+        flight.updates = []
+        flight.blocked += time.perf_counter() - started
+        return flight.stats(self.routes.link.bytes(flight.links), self._island_bytes, run_complete())
+
+    def _island_tokens(self, tokens: int) -> int:
+        """The island's tokens: this rank's summed over the token group (one all-reduce per sync)."""
+        if self.num_ranks > 1:
+            t = torch.tensor([float(tokens)], dtype=torch.float64, device=self._device())
+            dist.all_reduce(t, group=self.token_group if self.token_group is not None else self.group)
+            tokens = int(t.item())
+        if tokens == 0 and not self._warned_tokens and self.rank == 0:
+            log.warning(
+                "%s: step() got no tokens=; this island's delta weighs 1 in the mean against the other "
+                "islands' token counts (pass the tokens each step processed)",
+                self.island_id,
+            )
+            self._warned_tokens = True
+        return tokens
+
+    def _island_bytes(self, sent: int, received: int) -> tuple[int, int]:
+        """The island's bytes of a round: every rank's, summed."""
+        if self.num_ranks == 1:
+            return sent, received
+        t = torch.tensor([float(sent), float(received)], dtype=torch.float64, device=self._device())
+        dist.all_reduce(t, group=self.group)
+        return int(t[0].item()), int(t[1].item())
+
+    def _device(self) -> torch.device:
+        return self.routes.shards[0].local().device

@@ -1,4 +1,8 @@
-"""What an island asks of the run and how it talks to the coordinator: one frozen config, checked once."""
+"""DiLoCo's options: the algorithm's settings, written once (defaults, documentation, checks).
+
+``DiLoCo(model, link, **options)`` takes exactly these fields as keyword arguments; how to reach the
+coordinator is the link's business (:class:`~atoll.islands.link.CoordinatorLink`).
+"""
 
 from __future__ import annotations
 
@@ -8,45 +12,47 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.compression import get_codec
-from atoll.islands.client import ClientTls, RetryPolicy, parse_addresses
 from atoll.islands.exchange import Placement
 
 
 @dataclass(frozen=True, kw_only=True)
-class IslandOptions:
-    coordinator: str
-    """``host:port`` of the coordinator, or its shards (fragments) comma-separated."""
-    run_id: str = "atoll"
+class DiLoCoOptions:
     sync_every: int | None = None
-    """H for this island; None takes the run's (a different value is warned about)."""
+    """H, inner steps per round, for this island; None takes the run's (a different value is warned
+    about, naming both)."""
     codec: str | None = None
     """A codec name insists on the run's codec being that one; a spec with parameters
-    (``"int8:block=64"``) must match the run's exactly."""
-    heartbeat_seconds: float = 5.0
-    pull_wait_seconds: float = 10.0
-    """How long one long-poll pull waits at the coordinator."""
-    retry: RetryPolicy | None = None
-    connect_timeout_seconds: float = 120.0
-    """How long ``start()`` tries to reach the coordinator before it raises."""
+    (``"int8:block=64"``) must match the run's exactly (the coordinator refuses it at Join)."""
     sync_every_seconds: float | None = None
-    """Sync on this time budget instead of every H steps."""
+    """Sync on this time budget instead of every H steps (a slow island does fewer inner steps; its
+    delta is weighted by the tokens it reports)."""
     overlap_steps: int = 0
-    """τ: apply the outer update τ inner steps after the push, training meanwhile (0: plain DiLoCo)."""
+    """τ > 0: push and pull in the background and keep training; the outer update is applied τ inner
+    steps after the push (waiting only if it has not arrived by then), keeping the progress made
+    meanwhile: θ ← θ_global + (θ_now − θ_at_push). 0 is plain DiLoCo, exactly."""
     streaming: bool = False
-    """The coordinator's shards are Streaming DiLoCo fragments on staggered schedules."""
+    """The coordinator's shards are Streaming DiLoCo fragments (``atoll coordinator --fragments P``):
+    fragment p first syncs after ⌈(p+1)·H/P⌉ steps, then every H, so each sync moves about 1/P of the model."""
     outer_state: str = "host"
-    """Where round-start θ, residuals and snapshots live: "host" or "device"."""
+    """Where round-start θ, error-feedback residuals and overlap snapshots live: ``"host"`` (pinned
+    memory on CUDA: the accelerator holds no extra model copy) or ``"device"``."""
     sync_buffers: bool = True
-    """Average floating-point buffers (BatchNorm statistics) over the islands too."""
-    keep_last_delta: bool = False
-    """Keep the last pseudo-gradient as tensors (``DiLoCo.last_delta``; for inspection)."""
-    token: str | None = None
-    tls: ClientTls | None = None
-    client_factory: Callable | None = field(default=None, compare=False)
+    """Average floating-point buffers (BatchNorm statistics) over the islands too; every island of a
+    run must choose the same."""
+    process_group: object = field(default=None, compare=False)
+    """The island's ranks (default: the whole torch.distributed world, when it is initialised)."""
+    token_group: object = field(default=None, compare=False)
+    """The ranks whose ``tokens`` add up to the island's (default: ``process_group``; under tensor
+    parallelism pass the data-parallel group, whose ranks see different data)."""
     before_push: Callable | None = field(default=None, compare=False)
+    """``before_push(sync)``: called on the training thread once a round's pseudo-gradients are encoded
+    and before they are sent: the moment to checkpoint the island (its ``state_dict()`` then holds the
+    payloads, so a resumed island re-pushes them and does not redo the round). If it returns a
+    callable (the wait for a checkpoint written in the background), the push waits for it: a push
+    the coordinator counts then always has a durable checkpoint behind it, so an island killed at any
+    moment resumes exactly."""
 
     def __post_init__(self) -> None:
-        parse_addresses(self.coordinator)
         if self.codec is not None:
             get_codec(self.codec)  # ValueError with the reason for a bad spec
         if self.sync_every is not None and self.sync_every < 1:
@@ -57,12 +63,4 @@ class IslandOptions:
             raise ValueError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
         if self.streaming and self.sync_every_seconds is not None:
             raise ValueError("streaming staggers fragments by inner steps; it cannot sync on a time budget")
-        if not self.connect_timeout_seconds > 0:
-            raise ValueError(f"connect_timeout_seconds must be > 0, got {self.connect_timeout_seconds}")
-        if not (self.heartbeat_seconds > 0 and self.pull_wait_seconds >= 0):
-            raise ValueError("heartbeat_seconds must be > 0 and pull_wait_seconds >= 0")
         Placement(self.outer_state, torch.device("cpu"))  # ValueError for an unknown placement
-
-    @property
-    def addresses(self) -> list[str]:
-        return parse_addresses(self.coordinator)

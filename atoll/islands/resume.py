@@ -5,42 +5,54 @@ that was in flight re-pushed, exact-delta catch-up when the run moved on meanwhi
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Callable
+from typing import NamedTuple
 
-from atoll.islands.flight import flight_state, restore_flight
+from atoll.islands.flight import Exchanges, RoundStats, flight_state, restore_flight
+from atoll.islands.routes import Routes
+from atoll.islands.schedule import Schedule
 from atoll.protos import coordinator_pb2 as pb
 
 log = logging.getLogger("atoll.island")
 STATE_FORMAT = "atoll-diloco-1"
 
 
-def state_dict(sync) -> dict:
+class Who(NamedTuple):
+    """Whose state a checkpoint is: it resumes only the same island and rank of the same run."""
+
+    run_id: str
+    island_id: str
+    session_id: str
+    rank: int
+    num_ranks: int
+
+
+def state_dict(who: Who, inner_steps: int, routes: Routes, schedule: Schedule, exchanges: Exchanges) -> dict:
     """See :meth:`DiLoCo.state_dict`."""
-    links = sync.links
-    snapshots = {k: st.snapshot for k, st in links.states.items() if st.snapshot is not None}
+    snapshots = {k: st.snapshot for k, st in routes.states.items() if st.snapshot is not None}
     return {
         "format": STATE_FORMAT,
-        "run_id": sync.run_id,
-        "island_id": sync.island_id,
-        "session_id": sync.session_id,
-        "rank": sync.rank,
-        "num_ranks": sync.num_ranks,
-        "inner_steps": sync.inner_steps,
+        "run_id": who.run_id,
+        "island_id": who.island_id,
+        "session_id": who.session_id,
+        "rank": who.rank,
+        "num_ranks": who.num_ranks,
+        "inner_steps": inner_steps,
         "links": [
-            {"round": s.round, "run_complete": s.run_complete, **sync.schedule.links[s.index].state_dict()}
-            for s in sync.sessions
+            {"round": s.round, "run_complete": s.run_complete, **schedule.links[s.index].state_dict()}
+            for s in routes.sessions
         ],
-        "flights": [flight_state(f) for f in sync._in_flight()],
-        "shards": {key_str(k): st.state_dict() for k, st in links.states.items()},
+        "flights": [flight_state(f) for f in exchanges.in_flight()],
+        "shards": {key_str(k): st.state_dict() for k, st in routes.states.items()},
         "snapshots": {key_str(k): t.detach().to("cpu", copy=True) for k, t in snapshots.items()},
     }
 
 
-def check(sync, sd: dict) -> None:
+def check(who: Who, sd: dict) -> None:
     """ValueError unless ``sd`` is a DiLoCo state of this very island and rank."""
     if sd.get("format") != STATE_FORMAT:
         raise ValueError(f"not a DiLoCo state (format {sd.get('format')!r}, expected {STATE_FORMAT!r})")
-    mine = (sync.run_id, sync.island_id, sync.rank, sync.num_ranks)
+    mine = (who.run_id, who.island_id, who.rank, who.num_ranks)
     theirs = (sd["run_id"], sd["island_id"], sd["rank"], sd["num_ranks"])
     if theirs != mine:
         raise ValueError(
@@ -49,40 +61,38 @@ def check(sync, sd: dict) -> None:
         )
 
 
-def resume_links(sync, sd: dict, joined: list[pb.JoinResponse]) -> None:
-    """start() after load_state_dict(): outer state back, flights re-pushed, catch up if behind."""
-    links = sync.links
-    keys = {key_str(k): k for k in links.states}
+def resume(
+    sd: dict, routes: Routes, exchanges: Exchanges, joined: list[pb.JoinResponse], run_complete: Callable[[], bool]
+) -> list[RoundStats]:
+    """start() after load_state_dict(): outer state back, flights re-pushed, catch up if behind.
+    Returns the stats of the exchanges it finished (a plain one that was in flight)."""
+    keys = {key_str(k): k for k in routes.states}
     if set(keys) != set(sd["shards"]):
         raise ValueError("the saved DiLoCo state is of another model layout (its shards differ)")
     for name, shard_sd in sd["shards"].items():
-        state = links.states[keys[name]]
+        state = routes.states[keys[name]]
         state.load_state_dict(shard_sd)
         if name in sd["snapshots"]:
             state.snapshot = state.placement.keep(sd["snapshots"][name].to(state.device))
-    for s, link_sd in zip(sync.sessions, sd["links"], strict=True):
+    for s, link_sd in zip(routes.sessions, sd["links"], strict=True):
         s.round = int(link_sd["round"])
         s.run_complete = s.run_complete or bool(link_sd["run_complete"])
-    in_flight = set()
+    in_flight, finished = set(), []
     for fsd in sd["flights"]:
-        flight = restore_flight(fsd, sync.sessions)
+        flight = restore_flight(fsd, routes.sessions)
         in_flight.update(flight.links)
-        for i in flight.links:
-            sync.flights[i] = flight
-        if flight.merge:
-            flight.thread = threading.Thread(target=sync._exchange_io, args=(flight,), daemon=True)
-            flight.thread.start()
-        else:
-            sync._exchange_io(flight)
-            sync._finish(flight)
-    for s, resp in zip(sync.sessions, joined, strict=True):
+        exchanges.launch(flight)
+        if not flight.merge:
+            finished.append(exchanges.finish(flight, run_complete))
+    for s, resp in zip(routes.sessions, joined, strict=True):
         if s.index in in_flight or resp.round <= s.round:
             continue
         # The run moved on while this island was down: its partial round is stale.
-        log.warning("%s: the run moved on to round %d meanwhile; catching up", sync.island_id, resp.round)
-        s.pull_until_ready(s.round, on_entry=links.entry_applier(s.index))
-        links.load_params(s.index, merge=False)
+        log.warning("%s: the run moved on to round %d meanwhile; catching up", s.me.island_id, resp.round)
+        s.pull_until_ready(s.round, on_entry=routes.entry_applier(s.index))
+        routes.load_params(s.index, merge=False)
         sd["links"][s.index].update(steps=0, tokens=0, losses=[])
+    return finished
 
 
 def key_str(key: tuple) -> str:

@@ -1,28 +1,24 @@
-"""An island's links to the coordinator and the outer state of its shards.
+"""Which of an island's local shards each coordinator shard owns, and the outer state of each.
 
-One :class:`~atoll.islands.session.Session` per coordinator shard (or Streaming DiLoCo fragment),
-with the local shards whose tensors that shard owns; one :class:`~atoll.islands.exchange.ShardState`
-per local shard. Joining settles the run's H and codec (a value the island asked for and the run
-overrides is refused or warned about, naming both), uploads θ_0 when the island bootstraps, and
-heartbeats keep the island's lease from the join on.
+One :class:`~atoll.islands.exchange.ShardState` per local shard; the shards routed to each
+coordinator shard (hash of the tensor name, or Streaming DiLoCo's contiguous fragments). Joining
+settles the run's H and codec (a value the island asked for and the run overrides is warned about,
+naming both; a codec spec the run does not use is refused by the coordinator at Join); θ_0 is
+uploaded when the island bootstraps; pulled updates are checked whole, then applied.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import threading
 
 import torch
-import torch.distributed as dist
 
-from atoll.compression import ErrorFeedback, available_codecs, codec_name, codec_of, get_codec
-from atoll.islands.client import CoordinatorClient
-from atoll.islands.errors import CoordinatorRefused
+from atoll.compression import ErrorFeedback, available_codecs, codec_of, get_codec
 from atoll.islands.exchange import Placement, ShardState
-from atoll.islands.options import IslandOptions
-from atoll.islands.session import Identity, Session
+from atoll.islands.link import CoordinatorLink
+from atoll.islands.options import DiLoCoOptions
+from atoll.islands.session import Session
 from atoll.islands.shards import BUFFER, LocalShard
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.dtypes import PB_FROM_TORCH
@@ -31,14 +27,15 @@ from atoll.sharding import layer_partition, layout_digest, shard_of
 log = logging.getLogger("atoll.island")
 
 
-class Links:
-    def __init__(self, options: IslandOptions, shards: list[LocalShard], me: Identity, group=None) -> None:
+class Routes:
+    def __init__(
+        self, options: DiLoCoOptions, shards: list[LocalShard], link: CoordinatorLink, rank, num_ranks
+    ) -> None:
+        """Routes ``shards`` to the link's coordinator shards and opens the link (no call yet)."""
         self.options = options
         self.shards = shards
-        self.me = me
-        self.group = group
-        addresses = options.addresses
-        n = len(addresses)
+        self.link = link
+        n = len(link.addresses)
         digest = ""
         if options.streaming:
             layout = [(s.name, tuple(s.tensor.shape)) for s in shards]
@@ -56,38 +53,28 @@ class Links:
             device = s.local().device
             placement = placements.setdefault(device, Placement(options.outer_state, device))
             self.states[s.key] = ShardState(s, placement)
-        factory = options.client_factory or CoordinatorClient
-        self.sessions = [
-            Session(
-                i,
-                factory(address, retry=options.retry, token=options.token, tls=options.tls),
-                me,
-                self._join_request_for(i, digest, n),
-                _regions(self.link_shards[i]),
-                pull_wait_seconds=options.pull_wait_seconds,
-            )
-            for i, address in enumerate(addresses)
-        ]
+        self.sessions = link.open(
+            rank,
+            num_ranks,
+            [self._join_request_for(i, digest, n, rank, num_ranks) for i in range(n)],
+            [_regions(mine) for mine in self.link_shards],
+            group=options.process_group,
+        )
         self.sync_every = options.sync_every or 0
         self.codec = None
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
 
-    @property
-    def stopping(self) -> threading.Event:
-        return self._hb_stop
-
-    def _join_request_for(self, index: int, digest: str, num_shards: int):
-        o = self.options
-        offered = [codec_name(o.codec)] if o.codec else available_codecs()
+    def _join_request_for(self, index: int, digest: str, num_shards: int, rank: int, num_ranks: int):
+        o, link = self.options, self.link
+        # A spec with parameters travels whole: the coordinator refuses it at Join if it is not the run's.
+        offered = [o.codec] if o.codec else available_codecs()
 
         def build() -> pb.JoinRequest:
             req = pb.JoinRequest(
-                run_id=self.me.run_id,
-                island_id=self.me.island_id,
-                session_id=self.me.session_id,
+                run_id=link.run_id,
+                island_id=link.island_id,
+                session_id=link.session_id,
                 codecs=offered,
-                num_ranks=self.me.num_ranks,
+                num_ranks=num_ranks,
                 shard_index=index,
                 num_shards=num_shards,
                 partition="layers" if o.streaming else "hash",
@@ -104,58 +91,52 @@ class Links:
 
         return build
 
-    # ---- joining ------------------------------------------------------------------------------
-    def join_all(self) -> list[pb.JoinResponse]:
-        """Join every link, then start heartbeats (uploading θ_0 or waiting for another island's can
-        take longer than a lease)."""
-        joined = [self._join(s) for s in self.sessions]
-        self._hb_thread = threading.Thread(target=self._heartbeats, name="atoll-heartbeat", daemon=True)
-        self._hb_thread.start()
-        return joined
+    def complete(self) -> bool:
+        """Every coordinator shard says the run is complete."""
+        return all(s.run_complete for s in self.sessions)
 
-    def _join(self, session: Session) -> pb.JoinResponse:
+    # ---- joining ------------------------------------------------------------------------------
+    def settle(self, joined: list[pb.JoinResponse]) -> None:
+        """Take the run's H and codec from the shards' Join answers (the island's own H is warned about
+        when it differs; every shard must run the same codec)."""
         o = self.options
-        resp = session.join(give_up_seconds=o.connect_timeout_seconds)
-        c = resp.config
-        if o.sync_every is None:
-            self.sync_every = c.sync_every
-        elif o.sync_every != c.sync_every and session.index == 0:
-            log.warning(
-                "%s: sync_every=%d overrides the run's H=%d for this island (its deltas cover %d inner steps)",
-                self.me.island_id,
-                o.sync_every,
-                c.sync_every,
-                o.sync_every,
+        for session, resp in zip(self.sessions, joined, strict=True):
+            c = resp.config
+            if o.sync_every is None:
+                self.sync_every = c.sync_every
+            elif o.sync_every != c.sync_every and session.index == 0:
+                log.warning(
+                    "%s: sync_every=%d overrides the run's H=%d for this island (its deltas cover %d inner steps)",
+                    self.link.island_id,
+                    o.sync_every,
+                    c.sync_every,
+                    o.sync_every,
+                )
+            run_codec = get_codec(resp.codec)
+            if self.codec is None:
+                decay = c.error_feedback_decay or 1.0  # 0: unset by an older coordinator
+                self.codec = ErrorFeedback(run_codec, decay) if c.error_feedback and run_codec.lossy else run_codec
+            elif self.codec.spec != run_codec.spec:
+                raise RuntimeError(
+                    f"coordinator shard {session.index} runs codec {resp.codec}, another {self.codec.spec}"
+                )
+            if o.overlap_steps and o.sync_every_seconds is None and o.overlap_steps >= self.sync_every:
+                raise ValueError(f"overlap_steps ({o.overlap_steps}) must be below the run's H ({self.sync_every})")
+            if session.round < 0:
+                session.round = resp.round
+            me = session.me
+            log.info(
+                "%s[%d/%d] joined run %s (shard %d/%d) at round %d (H=%d, codec %s)",
+                me.island_id,
+                me.rank,
+                me.num_ranks,
+                me.run_id,
+                session.index,
+                len(self.sessions),
+                resp.round,
+                self.sync_every,
+                resp.codec,
             )
-        run_codec = get_codec(resp.codec)
-        if o.codec and ":" in o.codec and get_codec(o.codec).spec != run_codec.spec:
-            raise CoordinatorRefused(
-                "REASON_CODEC_MISMATCH",
-                f"codec {get_codec(o.codec).spec!r} was asked for; the run uses {run_codec.spec!r} "
-                "(pass the codec name alone to take the run's parameters)",
-            )
-        if self.codec is None:
-            decay = c.error_feedback_decay or 1.0  # 0: unset by an older coordinator
-            self.codec = ErrorFeedback(run_codec, decay) if c.error_feedback and run_codec.lossy else run_codec
-        elif self.codec.spec != run_codec.spec:
-            raise RuntimeError(f"coordinator shard {session.index} runs codec {resp.codec}, another {self.codec.spec}")
-        if o.overlap_steps and o.sync_every_seconds is None and o.overlap_steps >= self.sync_every:
-            raise ValueError(f"overlap_steps ({o.overlap_steps}) must be below the run's H ({self.sync_every})")
-        if session.round < 0:
-            session.round = resp.round
-        log.info(
-            "%s[%d/%d] joined run %s (shard %d/%d) at round %d (H=%d, codec %s)",
-            self.me.island_id,
-            self.me.rank,
-            self.me.num_ranks,
-            self.me.run_id,
-            session.index,
-            len(self.sessions),
-            resp.round,
-            self.sync_every,
-            resp.codec,
-        )
-        return resp
 
     def bootstrap(self, session: Session) -> None:
         """Upload this rank's owned regions of θ as θ_0 (identity codec)."""
@@ -205,9 +186,6 @@ class Links:
     def owned(self, index: int) -> list[LocalShard]:
         return [s for s in self.link_shards[index] if s.owned]
 
-    def applier(self, session: Session):
-        return lambda header, payloads: self.apply_all(session.index, [(header, payloads)])
-
     def apply_all(self, index: int, updates: list) -> None:
         """Advance the link's θ_start by each update, in order; every payload is checked before any is
         applied, so a corrupt update changes nothing."""
@@ -229,41 +207,6 @@ class Links:
     def load_params(self, index: int, merge: bool) -> None:
         for s in self.link_shards[index]:
             self.states[s.key].load_into_param(merge)
-
-    def bytes(self, indices: list[int]) -> tuple[int, int]:
-        return (
-            sum(self.sessions[i].client.bytes_sent for i in indices),
-            sum(self.sessions[i].client.bytes_received for i in indices),
-        )
-
-    # ---- heartbeats and leaving -----------------------------------------------------------------
-    def _heartbeats(self) -> None:
-        while not self._hb_stop.wait(self.options.heartbeat_seconds):
-            for s in list(self.sessions):
-                try:
-                    s.heartbeat()
-                except (ValueError, AttributeError):  # channel closed under us during shutdown
-                    return
-                except Exception as err:  # a heartbeat must never kill the island; the next one retries
-                    log.info("heartbeat to shard %d failed: %s", s.index, err)
-
-    def stop_heartbeats(self) -> None:
-        self._hb_stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
-            self._hb_thread = None
-
-    def close(self, leave: bool) -> None:
-        """Stop heartbeats and, on rank 0 with ``leave``, leave the run; close the channels."""
-        self.stop_heartbeats()
-        if self.me.num_ranks > 1:
-            with contextlib.suppress(RuntimeError):  # a peer may already be gone
-                dist.barrier(group=self.group)
-        if leave and self.me.rank == 0:
-            for s in self.sessions:
-                s.leave()
-        for s in self.sessions:
-            s.client.close()
 
 
 def _regions(shards: list[LocalShard]) -> list[pb.TensorEntry]:

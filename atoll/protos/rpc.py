@@ -1,5 +1,6 @@
-"""What both ends of the atoll.v1 protocol share: method names, chunk size, channel options, and the
-framing of the bulk streams (one chunker, one reassembler).
+"""What both ends of the atoll.v1 protocol share: method names, the server's handler table and the
+client's calls (the bulk streams on the raw path), chunk size, channel options, and the framing of
+the bulk streams (one chunker, one reassembler).
 
 A push or pull stream is a header message, then ``data`` chunks holding the header's entries'
 payloads concatenated in order. Chunks travel on the raw path (:mod:`atoll.protos.raw`).
@@ -8,10 +9,13 @@ payloads concatenated in order. Chunks travel on the raw path (:mod:`atoll.proto
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
+import grpc
 import numpy as np
 
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos import raw
 from atoll.protos.raw import RawData
 
 SERVICE_NAME = "atoll.v1.Coordinator"
@@ -46,12 +50,46 @@ CLIENT_OPTIONS = [
 ]
 
 
-def data_chunks(payloads: Iterable) -> Iterator[RawData]:
-    """The payloads (bytes-like), cut into data chunks of at most :data:`CHUNK_BYTES`."""
+def server_handlers(servicer, parse: Callable[[Callable], Callable] = lambda f: f) -> dict[str, grpc.RpcMethodHandler]:
+    """The coordinator's method table: each RPC of ``servicer`` with its (de)serializers, the bulk
+    streams' chunks on the raw path (:mod:`atoll.protos.raw`). ``parse(from_bytes)`` wraps each
+    request deserializer (the server's makes unparseable bytes answer INVALID_ARGUMENT)."""
+    unary = grpc.unary_unary_rpc_method_handler
+    return {
+        "Join": unary(servicer.Join, parse(pb.JoinRequest.FromString), pb.JoinResponse.SerializeToString),
+        "Heartbeat": unary(
+            servicer.Heartbeat, parse(pb.HeartbeatRequest.FromString), pb.HeartbeatResponse.SerializeToString
+        ),
+        "PushDelta": grpc.stream_unary_rpc_method_handler(
+            servicer.PushDelta, parse(raw.deserialize_push_chunk), pb.PushResponse.SerializeToString
+        ),
+        "PullUpdate": grpc.unary_stream_rpc_method_handler(
+            servicer.PullUpdate, parse(pb.PullRequest.FromString), raw.serialize
+        ),
+        "Leave": unary(servicer.Leave, parse(pb.LeaveRequest.FromString), pb.LeaveResponse.SerializeToString),
+    }
+
+
+def bulk_calls(channel: grpc.Channel) -> tuple[grpc.StreamUnaryMultiCallable, grpc.UnaryStreamMultiCallable]:
+    """The client's PushDelta and PullUpdate calls, their chunks on the raw path (wire-compatible with
+    the generated stub's)."""
+    push = channel.stream_unary(
+        method("PushDelta"), request_serializer=raw.serialize, response_deserializer=pb.PushResponse.FromString
+    )
+    pull = channel.unary_stream(
+        method("PullUpdate"),
+        request_serializer=pb.PullRequest.SerializeToString,
+        response_deserializer=raw.deserialize_pull_chunk,
+    )
+    return push, pull
+
+
+def data_chunks(payloads: Iterable, chunk_bytes: int = CHUNK_BYTES) -> Iterator[RawData]:
+    """The payloads (bytes-like), cut into data chunks of at most ``chunk_bytes``."""
     for payload in payloads:
         view = memoryview(payload).cast("B")
-        for start in range(0, view.nbytes, CHUNK_BYTES):
-            yield RawData(view[start : start + CHUNK_BYTES])
+        for start in range(0, view.nbytes, chunk_bytes):
+            yield RawData(view[start : start + chunk_bytes])
 
 
 class StreamOverrun(ValueError):

@@ -1,0 +1,164 @@
+"""An island's connection to the coordinator: where it is, who the island is, how to talk to it.
+
+:class:`CoordinatorLink` owns the transport (one client per coordinator shard, with deadlines,
+retries and TLS), the island's identity in the run (run id, island id, the process's session id) and
+its membership (joining, heartbeats from the join on, leaving). It knows nothing of models or
+pseudo-gradients: :class:`~atoll.islands.diloco.DiLoCo` is the algorithm and uses a link.
+
+    link = CoordinatorLink("coord.example:7070", run_id="my-run", island_id="site-a")
+    with DiLoCo(model, link) as sync:
+        ...
+
+The transport is a seam: ``connect(address)`` returns anything shaped like :class:`Transport`
+(the real :class:`~atoll.islands.client.CoordinatorClient` by default); the harness injects faults
+by wrapping the real client there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Protocol
+
+import torch.distributed as dist
+
+from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy, parse_addresses
+from atoll.islands.session import Identity, Session
+from atoll.protos import coordinator_pb2 as pb
+
+log = logging.getLogger("atoll.island")
+
+
+class Transport(Protocol):
+    """One coordinator shard's RPCs, as :class:`~atoll.islands.client.CoordinatorClient` does them."""
+
+    address: str
+    retry: RetryPolicy
+    bytes_sent: int
+    bytes_received: int
+
+    def join(self, req: pb.JoinRequest, *, give_up_seconds: float | None = None) -> pb.JoinResponse: ...
+
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse: ...
+
+    def leave(self, req: pb.LeaveRequest, *, give_up_seconds: float | None = None) -> pb.LeaveResponse: ...
+
+    def push(self, header: pb.PushHeader, payloads) -> pb.PushResponse: ...
+
+    def pull(self, req: pb.PullRequest, on_entry=None) -> tuple[pb.UpdateHeader, list]: ...
+
+    def close(self) -> None: ...
+
+
+class CoordinatorLink:
+    def __init__(
+        self,
+        coordinator: str,
+        *,
+        run_id: str = "atoll",
+        island_id: str | None = None,
+        token: str | None = None,
+        tls: ClientTls | None = None,
+        retry: RetryPolicy | None = None,
+        connect_timeout_seconds: float = 120.0,
+        heartbeat_seconds: float = 5.0,
+        pull_wait_seconds: float = 10.0,
+        connect: Callable[[str], Transport] | None = None,
+    ) -> None:
+        """``coordinator``: ``host:port``, or its shards (Streaming DiLoCo fragments) comma-separated
+        (ValueError at once when malformed). ``island_id``: this island's name in the run (required for
+        a multi-rank island; each island process its own); a random one when None. ``token``: its
+        bearer token (coordinator ``--island-tokens``); ``tls``: TLS or mutual TLS.
+        ``retry``: deadlines and backoff of every RPC. ``connect_timeout_seconds``: how long joining
+        tries to reach the coordinator before it raises ``CoordinatorUnreachable`` (a WARNING is logged
+        within seconds of the first failure, then every 30 s). ``heartbeat_seconds``: between lease
+        renewals. ``pull_wait_seconds``: how long one long-poll for the outer step waits at the
+        coordinator. ``connect(address)``: the transport of one shard (default: a
+        :class:`~atoll.islands.client.CoordinatorClient` with ``retry``, ``token`` and ``tls``).
+
+        The constructor does no network I/O; :meth:`join` does."""
+        self.addresses = parse_addresses(coordinator)
+        if not connect_timeout_seconds > 0:
+            raise ValueError(f"connect_timeout_seconds must be > 0, got {connect_timeout_seconds}")
+        if not (heartbeat_seconds > 0 and pull_wait_seconds >= 0):
+            raise ValueError("heartbeat_seconds must be > 0 and pull_wait_seconds >= 0")
+        self.run_id = run_id
+        self.island_id = island_id or f"island-{uuid.uuid4().hex[:8]}"
+        self.named = island_id is not None
+        """Whether the island id was given (a multi-rank island needs one its ranks share)."""
+        self.session_id = uuid.uuid4().hex
+        """This process's session: a second live process with the same island id is refused."""
+        self.retry = retry or RetryPolicy()
+        self.connect_timeout_seconds = connect_timeout_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self.pull_wait_seconds = pull_wait_seconds
+        self._connect = connect or (lambda address: CoordinatorClient(address, retry=self.retry, token=token, tls=tls))
+        self.sessions: list[Session] = []
+        """One per coordinator shard, once :meth:`open` ran."""
+        self.stopping = threading.Event()
+        """Set when the link closes: waits for outer steps give up."""
+        self._group = None
+        self._heartbeat: threading.Thread | None = None
+
+    # ---- membership ------------------------------------------------------------------------------
+    def open(self, rank: int, num_ranks: int, requests: list, regions: list, group=None) -> list[Session]:
+        """Connect to every shard (no call yet): ``requests[i]()`` builds shard i's JoinRequest and
+        ``regions[i]`` lists what this rank pulls from it."""
+        if self.sessions:
+            raise RuntimeError("the link is open already (one DiLoCo per link)")
+        self._group = group
+        me = Identity(self.run_id, self.island_id, self.session_id, rank, num_ranks)
+        self.sessions = [
+            Session(i, self._connect(address), me, requests[i], regions[i], pull_wait_seconds=self.pull_wait_seconds)
+            for i, address in enumerate(self.addresses)
+        ]
+        return self.sessions
+
+    def join(self) -> list[pb.JoinResponse]:
+        """Join every shard (CoordinatorRefused, CoordinatorUnreachable), then keep the lease with
+        heartbeats: uploading θ_0, or waiting for another island's, can take longer than a lease."""
+        joined = [s.join(give_up_seconds=self.connect_timeout_seconds) for s in self.sessions]
+        self._heartbeat = threading.Thread(target=self._heartbeats, name="atoll-heartbeat", daemon=True)
+        self._heartbeat.start()
+        return joined
+
+    def _heartbeats(self) -> None:
+        while not self.stopping.wait(self.heartbeat_seconds):
+            for s in list(self.sessions):
+                try:
+                    s.heartbeat()
+                except (ValueError, AttributeError):  # channel closed under us during shutdown
+                    return
+                except Exception as err:  # a heartbeat must never kill the island; the next one retries
+                    log.info("heartbeat to shard %d failed: %s", s.index, err)
+
+    def close(self, leave: bool = True) -> None:
+        """Stop heartbeats and, on rank 0 with ``leave``, leave the run; close the channels."""
+        self.stopping.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+            self._heartbeat = None
+        if not self.sessions:
+            return
+        me = self.sessions[0].me
+        if me.num_ranks > 1:
+            with contextlib.suppress(RuntimeError):  # a peer may already be gone
+                dist.barrier(group=self._group)
+        if leave and me.rank == 0:
+            for s in self.sessions:
+                s.leave()
+        for s in self.sessions:
+            s.client.close()
+
+    def bytes(self, indices: list[int]) -> tuple[int, int]:
+        """Bytes sent and received so far on the given shards' transports."""
+        return (
+            sum(self.sessions[i].client.bytes_sent for i in indices),
+            sum(self.sessions[i].client.bytes_received for i in indices),
+        )
+
+
+__all__ = ["ClientTls", "CoordinatorLink", "RetryPolicy", "Transport"]
