@@ -17,12 +17,10 @@ import textwrap
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from atoll.errors import UserError
+
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-
-
-class UserError(Exception):
-    """An error for the user, printed as one line (``atoll <command>: error: ...``), exit 1."""
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -231,7 +229,9 @@ def _coordinator(ns: argparse.Namespace) -> int:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, island_hooks=None) -> int:
+    """``island_hooks``: seams of ``atoll island``'s loop (:class:`atoll.workload.hooks.IslandHooks`;
+    the harness's entry point passes its fault hooks)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             from atoll.workload.island import IslandArgs, run_island
 
             island_argv = list(sys.argv[1:] if argv is None else argv)
-            return run_island(_config_from(IslandArgs, ns), island_argv)
+            return run_island(_config_from(IslandArgs, ns), island_argv, island_hooks)
         if ns.command == "demo":
             from atoll.harness.demo import DemoArgs, run_demo
 

@@ -9,11 +9,10 @@ import urllib.request
 from pathlib import Path
 
 from atoll.coordinator import persistence
+from atoll.errors import UserError
 
 
-def _fail(message: str):
-    from atoll.cli import UserError
-
+def _fail(message: str) -> UserError:
     return UserError(message)
 
 

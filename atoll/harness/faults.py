@@ -1,6 +1,8 @@
-"""Faults as a schedule keyed by (island, round), injected by wrapping the real components.
+"""Faults as a schedule keyed by (island, round), injected from outside the product by wrapping the real
+components.
 
-Island-side kinds run inside the island process (``atoll island --faults JSON``):
+Island-side kinds run inside the island process, started as ``python -m atoll.harness.island --faults
+JSON island ...`` (the reference island with :class:`IslandFaults` as its hooks):
 
 - ``slow``: each inner step takes ``factor`` times as long, for ``rounds`` rounds from ``round``;
 - ``stall``: sleep ``seconds`` before the round's first step (compute stall; heartbeats go on);
@@ -22,10 +24,15 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from atoll.islands.client import CoordinatorClient
+from atoll.islands.link import Transport
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.rpc import data_chunks
+from atoll.workload.hooks import IslandHooks
 
 ISLAND_KINDS = ("slow", "stall", "kill_mid_push", "exit")
 HARNESS_KINDS = ("kill", "cut", "kill_coordinator")
+KILLED = 137
+"""The exit status of an island a fault kills (as a SIGKILL's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,11 +55,17 @@ def island_faults_json(faults: list[Fault], island: str) -> str:
     return json.dumps([asdict(f) for f in faults if f.island == island and f.kind in ISLAND_KINDS])
 
 
-class IslandFaults:
-    """The island-side faults of one island, applied by the reference runner."""
+class IslandFaults(IslandHooks):
+    """The island-side faults of one island, as hooks of the reference island's loop."""
+
+    module = "atoll.harness.island"
 
     def __init__(self, spec: str = "") -> None:
+        self.spec = spec
         self.faults = [Fault(**f) for f in json.loads(spec)] if spec else []
+
+    def relaunch_argv(self) -> list[str]:
+        return ["--faults", self.spec]
 
     def _active(self, kind: str, round_: int) -> Fault | None:
         for f in self.faults:
@@ -64,7 +77,7 @@ class IslandFaults:
         if not first_step:
             return
         if self._active("exit", round_):
-            os._exit(137)
+            os._exit(KILLED)
         stall = self._active("stall", round_)
         if stall:
             time.sleep(stall.seconds)
@@ -74,44 +87,41 @@ class IslandFaults:
         if slow:
             time.sleep((slow.factor - 1) * step_seconds)
 
-    def client_factory(self, address, **client_kwargs):
+    def transport(self, client: Transport) -> Transport:
         kills = {f.round for f in self.faults if f.kind == "kill_mid_push"}
-        if kills:
-            return _DyingClient(address, kill_rounds=kills, **client_kwargs)
-        return CoordinatorClient(address, **client_kwargs)
+        return DyingTransport(client, kills) if kills else client
 
 
-class _DyingClient(CoordinatorClient):
-    """The real client, except that it dies halfway through the push of chosen rounds."""
+class DyingTransport:
+    """The real client, except that the process dies halfway through the delta push of chosen rounds."""
 
-    def __init__(self, address, *, kill_rounds: set[int], **client_kwargs) -> None:
-        super().__init__(address, **client_kwargs)
+    def __init__(self, client, kill_rounds: set[int]) -> None:
+        self.client = client
         self.kill_rounds = kill_rounds
 
-    def push(self, header, payloads):
-        if header.round not in self.kill_rounds or header.kind != 1:
-            return super().push(header, payloads)
+    def __getattr__(self, name):  # every other call is the real client's
+        return getattr(self.client, name)
+
+    def push(self, header: pb.PushHeader, payloads) -> pb.PushResponse:
+        if header.round not in self.kill_rounds or header.kind != pb.PUSH_KIND_DELTA:
+            return self.client.push(header, payloads)
         if callable(payloads):  # a streamed push: encode them all here, then die halfway through
             payloads = [payloads(i) for i in range(len(header.entries))]
         half = sum(len(p) for p in payloads) // 2
-        from atoll.protos import coordinator_pb2 as pb
 
         def chunks():
-            yield pb.PushChunk(header=header)
             sent = 0
-            for p in payloads:
-                for start in range(0, len(p), 16384):
-                    if sent >= half:
-                        time.sleep(0.2)  # let the server take in what was sent
-                        os._exit(137)
-                    piece = bytes(memoryview(p)[start : start + 16384])
-                    sent += len(piece)
-                    yield pb.PushChunk(data=piece)
+            for chunk in data_chunks(payloads, chunk_bytes=16384):  # small chunks: die close to half
+                if sent >= half:
+                    time.sleep(0.2)  # let the server take in what was sent
+                    os._exit(KILLED)
+                sent += chunk.view.nbytes
+                yield chunk
 
         try:
-            return self._stub.PushDelta(chunks(), timeout=30, metadata=self._metadata)
+            return self.client.push_chunks(header, chunks())
         except grpc.RpcError:
-            os._exit(137)
+            os._exit(KILLED)
 
 
 class ChaosDriver:

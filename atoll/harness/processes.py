@@ -126,8 +126,13 @@ class ProcessGroup:
         for p in self.processes:
             p.kill()
 
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
-        proc = ManagedProcess(name, [self.python, "-m", "atoll", *args], self.work_dir, env)
+    def start(
+        self, name: str, args: list[str], env: dict[str, str] | None = None, *, faults: str = ""
+    ) -> ManagedProcess:
+        """``python -m atoll ARGS``; with island-side ``faults`` (JSON, :mod:`atoll.harness.faults`) the
+        island runs under the harness's entry point, which injects them."""
+        entry = ["atoll.harness.island", "--faults", faults] if faults else ["atoll"]
+        proc = ManagedProcess(name, [self.python, "-m", *entry, *args], self.work_dir, env)
         self.processes.append(proc)
         return proc
 

@@ -1,6 +1,7 @@
 """Island checkpoints: model, inner optimizer, LR schedule, data position, RNG and DiLoCo state.
 
-Saved at each push (``DiLoCo(before_push=...)``), in the background, and loaded at start, so a
+Saved at each push (``DiLoCo(before_push=...)``), written in the background (the push waits for the write,
+so every push the coordinator counts has a checkpoint), and loaded at start, so a
 killed island restarted with the same arguments resumes where it was: it re-pushes the round it
 had pushed (the coordinator answers "duplicate" if it has it) and continues with exactly the
 optimizer moments, data position and random state of the uninterrupted run.

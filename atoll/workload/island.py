@@ -21,12 +21,11 @@ import torch.distributed as dist
 
 from atoll.data import CharDataset
 from atoll.data.tokens import TokenDataset
-from atoll.harness.faults import IslandFaults
-from atoll.islands import DiLoCo
-from atoll.islands.client import ClientTls, RetryPolicy
-from atoll.islands.parallel import MODES, full_tensor, parallelize
+from atoll.islands import ClientTls, CoordinatorClient, CoordinatorLink, DiLoCo, RetryPolicy
 from atoll.memory import tune_for_bulk_buffers
 from atoll.models import PRESETS, TinyGPT, preset
+from atoll.workload.hooks import IslandHooks
+from atoll.workload.parallel import MODES, full_tensor, parallelize
 from atoll.workload.progress import Reporter
 
 
@@ -87,8 +86,6 @@ class IslandArgs:
     """Report a sha256 of the full θ after every pull (gathers θ: verification only)."""
     dump_dir: str = ""
     """If set, every rank writes the Δ shards it pushed in round 0 here (for tests)."""
-    faults: str = ""
-    """Island-side fault schedule as JSON (see atoll.harness.faults)."""
     sync_every_seconds: float = 0.0
     """If > 0, sync on this time budget (seconds) instead of the run's H steps."""
     heartbeat_seconds: float = 5.0
@@ -163,7 +160,7 @@ def evaluate(model: TinyGPT, data, device: torch.device | None = None) -> float:
     return total / count
 
 
-def relaunch_command(args: IslandArgs, argv: list[str]) -> list[str]:
+def relaunch_command(args: IslandArgs, argv: list[str], hooks: IslandHooks | None = None) -> list[str]:
     """``torch.distributed.run`` starting ``nproc`` ranks of this same island command.
 
     ``--nproc`` itself is dropped (the ranks read WORLD_SIZE; and the launcher's parser would take
@@ -177,8 +174,9 @@ def relaunch_command(args: IslandArgs, argv: list[str]) -> list[str]:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
+    hooks = hooks or IslandHooks()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
-    return [*launcher, "-m", "atoll", *rest]
+    return [*launcher, "-m", hooks.module, *hooks.relaunch_argv(), *rest]
 
 
 def load_data(args: IslandArgs, block_size: int):
@@ -200,11 +198,14 @@ def build_model(args: IslandArgs, vocab_size: int) -> TinyGPT:
     return TinyGPT(cfg)
 
 
-def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
+def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHooks | None = None) -> int:
+    """Run the island. ``argv``: its command line (a multi-rank island re-launches itself with it);
+    ``hooks``: seams of the loop (the harness injects faults there; default: none)."""
+    hooks = hooks or IslandHooks()
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         if argv is None:
             raise ValueError("a multi-rank island needs its command line to re-launch itself")
-        cmd = relaunch_command(args, argv)
+        cmd = relaunch_command(args, argv, hooks)
         os.execv(cmd[0], cmd)  # the launcher replaces this process (same pid for the harness)
     torch.set_num_threads(args.threads)
     tune_for_bulk_buffers(heap=False)  # huge pages only (see atoll.memory); DiLoCo itself tunes nothing
@@ -222,7 +223,6 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
     if args.batch_size % layout.dp_size:
         raise ValueError(f"batch_size {args.batch_size} must divide over {layout.dp_size} data-parallel ranks")
     per_rank = args.batch_size // layout.dp_size
-    faults = IslandFaults(args.faults)
     ckpt = None
     if args.checkpoint_dir:
         from atoll.workload.checkpoint import IslandCheckpointer
@@ -231,7 +231,13 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
 
     checkpoint_seconds = [0.0]  # of the training thread, per push (the writing runs in the background)
 
-    def save_checkpoint(sync: DiLoCo) -> None:
+    def before_push(sync: DiLoCo):
+        """Checkpoint the island; the push waits for the write (returned), so every push the
+        coordinator counts has a checkpoint behind it."""
+        if args.dump_dir and sync.round == 0:
+            _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
+        if ckpt is None:
+            return None
         started = time.perf_counter()
         extra = {
             "diloco": sync.state_dict(),
@@ -242,34 +248,39 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
         }
         ckpt.save(sync.inner_steps, model, opt, extra)
         checkpoint_seconds[0] = time.perf_counter() - started
+        return ckpt.wait
 
-    sync = DiLoCo(
-        model,
-        opt,
-        coordinator=args.coordinator,
-        codec=args.codec or None,
-        run_id=args.run_id,
-        island_id=args.island_id,
-        retry=RetryPolicy(give_up_seconds=args.give_up_seconds),
-        connect_timeout_seconds=args.connect_timeout_seconds,
-        keep_last_delta=bool(args.dump_dir),
-        sync_every_seconds=args.sync_every_seconds or None,
-        heartbeat_seconds=args.heartbeat_seconds,
-        overlap_steps=args.overlap_steps,
-        streaming=args.streaming,
-        outer_state=args.outer_state,
-        token_group=layout.dp_group,
-        client_factory=faults.client_factory,
-        token=args.token or None,
-        before_push=save_checkpoint if ckpt else None,
-        tls=ClientTls(
+    retry = RetryPolicy(give_up_seconds=args.give_up_seconds)
+    token = args.token or None
+    tls = (
+        ClientTls(
             ca=args.tls_ca,
             cert=args.tls_cert or None,
             key=args.tls_key or None,
             server_name=args.tls_server_name or None,
         )
         if args.tls_ca
-        else None,
+        else None
+    )
+    link = CoordinatorLink(
+        args.coordinator,
+        run_id=args.run_id,
+        island_id=args.island_id,
+        retry=retry,
+        connect_timeout_seconds=args.connect_timeout_seconds,
+        heartbeat_seconds=args.heartbeat_seconds,
+        connect=lambda address: hooks.transport(CoordinatorClient(address, retry=retry, token=token, tls=tls)),
+    )
+    sync = DiLoCo(
+        model,
+        link,
+        codec=args.codec or None,
+        sync_every_seconds=args.sync_every_seconds or None,
+        overlap_steps=args.overlap_steps,
+        streaming=args.streaming,
+        outer_state=args.outer_state,
+        token_group=layout.dp_group,
+        before_push=before_push if ckpt or args.dump_dir else None,
     )
     resumed = ckpt.load(model, opt) if ckpt else None
     if resumed is not None:
@@ -282,9 +293,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
     reporter = Reporter(args.progress, lead=layout.rank == 0, island=args.island_id)
     try:
         sync.start()
-        _train(
-            args, sync, model, opt, sched, data, gen, layout, per_rank, faults, reporter, resumed, checkpoint_seconds
-        )
+        _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, checkpoint_seconds)
         done = {"round": sync.round, "run_complete": sync.run_complete}
     finally:
         sync.close()
@@ -296,7 +305,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None) -> int:
     return 0
 
 
-def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, reporter, resumed, ckpt_seconds) -> None:
+def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, ckpt_seconds) -> None:
     device = layout.device
     start_eval = evaluate(model, data, device)
     digest = model_digest(model) if args.digest else None
@@ -322,8 +331,6 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, r
 
     def report(stats) -> None:
         nonlocal round_mark
-        if args.dump_dir and stats.round == 0:
-            _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
         round_seconds = time.perf_counter() - round_mark  # compute + sync of this round
         eval_loss = evaluate(model, data, device) if args.eval_every_round else None
         digest = digest_now()
@@ -354,7 +361,7 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, r
 
     pushed_before = sync.rounds_pushed
     while not sync.run_complete and (not args.rounds or sync.rounds_pushed - pushed_before < args.rounds):
-        faults.before_round(sync.round, first_step=sync.round_steps == 0)
+        hooks.before_round(sync.round, first_step=sync.round_steps == 0)
         step_started = time.perf_counter()
         x, y = data.batch(gen, args.batch_size)  # the island's global batch; each dp rank takes its slice
         lo = layout.dp_rank * per_rank
@@ -365,7 +372,7 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, faults, r
         loss.backward()
         opt.step()
         sched.step()
-        faults.after_step(sync.round, time.perf_counter() - step_started)
+        hooks.after_step(sync.round, time.perf_counter() - step_started)
         step_loss = loss.detach().float()
         if layout.world > 1:
             dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
@@ -386,7 +393,7 @@ def _dump_delta(dump_dir: Path, island_id: str, rank: int, sync: DiLoCo) -> None
 
     dump_dir.mkdir(parents=True, exist_ok=True)
     tensors, meta = {}, {}
-    for i, ((name, offsets, sizes), delta) in enumerate(sync.last_delta.items()):
+    for i, ((name, offsets, sizes), delta) in enumerate(sync.pseudo_gradient().items()):
         tensors[f"t{i}"] = delta.contiguous().cpu()
         meta[f"t{i}"] = json.dumps({"name": name, "offsets": list(offsets), "sizes": list(sizes)})
     save_file(tensors, str(dump_dir / f"{island_id}-rank{rank}.safetensors"), metadata=meta)

@@ -1,0 +1,24 @@
+"""``python -m atoll.harness.island --faults JSON island ...``: the reference island with the harness's
+fault hooks (:class:`atoll.harness.faults.IslandFaults`); every other argument is ``atoll``'s own."""
+
+from __future__ import annotations
+
+import sys
+
+from atoll.harness.faults import IslandFaults
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    spec = ""
+    if "--faults" in argv:
+        at = argv.index("--faults")
+        spec = argv[at + 1]
+        del argv[at : at + 2]
+    from atoll.cli import main as atoll_main
+
+    return atoll_main(argv, island_hooks=IslandFaults(spec))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
