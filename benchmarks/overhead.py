@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from atoll.data import CharDataset  # noqa: E402
 from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.islands import DiLoCo  # noqa: E402
+from atoll.islands import CoordinatorLink, DiLoCo  # noqa: E402
 from atoll.models import GPTConfig, TinyGPT  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp, ProcessGroup(Path(tmp)) as group:
         coord, address = group.start_coordinator(Path(tmp) / "state", ["--run-id", "ov", "--sync-every", "1000000000"])
-        sync = DiLoCo(model, opt, coordinator=address, run_id="ov", island_id="ov").start()
+        sync = DiLoCo(model, CoordinatorLink(address, run_id="ov", island_id="ov")).start()
         loop(None)  # warm-up
         plain, wrapped = [], []
         for i in range(args.repeat):  # alternate the order so drift hits both

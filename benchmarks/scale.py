@@ -47,7 +47,7 @@ def status_memory(pid: int) -> dict[str, int]:
 def island_main(args) -> None:
     import torch
 
-    from atoll.islands import DiLoCo
+    from atoll.islands import CoordinatorLink, DiLoCo
     from atoll.islands.client import CoordinatorClient, RetryPolicy
     from atoll.memory import tune_for_bulk_buffers
     from atoll.models import TinyGPT, preset
@@ -90,15 +90,11 @@ def island_main(args) -> None:
 
     before = status_memory(os.getpid())["VmRSS"]
     shard_bytes = 4 * sum(p.numel() for p in model.parameters())
-    sync = DiLoCo(
-        model,
-        None,
-        coordinator=args.coordinator,
-        run_id="scale",
-        island_id=args.island_id,
-        client_factory=TimedClient,
-        retry=RetryPolicy(give_up_seconds=600, rpc_timeout_seconds=600),
-    ).start()
+    retry = RetryPolicy(give_up_seconds=600, rpc_timeout_seconds=600)
+    link = CoordinatorLink(
+        args.coordinator, run_id="scale", island_id=args.island_id, connect=lambda a: TimedClient(a, retry=retry)
+    )
+    sync = DiLoCo(model, link).start()
     for r in range(args.rounds):
         with torch.no_grad():
             for p in model.parameters():  # stands in for H inner steps

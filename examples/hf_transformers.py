@@ -21,7 +21,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from atoll.data import bundled_text
-from atoll.islands import DiLoCo
+from atoll.islands import CoordinatorLink, DiLoCo
 
 
 def main() -> None:
@@ -40,7 +40,8 @@ def main() -> None:
     data = torch.tensor(list(bundled_text().encode("utf-8")), dtype=torch.long)
     sampler = torch.Generator().manual_seed(int(hashlib.sha256(args.island_id.encode()).hexdigest()[:8], 16))
 
-    with DiLoCo(model, opt, coordinator=args.coordinator, run_id=args.run_id, island_id=args.island_id) as sync:
+    link = CoordinatorLink(args.coordinator, run_id=args.run_id, island_id=args.island_id)
+    with DiLoCo(model, link) as sync:
         first = last = None
         model.train()
         for _ in range(args.steps):

@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from atoll.islands import DiLoCo
+from atoll.islands import CoordinatorLink, DiLoCo
 
 
 def main() -> None:
@@ -36,7 +36,8 @@ def main() -> None:
     data = torch.Generator().manual_seed(int(hashlib.sha256(args.island_id.encode()).hexdigest()[:8], 16))
 
     # `with` leaves the run on the way out, also on Ctrl-C or an exception.
-    with DiLoCo(model, opt, coordinator=args.coordinator, run_id=args.run_id, island_id=args.island_id) as sync:
+    link = CoordinatorLink(args.coordinator, run_id=args.run_id, island_id=args.island_id)
+    with DiLoCo(model, link) as sync:
         first = last = None
         for _ in range(args.steps):
             x = torch.randn(64, 16, generator=data)

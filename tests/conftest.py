@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,16 @@ from atoll.compression import get_codec
 from atoll.coordinator import CoordinatorServer, RunConfig
 from atoll.islands.client import CoordinatorClient, RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
+
+
+class FakeClock:
+    """A clock tests move by hand (``clock.now += 5``) instead of sleeping."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class ServerThread:
@@ -222,3 +235,26 @@ def coordinator_flags(*, sync_every: int, quorum: int, codec: str = "identity", 
         "30",
         *extra,
     ]
+
+
+def make_diloco(model, address: str, **kw):
+    """``DiLoCo(model, CoordinatorLink(address, ...), **options)``: the link's arguments (run id "t" by
+    default) taken out of ``kw``, the rest DiLoCo's options."""
+    from atoll.islands import CoordinatorLink, DiLoCo
+    from atoll.islands.diloco import LINK_ARGUMENTS
+
+    kw.setdefault("run_id", "t")
+    link_kw = {k: kw.pop(k) for k in list(kw) if k in LINK_ARGUMENTS}
+    return DiLoCo(model, CoordinatorLink(address, **link_kw), **kw)
+
+
+def post_json(url: str, body, token: str) -> tuple[int, object]:
+    """POST ``body`` as JSON with a bearer token: (status, parsed JSON answer, or the error text)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()

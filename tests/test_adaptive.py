@@ -30,9 +30,8 @@ def test_time_budget_island_does_fewer_steps_and_weighs_its_tokens(group, tmp_pa
                 "3",
                 "--sync-every-seconds",
                 "1.0",
-                "--faults",
-                island_faults_json(slow, "T"),
             ],
+            faults=island_faults_json(slow, "T"),
         ),
     ]
     events = collect_events(procs, until=lambda ev: sum(e["event"] == "done" for e in ev) == 2, timeout=240)

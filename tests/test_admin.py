@@ -1,11 +1,16 @@
 """Admin HTTP: /healthz, /metrics (Prometheus text) and /api/status reflect the run; auth rules."""
 
+from __future__ import annotations
+
 import json
+import logging
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
+from conftest import post_json
 from prometheus_client.parser import text_string_to_metric_families
 
 from atoll.coordinator import CoordinatorServer, RunConfig
@@ -73,3 +78,81 @@ def test_non_loopback_admin_needs_a_token(tmp_path):
     with pytest.raises(ValueError, match="needs a token"):
         asyncio.run(server.start())
     assert server._server is None  # refused before the gRPC port opened
+
+
+# ---- 6. observability -------------------------------------------------------------------------------
+def test_metrics_carry_loss_tokens_and_each_islands_state(start_server, raw_island):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv = start_server(RunConfig(run_id="t", sync_every=1), admin_port=0)
+    a = raw_island(srv.address, "a", {"w": (2, 2)})
+    a.join()
+    a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({"w": torch.ones(2, 2)}, round_=0, tokens=640, loss=2.5)
+    a.pull(0)
+    with urllib.request.urlopen(srv.server.admin.address + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    m = {
+        s.name + json.dumps(s.labels, sort_keys=True): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert m["atoll_round_loss{}"] == 2.5 and m["atoll_round_tokens{}"] == 640 and m["atoll_tokens_per_second{}"] > 0
+    assert m['atoll_island_state{"island": "a", "state": "active"}'] == 1
+    assert 0 <= m['atoll_island_last_push_age_seconds{"island": "a"}'] < 30
+
+
+def test_lease_expiry_is_logged_and_fragment_lines_say_which(start_server, raw_island, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="atoll")
+    srv = start_server(
+        RunConfig(run_id="t", sync_every=1, lease_seconds=0.3), shard=(1, 2), partition="layers", name="fragment 1/2: "
+    )
+    a = raw_island(srv.address, "a", {"w": (2, 2)})
+    a.join(shard_index=1, num_shards=2, partition="layers", layout_digest="d")
+    time.sleep(2.5)
+    messages = [r.getMessage() for r in caplog.records if r.name == "atoll.coordinator"]
+    assert any(m.startswith("fragment 1/2: island a joined") for m in messages)
+    assert any(m.startswith("fragment 1/2: island a: lease expired") for m in messages)
+
+
+# ---- operator control ----------------------------------------------------------------------------
+def test_control_endpoints_need_a_token(start_server):
+    srv = start_server(admin_port=0)
+    code, body = post_json(srv.server.admin.address + "/api/config", {"quorum": 1}, "")
+    assert code == 403 and "--admin-token" in body
+
+
+def rand(shapes=SHAPES):
+    return {k: torch.randn(s) for k, s in shapes.items()}
+
+
+def test_dashboard_accepts_the_token_in_the_authorization_header(start_server):
+    """(Before: only ?token= worked for the page, while the API took only the header.)"""
+    srv = start_server(admin_port=0, admin_token="s3cret")
+    base = srv.server.admin.address
+    assert get(base + "/", token="s3cret")[0] == 200
+    assert get(base + "/dashboard?token=s3cret")[0] == 200
+    with pytest.raises(urllib.error.HTTPError) as info:
+        get(base + "/", token="wrong")
+    assert info.value.code == 401
+
+
+def test_status_json_is_valid_with_a_closed_round(start_server, raw_island):
+    srv = start_server(RunConfig(run_id="t", sync_every=1), admin_port=0)
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push(rand(), round_=0, tokens=2, loss=1.0)
+    a.pull(0)
+    code, body = get(srv.server.admin.address + "/api/status")
+
+    def not_json(token):
+        raise AssertionError(f"/api/status holds {token}, which is not JSON")
+
+    status = json.loads(body, parse_constant=not_json)  # strict: no NaN / Infinity
+    assert code == 200 and status["round"] == 1 and status["bootstrapped"] and status["healthy"]
+    (record,) = status["history"]
+    assert (record["round"], record["islands"], record["tokens"], record["loss"]) == (0, ["a"], 2, 1.0)
+    assert record["bytes_in"] == status["counters"]["bytes_in"] > 0
+    assert [(i["island"], i["state"], i["rounds_committed"]) for i in status["islands"]] == [("a", "active", 1)]
+    assert status["num_params"] == 12 and status["inflight_bytes"] == 0

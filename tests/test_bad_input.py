@@ -1,6 +1,9 @@
 """Bad input gets a gRPC status with a reason, and changes no state."""
 
+from __future__ import annotations
+
 import json
+import logging
 
 import grpc
 import pytest
@@ -8,6 +11,8 @@ import torch
 
 from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.reasons import Reason
+from atoll.protos.status import reason_of
 
 SHAPES = {"w": (4, 3), "b": (5,)}
 
@@ -15,11 +20,11 @@ SHAPES = {"w": (4, 3), "b": (5,)}
 def state_fingerprint(s):
     return (
         s.round,
-        sorted(s.staging.committed),
-        sorted(s.staging.pending),
-        {k: v.clone() for k, v in s.params.items()},
-        {k: v.clone() for k, v in s.accum.items()},
-        {k: v.clone() for k, v in s.optimizer.buffers.items()},
+        sorted(s.accumulator.committed),
+        sorted(s.accumulator.pending),
+        {k: v.clone() for k, v in s.model.params.items()},
+        {k: s.accumulator.sum_of(k).clone() for k in s.model.specs},
+        {k: v.clone() for k, v in s.model.optimizer.buffers.items()},
         len(s.history),
     )
 
@@ -204,3 +209,92 @@ def test_error_feedback_decay_is_validated_and_sent_to_islands():
     legacy = json.loads(RunConfig().to_json())
     del legacy["error_feedback_decay"]
     assert RunConfig.from_json(json.dumps(legacy)).error_feedback_decay == 1.0
+
+
+def rand(shapes=SHAPES):
+    return {k: torch.randn(s) for k, s in shapes.items()}
+
+
+# ---- 5. error codes -----------------------------------------------------------------------------
+def test_unparseable_request_bytes_answer_invalid_argument(start_server):
+    """(Before: UNKNOWN, from protobuf's DecodeError.)"""
+    srv = start_server()
+    with grpc.insecure_channel(srv.address) as channel:
+        for method in ("Join", "Heartbeat", "Leave"):
+            call = channel.unary_unary(f"/atoll.v1.Coordinator/{method}")
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"\xff\xff\xff\xff\x0f", timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert reason_of(info.value) is Reason.BAD_REQUEST
+        pull = channel.unary_stream("/atoll.v1.Coordinator/PullUpdate")
+        with pytest.raises(grpc.RpcError) as info:
+            list(pull(b"\x0a\xff", timeout=5))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_unknown_method_without_a_token_is_unimplemented_without_a_traceback(start_server, tmp_path, caplog):
+    """With --island-tokens, an unknown method called without a token. (Before: UNKNOWN, and a
+    server traceback logged per call.)"""
+    from atoll.coordinator.security import IslandTokens
+
+    srv = start_server(tokens=IslandTokens({"a": "tok-a"}))
+    caplog.set_level(logging.DEBUG)
+    with grpc.insecure_channel(srv.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/atoll.v1.Coordinator/Nope")(b"", timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/atoll.v1.Coordinator/Join")(b"", timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert reason_of(info.value) is Reason.UNAUTHENTICATED
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+
+
+# ---- 6. token weight ----------------------------------------------------------------------------
+def test_absurd_token_claims_are_refused(start_server, raw_island):
+    """tokens = 2^64 - 1 would take nearly all of the mean's weight. (Before: accepted.)"""
+    srv = start_server(RunConfig(run_id="t", sync_every=10, quorum=2))
+    a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
+    a.join()
+    b.join()
+    a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
+    with pytest.raises(grpc.RpcError) as info:
+        b.push(rand(), round_=0, tokens=2**64 - 1)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason_of(info.value) is Reason.TOKENS_OUT_OF_RANGE
+    assert str(10 * 2**24) in info.value.details()  # the default bound: H x 2^24
+    assert srv.inspect(lambda s: s.accumulator.committed_islands()) == []
+
+
+def test_token_bound_is_a_run_setting(start_server, raw_island):
+    srv = start_server(RunConfig(run_id="t", sync_every=1, max_tokens_per_round=1000))
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
+    with pytest.raises(grpc.RpcError, match="1000"):
+        a.push(rand(), round_=0, tokens=1001)
+    assert a.push(rand(), round_=0, tokens=1000).committed
+
+
+def test_refusals_carry_a_reason(start_server, raw_island):
+    srv = start_server(RunConfig(run_id="t", sync_every=1))
+    ghost = raw_island(srv.address, "ghost", SHAPES)
+    with pytest.raises(grpc.RpcError) as info:
+        ghost.pull(-1)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and reason_of(info.value) is Reason.NOT_JOINED
+    other = raw_island(srv.address, "x", SHAPES, run_id="other")
+    with pytest.raises(grpc.RpcError) as info:
+        other.join()
+    assert reason_of(info.value) is Reason.WRONG_RUN
+
+
+# ---- counters -----------------------------------------------------------------------------------
+def test_a_norm_bound_refusal_is_counted_once(start_server, raw_island):
+    srv = start_server(RunConfig(run_id="t", sync_every=1, max_delta_norm=1.0))
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
+    with pytest.raises(grpc.RpcError) as info:
+        a.push({k: v * 100 for k, v in rand().items()}, round_=0, tokens=1)
+    assert reason_of(info.value) is Reason.DELTA_TOO_LARGE
+    assert srv.server.counters.pushes_refused == 1

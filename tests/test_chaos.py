@@ -47,10 +47,9 @@ def island(group, address, name, rounds, faults=(), extra=()):
             "0.5",
             "--give-up-seconds",
             "120",
-            "--faults",
-            island_faults_json(list(faults), name),
             *extra,
         ],
+        faults=island_faults_json(list(faults), name),
     )
 
 

@@ -15,12 +15,12 @@ import math
 
 import pytest
 import torch
+from conftest import make_diloco
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from atoll.compression import ErrorFeedback, get_codec
 from atoll.coordinator import RunConfig
-from atoll.islands import DiLoCo
 from atoll.islands.client import RetryPolicy
 from atoll.islands.exchange import Placement, ShardState
 from atoll.islands.shards import local_shards
@@ -127,10 +127,9 @@ def test_an_island_on_a_fake_gpu_runs_rounds_against_a_real_coordinator(start_se
     srv = start_server(RunConfig(run_id="t", sync_every=4, codec="int8", error_feedback=True))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model()
-        sync = DiLoCo(
+        sync = make_diloco(
             model,
-            None,
-            coordinator=srv.address,
+            srv.address,
             run_id="t",
             island_id="gpu",
             outer_state=where,
@@ -155,10 +154,9 @@ def test_streaming_fragments_on_a_fake_gpu(start_server, tmp_path):
     ]
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model()
-        sync = DiLoCo(
+        sync = make_diloco(
             model,
-            None,
-            coordinator=",".join(s.address for s in servers),
+            ",".join(s.address for s in servers),
             run_id="t",
             island_id="gpu",
             streaming=True,

@@ -91,9 +91,9 @@ leaves = st.builds(
 def fingerprint(s):
     return (
         s.round,
-        sorted(s.staging.committed),
-        {k: v.clone() for k, v in s.params.items()},
-        {k: v.clone() for k, v in s.accum.items()},
+        sorted(s.accumulator.committed),
+        {k: v.clone() for k, v in s.model.params.items()},
+        {k: s.accumulator.sum_of(k).clone() for k in s.model.specs},
         len(s.history),
     )
 

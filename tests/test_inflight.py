@@ -18,6 +18,7 @@ import torch
 from atoll.compression import get_codec
 from atoll.islands.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.reasons import Reason
 from atoll.protos.status import reason_of
 
 SHAPES = {"w": (2048, 2048)}
@@ -112,7 +113,7 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
         # At most one open stream per (island, rank).
         again = HangingPush(channel, "h", 0, 64, send=1)
         err = again.error()
-        assert err is not None and reason_of(err) == "REASON_PUSH_IN_PROGRESS", err
+        assert err is not None and reason_of(err) is Reason.PUSH_IN_PROGRESS, err
         again.end()
         for s in streams:
             s.end()
@@ -127,7 +128,7 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
         with pytest.raises(grpc.RpcError) as info:
             a.push({"w": torch.randn(2048, 2048)}, round_=0, tokens=1)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert reason_of(info.value) == "REASON_INFLIGHT_BUDGET"
+        assert reason_of(info.value) is Reason.INFLIGHT_BUDGET
         # Refused streams leave nothing behind (their received bytes once lived on in the refusal's
         # traceback until the cyclic collector came by: ~33 MiB per refused 16 MiB push).
         settled = rss_bytes(coord.pid)

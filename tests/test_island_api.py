@@ -7,26 +7,25 @@ counts weighing 1, metrics without the loss, a traceback where one line would do
 
 from __future__ import annotations
 
-import json
 import logging
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import urllib.request
+import warnings
 
 import pytest
 import torch
-from conftest import collect_events, coordinator_flags, island_flags
+from conftest import make_diloco
 
-from atoll.cli import build_parser
 from atoll.coordinator import RunConfig
-from atoll.islands import CoordinatorRefused, DiLoCo
+from atoll.islands import CoordinatorLink, CoordinatorRefused, DiLoCo
+from atoll.islands import diloco as diloco_module
 from atoll.islands import session as session_module
 from atoll.islands.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.reasons import Reason
 
 H = 4
 
@@ -51,23 +50,7 @@ def run_rounds(sync, model, rounds: int, seed: int = 1, tokens: int = 10) -> Non
 def diloco(address, model=None, **kw):
     kw.setdefault("island_id", "u")
     kw.setdefault("retry", RetryPolicy(give_up_seconds=15))
-    return DiLoCo(model if model is not None else model_fn(), None, coordinator=address, run_id="t", **kw)
-
-
-# ---- 1. no silent misreadings ------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["island", "--coordinator", "h:1", "--island-id", "a", "--sync-every", "10"],
-        ["coordinator", "--state-dir", "x", "--sync", "5"],
-        ["demo", "--island", "3"],
-    ],
-)
-def test_no_prefix_matching_anywhere_in_the_cli(argv, capsys):
-    """(Before: ``--sync-every 10`` was taken as ``--sync-every-seconds 10``.)"""
-    with pytest.raises(SystemExit) as info:
-        build_parser().parse_args(argv)
-    assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    return make_diloco(model if model is not None else model_fn(), address, run_id="t", **kw)
 
 
 def test_an_h_the_run_overrides_is_warned_about_naming_both(start_server, caplog):
@@ -78,13 +61,36 @@ def test_an_h_the_run_overrides_is_warned_about_naming_both(start_server, caplog
     assert any("sync_every=5 overrides the run's H=4" in r.getMessage() for r in caplog.records)
 
 
-def test_codec_parameters_the_run_does_not_use_are_refused_naming_both(start_server):
+def test_codec_parameters_the_run_does_not_use_are_refused_at_join_naming_both(start_server):
+    """The coordinator refuses the spec at Join, so the refused island never holds the θ_0 claim and
+    the next island starts at once (refused on the island's side after joining, it waited a lease)."""
     srv = start_server(RunConfig(run_id="t", sync_every=H, codec="int8"))
     with pytest.raises(
-        CoordinatorRefused, match=r"'int8:block=64,scale=fp32' was asked for; the run uses 'int8:block=256"
-    ):
+        CoordinatorRefused, match=r"'int8:block=64,scale=fp32' was asked for; run 't' uses 'int8:block=256"
+    ) as info:
         diloco(srv.address, codec="int8:block=64").start()
+    assert info.value.reason is Reason.CODEC_MISMATCH
+    assert srv.inspect(lambda s: (sorted(s.membership.islands), s.membership.bootstrapper)) == ([], None)
+    started = time.monotonic()
     diloco(srv.address, codec="int8", island_id="v").start().close()  # a name alone takes the run's parameters
+    assert time.monotonic() - started < 5.0
+
+
+def test_the_deprecated_form_runs_and_warns_once_naming_the_new_one(start_server):
+    srv = start_server(RunConfig(run_id="t", sync_every=H))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        diloco_module._legacy_warned = False
+        model = model_fn()
+        for island in ("old-a", "old-b"):
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            with DiLoCo(model, opt, coordinator=srv.address, run_id="t", island_id=island) as sync:
+                run_rounds(sync, model, 1)
+                assert sync.round == 1 + (island == "old-b") and sync.history[-1].tokens == 10 * H
+    said = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(said) == 1 and "DiLoCo(model, CoordinatorLink(coordinator" in said[0], said
+    with pytest.raises(TypeError, match="coordinator: these belong to the CoordinatorLink"):
+        DiLoCo(model, CoordinatorLink(srv.address), coordinator=srv.address)
 
 
 # ---- 2. fast, clear failures ---------------------------------------------------------------------
@@ -118,10 +124,10 @@ def test_an_unreachable_coordinator_warns_within_seconds_and_the_connect_deadlin
     script = textwrap.dedent(
         f"""
         import time, torch
-        from atoll.islands import DiLoCo
+        from atoll.islands import CoordinatorLink, DiLoCo
         started = time.monotonic()
         try:
-            DiLoCo(torch.nn.Linear(2, 2), None, coordinator="{dead_address()}", connect_timeout_seconds=6).start()
+            DiLoCo(torch.nn.Linear(2, 2), CoordinatorLink("{dead_address()}", connect_timeout_seconds=6)).start()
         except Exception as err:
             print(f"raised {{type(err).__name__}} after {{time.monotonic() - started:.1f}}s")
         """
@@ -256,131 +262,3 @@ def test_missing_token_counts_are_warned_about_on_both_sides(start_server, raw_i
     finally:
         sync.close()
     assert any("step() got no tokens=" in r.getMessage() for r in caplog.records)
-
-
-# ---- 6. observability -------------------------------------------------------------------------------
-def test_metrics_carry_loss_tokens_and_each_islands_state(start_server, raw_island):
-    from prometheus_client.parser import text_string_to_metric_families
-
-    srv = start_server(RunConfig(run_id="t", sync_every=1), admin_port=0)
-    a = raw_island(srv.address, "a", {"w": (2, 2)})
-    a.join()
-    a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
-    a.push({"w": torch.ones(2, 2)}, round_=0, tokens=640, loss=2.5)
-    a.pull(0)
-    with urllib.request.urlopen(srv.server.admin.address + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    m = {
-        s.name + json.dumps(s.labels, sort_keys=True): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-    }
-    assert m["atoll_round_loss{}"] == 2.5 and m["atoll_round_tokens{}"] == 640 and m["atoll_tokens_per_second{}"] > 0
-    assert m['atoll_island_state{"island": "a", "state": "active"}'] == 1
-    assert 0 <= m['atoll_island_last_push_age_seconds{"island": "a"}'] < 30
-
-
-def test_lease_expiry_is_logged_and_fragment_lines_say_which(start_server, raw_island, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="atoll")
-    srv = start_server(
-        RunConfig(run_id="t", sync_every=1, lease_seconds=0.3), shard=(1, 2), partition="layers", name="fragment 1/2: "
-    )
-    a = raw_island(srv.address, "a", {"w": (2, 2)})
-    a.join(shard_index=1, num_shards=2, partition="layers", layout_digest="d")
-    time.sleep(2.5)
-    messages = [r.getMessage() for r in caplog.records if r.name == "atoll.coordinator"]
-    assert any(m.startswith("fragment 1/2: island a joined") for m in messages)
-    assert any(m.startswith("fragment 1/2: island a: lease expired") for m in messages)
-
-
-def test_atoll_status_prints_the_run_at_a_glance(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="glance", sync_every=1), admin_port=0, admin_token="tok")
-    a = raw_island(srv.address, "a", {"w": (2, 2)}, run_id="glance")
-    a.join()
-    a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
-    a.push({"w": torch.ones(2, 2)}, round_=0, tokens=640, loss=2.5)
-    a.pull(0)
-    cmd = [sys.executable, "-m", "atoll", "status", "--admin", srv.server.admin.address]
-    out = subprocess.run([*cmd, "--token", "tok"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "run glance: round 1" in out.stdout and "health: ok" in out.stdout
-    assert any(line.split()[:2] == ["a", "active"] for line in out.stdout.splitlines())
-    assert "2.5000" in out.stdout and "640" in out.stdout
-    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 1 and "HTTP 401" in refused.stderr and "Traceback" not in refused.stderr
-
-
-def test_progress_on_a_terminal_and_json_lines_otherwise():
-    import io
-
-    from atoll.workload.progress import Reporter
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    class FakeSync:
-        round, round_steps, sync_every = 3, 5, 20
-
-    tty, pipe = Tty(), io.StringIO()
-    for stream in (tty, pipe):
-        r = Reporter("auto", lead=True, island="i", stream=stream)
-        r.step(FakeSync(), 2.5, 1024, 0.1)
-        r.event(
-            "round",
-            round=3,
-            loss=2.5,
-            global_loss=2.4,
-            eval_loss=2.6,
-            inner_steps=20,
-            tokens=20480,
-            bytes_sent=2_488_000,
-            bytes_received=1_200,
-            sync_seconds=0.5,
-            round_seconds=5.0,
-        )
-    assert "step 5/20" in tty.getvalue() and "10,240 tok/s" in tty.getvalue() and "next sync in ~2s" in tty.getvalue()
-    assert "sent 2.5 MB" in tty.getvalue() and "10% of the round" in tty.getvalue()
-    assert json.loads(pipe.getvalue())["bytes_sent"] == 2_488_000  # one JSON object per line, nothing else
-
-
-# ---- 7. CLI polish -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["coordinator", "island", "demo", "status", "export", "rollback"])
-def test_every_flag_has_help_with_allowed_values(command):
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
-    for action in sub._actions:
-        if action.option_strings and action.dest != "help":
-            assert action.help and len(action.help) > 12, (command, action.option_strings)
-    text = sub.format_help()
-    if command == "coordinator":
-        for words in ("drop", "fold", "clipped_mean", "median", "seconds", "int8", "topk"):
-            assert words in text, words
-
-
-def test_version_and_log_level_after_the_subcommand(capsys):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--version"])
-    assert capsys.readouterr().out.startswith("atoll ")
-    ns = build_parser().parse_args(["status", "--admin", "http://x", "--log-level", "DEBUG"])
-    assert ns.log_level == "DEBUG"
-    assert build_parser().parse_args(["status", "--admin", "http://x"]).log_level == "INFO"
-
-
-@pytest.mark.timeout(180)
-def test_ctrl_c_leaves_the_run_with_one_line_and_a_model_mismatch_is_one_line(group, tmp_path):
-    coord, address = group.start_coordinator(tmp_path / "state", coordinator_flags(sync_every=500, quorum=1))
-    isl = group.start("i", island_flags(address, "i", rounds=3))
-    collect_events([isl], until=lambda ev: any(e["event"] == "joined" for e in ev), timeout=60)
-    time.sleep(1.0)
-    isl.proc.send_signal(signal.SIGINT)
-    assert isl.wait(30) == 130
-    err = isl.log_tail()
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == "atoll island: interrupted"
-    assert "island i left" in coord.log_tail(20000)
-    wrong = group.start("w", island_flags(address, "w", rounds=1, extra=["--n-embd", "32"]))
-    assert wrong.wait(60) == 1
-    lines = wrong.log_tail().strip().splitlines()
-    assert "Traceback" not in wrong.log_tail()
-    assert lines[-1] == "atoll island: error: tensor 'tok.weight' has shape [58, 32], the run has [58, 64]"
-    coord.stop()

@@ -56,7 +56,7 @@ def test_fold_applies_a_late_delta_once_with_staleness_weight(start_server, raw_
     assert resp.committed and not resp.duplicate and resp.outcome == pb.PUSH_OUTCOME_FOLDED
     again = b.push(d_b_late, round_=0, tokens=100)  # a retry of the same push changes nothing
     assert again.duplicate and again.committed
-    acc_before = srv.inspect(lambda s: s.accum["w"].clone())
+    acc_before = srv.inspect(lambda s: s.accumulator.sum_of("w").clone())
     d_a1 = {"w": torch.randn(3, 4)}
     a.push(d_a1, round_=1, tokens=100)
     b.pull(0)  # catch b up (round 0 -> 1), then wait for round 1 to close
@@ -67,7 +67,7 @@ def test_fold_applies_a_late_delta_once_with_staleness_weight(start_server, raw_
     # lr 1, no momentum: θ2 = θ1 - (100 Δa1 + 0.5*100 Δb_late) / 150, θ1 = θ0 - Δa0
     theta1 = theta0["w"] - d_a0["w"]
     expected = theta1 - (100 * d_a1["w"] + 50 * d_b_late["w"]) / 150
-    np.testing.assert_allclose(srv.inspect(lambda s: s.params["w"].clone()).numpy(), expected.numpy(), atol=1e-6)
+    np.testing.assert_allclose(srv.inspect(lambda s: s.model.params["w"].clone()).numpy(), expected.numpy(), atol=1e-6)
     assert torch.allclose(acc_before, 50 * d_b_late["w"])
     # Too stale (2 rounds): dropped.
     assert b.push(d_b_late, round_=0, tokens=100).outcome == pb.PUSH_OUTCOME_ROUND_CLOSED
@@ -89,4 +89,4 @@ def test_lagging_island_catches_up_by_deltas(start_server, raw_island):
         have = header.round
         if have == header.latest_round:
             break
-    assert torch.equal(theta, srv.inspect(lambda s: s.params["w"].clone()))
+    assert torch.equal(theta, srv.inspect(lambda s: s.model.params["w"].clone()))

@@ -4,17 +4,28 @@ coordinator's waits give way to a cancellation (its stop)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
+import grpc
 import pytest
 import torch
+from conftest import collect_events, coordinator_flags, inner_step, island_flags, make_diloco, post_json
 
-from atoll.coordinator import RunConfig
-from atoll.coordinator.core import wait_event
+from atoll.coordinator import RunConfig, persistence
 from atoll.coordinator.membership import IslandState, island_state
-from atoll.islands import DiLoCo
+from atoll.coordinator.pulls import wait_event
+from atoll.islands import CoordinatorRefused
+from atoll.islands.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.reasons import Reason
+from atoll.protos.status import reason_of
 
 
 def test_island_waiting_for_theta0_keeps_its_lease(start_server, raw_island):
@@ -27,10 +38,9 @@ def test_island_waiting_for_theta0_keeps_its_lease(start_server, raw_island):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     theta0 = {n: torch.randn_like(p) for n, p in model.named_parameters()}
-    sync = DiLoCo(
+    sync = make_diloco(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        coordinator=srv.address,
+        srv.address,
         island_id="waiter",
         run_id="t",
         heartbeat_seconds=0.1,
@@ -100,3 +110,204 @@ def test_wait_event_is_cancelled_even_when_the_event_fires_in_the_same_iteration
         assert time.monotonic() - t >= 0.04
 
     asyncio.run(scenario())
+
+
+H = 4
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def batches(n: int):
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(32, 8, generator=gen), torch.randn(32, 4, generator=gen)) for _ in range(n)]
+
+
+def config(**kw) -> RunConfig:
+    return RunConfig(run_id="t", sync_every=H, outer_lr=0.7, outer_momentum=0.9, **kw)
+
+
+def island(address, **kw):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kw.setdefault("island_id", "solo")
+    sync = make_diloco(model, address, run_id="t", retry=RetryPolicy(give_up_seconds=20), **kw)
+    return model, opt, sync
+
+
+# ---- operator control ----------------------------------------------------------------------------
+def _status(base, token):
+    req = urllib.request.Request(base + "/api/status", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def coordinator(state, *flags, timeout=60):
+    cmd = [sys.executable, "-m", "atoll", "coordinator", "--state-dir", str(state), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+# ---- duplicate island ids, dropped pushes ---------------------------------------------------------
+def test_a_second_process_with_a_live_island_id_is_refused(start_server):
+    srv = start_server(config())
+    _, _, first = island(srv.address)
+    first.start()
+    try:
+        _, _, second = island(srv.address)
+        with pytest.raises(CoordinatorRefused, match="another live process") as info:
+            second.start()
+        assert info.value.reason == "REASON_SESSION_CONFLICT"
+    finally:
+        first.close()
+
+
+def test_a_dropped_push_shows_in_round_stats(start_server):
+    srv = start_server(config(quorum=1, round_deadline_seconds=0.3))
+    fast_model, fast_opt, fast = island(srv.address, island_id="fast")
+    slow_model, slow_opt, slow = island(srv.address, island_id="slow")
+    fast.start()
+    slow.start()
+    try:
+        data = batches(H)
+        for b in data:
+            fast.step(tokens=32, loss=inner_step(fast_model, fast_opt, b))  # round 0 closes without slow
+        for b in data:
+            slow.step(tokens=32, loss=inner_step(slow_model, slow_opt, b))
+        assert [h.dropped for h in fast.history] == [False]
+        assert [h.dropped for h in slow.history] == [True] and slow.round == 1
+    finally:
+        fast.close()
+        slow.close()
+
+
+# ---- the run's end --------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_total_rounds_end_the_run_and_islands_stop_by_themselves(group, tmp_path):
+    coord, address = group.start_coordinator(
+        tmp_path / "state", coordinator_flags(sync_every=5, quorum=2, extra=["--total-rounds", "3"])
+    )
+    procs = [group.start(f"i{k}", island_flags(address, f"i{k}", rounds=None)) for k in range(2)]
+    events = collect_events(procs, until=lambda ev: sum(e["event"] == "done" for e in ev) == 2, timeout=180)
+    assert [p.wait(30) for p in procs] == [0, 0]
+    assert sorted(e["round"] for e in events if e["event"] == "round") == [0, 0, 1, 1, 2, 2]
+    assert all(e["run_complete"] for e in events if e["event"] == "done")
+    # A restarted island (even one asking for more rounds) never pushes past the end.
+    late = group.start("late", island_flags(address, "i0", rounds=5))
+    done = collect_events([late], until=lambda ev: any(e["event"] == "done" for e in ev), timeout=60)
+    assert late.wait(30) == 0 and done[-1]["run_complete"] and not [e for e in done if e["event"] == "round"]
+    assert len(persistence.load(tmp_path / "state").history) == 3
+    coord.stop()
+
+
+def test_a_stalled_quorum_is_reported_and_cleared_live(start_server, raw_island, caplog):
+    """Quorum 2, one site dies for good: the run says it is stuck and how to unblock it; the operator
+    evicts the dead island and lowers the quorum over the admin API; the round closes."""
+    caplog.set_level(logging.WARNING, logger="atoll")
+    srv = start_server(config(quorum=2, lease_seconds=0.5), admin_port=0, admin_token="tok")
+    base = srv.server.admin.address
+    shapes = {"w": (3, 2)}
+    a, b = raw_island(srv.address, "a", shapes), raw_island(srv.address, "b", shapes)
+    a.join()
+    b.join()
+    a.push({"w": torch.randn(3, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({"w": torch.randn(3, 2)}, round_=0, tokens=3)
+    deadline = time.monotonic() + 10
+    while not _status(base, "tok")["stall"]:  # b stops calling: its lease lapses
+        a.client.heartbeat(pb.HeartbeatRequest(run_id="t", island_id="a"))
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    stall = _status(base, "tok")["stall"]
+    assert "cannot reach quorum 2" in stall and "gone: b" in stall and "quorum 1" in stall
+    assert any("cannot reach quorum" in r.getMessage() for r in caplog.records)
+    assert post_json(base + "/api/islands/b/evict", {}, "wrong")[0] == 401
+    assert post_json(base + "/api/islands/nobody/evict", {}, "tok")[0] == 404
+    assert post_json(base + "/api/islands/b/evict", {}, "tok")[0] == 200
+    code, body = post_json(base + "/api/config", {"quorum": 1}, "tok")
+    assert code == 200 and body["changed"] == ["quorum: 2 -> 1"]
+    assert post_json(base + "/api/config", {"codec": "int8"}, "tok")[0] == 400  # math: not on a live run
+    header, _ = a.pull(0, wait_seconds=10)
+    assert header.round == 1
+    states = {i["island"]: i["state"] for i in _status(base, "tok")["islands"]}
+    assert states == {"a": "active", "b": "evicted"}
+    with pytest.raises(grpc.RpcError) as info:
+        b.join()
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_restart_applies_operational_flags_refuses_math_ones_and_forgets_who_left(group, tmp_path, raw_island):
+    state = tmp_path / "state"
+    coord, address = group.start_coordinator(state, ["--run-id", "t", "--sync-every", "1", "--quorum", "2"])
+    shapes = {"w": (3, 2)}
+    a, b = raw_island(address, "a", shapes), raw_island(address, "b", shapes)
+    a.join()
+    b.join()
+    a.push({"w": torch.randn(3, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({"w": torch.randn(3, 2)}, round_=0, tokens=1)
+    b.push({"w": torch.randn(3, 2)}, round_=0, tokens=1)
+    assert a.pull(0)[0].round == 1
+    b.client.leave(pb.LeaveRequest(run_id="t", island_id="b"))
+    coord.stop()
+
+    refused = coordinator(state, "--run-id", "t", "--codec", "int8", "--outer-lr", "0.5")
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "codec (run: 'identity', asked: 'int8')" in last and "outer_lr (run: 0.7, asked: 0.5)" in last
+    other = coordinator(state, "--run-id", "other")
+    assert other.returncode == 1 and "holds run 't', not 'other'" in other.stderr.strip().splitlines()[-1]
+
+    coord, address = group.start_coordinator(state, ["--run-id", "t", "--quorum", "1"], name="again")
+    log = coord.log_tail(20000)
+    assert "quorum: 2 -> 1 (from the command line)" in log
+    a = raw_island(address, "a", shapes)
+    a.join()
+    a.push({"w": torch.randn(3, 2)}, round_=1, tokens=1)
+    assert a.pull(1)[0].round == 2  # b left: with quorum 1 the round closes on a alone
+    snap = persistence.load(state)
+    assert snap.config.quorum == 1 and snap.history[-1]["islands"] == ["a"] and "b" not in snap.islands
+    coord.stop()
+
+
+SHAPES = {"w": (4, 3), "b": (5,)}
+
+
+def rand(shapes=SHAPES):
+    return {k: torch.randn(s) for k, s in shapes.items()}
+
+
+# ---- 4. a rogue first island --------------------------------------------------------------------
+WRONG = {"w": (7, 7)}
+
+
+def test_a_bootstrapper_that_leaves_releases_its_claim(start_server, raw_island):
+    """An island with a wrong model joins first and leaves before uploading θ_0: the next island
+    bootstraps with its own model. (Before: every real island was refused from then on.)"""
+    srv = start_server(RunConfig(run_id="t", sync_every=1))
+    rogue = raw_island(srv.address, "rogue", WRONG)
+    assert rogue.join().bootstrap
+    rogue.client.leave(pb.LeaveRequest(run_id="t", island_id="rogue"))
+    real = raw_island(srv.address, "real", SHAPES)
+    assert real.join().bootstrap
+    real.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
+    assert srv.inspect(lambda s: {k: tuple(v.shape) for k, v in s.model.params.items()}) == SHAPES
+
+
+def test_a_silent_bootstrapper_passes_the_claim_to_a_waiting_island(start_server, raw_island):
+    """The rogue lets its lease lapse; an island that joined meanwhile and waits in its pull is told
+    to upload θ_0 (UpdateHeader.bootstrap), and its model becomes the run's."""
+    srv = start_server(RunConfig(run_id="t", sync_every=1, lease_seconds=1.0))
+    rogue = raw_island(srv.address, "rogue", WRONG)
+    assert rogue.join().bootstrap
+    real = raw_island(srv.address, "real", SHAPES)
+    assert not real.join().bootstrap
+    header, _ = real.pull(-1, wait_seconds=3.0)
+    while header.kind == pb.UPDATE_KIND_NOT_READY and not header.bootstrap:
+        header, _ = real.pull(-1, wait_seconds=3.0)
+    assert header.bootstrap
+    real.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
+    header, payloads = real.pull(-1)
+    assert header.kind == pb.UPDATE_KIND_FULL and [n for n, _ in payloads] == sorted(SHAPES, reverse=True)
+    with pytest.raises(grpc.RpcError) as info:  # the rogue, back, is now refused
+        rogue.join()
+    assert reason_of(info.value) is Reason.MODEL_MISMATCH

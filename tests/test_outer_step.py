@@ -1,11 +1,14 @@
 """The coordinator's outer step against a NumPy reference of (Nesterov) outer SGD."""
 
+from __future__ import annotations
+
 import numpy as np
 import pytest
 import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator import RunConfig
+from atoll.coordinator.outer import NesterovSGD, outer_step_
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (3, 5), "b": (7,), "emb": (4, 2, 3)}
@@ -63,7 +66,7 @@ def test_outer_step_matches_numpy_reference(start_server, raw_island, nesterov):
             header, payloads = isl.pull(r)
             assert header.kind == pb.UPDATE_KIND_DELTA and header.round == r + 1
             have[isl.island_id] = decode_update(header, payloads, have[isl.island_id])
-        coord_theta = srv.inspect(lambda s: {k: v.clone() for k, v in s.params.items()})
+        coord_theta = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
         for k in SHAPES:
             np.testing.assert_allclose(coord_theta[k].numpy(), ref_theta[k], atol=1e-6, rtol=0)
             for isl in islands:  # every island holds bitwise the coordinator's θ
@@ -88,8 +91,44 @@ def test_momentum_is_persisted_and_pull_full_is_bitwise(start_server, raw_island
 
     snap = persistence.load(tmp_path / "state")
     assert snap.round == 1
-    m = srv.inspect(lambda s: {k: v.clone() for k, v in s.optimizer.buffers.items()})
+    m = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.optimizer.buffers.items()})
     for k in SHAPES:
         assert torch.equal(snap.params[k], full[k])
         assert torch.equal(snap.extra[f"momentum/{k}"], m[k])
         assert m[k].abs().sum() > 0
+
+
+# ---- the outer step ---------------------------------------------------------------------------
+@pytest.mark.parametrize("downlink", ["identity", "int8"])
+def test_outer_step_in_place_matches_numpy(downlink):
+    rng = np.random.default_rng(0)
+    shapes = {"w": (5, 3), "bn.running_mean": (3,)}
+    theta = {k: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+    deltas = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()} for _ in range(2)]
+    weights = [3.0, 1.0]
+    accum = {k: torch.zeros(s) for k, s in shapes.items()}
+    for w, d in zip(weights, deltas, strict=True):
+        for k in shapes:
+            accum[k].add_(torch.from_numpy(d[k]), alpha=w)
+    opt = NesterovSGD({"w": shapes["w"]}, lr=0.7, momentum=0.9, nesterov=True)
+    codec = get_codec(downlink)
+    ef = {k: torch.zeros(s) for k, s in shapes.items()}
+    payloads = outer_step_(
+        accum,
+        theta,
+        weight_total=4.0,
+        optimizer=opt,
+        buffers=frozenset({"bn.running_mean"}),
+        downlink=codec,
+        downlink_ef=ef,
+        downlink_state={},
+    )
+    g = {k: (3 * deltas[0][k] + deltas[1][k]).astype(np.float64) / 4 for k in shapes}
+    u = {"w": -0.7 * (g["w"] + 0.9 * g["w"]), "bn.running_mean": -g["bn.running_mean"]}  # m = g after one step
+    for k in shapes:
+        sent = codec.decode(payloads[k], shapes[k])
+        assert torch.equal(accum[k], theta[k] + sent)  # exactly what an island adds to θ_r
+        np.testing.assert_allclose(sent.numpy() + ef[k].numpy(), u[k], atol=1e-5)
+        if downlink == "identity":
+            assert not ef[k].any()
+    np.testing.assert_allclose(opt.buffers["w"].numpy(), g["w"], atol=1e-6)

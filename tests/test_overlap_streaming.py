@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import make_diloco
 
 from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorRefused, DiLoCo
@@ -88,7 +89,7 @@ def reference(steps: int, *, tau: int, fragment_of=None, num_fragments: int = 1)
 def train(address: str, steps: int, **diloco_kw) -> tuple[DiLoCo, dict[str, torch.Tensor]]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    sync = DiLoCo(model, opt, coordinator=address, island_id="solo", run_id="t", **diloco_kw).start()
+    sync = make_diloco(model, address, island_id="solo", run_id="t", **diloco_kw).start()
     try:
         for batch in batches(steps):
             loss = inner_step(model, opt, batch)
@@ -132,7 +133,7 @@ def test_overlap_keeps_training_while_the_exchange_is_out(start_server, raw_isla
     srv = start_server(RunConfig(run_id="t", sync_every=H, quorum=2, round_deadline_seconds=600))
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    sync = DiLoCo(model, opt, coordinator=srv.address, island_id="solo", run_id="t", overlap_steps=3).start()
+    sync = make_diloco(model, srv.address, island_id="solo", run_id="t", overlap_steps=3).start()
     try:
         other = raw_island(srv.address, "other", {n: tuple(p.shape) for n, p in model.named_parameters()})
         other.join()
@@ -140,7 +141,7 @@ def test_overlap_keeps_training_while_the_exchange_is_out(start_server, raw_isla
             assert sync.step(tokens=16, loss=inner_step(model, opt, batch)) is None
         assert sync.rounds_pushed == 1 and sync.round == 0
         deadline = time.monotonic() + 30
-        while srv.inspect(lambda s: sorted(s.staging.committed)) != ["solo"]:  # the push is in flight meanwhile
+        while srv.inspect(lambda s: sorted(s.accumulator.committed)) != ["solo"]:  # the push is in flight meanwhile
             assert time.monotonic() < deadline, "the background push never arrived"
             time.sleep(0.01)
         assert srv.inspect(lambda s: s.round) == 0
@@ -154,16 +155,14 @@ def test_overlap_keeps_training_while_the_exchange_is_out(start_server, raw_isla
 def test_overlap_must_be_below_h(start_server):
     srv = start_server(config())
     model = make_model()
-    sync = DiLoCo(
-        model, torch.optim.SGD(model.parameters(), lr=0.05), coordinator=srv.address, run_id="t", overlap_steps=H
-    )
+    sync = make_diloco(model, srv.address, run_id="t", overlap_steps=H)
     with pytest.raises(ValueError, match="overlap_steps"):
         sync.start()
     sync.close()
     with pytest.raises(ValueError, match="overlap_steps"):
-        DiLoCo(model, None, coordinator=srv.address, overlap_steps=-1)
+        make_diloco(model, srv.address, overlap_steps=-1)
     with pytest.raises(ValueError, match="time budget"):
-        DiLoCo(model, None, coordinator=srv.address, streaming=True, sync_every_seconds=1.0)
+        make_diloco(model, srv.address, streaming=True, sync_every_seconds=1.0)
 
 
 def fragment_servers(start_server, tmp_path, n: int):
@@ -193,7 +192,7 @@ def test_streaming_fragments_sync_staggered(start_server, tmp_path, tau):
     assert [h.shards for h in sync.history] == [(0,), (1,), (0,), (1,), (0,), (1,)]
     assert [h.inner_steps for h in sync.history] == [2, 4, 4, 4, 4, 4]
     assert [s.inspect(lambda st: st.round) for s in servers] == [3, 3]
-    owned = [s.inspect(lambda st: sorted(st.params)) for s in servers]
+    owned = [s.inspect(lambda st: sorted(st.model.params)) for s in servers]
     assert owned == [["0.bias", "0.weight"], ["1.bias", "1.weight"]]
     # Each sync moves one fragment's bytes (half the model here) plus headers, never the whole model.
     numel = {n: p.numel() for n, p in make_model().named_parameters()}
@@ -210,7 +209,7 @@ def test_fragments_refuse_a_mismatched_island(start_server, tmp_path):
     model = make_model()
 
     def refused(m, match, **kw):
-        sync = DiLoCo(m, None, coordinator=address, run_id="t", retry=RetryPolicy(give_up_seconds=5), **kw)
+        sync = make_diloco(m, address, run_id="t", retry=RetryPolicy(give_up_seconds=5), **kw)
         try:
             with pytest.raises(CoordinatorRefused, match=match):
                 sync.start()

@@ -33,7 +33,7 @@ def run_round(start_server, raw_island, **config):
             refused.append((n, err.code(), err.details()))
     header, _ = isl["a"].pull(0)
     assert header.round == 1
-    theta1 = srv.inspect(lambda s: {k: v.clone().numpy() for k, v in s.params.items()})
+    theta1 = srv.inspect(lambda s: {k: v.clone().numpy() for k, v in s.model.params.items()})
     g = {k: theta0[k].numpy() - theta1[k] for k in SHAPES}  # lr 1, no momentum: θ1 = θ0 - g
     return g, deltas, refused, srv
 

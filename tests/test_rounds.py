@@ -1,6 +1,9 @@
 """The pure round decision: states built by hand, the clock moved by hand."""
 
-from atoll.coordinator.rounds import Decision, IslandView, RoundPolicy, RoundView, decide, next_wakeup
+from __future__ import annotations
+
+from atoll.coordinator.membership import island_state
+from atoll.coordinator.rounds import Decision, IslandView, RoundPolicy, RoundView, decide, next_wakeup, stall
 
 POLICY = RoundPolicy(quorum=2, deadline_seconds=10.0)
 
@@ -45,7 +48,7 @@ def test_no_commits_waits():
 
 
 def test_island_states():
-    from atoll.coordinator.membership import IslandRecord, island_state
+    from atoll.coordinator.membership import IslandRecord
 
     rec = IslandRecord("a", 1, lease_expires_at=10.0, joined_round=3)
     assert island_state(rec, 1.0, 3) == "joining"
@@ -55,3 +58,17 @@ def test_island_states():
     assert island_state(rec, 1.0, 3) == "active"
     assert island_state(rec, 1.0, 5) == "late"  # missed rounds 3 and 4
     assert island_state(rec, 10.0, 5) == "gone"
+
+
+# ---- rounds.stall -----------------------------------------------------------------------------
+def test_stall_says_what_would_unblock_the_round():
+    islands = (
+        IslandView(island_id="a", lease_expires_at=50.0, committed=True),
+        IslandView(island_id="b", lease_expires_at=5.0, committed=False),
+    )
+    state = RoundView(round=4, opened_at=0.0, islands=islands)
+    policy = RoundPolicy(quorum=2, deadline_seconds=10.0)
+    assert stall(4.0, state, policy) is None  # b is still alive
+    why = stall(6.0, state, policy)
+    assert "cannot reach quorum 2" in why and "gone: b" in why and "--quorum 1" in why
+    assert stall(6.0, RoundView(round=4, opened_at=0.0, islands=()), policy) is None  # nobody there yet

@@ -132,7 +132,7 @@ def test_island_tokens(start_server):
         with pytest.raises(grpc.RpcError) as info:
             call()
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert srv.inspect(lambda s: (sorted(s.membership.islands), s.params)) == (["a"], None)
+    assert srv.inspect(lambda s: (sorted(s.membership.islands), s.model.params)) == (["a"], None)
     h.island_id = "a"
     assert a.push(h, [payload]).committed
     for c in (none, wrong, a):

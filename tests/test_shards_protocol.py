@@ -74,7 +74,7 @@ def two_rank_island(start_server):
 
 def test_regions_assemble_and_pull_by_region(two_rank_island):
     srv, ranks, theta0 = two_rank_island
-    assert torch.equal(srv.inspect(lambda s: s.params["w"].clone()), theta0["w"])
+    assert torch.equal(srv.inspect(lambda s: s.model.params["w"].clone()), theta0["w"])
     delta = {n: torch.randn(s) for n, s in SHAPES.items()}
     assert not ranks[0].push([("w", (0, 0), delta["w"][:3]), ("b", (0,), delta["b"])], round_=0).committed
     assert srv.inspect(lambda s: s.round) == 0  # half an island does not count
@@ -85,7 +85,7 @@ def test_regions_assemble_and_pull_by_region(two_rank_island):
     u = get_codec("identity").decode(payloads[0][1], (3, 4))
     # lr 1, no momentum: θ1 = θ0 - Δ; the region's update is exactly -Δ of those rows.
     np.testing.assert_allclose(u.numpy(), -delta["w"][3:].numpy(), atol=1e-6)
-    theta1 = srv.inspect(lambda s: s.params["w"].clone())
+    theta1 = srv.inspect(lambda s: s.model.params["w"].clone())
     assert torch.equal(theta1[3:], theta0["w"][3:] + u)
 
 
@@ -98,7 +98,7 @@ def test_bad_coverage_discards_the_island(two_rank_island, case):
         ranks[1].push([("w", rows, torch.ones(2 if case == "gap" else 3, 4))], round_=0)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ("overlap" if case == "overlap" else "cover 20 of 24") in info.value.details()
-    assert srv.inspect(lambda s: (s.round, dict(s.staging.committed), dict(s.staging.pending))) == (0, {}, {})
+    assert srv.inspect(lambda s: (s.round, dict(s.accumulator.committed), dict(s.accumulator.pending))) == (0, {}, {})
 
 
 def test_partial_island_is_dropped_at_the_deadline(two_rank_island, start_server):
@@ -114,7 +114,7 @@ def test_partial_island_is_dropped_at_the_deadline(two_rank_island, start_server
     while srv.inspect(lambda s: s.round) == 0 and time.monotonic() < deadline:
         ranks[0].client.heartbeat(pb.HeartbeatRequest(run_id="t", island_id="fsdp"))
         time.sleep(0.1)
-    snap = srv.inspect(lambda s: (s.round, {k: v.clone() for k, v in s.params.items()}, s.history[-1]["islands"]))
+    snap = srv.inspect(lambda s: (s.round, {k: v.clone() for k, v in s.model.params.items()}, s.history[-1]["islands"]))
     assert snap[0] == 1 and snap[2] == ["single"]
     for n in SHAPES:  # θ moved by the single island's Δ only (lr 1): no trace of the 100s
         np.testing.assert_allclose(snap[1][n].numpy(), (theta0[n] - d_other[n]).numpy(), atol=1e-6)

@@ -1,9 +1,10 @@
 """A coordinator state dir is trusted only after it verifies (issue: hardening, item 2).
 
 A run makes a real state dir; each test damages a copy the way a disk or an operator would and
-starts the real ``atoll coordinator`` on it: it must refuse with one line, exit non-zero and print
-no traceback. (Before: a flipped bit, a NaN, a zeroed tensor or an inconsistent round were loaded
-and served; a truncated file died with a traceback; a leftover temporary file started a fresh run.)
+runs ``atoll coordinator`` on it (in this process; one case as a real process): it must refuse with
+one line, exit non-zero and print no traceback. (Before: a flipped bit, a NaN, a zeroed tensor or an
+inconsistent round were loaded and served; a truncated file died with a traceback; a leftover
+temporary file started a fresh run.)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from atoll import cli
 from atoll.coordinator import RunConfig, persistence
 from atoll.protos import coordinator_pb2 as pb
 
@@ -66,6 +68,15 @@ def patch(path: Path, offset: int, data: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(data)
+
+
+def refused_in_process(capsys, state: Path, *extra: str) -> str:
+    """``atoll coordinator`` on ``state`` through the CLI's own entry point, in this process: it must
+    refuse with one line (the CLI's, no traceback) and exit 1 before it serves anything."""
+    code = cli.main(["coordinator", "--state-dir", str(state), "--run-id", "t", "--port", "0", *extra])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
 
 
 def start(state: Path, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -136,33 +147,40 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
-def test_damaged_state_is_refused_with_one_line(made_state, tmp_path, case):
+def test_damaged_state_is_refused_with_one_line(made_state, tmp_path, case, capsys):
     state = copy_of(made_state, tmp_path)
     damage, word = DAMAGE[case]
     damage(state)
-    assert_refused(start(state), newest(state).name, word)
+    last = refused_in_process(capsys, state)
+    assert last.startswith("atoll coordinator: error: ") and newest(state).name in last and word in last, last
 
 
-def test_leftover_temporary_file_without_a_snapshot_never_starts_fresh(made_state, tmp_path):
+def test_a_damaged_state_stops_the_real_process_with_one_line(made_state, tmp_path):
+    state = copy_of(made_state, tmp_path)
+    flip_bit(state)
+    assert_refused(start(state), newest(state).name, "param/w")
+
+
+def test_leftover_temporary_file_without_a_snapshot_never_starts_fresh(made_state, tmp_path, capsys):
     state = copy_of(made_state, tmp_path)
     for p in list(state.iterdir()):
         if p.name.endswith(".safetensors"):
             p.rename(state / f".{p.name}.tmp")
-    assert_refused(start(state), "no valid snapshot")
+    assert "no valid snapshot" in refused_in_process(capsys, state)
 
 
-def test_state_of_another_run_is_refused(made_state, tmp_path):
+def test_state_of_another_run_is_refused(made_state, tmp_path, capsys):
     state = copy_of(made_state, tmp_path)
-    proc = start(state, "--run-id", "other")
-    assert_refused(proc, "'t'", "'other'")
+    last = refused_in_process(capsys, state, "--run-id", "other")
+    assert "'t'" in last and "'other'" in last, last
 
 
-def test_keeps_k_snapshots_and_rolls_back_explicitly(made_state, tmp_path):
+def test_keeps_k_snapshots_and_rolls_back_explicitly(made_state, tmp_path, capsys):
     state = copy_of(made_state, tmp_path)
     rounds = [persistence.read_round(p) for p in persistence.snapshot_paths(state)]
     assert rounds == [2, 3]  # --keep-snapshots defaults to 2
     flip_bit(state)
-    assert_refused(start(state), "rollback")
+    assert "rollback" in refused_in_process(capsys, state)
     listing = subprocess.run(
         [sys.executable, "-m", "atoll", "rollback", "--state-dir", str(state)], capture_output=True, text=True
     )

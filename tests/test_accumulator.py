@@ -1,0 +1,118 @@
+"""The open round's accumulator built by hand: classifying pushes, staging ranks, the in-flight budget,
+order-independent sums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atoll.compression import get_codec
+from atoll.coordinator.accumulator import RoundAccumulator
+from atoll.coordinator.errors import Reason, RequestError
+from atoll.coordinator.regions import Region
+from atoll.coordinator.staging import (
+    EntryPlan,
+    InflightBudget,
+    PushClass,
+    PushPlan,
+    Reservation,
+    StagedRank,
+    classify,
+)
+
+
+def plan(island="a", round_=0, rank=0, num_ranks=2, nbytes=10):
+    return PushPlan(
+        island, round_, False, rank, num_ranks, 5, None, "identity", (EntryPlan("w", Region((0,), (2,)), nbytes),)
+    )
+
+
+# ---- staging and the budget -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("push", "open_", "sealed", "fold", "want"),
+    [
+        (3, 3, False, False, PushClass.NEW),
+        (4, 3, False, False, PushClass.FUTURE),
+        (2, 3, False, False, PushClass.CLOSED),
+        (2, 3, False, True, PushClass.LATE),
+        (1, 3, False, True, PushClass.CLOSED),  # beyond max_staleness 1
+        (3, 3, True, True, PushClass.CLOSED),  # sealed: the outer step is computed
+        (4, 3, True, False, PushClass.FUTURE),
+    ],
+)
+def test_classify(push, open_, sealed, fold, want):
+    assert classify(push, open_, sealed=sealed, fold=fold, max_staleness=1) is want
+
+
+def test_staging_commits_an_island_whole_and_releases_its_budget():
+    staging = RoundAccumulator(max_inflight_bytes=100)
+    budget = staging.budget
+    held = []
+    for rank in (1, 0):
+        r = staging.open_stream("a", rank)
+        r.add(10)
+        held.append(r)
+        ranks = staging.stage(StagedRank(plan(rank=rank), [b"x"], r), num_ranks=2)
+    assert [s.plan.rank for s in ranks] == [0, 1] and staging.pending == {}
+    assert budget.used == 20  # the caller releases once decoded
+    staging.commit("a", 0, None, late=False)
+    assert staging.is_duplicate("a", 0, 0, PushClass.NEW) and staging.is_done("a", 0, PushClass.NEW)
+    # A half-staged island is dropped with its bytes.
+    r = staging.open_stream("b", 0)
+    r.add(30)
+    assert staging.stage(StagedRank(plan("b", rank=0), [b"y"], r), num_ranks=2) is None
+    staging.drop_island("b")
+    assert budget.used == 20 and r.bytes == 0
+    for h in held:
+        h.release()
+    assert budget.used == 0 and budget.peak == 50
+
+
+def test_the_budget_refuses_past_its_limit_and_advance_drops_old_staged_pushes():
+    budget = InflightBudget(25)
+    r = Reservation(budget)
+    r.add(20)
+    with pytest.raises(RequestError) as info:
+        r.add(6)
+    assert info.value.reason is Reason.INFLIGHT_BUDGET and r.bytes == 20
+    staging = RoundAccumulator()
+    staging.stage(StagedRank(plan(round_=0), [b"z"], r), num_ranks=2)
+    staging.advance(keep_from=1)
+    assert staging.pending == {} and budget.used == 0
+
+
+@pytest.mark.parametrize("spec", ["identity", "int8"])
+def test_accumulating_two_islands_regions_is_independent_of_arrival_order(spec):
+    """Pushes are decoded into the accumulator as they arrive. For regions that are contiguous (row
+    blocks) and for those that are not (column blocks, as a tensor-parallel rank holds), two islands
+    sum to bitwise the same accumulator in either order: runs repeat across processes."""
+    from atoll.coordinator.regions import Region
+    from atoll.coordinator.staging import EntryPlan, PushPlan, StagedRank, accumulate
+
+    codec = get_codec(spec)
+    gen = torch.Generator().manual_seed(5)
+    halves = {"rows": [((0, 0), (32, 48)), ((32, 0), (32, 48))], "cols": [((0, 0), (64, 24)), ((0, 24), (64, 24))]}
+
+    def island(scale: float) -> list[StagedRank]:
+        delta = torch.randn(64, 48, generator=gen) * scale
+        ranks = []
+        for rank, (offsets, sizes) in enumerate(halves["rows"] + halves["cols"]):
+            region = Region(offsets, sizes)
+            name = "rows" if rank < 2 else "cols"
+            payload = codec.encode(delta[region.slices()].contiguous(), {})
+            entry = EntryPlan(name, region, len(payload))
+            plan = PushPlan("x", 0, False, rank, 4, 1, None, spec, (entry,))
+            ranks.append(StagedRank(plan, [payload]))
+        return ranks
+
+    a, b = island(1.0), island(1e-3)
+
+    def total(first, second):
+        accum = {"rows": torch.zeros(64, 48), "cols": torch.zeros(64, 48)}
+        accumulate(first[0], accum, codec, first[1])
+        accumulate(second[0], accum, codec, second[1])
+        return accum
+
+    ab, ba = total((a, 3.0), (b, 7.0)), total((b, 7.0), (a, 3.0))
+    for name in ("rows", "cols"):
+        assert torch.equal(ab[name], ba[name]), name

@@ -1,0 +1,127 @@
+"""The command line as its user meets it: no flag read as another, help for every flag, one line for an
+error, progress on a terminal or as JSON lines."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import collect_events, coordinator_flags, island_flags
+
+from atoll.cli import build_parser
+from atoll.coordinator import RunConfig
+from atoll.protos import coordinator_pb2 as pb
+
+
+# ---- 1. no silent misreadings ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["island", "--coordinator", "h:1", "--island-id", "a", "--sync-every", "10"],
+        ["coordinator", "--state-dir", "x", "--sync", "5"],
+        ["demo", "--island", "3"],
+    ],
+)
+def test_no_prefix_matching_anywhere_in_the_cli(argv, capsys):
+    """(Before: ``--sync-every 10`` was taken as ``--sync-every-seconds 10``.)"""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+# ---- 7. CLI polish -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["coordinator", "island", "demo", "status", "export", "rollback"])
+def test_every_flag_has_help_with_allowed_values(command):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    for action in sub._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 12, (command, action.option_strings)
+    text = sub.format_help()
+    if command == "coordinator":
+        for words in ("drop", "fold", "clipped_mean", "median", "seconds", "int8", "topk"):
+            assert words in text, words
+
+
+def test_version_and_log_level_after_the_subcommand(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out.startswith("atoll ")
+    ns = build_parser().parse_args(["status", "--admin", "http://x", "--log-level", "DEBUG"])
+    assert ns.log_level == "DEBUG"
+    assert build_parser().parse_args(["status", "--admin", "http://x"]).log_level == "INFO"
+
+
+def test_progress_on_a_terminal_and_json_lines_otherwise():
+    import io
+
+    from atoll.workload.progress import Reporter
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    class FakeSync:
+        round, round_steps, sync_every = 3, 5, 20
+
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        r = Reporter("auto", lead=True, island="i", stream=stream)
+        r.step(FakeSync(), 2.5, 1024, 0.1)
+        r.event(
+            "round",
+            round=3,
+            loss=2.5,
+            global_loss=2.4,
+            eval_loss=2.6,
+            inner_steps=20,
+            tokens=20480,
+            bytes_sent=2_488_000,
+            bytes_received=1_200,
+            sync_seconds=0.5,
+            round_seconds=5.0,
+        )
+    assert "step 5/20" in tty.getvalue() and "10,240 tok/s" in tty.getvalue() and "next sync in ~2s" in tty.getvalue()
+    assert "sent 2.5 MB" in tty.getvalue() and "10% of the round" in tty.getvalue()
+    assert json.loads(pipe.getvalue())["bytes_sent"] == 2_488_000  # one JSON object per line, nothing else
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_leaves_the_run_with_one_line_and_a_model_mismatch_is_one_line(group, tmp_path):
+    coord, address = group.start_coordinator(tmp_path / "state", coordinator_flags(sync_every=500, quorum=1))
+    isl = group.start("i", island_flags(address, "i", rounds=3))
+    collect_events([isl], until=lambda ev: any(e["event"] == "joined" for e in ev), timeout=60)
+    time.sleep(1.0)
+    isl.proc.send_signal(signal.SIGINT)
+    assert isl.wait(30) == 130
+    err = isl.log_tail()
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "atoll island: interrupted"
+    assert "island i left" in coord.log_tail(20000)
+    wrong = group.start("w", island_flags(address, "w", rounds=1, extra=["--n-embd", "32"]))
+    assert wrong.wait(60) == 1
+    lines = wrong.log_tail().strip().splitlines()
+    assert "Traceback" not in wrong.log_tail()
+    assert lines[-1] == "atoll island: error: tensor 'tok.weight' has shape [58, 32], the run has [58, 64]"
+    coord.stop()
+
+
+def test_atoll_status_prints_the_run_at_a_glance(start_server, raw_island):
+    srv = start_server(RunConfig(run_id="glance", sync_every=1), admin_port=0, admin_token="tok")
+    a = raw_island(srv.address, "a", {"w": (2, 2)}, run_id="glance")
+    a.join()
+    a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({"w": torch.ones(2, 2)}, round_=0, tokens=640, loss=2.5)
+    a.pull(0)
+    cmd = [sys.executable, "-m", "atoll", "status", "--admin", srv.server.admin.address]
+    out = subprocess.run([*cmd, "--token", "tok"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "run glance: round 1" in out.stdout and "health: ok" in out.stdout
+    assert any(line.split()[:2] == ["a", "active"] for line in out.stdout.splitlines())
+    assert "2.5000" in out.stdout and "640" in out.stdout
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "HTTP 401" in refused.stderr and "Traceback" not in refused.stderr

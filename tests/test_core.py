@@ -1,0 +1,149 @@
+"""The coordinator's core driven by hand through its message types, with a fake clock and a real state
+dir: no gRPC, no threads of ours. θ_0 and every round take the one seal -> persist -> publish path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from conftest import FakeClock
+
+from atoll.compression import get_codec
+from atoll.coordinator import persistence
+from atoll.coordinator.closing import view
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.core import RunState
+from atoll.coordinator.messages import EntryDecl as Entry
+from atoll.coordinator.messages import (
+    JoinRequest,
+    PullRequest,
+    PushHeader,
+    PushKind,
+    PushOutcome,
+    PushResult,
+    TensorDecl,
+    UpdateKind,
+)
+from atoll.coordinator.rounds import Decision, decide
+
+SHAPES = {"w": (3, 2), "b": (4,)}
+IDENT = get_codec("identity")
+
+
+def run_state(tmp_path, clock=None, **config) -> RunState:
+    config.setdefault("sync_every", 1)
+    return RunState(RunConfig(run_id="t", **config), tmp_path / "state", clock=clock or FakeClock())
+
+
+def join(s: RunState, island: str):
+    decls = tuple(TensorDecl(n, shape, torch.float32) for n, shape in SHAPES.items())
+    return s.join(JoinRequest(run_id="t", island_id=island, session_id=island, codecs=("identity",), tensors=decls))
+
+
+async def push(s: RunState, island: str, tensors: dict, round_: int = 0, kind=PushKind.DELTA, tokens: int = 1):
+    payloads = [IDENT.encode(tensors[n].contiguous()) for n in SHAPES]
+    entries = tuple(Entry(n, (), (), len(p)) for n, p in zip(SHAPES, payloads, strict=True))
+    header = PushHeader(
+        run_id="t", island_id=island, session_id=island, round=round_, kind=kind, codec="identity",
+        entries=entries, tokens=tokens,
+    )  # fmt: skip
+    plan = s.plan_push(header)
+    if isinstance(plan, PushResult):
+        return plan
+    reservation = s.open_stream(plan)
+    try:
+        reservation.add(sum(len(p) for p in payloads))
+        for i, p in enumerate(payloads):
+            s.check_entry(plan, i, memoryview(p))
+        return await s.commit_push(plan, [memoryview(p) for p in payloads], reservation)
+    finally:
+        s.close_stream(plan)
+
+
+def pull(s: RunState, island: str, have: int):
+    return asyncio.run(s.pull(PullRequest(run_id="t", island_id=island, session_id=island, have_round=have)))
+
+
+def rand(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(shape, generator=g) for n, shape in SHAPES.items()}
+
+
+def test_theta0_and_a_round_take_the_one_path_and_match_a_numpy_reference(tmp_path):
+    s = run_state(tmp_path, outer_lr=0.7, outer_momentum=0.9)
+    assert join(s, "a").bootstrap and not join(s, "b").bootstrap
+    theta0, da, db = rand(0), rand(1), rand(2)
+    got = asyncio.run(push(s, "a", theta0, kind=PushKind.INIT))
+    assert got.outcome is PushOutcome.COMMITTED and s.round == 0 and s.model.ready
+    assert persistence.load(tmp_path / "state").round == 0  # saved before it was published
+    answer = pull(s, "b", -1)
+    assert answer.kind is UpdateKind.FULL and answer.round == 0
+    assert [r.committed for r in (asyncio.run(push(s, "a", da, tokens=3)), asyncio.run(push(s, "b", db, tokens=1)))]
+
+    decision, reason = decide(s.clock(), view(s), s.policy())
+    assert decision is Decision.CLOSE and "all 2 live islands committed" in reason
+    asyncio.run(s.close_round(reason))
+
+    for n in SHAPES:  # mean Δ (token-weighted), then Nesterov from zero momentum: u = -lr (g + μ g)
+        g = (3 * da[n].numpy() + db[n].numpy()) / 4
+        want = theta0[n].numpy() - 0.7 * (g + 0.9 * g)
+        np.testing.assert_allclose(s.model.params[n].numpy(), want, rtol=1e-6, atol=1e-6)
+    snap = persistence.load(tmp_path / "state")
+    assert snap.round == 1 and snap.history[0]["islands"] == ["a", "b"] and snap.history[0]["tokens"] == 4
+    assert all(torch.equal(snap.params[n], s.model.params[n]) for n in SHAPES)
+    delta = pull(s, "a", 0)
+    assert (delta.kind, delta.round) == (UpdateKind.DELTA, 1)
+
+
+@pytest.mark.parametrize("at", ["theta0", "round"])
+def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_path, monkeypatch, at):
+    s = run_state(tmp_path)
+    join(s, "a")
+    real_save, broken = persistence.save, [True]
+
+    def save(*a, **kw):
+        if broken[0]:
+            raise OSError(28, "No space left on device")
+        return real_save(*a, **kw)
+
+    if at == "round":
+        asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
+    monkeypatch.setattr(persistence, "save", save)
+    if at == "theta0":
+        assert asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT)).committed
+    else:
+        asyncio.run(push(s, "a", rand(1)))
+        asyncio.run(s.close_round("test"))
+    want = 0 if at == "theta0" else 1
+    assert s.ledger.sealed is not None and s.round == 0 and "No space left" in s.problem
+    if at == "theta0":
+        assert persistence.load(tmp_path / "state") is None and not s.model.ready
+        assert "θ_0 is being saved" in pull(s, "a", -1).waiting
+    else:
+        answer = pull(s, "a", 0)
+        assert answer.kind is UpdateKind.NOT_READY and answer.committed
+    assert asyncio.run(s.try_publish()) is False and s.ledger.sealed.failures == 2
+    broken[0] = False
+    assert asyncio.run(s.try_publish()) is True
+    assert s.ledger.sealed is None and s.problem is None and s.round == want and s.model.ready
+    assert persistence.load(tmp_path / "state").round == want
+
+
+def test_a_round_closes_at_its_deadline_with_quorum_by_the_clock(tmp_path):
+    clock = FakeClock()
+    s = run_state(tmp_path, clock, quorum=1, round_deadline_seconds=30.0, lease_seconds=600.0)
+    join(s, "a")
+    join(s, "b")
+    asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
+    asyncio.run(push(s, "a", rand(1)))
+    clock.now += 29.0
+    assert decide(clock(), view(s), s.policy())[0] is Decision.WAIT
+    clock.now += 1.0
+    decision, reason = decide(clock(), view(s), s.policy())
+    assert decision is Decision.CLOSE
+    asyncio.run(s.close_round(reason))
+    assert s.round == 1 and s.history[0]["islands"] == ["a"] and s.history[0]["seconds_open"] == 30.0
+    late = asyncio.run(push(s, "b", rand(2), round_=0))
+    assert late.outcome is PushOutcome.ROUND_CLOSED  # the default late policy drops it, as an outcome

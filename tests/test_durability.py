@@ -1,0 +1,172 @@
+"""Nothing published is lost and no background task dies silently: a failing save keeps the round
+unpublished and recovers, a full disk, a dead decider."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from atoll.coordinator import RunConfig, persistence
+from atoll.protos import coordinator_pb2 as pb
+
+SHAPES = {"w": (4, 3), "b": (5,)}
+
+
+def rand(shapes=SHAPES):
+    return {k: torch.randn(s) for k, s in shapes.items()}
+
+
+def get(url, token=None, headers=None):
+    h = dict(headers or {})
+    if token:
+        h["Authorization"] = f"Bearer {token}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=h), timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+# ---- 1b. the real thing: a full disk, and a task that dies -------------------------------------
+def _mount_namespaces() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt && umount /mnt"], capture_output=True
+    )
+    return probe.returncode == 0
+
+
+# ---- 1. a failed save -------------------------------------------------------------------------
+def test_failed_save_keeps_the_round_unpublished_reports_it_and_recovers(start_server, raw_island, monkeypatch, caplog):
+    """A full disk at the close of round 0: the round stays unpublished, an ERROR names the cause,
+    /healthz answers 503 with it, and the round is published by itself once saving works again.
+    (Before: the decider task died silently; /healthz said ok; rounds never closed again.)"""
+    srv = start_server(RunConfig(run_id="t", sync_every=1), admin_port=0)
+    base = srv.server.admin.address
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
+    real_save = persistence.save
+    disk = {"full": True}
+
+    def save(*args, **kwargs):
+        if disk["full"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(persistence, "save", save)
+    caplog.set_level(logging.INFO, logger="atoll")
+    assert a.push(rand(), round_=0, tokens=4).committed
+    header, _ = a.pull(0, wait_seconds=1.5)
+    assert header.kind == pb.UPDATE_KIND_NOT_READY and header.round == 0
+    code, body = get(base + "/healthz")
+    assert code == 503 and "No space left on device" in body
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "No space left on device" in r.getMessage()]
+    assert errors, "no ERROR names the failed save"
+    disk["full"] = False
+    header, _ = a.pull(0, wait_seconds=20)
+    assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1
+    assert get(base + "/healthz")[0] == 200
+    assert persistence.load(srv.server.state_dir).round == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _mount_namespaces(), reason="needs unshare -m and tmpfs mounts (root)")
+def test_a_state_dir_on_a_full_tmpfs_recovers_when_space_returns(tmp_path, raw_island):
+    """The coordinator process with its state dir on a 24 MiB tmpfs in a mount namespace of its own;
+    the test fills the disk (through /proc/PID/root), a round's save fails with ENOSPC, the daemon
+    says so and keeps the round unpublished; the filler goes, the round is published."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    state = tmp_path / "state"
+    state.mkdir()
+    port_file, admin_file = tmp_path / "port", tmp_path / "admin"
+    log = open(tmp_path / "coordinator.log", "wb")  # noqa: SIM115 - closed below
+    cmd = (
+        f"mount -t tmpfs -o size=24m tmpfs {state} && exec {sys.executable} -m atoll coordinator "
+        f"--state-dir {state} --run-id t --sync-every 1 --port-file {port_file} --admin-port 0 "
+        f"--admin-port-file {admin_file}"
+    )
+    proc = subprocess.Popen(["unshare", "-m", "sh", "-c", cmd], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and admin_file.exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
+            time.sleep(0.05)
+        address = f"127.0.0.1:{port_file.read_text().strip()}"
+        admin = f"http://127.0.0.1:{admin_file.read_text().strip()}"
+        shapes = {"w": (1024, 1024)}  # a 4 MiB θ: each snapshot is 8 MiB
+        a = raw_island(address, "a", shapes)
+        a.join()
+        a.push({"w": torch.randn(1024, 1024)}, round_=0, kind=pb.PUSH_KIND_INIT)
+        inside = f"/proc/{proc.pid}/root{state}"
+        filler = f"{inside}/filler"
+        with open(filler, "wb", buffering=0) as f, pytest.raises(OSError):  # fill it: no room for a snapshot
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        a.push({"w": torch.randn(1024, 1024) * 0.01}, round_=0, tokens=1)
+        header, _ = a.pull(0, wait_seconds=2.0)
+        assert header.kind == pb.UPDATE_KIND_NOT_READY
+        deadline = time.monotonic() + 10
+        while get(admin + "/healthz")[0] != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert "No space left on device" in get(admin + "/healthz")[1]
+        os.unlink(filler)
+        header, _ = a.pull(0, wait_seconds=30)
+        assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1
+        assert get(admin + "/healthz")[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+    text = (tmp_path / "coordinator.log").read_text()
+    assert "ERROR" in text and "No space left on device" in text and "saving works again" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_background_task_ends_the_daemon_with_a_non_zero_exit(tmp_path):
+    """A bug in the round decider (here: decide() raising) is logged with its traceback and the
+    process exits 1, for its supervisor to restart it. (Before: the task died silently and the
+    daemon went on answering, with rounds that never closed.)"""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, atoll.coordinator.closing as c\n"
+        "def broken(*a, **k):\n"
+        "    raise RuntimeError('a bug in decide')\n"
+        "c.decide = broken\n"
+        "from atoll.cli import main\n"
+        f"sys.exit(main(['coordinator', '--state-dir', r'{tmp_path / 'state'}', '--run-id', 't']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # No θ yet: the decider does not decide. Bootstrap one island to wake it.
+        out = proc.stdout.readline()
+        address = out.strip().rsplit(" ", 1)[-1]
+        from conftest import RawIsland
+
+        a = RawIsland(address, "a", {"w": (2, 2)})
+        a.join()
+        a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+        a.close()
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert "background task atoll-decider died" in err and "a bug in decide" in err

@@ -1,0 +1,83 @@
+"""Membership built by hand with a moved clock: leases, sessions, departures, the bootstrap claim."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FakeClock
+
+from atoll.coordinator.errors import Reason, RequestError
+from atoll.coordinator.membership import IslandState, Membership, island_state
+
+
+def membership(lease: float = 10.0) -> tuple[Membership, FakeClock]:
+    clock = FakeClock()
+    return Membership(clock, lambda: lease), clock
+
+
+# ---- membership -------------------------------------------------------------------------------
+def test_leases_expire_and_renew_with_calls():
+    m, clock = membership()
+    rec, new = m.join("a", num_ranks=1, session_id="s1", round_=0)
+    assert new and rec.lease_expires_at == 110.0
+    clock.now = 105.0
+    m.touch("a", "s1")
+    assert rec.lease_expires_at == 115.0
+    clock.now = 115.0
+    assert [r.island_id for r in m.newly_expired()] == ["a"] and m.newly_expired() == []  # reported once
+    assert island_state(rec, clock(), 0) == IslandState.GONE
+    with pytest.raises(RequestError) as info:
+        m.touch("ghost")
+    assert info.value.reason is Reason.NOT_JOINED
+
+
+def test_a_second_live_process_with_the_same_id_is_refused_and_takes_over_once_the_lease_lapses():
+    m, clock = membership()
+    m.join("a", num_ranks=1, session_id="first", round_=0)
+    with pytest.raises(RequestError) as info:
+        m.join("a", num_ranks=1, session_id="second", round_=0)
+    assert info.value.reason is Reason.SESSION_CONFLICT and "another live process" in info.value.message
+    rec, _ = m.join("a", num_ranks=1, session_id="first", round_=0)  # the same process again: welcome
+    clock.now = rec.lease_expires_at
+    rec, new = m.join("a", num_ranks=1, session_id="second", round_=3)
+    assert new and rec.session_id == "second" and rec.joined_round == 3
+    with pytest.raises(RequestError) as info:  # the old process is now a stranger
+        m.touch("a", "first")
+    assert info.value.reason is Reason.NOT_JOINED
+
+
+def test_a_restored_member_is_claimed_by_the_first_session_that_joins():
+    m, _ = membership()
+    m.restore({"a": {"num_ranks": 2, "joined_round": 1, "rounds_committed": 3}}, {"b": IslandState.LEFT})
+    assert list(m.islands) == ["a"] and m.islands["a"].session_id == ""
+    rec, new = m.join("a", num_ranks=2, session_id="s", round_=4)
+    assert not new and rec.session_id == "s" and rec.rounds_committed == 3
+
+
+def test_departures_are_remembered_and_eviction_is_for_good():
+    m, _ = membership()
+    for i in "abc":
+        m.join(i, num_ranks=1, session_id=i, round_=0)
+    m.leave("a")
+    m.evict("b")
+    assert sorted(m.islands) == ["c"] and m.departed == {"a": IslandState.LEFT, "b": IslandState.EVICTED}
+    assert m.to_json()["departed"] == m.departed
+    m.join("a", num_ranks=1, session_id="a2", round_=1)  # a left cleanly: it may come back
+    assert "a" not in m.departed
+    with pytest.raises(RequestError) as info:
+        m.join("b", num_ranks=1, session_id="b2", round_=1)
+    assert info.value.reason is Reason.EVICTED
+    with pytest.raises(KeyError):
+        m.evict("nobody")
+
+
+def test_the_bootstrap_claim_moves_when_its_holder_leaves_or_goes_silent():
+    m, clock = membership(lease=5.0)
+    m.join("rogue", num_ranks=1, session_id="r", round_=0)
+    m.join("real", num_ranks=1, session_id="x", round_=0)
+    assert m.claim_bootstrap("rogue") and not m.claim_bootstrap("real")
+    clock.now += 3.0
+    m.touch("real", "x")
+    clock.now += 2.5  # the rogue's lease lapsed, the real island's did not
+    assert m.claim_bootstrap("real") and m.bootstrapper == "real"
+    m.leave("real")
+    assert m.bootstrapper is None

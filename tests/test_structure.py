@@ -1,0 +1,127 @@
+"""The package's shape: no import circles, no module reaching into another's private members, and the
+protocol's reasons written once. Read from the source with ``ast`` (imports inside functions count)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import atoll
+
+ROOT = Path(atoll.__file__).parent
+GENERATED = ("_pb2.py", "_pb2_grpc.py")
+ALLOWED_PRIVATE = {("os", "_exit")}
+"""(object, attribute) pairs of the standard library that are private by name only."""
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name.endswith(GENERATED):
+            continue
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The atoll modules ``name`` imports: ``from atoll.a import b`` is ``atoll.a.b`` when that is a
+    module, else ``atoll.a``."""
+    got = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            got.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("atoll"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                got.add(sub if sub in known else node.module)
+    got.discard(name)
+    return got & known
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles_and_none_hidden_behind_type_checking():
+    mods = modules()
+    graph = {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+    assert cycles(graph) == []
+    hidden = [name for name, path in mods.items() if "TYPE_CHECKING" in path.read_text()]
+    assert hidden == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def private_reaches(path: Path, root: Path = ROOT.parent) -> list[str]:
+    """``obj._name`` where ``obj`` is not ``self``/``cls`` and ``_name`` is nothing this module defines."""
+    tree = ast.parse(path.read_text())
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        base = node.value.id if isinstance(node.value, ast.Name) else None
+        if base in ("self", "cls") or node.attr in own or (base, node.attr) in ALLOWED_PRIVATE:
+            continue
+        out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_module_reaches_into_another_modules_private_members():
+    found = [hit for path in modules().values() for hit in private_reaches(path)]
+    assert found == []
+
+
+def test_the_private_reach_finder_finds_one(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text("def f(s):\n    s._reset()\n    self_ok = 1\n")
+    assert private_reaches(bad, tmp_path) == ["m.py:2: s._reset"]
+
+
+def test_reasons_are_the_protos_and_each_has_a_status_code():
+    from atoll.protos import coordinator_pb2 as pb
+    from atoll.protos.reasons import CODE, FATAL, Reason, wire_number
+
+    assert {r.value for r in Reason} == {n for n, v in pb.Reason.items() if v}
+    assert set(CODE) == set(Reason) and set(Reason) >= FATAL
+    assert Reason.NOT_JOINED == "REASON_NOT_JOINED" and wire_number(Reason.NOT_JOINED) == 3
+    assert Reason.NOT_JOINED not in FATAL and Reason.MODEL_MISMATCH in FATAL
