@@ -10,6 +10,8 @@ from atoll.coordinator import persistence
 from atoll.harness.faults import ChaosDriver, Fault, island_faults_json
 from atoll.harness.wan import ProxyThread
 
+pytestmark = pytest.mark.slow  # real processes, tens of seconds each
+
 
 def coord_flags(*, quorum, deadline=60.0, lease=3.0, late="drop", h=10, max_staleness=1):
     return [

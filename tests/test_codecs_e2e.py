@@ -51,6 +51,7 @@ def test_raw_topk_1pct_with_error_feedback_learns_on_30x_fewer_bytes(tmp_path, i
     assert loss_k < 0.8 * 4.06  # still clearly learning from the 4.06 start
 
 
+@pytest.mark.slow
 def test_decayed_error_feedback_keeps_a_long_topk_run_converging(tmp_path):
     """20 rounds of top-k 1% at outer lr 0.7 / Nesterov 0.9: classic EF (β=1) lets residuals grow
     ~one Δ per round and the global θ degrades after round 5; β=0.5 keeps improving. Measured here:

@@ -86,6 +86,7 @@ def test_dashboard_renders_live_charts_and_timeline(start_server, raw_island, tm
     assert "missing or wrong bearer token" in render(f"{base}/dashboard", tmp_path / "profile2")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
 def test_dashboard_after_a_two_island_run(group, tmp_path):

@@ -3,6 +3,7 @@
 import signal
 import time
 
+import pytest
 from conftest import collect_events, coordinator_flags, island_flags
 
 from atoll.coordinator import persistence
@@ -53,6 +54,7 @@ def test_two_islands_train_and_hold_identical_parameters(group, tmp_path):
     assert all(4 * num_params < s < 4 * num_params * 1.02 for s in sent), (sent, num_params)
 
 
+@pytest.mark.slow
 def test_coordinator_sigkill_between_rounds_resumes(group, tmp_path):
     state = tmp_path / "state"
     flags = coordinator_flags(sync_every=20, quorum=2)

@@ -35,6 +35,7 @@ def test_plain_pytorch_example(group, tmp_path):
     assert a["last_loss"] < 0.7 * a["first_loss"], a
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hugging_face_transformers_example(group, tmp_path):
     pytest.importorskip("transformers", reason="the dev extra installs transformers (pip install -e '.[dev]')")

@@ -86,6 +86,7 @@ def inflight_bytes(admin: str) -> float:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_path, raw_island):
     coord, address = group.start_coordinator(

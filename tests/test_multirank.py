@@ -13,6 +13,8 @@ from atoll.data import CharDataset
 from atoll.models import GPTConfig, TinyGPT
 from atoll.workload.island import param_digest
 
+pytestmark = pytest.mark.slow  # real processes, tens of seconds each
+
 H, ROUNDS, DATA_SEED, INNER_LR = 5, 3, 7, 3e-3
 
 

@@ -138,6 +138,7 @@ def test_a_state_of_another_island_is_refused(start_server):
         other.load_state_dict(state)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_sigkilled_island_process_resumes_from_its_checkpoint_bitwise(tmp_path):
     """``atoll island --checkpoint-dir``, SIGKILLed a few steps into round 2 and restarted with the

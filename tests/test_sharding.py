@@ -7,6 +7,8 @@ from atoll.coordinator import persistence
 from atoll.sharding import parse_shard, shard_of
 from atoll.workload.island import param_digest
 
+pytestmark = pytest.mark.slow  # real processes, tens of seconds each
+
 
 def test_shard_of_and_parse():
     names = [f"blocks.{i}.fc.weight" for i in range(20)]
