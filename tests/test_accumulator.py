@@ -3,6 +3,8 @@ order-independent sums."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -49,8 +51,7 @@ def test_staging_commits_an_island_whole_and_releases_its_budget():
     budget = staging.budget
     held = []
     for rank in (1, 0):
-        r = staging.open_stream("a", rank)
-        r.add(10)
+        r = staging.open_stream("a", rank, 10)
         held.append(r)
         ranks = staging.stage(StagedRank(plan(rank=rank), [b"x"], r), num_ranks=2)
     assert [s.plan.rank for s in ranks] == [0, 1] and staging.pending == {}
@@ -58,8 +59,7 @@ def test_staging_commits_an_island_whole_and_releases_its_budget():
     staging.commit("a", 0, None, late=False)
     assert staging.is_duplicate("a", 0, 0, PushClass.NEW) and staging.is_done("a", 0, PushClass.NEW)
     # A half-staged island is dropped with its bytes.
-    r = staging.open_stream("b", 0)
-    r.add(30)
+    r = staging.open_stream("b", 0, 30)
     assert staging.stage(StagedRank(plan("b", rank=0), [b"y"], r), num_ranks=2) is None
     staging.drop_island("b")
     assert budget.used == 20 and r.bytes == 0
@@ -79,6 +79,42 @@ def test_the_budget_refuses_past_its_limit_and_advance_drops_old_staged_pushes()
     staging.stage(StagedRank(plan(round_=0), [b"z"], r), num_ranks=2)
     staging.advance(keep_from=1)
     assert staging.pending == {} and budget.used == 0
+
+
+def test_a_push_is_admitted_or_refused_for_its_declared_size_at_its_header():
+    """(Before: the reservation grew as bytes arrived, so a push over the budget was refused at its
+    last bytes, after they had crossed the wire, and sent again whole.)"""
+    acc = RoundAccumulator(max_inflight_bytes=100)
+    first = acc.open_stream("a", 0, 60)
+    assert acc.budget.used == 60
+    with pytest.raises(RequestError) as info:
+        acc.open_stream("b", 0, 41)  # refused before a byte of it is read
+    assert info.value.reason is Reason.INFLIGHT_BUDGET and acc.budget.used == 60
+    assert ("b", 0) not in acc.streams  # a refused stream holds nothing: its retry is not "in progress"
+    with pytest.raises(RequestError) as info:
+        acc.open_stream("a", 0, 1)
+    assert info.value.reason is Reason.PUSH_IN_PROGRESS
+    first.release()
+    acc.close_stream("a", 0)
+    assert acc.open_stream("b", 0, 41).bytes == 41
+
+
+def test_the_default_budget_admits_two_whole_fp32_pushes_of_a_model_of_many_tensors():
+    """The 124M measurement: 196 tensors, 124,439,808 parameters; the default was exactly 2 × 4 bytes
+    per parameter, and two identity pushes with their framing are 4,376 bytes more."""
+    from atoll.compression import get_codec
+    from atoll.coordinator.accumulator import fp32_push_bytes
+
+    specs = {f"h.{i}.w": (768, 768) for i in range(160)} | {f"h.{i}.b": (768,) for i in range(36)}
+    specs["wte"] = (50257, 768)
+    ident = get_codec("identity")
+    one_push = sum(ident.encoded_size(s) for s in specs.values())
+    acc = RoundAccumulator()
+    acc.size_budget(specs)
+    assert fp32_push_bytes(specs) >= one_push
+    assert acc.budget.limit >= 2 * one_push > 2 * 4 * sum(math.prod(s) for s in specs.values())
+    acc.open_stream("a", 0, one_push)
+    acc.open_stream("b", 0, one_push)  # both admitted on the first try
 
 
 @pytest.mark.parametrize("spec", ["identity", "int8"])

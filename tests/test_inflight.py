@@ -76,14 +76,16 @@ class HangingPush:
         self.future.cancel()
 
 
-def inflight_bytes(admin: str) -> float:
+def metric(admin: str, name: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(admin + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return next(
-        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "atoll_inflight_bytes"
-    )
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def inflight_bytes(admin: str) -> float:
+    return metric(admin, "atoll_inflight_bytes")
 
 
 @pytest.mark.slow
@@ -105,11 +107,16 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
     time.sleep(1.0)
     before = rss_bytes(coord.pid)
     with grpc.insecure_channel(address) as channel:
+        # Each stream is admitted for its declared 16 MiB at its header, or refused there: one fits the
+        # 24 MiB budget, the other 59 are answered at once (before: all 60 were let in and each held
+        # what it had sent, so a push over the budget was refused only at its last bytes).
         streams = [HangingPush(channel, "h", rank, 64, send=1) for rank in range(60)]
-        time.sleep(3.0)
+        refused = [s.error(timeout=10) for s in streams[1:]]
+        assert all(e is not None and reason_of(e) is Reason.INFLIGHT_BUDGET for e in refused), refused[:2]
+        assert not streams[0].future.done()  # admitted: still open, waiting for its data
         grown = rss_bytes(coord.pid) - before
         assert grown < 64 * MIB, f"60 hanging 1-byte streams grew the coordinator by {grown / MIB:.0f} MiB"
-        assert inflight_bytes(admin) == 60
+        assert inflight_bytes(admin) == NUM_BYTES and metric(admin, "atoll_pushes_busy_total") == 59
 
         # At most one open stream per (island, rank).
         again = HangingPush(channel, "h", 0, 64, send=1)
@@ -124,7 +131,7 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
         # The global budget: 16 MiB held by a hanging stream leaves no room for another 16 MiB push.
         hog = HangingPush(channel, "h", 1, 64, send=16 * MIB)
         time.sleep(2.0)
-        assert inflight_bytes(admin) == 16 * MIB
+        assert inflight_bytes(admin) == NUM_BYTES
         a.client.retry = RetryPolicy(give_up_seconds=1.0)
         with pytest.raises(grpc.RpcError) as info:
             a.push({"w": torch.randn(2048, 2048)}, round_=0, tokens=1)

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from atoll.compression.wire import payload_size
 from atoll.coordinator import robust
 from atoll.coordinator.errors import Reason, refuse
 from atoll.coordinator.staging import (
@@ -26,6 +27,13 @@ from atoll.coordinator.staging import (
 )
 
 MIN_INFLIGHT_BYTES = 256 << 20
+REGION_SLACK = 64
+"""Framing bytes allowed per tensor beyond one identity payload's (a rank's region has its own)."""
+
+
+def fp32_push_bytes(specs: dict[str, tuple[int, ...]]) -> int:
+    """Bytes of one identity (fp32) push of the whole model, payload framing included."""
+    return sum(payload_size(len(s), 0, 4 * math.prod(s)) + REGION_SLACK for s in specs.values())
 
 
 class RoundAccumulator:
@@ -49,21 +57,27 @@ class RoundAccumulator:
 
     # ---- the budget and the streams ------------------------------------------------------------
     def size_budget(self, specs: dict[str, tuple[int, ...]]) -> int | None:
-        """The default in-flight budget: twice the model's fp32 size (at least 256 MiB); sized from a
-        joining island's declared model before θ_0 exists, so θ_0's own upload fits. Returns the
-        model's fp32 bytes when an explicit budget is below one fp32 push of it (None otherwise)."""
-        model_bytes = 4 * sum(math.prod(s) for s in specs.values())
+        """The default in-flight budget: two whole fp32 pushes of the model with their framing (at least
+        256 MiB), so two islands' identity pushes are admitted at once; sized from a joining island's
+        declared model before θ_0 exists, so θ_0's own upload fits. Returns the bytes of one fp32 push
+        when an explicit budget is below it (None otherwise)."""
+        push_bytes = fp32_push_bytes(specs)
         if self._budget_from_model:
-            self.budget.limit = max(self.budget.limit, MIN_INFLIGHT_BYTES, 2 * model_bytes)
+            self.budget.limit = max(self.budget.limit, MIN_INFLIGHT_BYTES, 2 * push_bytes)
             return None
-        return model_bytes if model_bytes > self.budget.limit else None
+        return push_bytes if push_bytes > self.budget.limit else None
 
-    def open_stream(self, island_id: str, rank: int) -> Reservation:
-        """One open push stream per (island, rank); its bytes are held against the in-flight budget."""
+    def open_stream(self, island_id: str, rank: int, num_bytes: int) -> Reservation:
+        """Admit a push stream for the ``num_bytes`` its header declares, or refuse it now, before its
+        data flows (INFLIGHT_BUDGET: the island retries with backoff; PUSH_IN_PROGRESS: one open stream
+        per (island, rank)). Memory still follows the bytes that arrive; the budget holds the declared
+        size until the stream's payloads are consumed or dropped."""
         if (island_id, rank) in self.streams:
             raise refuse(Reason.PUSH_IN_PROGRESS, f"a push stream of island {island_id!r} rank {rank} is already open")
+        reservation = Reservation(self.budget)
+        reservation.add(num_bytes)
         self.streams.add((island_id, rank))
-        return Reservation(self.budget)
+        return reservation
 
     def close_stream(self, island_id: str, rank: int) -> None:
         self.streams.discard((island_id, rank))

@@ -60,6 +60,8 @@ class Counters:
         "pushes_late_folded": "Late pushes folded into a later round",
         "pushes_late_dropped": "Pushes for a round that had closed (dropped)",
         "pushes_refused": "Pushes refused for bad input",
+        "pushes_busy": "Pushes refused at their header, before their data flowed: in-flight budget spent or a "
+        "stream of the same island and rank open (the island retries)",
     }
     bytes_in: int = 0
     bytes_out: int = 0
@@ -67,6 +69,7 @@ class Counters:
     pushes_late_folded: int = 0
     pushes_late_dropped: int = 0
     pushes_refused: int = 0
+    pushes_busy: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -257,6 +260,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except RequestError as err:
             if err.code == "INVALID_ARGUMENT":
                 self.counters.pushes_refused += 1
+            elif err.reason in (Reason.INFLIGHT_BUDGET, Reason.PUSH_IN_PROGRESS):
+                self.counters.pushes_busy += 1
             # The traceback holds the refused stream's frames, and they its received bytes: drop it now
             # rather than when the cyclic collector gets to it (gc.freeze makes that late).
             await _abort(context, err.with_traceback(None))
@@ -298,8 +303,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.state.close_stream(plan)
 
     async def _receive(self, plan, it, reservation) -> list:
-        """Read a push's data chunks, holding each byte against the in-flight budget as it arrives and
-        validating each entry as soon as it is complete."""
+        """Read a push's data chunks (its declared bytes are already held against the in-flight budget)
+        and validate each entry as soon as it is complete; more bytes than declared are refused."""
         assembler = EntryAssembler([e.num_bytes for e in plan.entries])
         payloads = []
         try:
@@ -321,7 +326,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 data = memoryview(chunk.data)
             else:
                 raise invalid("a push stream has one header, then data chunks")
-            reservation.add(data.nbytes)
             try:
                 complete = assembler.feed(data)
             except StreamOverrun as err:

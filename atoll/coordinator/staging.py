@@ -20,8 +20,9 @@ from atoll.coordinator.regions import Region
 
 
 class InflightBudget:
-    """Bytes of push payloads held by the coordinator (streaming in, or staged for an island's other
-    ranks). A reservation past ``limit`` is refused (INFLIGHT_BUDGET): the island retries later."""
+    """Bytes of push payloads the coordinator holds room for: declared by admitted streams (reserved at
+    their header), or staged for an island's other ranks. A reservation past ``limit`` is refused
+    (INFLIGHT_BUDGET) before the push's data flows: the island retries later."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -44,7 +45,7 @@ class InflightBudget:
 
 
 class Reservation:
-    """One push's share of the budget; grows as bytes arrive, released exactly once."""
+    """One push's share of the budget (its declared bytes, held from its header on); released exactly once."""
 
     def __init__(self, budget: InflightBudget) -> None:
         self.budget = budget
