@@ -117,6 +117,10 @@ def rollback(ns: argparse.Namespace) -> int:
         for round_, path, problem in listed:
             print(f"round {round_:<6} {path.name}  {'ok' if problem is None else 'DAMAGED: ' + problem}")
         return 0
-    target = persistence.rollback(ns.state_dir, ns.round)
+    lock = persistence.StateLock(ns.state_dir).acquire("rolling it back")
+    try:
+        target = persistence.rollback(ns.state_dir, ns.round)
+    finally:
+        lock.release()
     print(f"rolled back: {target.name} is now the newest snapshot (newer ones moved to {persistence.DISCARDED}/)")
     return 0

@@ -156,3 +156,27 @@ def test_status_json_is_valid_with_a_closed_round(start_server, raw_island):
     assert record["bytes_in"] == status["counters"]["bytes_in"] > 0
     assert [(i["island"], i["state"], i["rounds_committed"]) for i in status["islands"]] == [("a", "active", 1)]
     assert status["num_params"] == 12 and status["inflight_bytes"] == 0
+
+
+def test_config_values_the_protocol_cannot_carry_and_deep_json_get_a_4xx_and_change_nothing(start_server, caplog):
+    """(Before: quorum 2^31 answered 200 and broke every later Join; NaN turned the delta bound off;
+    a deeply nested body answered 500 with a server traceback.)"""
+    srv = start_server(admin_port=0, admin_token="tok")
+    url = srv.server.admin.address + "/api/config"
+    for body in ({"quorum": 2147483648}, {"quorum": 1e30}, {"total_rounds": 2**63}, {"max_tokens_per_round": 2**64}):
+        code, text = post_json(url, body, "tok")
+        (field,) = body
+        assert code == 400 and f"{field} must be in" in text, (body, code, text)
+    req = urllib.request.Request(url, data=b'{"max_delta_norm": NaN}', method="POST")
+    req.add_header("Authorization", "Bearer tok")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == 400 and "max_delta_norm must be in" in info.value.read().decode()
+    deep = urllib.request.Request(url, data=b"[" * 100_000 + b"]" * 100_000, method="POST")
+    deep.add_header("Authorization", "Bearer tok")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(deep, timeout=10)
+    assert info.value.code == 400
+    assert not [r for r in caplog.records if r.exc_info], "a server traceback was logged"
+    config = srv.inspect(lambda s: s.config)
+    assert (config.quorum, config.max_delta_norm, config.total_rounds) == (1, 0.0, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from atoll.coordinator.config import ConfigMismatch, RunConfig, apply_operational, reconcile
+from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch, RunConfig, apply_operational, reconcile
 
 
 # ---- config -----------------------------------------------------------------------------------
@@ -28,3 +28,58 @@ def test_apply_operational_checks_names_and_types():
     for bad in ({"codec": "int8"}, {"quorum": "2"}, {"quorum": True}, {"quorum": 0}):
         with pytest.raises(ValueError):
             apply_operational(c, bad)
+
+
+# ---- ranges: one place for the command line, the admin API and a restored snapshot -------------
+OUT_OF_RANGE = {
+    "quorum": [2**31, 1e30, 0],
+    "max_staleness": [2**31, 0],
+    "total_rounds": [2**63, -1],
+    "max_tokens_per_round": [2**64, -1],
+    "sync_every": [2**31, 0],
+    "max_delta_norm": [float("nan"), float("inf"), -1.0],
+    "clip_norm": [float("nan"), float("inf")],
+    "round_deadline_seconds": [float("inf"), float("nan"), 0.0],
+    "lease_seconds": [float("inf"), 0.0],
+    "outer_lr": [float("nan"), float("inf"), 0.0],
+    "staleness_weight": [float("nan"), 0.0, 1.5],
+    "error_feedback_decay": [float("nan"), 0.0],
+}
+"""(Before: quorum 2^31 and the like were taken, and every Join then failed "Value out of range" on
+RunConfigProto's int32; NaN turned max_delta_norm's bound off.)"""
+
+
+@pytest.mark.parametrize(("field", "value"), [(f, v) for f, vs in OUT_OF_RANGE.items() for v in vs])
+def test_a_setting_outside_its_range_is_refused_naming_the_field_and_range(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be in [\[(].*, got"):
+        RunConfig(**{field: value})
+    if field in OPERATIONAL_FIELDS:
+        with pytest.raises(ValueError, match=rf"^{field} must be in"):
+            apply_operational(RunConfig(), {field: value})
+
+
+def test_every_value_in_range_fits_the_wire_message():
+    from atoll.coordinator.config import RANGES
+    from atoll.coordinator.service import config_proto
+
+    for name, (low, high, low_in, high_in) in RANGES.items():
+        for value in (low if low_in else None, high if high_in else None):
+            if value is not None:
+                config_proto(RunConfig(**{name: value})).SerializeToString()  # no "Value out of range"
+
+
+def test_a_snapshot_holding_an_out_of_range_setting_is_refused(tmp_path):
+    import dataclasses
+
+    import torch
+
+    from atoll.coordinator import persistence
+
+    bad = RunConfig()
+    object.__setattr__(bad, "quorum", 2**31)  # as if written by an older build or by hand
+    params = {"w": torch.zeros(2)}
+    snap = persistence.Snapshot(bad, 0, params, {"momentum/w": torch.zeros(2)})
+    persistence.save(tmp_path, snap)
+    with pytest.raises(persistence.StateError, match="quorum must be in"):
+        persistence.load(tmp_path)
+    assert dataclasses.asdict(bad)["quorum"] == 2**31

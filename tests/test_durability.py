@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 import torch
+from conftest import ServerThread
 
 from atoll.coordinator import RunConfig, persistence
 from atoll.protos import coordinator_pb2 as pb
@@ -170,3 +171,25 @@ def test_a_dead_background_task_ends_the_daemon_with_a_non_zero_exit(tmp_path):
             proc.kill()
     err = proc.stderr.read()
     assert "background task atoll-decider died" in err and "a bug in decide" in err
+
+
+def test_a_second_coordinator_or_a_rollback_on_a_live_state_dir_is_refused_naming_the_holder(
+    start_server, tmp_path, capsys
+):
+    """(Before: a second coordinator on the same --state-dir started and both wrote the same snapshot
+    files; `atoll rollback` on a live run returned 0 and the coordinator undid it at its next save.)"""
+    import os
+
+    from atoll import cli
+
+    state = tmp_path / "live"
+    srv = start_server(state_dir=state)
+    second = ServerThread(RunConfig(run_id="t", sync_every=1), state)
+    with pytest.raises(persistence.StateError, match=rf"in use by process {os.getpid()}"):
+        second.start()
+    second.loop.call_soon_threadsafe(second.loop.stop)
+    second.thread.join(10)
+    assert cli.main(["rollback", "--state-dir", str(state), "--round", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("atoll rollback: error: ") and f"in use by process {os.getpid()}" in err, err
+    assert srv.inspect(lambda s: s.round) == 0  # the live coordinator was not disturbed

@@ -34,3 +34,113 @@ def test_an_empty_or_foreign_dir_is_a_fresh_run_but_a_dir_of_atoll_leftovers_is_
     (tmp_path / persistence.MEMBERSHIP).write_text("{}")
     with pytest.raises(persistence.StateError, match="no valid snapshot"):
         persistence.load(tmp_path)
+
+
+# ---- hardening: metadata, declared sizes, stray files, one writer --------------------------------
+def rewrite_metadata(path, **changes):
+    """Rewrite a snapshot's metadata fields as an attacker would: tensors and their checksums untouched."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    meta = header["__metadata__"]
+    for key, fn in changes.items():
+        if fn is None:
+            del meta[key]
+        else:
+            meta[key] = fn(meta[key])
+    body = json.dumps(header).encode()
+    body += b" " * ((8 - len(body) % 8) % 8)
+    path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+
+
+def test_rewritten_metadata_is_refused_like_a_flipped_bit(tmp_path):
+    """(Before: outer_lr 0.7 -> 7.0 and quorum 9 written into the newest snapshot's config, tensors
+    unchanged, started, exported and listed as "ok".)"""
+    import json
+
+    path = persistence.save(tmp_path, snap(1))
+    persistence.verify(path)
+
+    def tamper(config):
+        c = json.loads(config)
+        c.update(outer_lr=7.0, quorum=9)
+        return json.dumps(c, sort_keys=True)
+
+    rewrite_metadata(path, config=tamper)
+    with pytest.raises(persistence.StateError, match="metadata fails its checksum"):
+        persistence.load(tmp_path)
+    assert "metadata fails its checksum" in persistence.list_snapshots(tmp_path)[0][2]
+
+
+def test_a_snapshot_declaring_a_huge_tensor_is_refused_before_it_is_read(tmp_path):
+    """A sparse file declaring a 1 GiB tensor: refused by its checksum, read a block at a time, with
+    no allocation of its size. (Before: export and rollback died with a MemoryError traceback, and the
+    coordinator allocated the tensor before refusing it.)"""
+    import json
+    import resource
+    import struct
+    import subprocess
+    import sys
+
+    numel = 1 << 28
+    path = persistence.save(tmp_path, snap(0))
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    base = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    header["param/big"] = {"dtype": "F32", "shape": [numel], "data_offsets": [base, base + 4 * numel]}
+    meta = header["__metadata__"]
+    digests = json.loads(meta["digests"])
+    digests["param/big"] = "12345678"
+    meta["digests"] = json.dumps(digests, sort_keys=True)
+    from atoll.coordinator.integrity import META_DIGEST, metadata_digest
+
+    meta[META_DIGEST] = metadata_digest(meta)
+    body = json.dumps(header).encode()
+    body += b" " * ((8 - len(body) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+        f.truncate(8 + len(body) + base + 4 * numel)  # sparse: 1 GiB declared, nothing on disk
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    out = subprocess.run(
+        [sys.executable, "-m", "atoll", "export", "--state-dir", str(tmp_path), "--out", str(tmp_path / "m.st")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "tensor param/big fails its checksum" in out.stderr.strip().splitlines()[-1]
+    assert max(peak_kib, before) < 900 * 1024, f"export peaked at {peak_kib / 1024:.0f} MiB"
+
+
+def test_a_stray_snapshot_name_is_refused_naming_the_file(tmp_path):
+    persistence.save(tmp_path, snap(1))
+    (tmp_path / "snapshot-zzz.safetensors").write_bytes(b"x")
+    with pytest.raises(persistence.StateError, match=r"holds snapshot-zzz\.safetensors, which is not a snapshot"):
+        persistence.load(tmp_path)
+
+
+def test_one_writer_per_state_dir_and_the_lock_goes_with_its_holder(tmp_path):
+    import os
+
+    first = persistence.StateLock(tmp_path).acquire("starting a coordinator on it")
+    with pytest.raises(persistence.StateError, match=rf"in use by process {os.getpid()} .*stop it before rolling"):
+        persistence.StateLock(tmp_path).acquire("rolling it back")
+    first.release()
+    persistence.StateLock(tmp_path).acquire("rolling it back").release()
+
+
+def test_a_format_2_snapshot_without_a_metadata_checksum_still_loads(tmp_path):
+    """Snapshots written before the metadata checksum existed (format 2) are read; new ones carry it."""
+    from atoll.coordinator.integrity import META_DIGEST
+
+    path = persistence.save(tmp_path, snap(2))
+    rewrite_metadata(path, format=lambda _: "atoll-state-2", **{META_DIGEST: None})
+    assert persistence.load(tmp_path).round == 2
+    rewrite_metadata(path, format=lambda _: persistence.FORMAT)
+    with pytest.raises(persistence.StateError, match="metadata has no checksum"):
+        persistence.load(tmp_path)

@@ -16,6 +16,7 @@ page also takes ``?token=``, since a browser cannot set the header on a link).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hmac
 import ipaddress
 import json
@@ -101,8 +102,15 @@ class _StateCollector:
             "atoll_round_seconds", "Total seconds rounds were open", value=sum(h["seconds_open"] for h in s.history)
         )
         yield GaugeMetricFamily(
-            "atoll_inflight_bytes", "Push bytes held now (streaming or staged)", value=s.accumulator.budget.used
+            "atoll_inflight_bytes",
+            "Push bytes held now: declared by admitted streams, or staged",
+            value=s.accumulator.budget.used,
         )
+
+
+def json_response(data) -> web.Response:
+    """Strict JSON (no NaN or Infinity, which JSON parsers, the dashboard's included, refuse)."""
+    return web.json_response(data, dumps=functools.partial(json.dumps, allow_nan=False))
 
 
 def _is_loopback(host: str) -> bool:
@@ -184,7 +192,7 @@ class AdminServer:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(status_json(self.server, self.started_at))
+        return json_response(status_json(self.server, self.started_at))
 
     async def evict(self, request: web.Request) -> web.Response:
         island = request.match_info["island"]
@@ -193,12 +201,12 @@ class AdminServer:
                 self.state.evict(island)
             except KeyError:
                 raise web.HTTPNotFound(text=f"no island {island!r} in the run\n") from None
-        return web.json_response({"evicted": island, "round": self.state.round})
+        return json_response({"evicted": island, "round": self.state.round})
 
     async def set_config(self, request: web.Request) -> web.Response:
         try:
             values = await request.json()
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: absurdly deep nesting
             raise web.HTTPBadRequest(text="the body must be a JSON object of operational fields\n") from None
         if not isinstance(values, dict):
             raise web.HTTPBadRequest(text="the body must be a JSON object of operational fields\n")
@@ -208,7 +216,7 @@ class AdminServer:
             except (ConfigMismatch, ValueError) as err:
                 raise web.HTTPBadRequest(text=f"{err}\n") from None
         config = dataclasses.asdict(self.state.config)
-        return web.json_response({"changed": changes, "operational": {k: config[k] for k in OPERATIONAL_FIELDS}})
+        return json_response({"changed": changes, "operational": {k: config[k] for k in OPERATIONAL_FIELDS}})
 
 
 def status_json(server, started_at: float) -> dict:

@@ -68,37 +68,17 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.run_id or len(self.run_id) > 128:
             raise ValueError(f"run_id must be 1..128 characters, got {self.run_id!r}")
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
-        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
-            raise ValueError(f"outer_lr must be a positive number, got {self.outer_lr}")
-        if not (0.0 <= self.outer_momentum < 1.0):
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        for name, bounds in RANGES.items():
+            check_range(name, getattr(self, name), *bounds)
         for field in ("codec", "downlink_codec"):
             try:
                 get_codec(getattr(self, field))
             except ValueError as err:
                 raise ValueError(f"{field}: {err}") from None
-        if not 0 < self.error_feedback_decay <= 1:
-            raise ValueError(f"error_feedback_decay must be in (0, 1], got {self.error_feedback_decay}")
         if self.late_policy not in ("drop", "fold"):
             raise ValueError(f"late_policy must be 'drop' or 'fold', got {self.late_policy!r}")
-        if not 0 < self.staleness_weight <= 1:
-            raise ValueError(f"staleness_weight must be in (0, 1], got {self.staleness_weight}")
-        if self.max_staleness < 1:
-            raise ValueError(f"max_staleness must be >= 1, got {self.max_staleness}")
         if self.aggregation not in ("mean", "clipped_mean", "median"):
             raise ValueError(f"aggregation must be mean, clipped_mean or median, got {self.aggregation!r}")
-        if self.clip_norm < 0 or self.max_delta_norm < 0:
-            raise ValueError("clip_norm and max_delta_norm must be >= 0")
-        if self.quorum < 1:
-            raise ValueError(f"quorum must be >= 1, got {self.quorum}")
-        if not self.round_deadline_seconds > 0:
-            raise ValueError(f"round_deadline_seconds must be > 0, got {self.round_deadline_seconds}")
-        if not self.lease_seconds > 0:
-            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
-        if self.total_rounds < 0 or self.max_tokens_per_round < 0:
-            raise ValueError("total_rounds and max_tokens_per_round must be >= 0")
 
     @property
     def token_bound(self) -> int:
@@ -111,6 +91,49 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         return cls(**json.loads(text))
+
+
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+MAX_ISLANDS = 1_000_000
+"""The largest quorum a run may ask for."""
+
+RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    # field: (low, high, low included, high included). Each fits the field's wire type in
+    # RunConfigProto (int32, int64, uint64, double) and makes sense for a run; floats must be finite.
+    "sync_every": (1, INT32_MAX, True, True),
+    "outer_lr": (0.0, 100.0, False, True),
+    "outer_momentum": (0.0, 1.0, True, False),
+    "error_feedback_decay": (0.0, 1.0, False, True),
+    "staleness_weight": (0.0, 1.0, False, True),
+    "max_staleness": (1, 1000, True, True),
+    "clip_norm": (0.0, 1e30, True, True),
+    "max_delta_norm": (0.0, 1e30, True, True),
+    "quorum": (1, MAX_ISLANDS, True, True),
+    "round_deadline_seconds": (0.0, 1e7, False, True),
+    "lease_seconds": (0.0, 1e6, False, True),
+    "total_rounds": (0, 2**53, True, True),
+    "max_tokens_per_round": (0, 2**62, True, True),
+}
+"""Every numeric setting's allowed range: checked in one place (RunConfig itself), so the command
+line, ``POST /api/config`` and a restored snapshot all take the same values."""
+
+
+def check_range(name: str, value, low, high, low_in: bool, high_in: bool) -> None:
+    """ValueError naming the field and its range unless ``value`` is a finite number inside it."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    inside = (
+        is_number
+        and math.isfinite(value)
+        and (value >= low if low_in else value > low)
+        and (value <= high if high_in else value < high)
+    )
+    if not inside:
+        lo, hi = "[" if low_in else "(", "]" if high_in else ")"
+        raise ValueError(f"{name} must be in {lo}{_num(low)}, {_num(high)}{hi}, got {value!r}")
+
+
+def _num(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 MATH_FIELDS = (

@@ -102,6 +102,7 @@ class RunState:
         self.waiting = ""
         """What the open round waits for (the decider's last reason), for people."""
         self.lock = asyncio.Lock()
+        self._dir_lock: persistence.StateLock | None = None
 
     # ---- what the run is -----------------------------------------------------------------------
     @property
@@ -130,6 +131,15 @@ class RunState:
     def restore(self) -> bool:
         """Load the newest verified snapshot; True if there was one. StateError / ConfigMismatch
         (one line each) when the state dir cannot be trusted or does not fit the asked config."""
+        if self._dir_lock is None:  # one writer per state dir, from here until close()
+            self._dir_lock = persistence.StateLock(self.state_dir).acquire("starting a coordinator on it")
+        try:
+            return self._restore()
+        except BaseException:
+            self.close()
+            raise
+
+    def _restore(self) -> bool:
         snap = persistence.load(self.state_dir)
         if snap is None:
             return False
@@ -157,16 +167,19 @@ class RunState:
         short = self.accumulator.size_budget(specs)
         if short is not None:
             log.error(
-                "%s--max-inflight-bytes %d is below one fp32 push of this model (%d bytes): such pushes can never "
-                "complete; raise it (compressed pushes are smaller)",
+                "%s--max-inflight-bytes %d is below one fp32 push of this model (%d bytes): such pushes are "
+                "always refused; raise it (compressed pushes are smaller)",
                 self.name,
                 self.accumulator.budget.limit,
                 short,
             )
 
     def close(self) -> None:
-        """Wait for the update being written to the state dir (the server is stopping)."""
+        """Wait for the update being written to the state dir (the server is stopping); let go of it."""
         self.downlink.close()
+        if self._dir_lock is not None:
+            self._dir_lock.release()
+            self._dir_lock = None
 
     # ---- membership ------------------------------------------------------------------------------
     def join(self, req: JoinRequest) -> JoinAnswer:
@@ -257,7 +270,7 @@ class RunState:
         return self.pushes.plan(h)
 
     def open_stream(self, plan: PushPlan) -> Reservation:
-        return self.accumulator.open_stream(plan.island_id, plan.rank)
+        return self.accumulator.open_stream(plan.island_id, plan.rank, plan.num_bytes)
 
     def close_stream(self, plan: PushPlan) -> None:
         self.accumulator.close_stream(plan.island_id, plan.rank)

@@ -1,0 +1,116 @@
+"""A snapshot file checked before anything in it is trusted or allocated.
+
+- The safetensors header is read with bounds (its length against the file's), every tensor's dtype,
+  shape and byte range against each other and the file, with no overlaps.
+- Every tensor's bytes are checksummed as they lie in the file, a block at a time (nothing the size
+  of a tensor is allocated), so a damaged or hand-made file declaring gigabytes is refused before it
+  is read into memory; what passes must still fit in this machine's memory.
+- The metadata (config, round, membership, history, ...) carries a checksum of its own, so rewriting
+  a field (outer_lr 0.7 -> 7.0) without the tensors is refused like a flipped bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+
+META_DIGEST = "meta_digest"
+MAX_HEADER_BYTES = 100 << 20
+READ_BLOCK = 8 << 20
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class IntegrityError(ValueError):
+    """What is wrong with the file, in a few words."""
+
+
+def metadata_digest(metadata: dict[str, str]) -> str:
+    """CRC-32C of the metadata's canonical JSON (without the digest itself)."""
+    body = json.dumps({k: v for k, v in metadata.items() if k != META_DIGEST}, sort_keys=True).encode()
+    return f"{google_crc32c.value(body):08x}"
+
+
+def memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_file(path: Path, *, require_meta_digest: bool) -> dict[str, str]:
+    """Check ``path`` as described above; returns its metadata. IntegrityError otherwise."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise IntegrityError(f"{size} bytes: too short for a header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise IntegrityError(f"header of {n} bytes in a file of {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError):
+            raise IntegrityError("header is not JSON") from None
+    if not isinstance(header, dict):
+        raise IntegrityError("header is not a JSON object")
+    metadata = header.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise IntegrityError("metadata is not a string map")
+    recorded = metadata.get(META_DIGEST)
+    if recorded is None and require_meta_digest:
+        raise IntegrityError("metadata has no checksum")
+    if recorded is not None and recorded != metadata_digest(metadata):
+        raise IntegrityError(f"metadata fails its checksum (crc32c {metadata_digest(metadata)}, recorded {recorded})")
+    spans = _spans(header, size - 8 - n)
+    total = sum(end - begin for begin, end in spans.values())
+    if total > memory_bytes():
+        raise IntegrityError(f"its tensors declare {total} bytes, more than this machine's memory")
+    try:
+        digests = json.loads(metadata.get("digests", "{}"))
+    except ValueError:
+        raise IntegrityError("metadata digests are not JSON") from None
+    if set(digests) != set(spans):
+        raise IntegrityError(f"tensors {sorted(set(spans) ^ set(digests))[:3]} have no checksum or no data")
+    _check_digests(path, 8 + n, spans, digests)
+    return metadata
+
+
+def _spans(header: dict, data_bytes: int) -> dict[str, tuple[int, int]]:
+    spans = {}
+    for key, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            numel = math.prod(int(d) for d in shape)
+            want = numel * DTYPE_BYTES[dtype]
+        except (KeyError, TypeError, ValueError):
+            raise IntegrityError(f"tensor {key}: malformed entry") from None
+        if any(int(d) < 0 for d in shape) or not 0 <= begin <= end <= data_bytes or end - begin != want:
+            raise IntegrityError(
+                f"tensor {key}: {dtype}{list(shape)} needs {want} bytes, spans {begin}..{end} of {data_bytes}"
+            )
+        spans[key] = (begin, end)
+    ordered = sorted(spans.values())
+    if any(a_end > b_begin for (_, a_end), (b_begin, _) in zip(ordered, ordered[1:], strict=False)):
+        raise IntegrityError("tensors overlap")
+    return spans
+
+
+def _check_digests(path: Path, base: int, spans: dict[str, tuple[int, int]], digests: dict[str, str]) -> None:
+    """Each tensor's CRC-32C, read a block at a time into one small buffer (nothing the size of a
+    tensor is allocated or mapped)."""
+    block = np.empty(READ_BLOCK, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        for key, (begin, end) in sorted(spans.items(), key=lambda kv: kv[1]):
+            f.seek(base + begin)
+            crc, left = 0, end - begin
+            while left:
+                got = f.readinto(memoryview(block)[: min(left, READ_BLOCK)])
+                if not got:
+                    raise IntegrityError(f"tensor {key}: the file ends inside it")
+                crc = google_crc32c.extend(crc, block[:got])  # a numpy view: crc32c takes it as is
+                left -= got
+            if f"{crc:08x}" != digests[key]:
+                raise IntegrityError(f"tensor {key} fails its checksum (crc32c {crc:08x}, recorded {digests[key]})")
