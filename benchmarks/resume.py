@@ -41,7 +41,9 @@ def admin_status(admin_file: Path) -> dict:
         return json.loads(r.read())
 
 
-def run(work: Path, args, kill: bool) -> dict:
+def run(work: Path, args, kill: bool, sig: int = signal.SIGKILL) -> dict:
+    """One run; with ``kill``, island i1 gets ``sig`` a little into the round after
+    ``args.kill_after_round`` and is restarted with the same command."""
     admin_file = work / "admin.port"
     out: dict = {"round_seconds": [], "checkpoint_seconds": []}
     with ProcessGroup(work) as group:
@@ -77,9 +79,10 @@ def run(work: Path, args, kill: bool) -> dict:
                 ):
                     time.sleep(args.kill_delay)  # a few inner steps into the next round
                     before = {i["island"]: i for i in admin_status(admin_file)["islands"]}["i1"]["rounds_committed"]
-                    proc.signal(signal.SIGKILL)
+                    proc.signal(sig)
                     killed_at = time.monotonic()
-                    proc.wait(30)
+                    out["killed_exit"] = proc.wait(60)
+                    out["exit_seconds"] = time.monotonic() - killed_at
                     islands["i1"] = group.start("i1-restarted", island_cmd(address, "i1", work / "ckpt", args))
                     while True:  # the coordinator accepts i1's next push
                         now = {i["island"]: i for i in admin_status(admin_file)["islands"]}["i1"]
@@ -104,14 +107,16 @@ def main() -> None:
     p.add_argument("--sync-every", type=int, default=30, help="H (default: 30)")
     p.add_argument("--kill-after-round", type=int, default=1, help="kill i1 in the round after this one (default: 1)")
     p.add_argument("--kill-delay", type=float, default=0.3, help="seconds into that round (default: 0.3)")
+    p.add_argument("--signal", choices=["KILL", "TERM"], default="KILL", help="what i1 gets (default: KILL)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="atoll-resume-") as tmp:
         ref = run(Path(tmp) / "ref", args, kill=False)
-        got = run(Path(tmp) / "killed", args, kill=True)
+        got = run(Path(tmp) / "killed", args, kill=True, sig=getattr(signal, f"SIG{args.signal}"))
     print(
-        f"{args.rounds} rounds of H={args.sync_every}, 2 islands with --checkpoint-dir, i1 SIGKILLed in round "
+        f"{args.rounds} rounds of H={args.sync_every}, 2 islands with --checkpoint-dir, i1 SIG{args.signal} in round "
         f"{args.kill_after_round + 1} and restarted with the same command"
     )
+    print(f"i1 exited {got['killed_exit']} {got['exit_seconds']:.2f}s after the signal")
     print(f"final θ, uninterrupted: {ref['digest'][:16]} (round {ref['round']})")
     print(
         f"final θ, killed + resumed: {got['digest'][:16]} (round {got['round']})  "

@@ -91,6 +91,37 @@ def test_progress_on_a_terminal_and_json_lines_otherwise():
     assert json.loads(pipe.getvalue())["bytes_sent"] == 2_488_000  # one JSON object per line, nothing else
 
 
+def test_without_a_terminal_a_progress_line_comes_at_most_every_interval_between_syncs():
+    """(Before: under nohup, Slurm or Kubernetes the island printed nothing between syncs: a 124M
+    island stayed silent 90 s.)"""
+    import io
+
+    from conftest import FakeClock
+
+    from atoll.workload.progress import Reporter
+
+    class FakeSync:
+        round, round_steps, sync_every = 3, 5, 20
+
+    clock, pipe = FakeClock(), io.StringIO()
+    r = Reporter("json", lead=True, island="i", stream=pipe, progress_seconds=30.0, clock=clock)
+    for _ in range(10):  # 10 steps of 2 s: 20 s, no line yet
+        clock.now += 2.0
+        r.step(FakeSync(), 2.5, 1024, 2.0)
+    assert pipe.getvalue() == ""
+    for _ in range(10):
+        clock.now += 2.0
+        r.step(FakeSync(), 2.5, 1024, 2.0)
+    lines = [json.loads(line) for line in pipe.getvalue().splitlines()]
+    assert len(lines) == 1 and lines[0]["event"] == "progress"
+    assert (lines[0]["round"], lines[0]["step"], lines[0]["tokens_per_second"]) == (3, 5, 512.0)
+    assert lines[0]["next_sync_seconds"] == 30.0  # 15 steps left at 2 s
+    r.event("round", round=3)  # any line restarts the interval
+    clock.now += 29.0
+    r.step(FakeSync(), 2.5, 1024, 2.0)
+    assert len(pipe.getvalue().splitlines()) == 2
+
+
 @pytest.mark.timeout(180)
 def test_ctrl_c_leaves_the_run_with_one_line_and_a_model_mismatch_is_one_line(group, tmp_path):
     coord, address = group.start_coordinator(tmp_path / "state", coordinator_flags(sync_every=500, quorum=1))

@@ -140,22 +140,28 @@ def test_a_state_of_another_island_is_refused(start_server):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_sigkilled_island_process_resumes_from_its_checkpoint_bitwise(tmp_path):
-    """``atoll island --checkpoint-dir``, SIGKILLed a few steps into round 2 and restarted with the
-    same command: the run ends with bitwise the θ (and the per-round losses) of the run that was never
-    interrupted (model and AdamW state via torch.distributed.checkpoint, data position, RNG, DiLoCo
-    state). benchmarks/resume.py measures heal time and checkpoint cost on the same code."""
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_an_island_process_killed_or_preempted_resumes_from_its_checkpoint_bitwise(tmp_path, sig):
+    """``atoll island --checkpoint-dir``, SIGKILLed (or SIGTERMed: preempted) a few steps into round 2
+    and restarted with the same command: the run ends with bitwise the θ (and the per-round losses)
+    of the run that was never interrupted (model and AdamW state via torch.distributed.checkpoint, data
+    position, RNG, DiLoCo state). On SIGTERM the island checkpoints where it stands, leaves and exits
+    143 within seconds (a Kubernetes or Slurm grace period is 30 s by default).
+    benchmarks/resume.py measures heal time and checkpoint cost on the same code."""
     import argparse
+    import signal
 
     from benchmarks.resume import run
 
     args = argparse.Namespace(rounds=4, sync_every=10, kill_after_round=1, kill_delay=0.2)
     ref = run(tmp_path / "ref", args, kill=False)
-    got = run(tmp_path / "killed", args, kill=True)
+    got = run(tmp_path / "killed", args, kill=True, sig=getattr(signal, sig))
     assert got["round"] == ref["round"] == 4
     assert got["digest"] == ref["digest"]
     assert [h["loss"] for h in got["history"]] == [h["loss"] for h in ref["history"]]
     assert got["heal_seconds"] < 60
+    if sig == "SIGTERM":
+        assert got["killed_exit"] == 143 and got["exit_seconds"] < 15.0, got
 
 
 def test_the_same_process_rejoins_a_restarted_coordinator(tmp_path):
@@ -175,3 +181,49 @@ def test_the_same_process_rejoins_a_restarted_coordinator(tmp_path):
     finally:
         sync.close()
         srv.stop()
+
+
+# ---- SIGTERM: Slurm preemption, Kubernetes pod deletion ---------------------------------------------
+def test_sigterm_stops_at_the_end_of_the_step_and_the_with_block_leaves_the_run(start_server):
+    """(Before: only Ctrl-C left; a preempted island held its round for a whole lease.)"""
+    import os
+    import signal
+
+    from atoll.islands.errors import Preempted
+
+    srv = start_server(config())
+    model, opt, sync = island(srv.address, island_id="pre")
+    data = batches(H + 2)
+    with pytest.raises(Preempted) as info, sync:
+        for i, b in enumerate(data):
+            if i == H + 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler only flags: this step completes
+            sync.step(tokens=32, loss=inner_step(model, opt, b))
+    assert info.value.code == 143 and sync.inner_steps == H + 2 and [h.round for h in sync.history] == [0]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back by close()
+    assert srv.inspect(lambda s: s.states()) == {"pre": "left"}
+
+
+def test_sigterm_while_waiting_for_the_outer_step_keeps_the_exchange_for_a_checkpoint(start_server, raw_island):
+    import os
+    import signal
+
+    from atoll.islands.errors import Preempted
+
+    srv = start_server(config(quorum=2))
+    model, opt, sync = island(srv.address, island_id="pre", pull_wait_seconds=0.5)
+    sync.start()
+    other = raw_island(srv.address, "other", {n: tuple(p.shape) for n, p in model.named_parameters()})
+    other.join()  # live, never pushes: the round waits for it
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(Preempted):
+            for b in batches(H):
+                sync.step(tokens=32, loss=inner_step(model, opt, b))
+        assert time.monotonic() - started < 10.0
+        sd = sync.state_dict()  # what the reference island checkpoints before leaving
+        assert [f["round"] for f in sd["flights"]] == [0] and sd["links"][0]["round"] == 0
+    finally:
+        sync.close()
+    assert srv.inspect(lambda s: s.accumulator.committed_islands()) == ["pre"]  # its push counts

@@ -72,3 +72,27 @@ def test_stall_says_what_would_unblock_the_round():
     why = stall(6.0, state, policy)
     assert "cannot reach quorum 2" in why and "gone: b" in why and "--quorum 1" in why
     assert stall(6.0, RoundView(round=4, opened_at=0.0, islands=()), policy) is None  # nobody there yet
+
+
+def test_a_waiting_round_is_logged_when_it_changes_and_reminded_every_30_seconds():
+    """(Before: "round 817: 1 committed, waiting for site-a (585.4s to deadline)" every second, about
+    600 lines per waiting round, since the countdown changed the text.)"""
+    from atoll.coordinator.closing import Reminder, waiting_key
+
+    policy = RoundPolicy(quorum=1, deadline_seconds=600.0)
+    r, logged = Reminder(every=30.0), []
+    for t in range(600):  # a.committed, b live and missing for ten minutes; decide's text changes each second
+        v = RoundView(
+            round=817,
+            opened_at=0.0,
+            islands=(
+                IslandView(island_id="a", lease_expires_at=1e9, committed=True),
+                IslandView(island_id="b", lease_expires_at=1e9, committed=False),
+            ),
+        )
+        decide(float(t), v, policy)
+        if r.due(float(t), waiting_key(v, float(t))):
+            logged.append(t)
+    assert logged == list(range(0, 600, 30))
+    v = RoundView(round=817, opened_at=0.0, islands=(IslandView(island_id="a", lease_expires_at=1e9, committed=True),))
+    assert r.due(600.5, waiting_key(v, 600.5))  # b left: a change, logged at once

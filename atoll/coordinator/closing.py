@@ -18,6 +18,32 @@ from atoll.coordinator.rounds import Decision, IslandView, RoundView, decide, ne
 
 log = logging.getLogger("atoll.coordinator")
 
+REMIND_SECONDS = 30.0
+"""While a round waits and nothing changes, its state is logged again at most this often."""
+
+
+class Reminder:
+    """When a waiting round is worth a log line: when what it waits for changes (its round, who
+    committed, who it waits for), and otherwise every ``every`` seconds; /api/status has the live detail."""
+
+    def __init__(self, every: float = REMIND_SECONDS) -> None:
+        self.every = every
+        self._key: object = None
+        self._at = float("-inf")
+
+    def due(self, now: float, key: object) -> bool:
+        if key != self._key or now - self._at >= self.every:
+            self._key, self._at = key, now
+            return True
+        return False
+
+
+def waiting_key(v: RoundView, now: float) -> tuple:
+    """What a waiting round's log line is about: the round, who committed, who is live and missing."""
+    committed = tuple(sorted(i.island_id for i in v.islands if i.committed))
+    missing = tuple(sorted(i.island_id for i in v.islands if not i.committed and i.lease_expires_at > now))
+    return v.round, committed, missing
+
 
 def view(s: RunState) -> RoundView:
     committed = s.accumulator.committed
@@ -36,7 +62,7 @@ def view(s: RunState) -> RoundView:
 async def run_decider(s: RunState) -> None:
     """Background task: close rounds when ``decide`` says so, retry a pending save, log what the round
     waits for and when it cannot close at all."""
-    last_reason = ""
+    reminder = Reminder()
     while True:
         timeout = 1.0
         for rec in s.membership.newly_expired():
@@ -59,9 +85,8 @@ async def run_decider(s: RunState) -> None:
                 await s.close_round(reason)
                 continue
             s.waiting = reason
-            if reason != last_reason:
+            if reminder.due(now, waiting_key(v, now)):
                 log.info("%s%s", s.name, reason)
-                last_reason = reason
             stuck = stall(now, v, s.policy())
             if stuck != s.stall:
                 if stuck:

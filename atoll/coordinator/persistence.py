@@ -101,8 +101,7 @@ def snapshot_paths(state_dir: Path) -> list[Path]:
     stray = sorted(p.name for p in found if not SNAPSHOT_NAME.fullmatch(p.name))
     if stray:
         raise StateError(
-            f"{d} holds {stray[0]}, which is not a snapshot name (snapshot-<8-digit round>.safetensors); "
-            "move it away"
+            f"{d} holds {stray[0]}, which is not a snapshot name (snapshot-<8-digit round>.safetensors); move it away"
         )
     return sorted(found, key=read_round)
 

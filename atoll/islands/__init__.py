@@ -10,7 +10,7 @@
 
 from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands.diloco import DiLoCo
-from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable
+from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, Preempted
 from atoll.islands.flight import RoundStats
 from atoll.islands.link import CoordinatorLink, Transport
 from atoll.islands.options import DiLoCoOptions
@@ -23,6 +23,7 @@ __all__ = [
     "CoordinatorUnreachable",
     "DiLoCo",
     "DiLoCoOptions",
+    "Preempted",
     "RetryPolicy",
     "RoundStats",
     "Transport",

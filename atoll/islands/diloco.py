@@ -20,12 +20,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import signal
+import threading
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from atoll.islands import resume
+from atoll.islands.errors import Preempted
 from atoll.islands.flight import Exchanges, Flight, RoundStats
 from atoll.islands.link import CoordinatorLink
 from atoll.islands.options import DiLoCoOptions
@@ -83,6 +86,9 @@ class DiLoCo:
         self._schedule: Schedule | None = None
         self._exchanges: Exchanges | None = None
         self._resume: dict | None = None
+        self._sigterm = None
+        """The SIGTERM handler this object replaced while it is started (None: it installed none)."""
+        self._preempted = False
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> DiLoCo:
@@ -117,6 +123,7 @@ class DiLoCo:
             link.close(leave=False)  # a failed start must not keep the island alive on the coordinator
             raise
         self._routes, self._schedule, self._exchanges = routes, schedule, exchanges
+        self._watch_sigterm()
         schedule.begin(routes.sync_every)
         if self._resume is not None:
             for count, sd in zip(schedule.links, self._resume["links"], strict=True):
@@ -135,6 +142,9 @@ class DiLoCo:
         for it and apply it)."""
         if self._routes is None:
             return
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
         self.link.stopping.set()
         if self._exchanges.in_flight():
             log.warning("%s: closing with round %d's exchange in flight; abandoned", self.island_id, self.round)
@@ -190,6 +200,33 @@ class DiLoCo:
     def _sessions(self) -> list:
         return self._routes.sessions if self._routes else []
 
+    # ---- SIGTERM ---------------------------------------------------------------------------------
+    def _watch_sigterm(self) -> None:
+        if not self.options.handle_sigterm or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # the program handles SIGTERM itself
+        self._sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """Only flags: the island stops at a safe point (the end of an inner step), and a wait for the
+        outer step gives up at its next poll."""
+        log.warning("%s: SIGTERM: stopping at the end of this inner step, then leaving the run", self.island_id)
+        self._preempted = True
+        self.link.stopping.set()
+
+    def _check_preempted(self) -> None:
+        """Raise Preempted at a safe point once SIGTERM arrived (on any rank of the island)."""
+        flag = self._preempted
+        if self._num_ranks > 1:  # the ranks stop at the same step, or their collectives would hang
+            t = torch.tensor([1.0 if flag else 0.0], device=self._routes.shards[0].local().device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.options.process_group)
+            flag = bool(t.item())
+        if flag:
+            self._preempted = True
+            self.link.stopping.set()
+            raise Preempted()
+
     # ---- training loop -------------------------------------------------------------------------
     def step(self, tokens: int = 0, loss: float | None = None) -> RoundStats | None:
         """Call after each inner optimizer step. Returns a round's stats when one completed (its
@@ -206,13 +243,14 @@ class DiLoCo:
         for flight in self._exchanges.in_flight():
             if self.inner_steps - flight.pushed_at >= self.options.overlap_steps:
                 done = self._finish(flight)
-        if self.run_complete:
-            return done
-        due = self._due_links()
-        if due:
-            flight = self._begin(due)
-            if not self.options.overlap_steps:
-                done = self._finish(flight)
+        if not self.run_complete:
+            due = self._due_links()
+            if due:
+                flight = self._begin(due)
+                if not self.options.overlap_steps:
+                    done = self._finish(flight)
+        if self._sigterm is not None:
+            self._check_preempted()
         return done
 
     def _due_links(self) -> list[int]:
@@ -245,6 +283,12 @@ class DiLoCo:
         return self._exchanges.begin(indices, self.inner_steps, None if hook is None else lambda: hook(self))
 
     def _finish(self, flight: Flight) -> RoundStats:
+        if self._preempted:
+            if flight.thread is not None:  # the background wait gives up at its next poll
+                flight.thread.join()
+                flight.thread = None
+            if flight.error is not None:
+                raise Preempted()  # the wait for the outer step gave up: the flight stays, for a checkpoint
         stats = self._exchanges.finish(flight, lambda: self.run_complete)
         self.history.append(stats)
         return stats

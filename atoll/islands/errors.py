@@ -24,3 +24,13 @@ class CoordinatorUnreachable(ConnectionError):
 class PartialUpdate(ConnectionError):
     """A pulled update broke off after some of its entries were applied: the island resyncs from the
     full θ (the applied part cannot be taken back)."""
+
+
+class Preempted(SystemExit):
+    """SIGTERM arrived (Slurm preemption, Kubernetes pod deletion, ``kill``): :class:`DiLoCo` stopped at
+    the end of an inner step, or abandoned the exchange it was waiting on, so the island can save a
+    checkpoint and leave. A ``SystemExit`` with code 143 (128 + SIGTERM): unhandled, the process exits
+    with it once ``with DiLoCo(...)`` has left the run."""
+
+    def __init__(self) -> None:
+        super().__init__(143)

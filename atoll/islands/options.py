@@ -52,6 +52,12 @@ class DiLoCoOptions:
     the coordinator counts then always has a durable checkpoint behind it, so an island killed at any
     moment resumes exactly."""
 
+    handle_sigterm: bool = True
+    """From ``start()`` to ``close()``, SIGTERM (Slurm preemption, Kubernetes pod deletion) makes
+    ``step()`` raise :class:`~atoll.islands.errors.Preempted` at the end of the inner step, or abandon
+    the outer step it waits for: leaving the ``with`` block then leaves the run. Only in the main thread,
+    and only where no other SIGTERM handler is set."""
+
     def __post_init__(self) -> None:
         if self.codec is not None:
             get_codec(self.codec)  # ValueError with the reason for a bad spec

@@ -27,6 +27,8 @@ from atoll.protos.status import reason_of
 
 log = logging.getLogger("atoll.island")
 
+LEAVE_SECONDS = 10.0
+"""Leaving tries this long at most: a process stopping (a scheduler's grace period) must not hang on it."""
 MAX_RESYNCS = 3
 """Full-θ pulls after a broken update before giving up (a coordinator sending corrupt data)."""
 WAIT_WARN_SECONDS = 60.0
@@ -114,7 +116,7 @@ class Session:
         try:
             self.client.leave(
                 pb.LeaveRequest(run_id=m.run_id, island_id=m.island_id, session_id=m.session_id),
-                give_up_seconds=self.client.retry.rpc_timeout_seconds,
+                give_up_seconds=min(self.client.retry.rpc_timeout_seconds, LEAVE_SECONDS),
             )
         except grpc.RpcError as err:
             log.warning("leave failed on shard %d: %s", self.index, err.details())

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from atoll.data import CharDataset
 from atoll.data.tokens import TokenDataset
 from atoll.islands import ClientTls, CoordinatorClient, CoordinatorLink, DiLoCo, RetryPolicy
+from atoll.islands.errors import Preempted
 from atoll.memory import tune_for_bulk_buffers
 from atoll.models import PRESETS, TinyGPT, preset
 from atoll.workload.hooks import IslandHooks
@@ -96,6 +97,9 @@ class IslandArgs:
     """Streaming DiLoCo: the coordinator's fragments (--fragments P) sync on staggered schedules."""
     progress: str = "auto"
     """auto (a progress line on a terminal, JSON lines otherwise), terminal or json."""
+    progress_seconds: float = 30.0
+    """Without a terminal: a progress line (step, loss, tokens/s, time to the next sync) at most this
+    often between syncs (seconds; 0: none)."""
     token: str = ""
     """This island's bearer token (when the coordinator runs with --island-tokens)."""
     tls_ca: str = ""
@@ -116,6 +120,8 @@ class IslandArgs:
             raise ValueError(f"parallel must be one of {MODES}, got {self.parallel!r}")
         if self.model not in PRESETS:
             raise ValueError(f"model must be one of {', '.join(PRESETS)}, got {self.model!r}")
+        if not (math.isfinite(self.progress_seconds) and self.progress_seconds >= 0):
+            raise ValueError(f"progress_seconds must be a finite number >= 0, got {self.progress_seconds}")
         if self.progress not in ("auto", "terminal", "json"):
             raise ValueError(f"progress must be auto, terminal or json, got {self.progress!r}")
         if min(self.n_layer, self.n_embd, self.n_head, self.block_size, self.vocab_size, self.lr_warmup_steps) < 0:
@@ -236,8 +242,9 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         coordinator counts has a checkpoint behind it."""
         if args.dump_dir and sync.round == 0:
             _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
-        if ckpt is None:
-            return None
+        return save_checkpoint(sync) if ckpt is not None else None
+
+    def save_checkpoint(sync: DiLoCo):
         started = time.perf_counter()
         extra = {
             "diloco": sync.state_dict(),
@@ -290,11 +297,17 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         torch.set_rng_state(resumed["torch_rng"])
         if resumed["cuda_rng"]:
             torch.cuda.set_rng_state_all(resumed["cuda_rng"])
-    reporter = Reporter(args.progress, lead=layout.rank == 0, island=args.island_id)
+    reporter = Reporter(
+        args.progress, lead=layout.rank == 0, island=args.island_id, progress_seconds=args.progress_seconds
+    )
     try:
         sync.start()
         _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, checkpoint_seconds)
         done = {"round": sync.round, "run_complete": sync.run_complete}
+    except Preempted:  # SIGTERM: checkpoint where it stands (mid-round too), leave, exit 143
+        done = {"round": sync.round, "run_complete": False, "preempted": True, "step": sync.inner_steps}
+        if ckpt is not None:
+            save_checkpoint(sync)
     finally:
         sync.close()
         if ckpt is not None:
@@ -302,7 +315,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         if dist.is_initialized():
             dist.destroy_process_group()
     reporter.event("done", **done)
-    return 0
+    return 143 if done.get("preempted") else 0
 
 
 def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, ckpt_seconds) -> None:
