@@ -99,6 +99,8 @@ def export(ns: argparse.Namespace) -> int:
         if snap is None:
             raise _fail(f"{d} holds no snapshot")
         params.update(snap.params)
+        for name, others in snap.aliases.items():  # tied weights: the same values under every name
+            params.update({alias: snap.params[name].clone() for alias in others})  # no shared storage in a file
         rounds.append(snap.round)
         run_id = snap.config.run_id
     ns.out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,3 +42,16 @@ def test_hugging_face_transformers_example(group, tmp_path):
     a, b = run_example(group, tmp_path, "hf_transformers.py", "hf", 10)
     assert a["digest"] == b["digest"]
     assert a["last_loss"] < a["first_loss"], a
+    # `atoll export` gives a file that loads strictly into the model the islands trained, tied
+    # lm_head.weight included, as the README says.
+    import subprocess
+
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    out = tmp_path / "gpt2.safetensors"
+    cmd = [sys.executable, "-m", "atoll", "export", "--state-dir", str(tmp_path / "state"), "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+    model.load_state_dict(load_file(str(out)), strict=True)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()

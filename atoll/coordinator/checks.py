@@ -15,6 +15,7 @@ from atoll.sharding import shard_of
 
 MAX_ID_LEN = 128
 MAX_RANKS = 65536
+MAX_ALIASES = 16
 PAYLOAD_SLACK = 65536
 """A payload may exceed 8 bytes per element by this much (headers, codec params)."""
 
@@ -96,6 +97,24 @@ def tensors(decls: tuple[TensorDecl, ...]) -> dict[str, tuple[int, ...]]:
     if not specs:
         raise invalid("the island lists no tensors")
     return specs
+
+
+def aliases_of(decls: tuple[TensorDecl, ...]) -> dict[str, tuple[str, ...]]:
+    """Tied weights: each tensor's other names (none may be a tensor's name or another's alias)."""
+    names = {t.name for t in decls}
+    seen: set[str] = set()
+    out = {}
+    for t in decls:
+        if not t.aliases:
+            continue
+        if len(t.aliases) > MAX_ALIASES:
+            raise invalid(f"tensor {t.name!r} lists {len(t.aliases)} aliases (at most {MAX_ALIASES})")
+        for a in t.aliases:
+            if not a or a in names or a in seen:
+                raise invalid(f"tensor {t.name!r}: alias {a!r} is empty, a tensor's name or listed twice")
+            seen.add(a)
+        out[t.name] = tuple(t.aliases)
+    return out
 
 
 def buffers_of(decls: tuple[TensorDecl, ...]) -> frozenset[str]:

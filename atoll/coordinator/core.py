@@ -153,7 +153,7 @@ class RunState:
         for line in changes:
             log.warning("%srestored run %s: %s (from the command line)", self.name, self.config.run_id, line)
         self.model.configure(self.config)
-        self.model.restore(snap.params, snap.extra, snap.buffers, snap.layout_digest)
+        self.model.restore(snap.params, snap.extra, snap.buffers, snap.layout_digest, snap.aliases)
         self.ledger.round, self.ledger.history = snap.round, snap.history
         self.ledger.opened_at = self.clock()
         self.membership.restore(snap.islands, snap.departed)
@@ -186,6 +186,7 @@ class RunState:
         checks.run_id(self.config, req.run_id)
         num_ranks = checks.join(req, self.shard, self.partition, self.config)
         specs = checks.tensors(req.tensors)
+        checks.aliases_of(req.tensors)
         model = self.model
         if model.ready:
             if self.partition == "layers" and req.layout_digest != model.layout_digest:
@@ -294,8 +295,8 @@ class RunState:
                 raise
             if isinstance(got, PushResult):
                 return got
-            params, specs, buffers, layout = got
-            self.model.define(specs, buffers, layout)
+            params, specs, buffers, layout, aliases = got
+            self.model.define(specs, buffers, layout, aliases)
             self.seal(Sealed(BOOTSTRAP, params, None, None, frozenset({plan.island_id})))
             log.info("%sbootstrapped θ_0 from island %s (%d tensors)", self.name, plan.island_id, len(params))
         await self.try_publish()
@@ -415,4 +416,5 @@ class RunState:
             self.shard,
             self.partition,
             self.model.layout_digest or "",
+            self.model.aliases,
         )

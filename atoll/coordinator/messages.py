@@ -26,6 +26,8 @@ class TensorDecl:
     dtype: torch.dtype | None
     """None: a dtype the wire names but this build does not know."""
     kind: str = PARAMETER
+    aliases: tuple[str, ...] = ()
+    """Other names of the same tensor in the model's state_dict (tied weights)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,6 +25,8 @@ class GlobalModel:
         self.buffers: frozenset[str] = frozenset()
         """Tensors that are floating-point buffers (averaged, no outer momentum)."""
         self.layout_digest: str | None = None
+        self.aliases: dict[str, tuple[str, ...]] = {}
+        """Tied weights: other state_dict names of a tensor (``atoll export`` writes every one)."""
         self.optimizer: NesterovSGD | None = None
         self.downlink_ef: dict[str, torch.Tensor] = {}
         """Downlink error feedback: what the lossy downlink codec did not send yet, per tensor."""
@@ -46,18 +48,26 @@ class GlobalModel:
     def fp32_bytes(self) -> int:
         return 4 * sum(math.prod(s) for s in self.specs.values())
 
-    def define(self, specs: dict[str, tuple[int, ...]], buffers: frozenset[str], layout_digest: str | None) -> None:
+    def define(
+        self,
+        specs: dict[str, tuple[int, ...]],
+        buffers: frozenset[str],
+        layout_digest: str | None,
+        aliases: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
         """Fix the model's tensors (θ_0 arrived): fresh outer optimizer and downlink error feedback."""
         self.specs, self.buffers, self.layout_digest = dict(specs), frozenset(buffers), layout_digest
+        self.aliases = dict(aliases or {})
         c = self._config
         shapes = {k: s for k, s in self.specs.items() if k not in self.buffers}
         self.optimizer = NesterovSGD(shapes, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
         self.downlink_ef = {k: torch.zeros(s) for k, s in self.specs.items()} if self.downlink.lossy else {}
         self._downlink_state = {}
 
-    def restore(self, params: dict[str, torch.Tensor], extra: dict[str, torch.Tensor], buffers, layout_digest) -> None:
+    def restore(self, params, extra: dict[str, torch.Tensor], buffers, layout_digest, aliases=None) -> None:
         """θ, momentum and downlink error feedback from a verified snapshot."""
-        self.define({k: tuple(v.shape) for k, v in params.items()}, frozenset(buffers), layout_digest or None)
+        specs = {k: tuple(v.shape) for k, v in params.items()}
+        self.define(specs, frozenset(buffers), layout_digest or None, aliases)
         self.optimizer.load_state_tensors(extra)
         for name in self.downlink_ef:
             self.downlink_ef[name] = extra[f"downlink_ef/{name}"]

@@ -66,6 +66,8 @@ class Snapshot:
     partition: str = "hash"
     layout_digest: str = ""
     """partition "layers": the whole model's layout digest every island must match."""
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Tied weights: a tensor's other names in the model's state_dict."""
 
 
 def digest(t: torch.Tensor) -> str:
@@ -160,6 +162,7 @@ def save(state_dir: Path, snap: Snapshot, *, keep: int | None = 2) -> Path:
         "shard": f"{snap.shard[0]}/{snap.shard[1]}",
         "partition": snap.partition,
         "layout_digest": snap.layout_digest,
+        "aliases": json.dumps({k: list(v) for k, v in snap.aliases.items()}, sort_keys=True),
         "digests": json.dumps({k: digest(v) for k, v in tensors.items()}, sort_keys=True),
     }
     metadata[META_DIGEST] = metadata_digest(metadata)
@@ -242,6 +245,7 @@ def verify(path: Path) -> Snapshot:
         shard = tuple(int(x) for x in meta["shard"].split("/"))
         partition = meta["partition"]
         layout = meta["layout_digest"]
+        aliases = {k: tuple(v) for k, v in json.loads(meta.get("aliases", "{}")).items()}
     except (KeyError, ValueError, TypeError) as err:
         raise bad(f"metadata unreadable ({type(err).__name__}: {err})") from None
     if round_ != read_round(Path(path)):
@@ -263,7 +267,11 @@ def verify(path: Path) -> Snapshot:
             raise bad(f"tensor param/{k} holds non-finite values")
     if not params or not set(buffers) <= set(params):
         raise bad("no parameters, or buffers that are not parameters")
-    return Snapshot(config, round_, params, extra, islands, history, departed, buffers, shard, partition, layout)
+    if not set(aliases) <= set(params):
+        raise bad("aliases of tensors that are not parameters")
+    return Snapshot(
+        config, round_, params, extra, islands, history, departed, buffers, shard, partition, layout, aliases
+    )
 
 
 def list_snapshots(state_dir: Path) -> list[tuple[int, Path, str | None]]:

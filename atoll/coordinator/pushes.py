@@ -35,8 +35,10 @@ from atoll.coordinator.staging import (
 
 log = logging.getLogger("atoll.coordinator")
 
-Theta0 = tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], frozenset[str], str | None]
-"""θ_0 as the bootstrap island sent it: (params, specs, buffers, layout digest)."""
+Theta0 = tuple[
+    dict[str, torch.Tensor], dict[str, tuple[int, ...]], frozenset[str], str | None, dict[str, tuple[str, ...]]
+]
+"""θ_0 as the bootstrap island sent it: (params, specs, buffers, layout digest, tied-weight aliases)."""
 
 
 class Pushes:
@@ -223,4 +225,4 @@ class Pushes:
                     params[entry.name][entry.region.slices()] = ident.decode(payload, entry.region.sizes)
         finally:
             release(ranks)
-        return params, specs, checks.buffers_of(rec.tensors), rec.layout_digest or None
+        return params, specs, checks.buffers_of(rec.tensors), rec.layout_digest or None, checks.aliases_of(rec.tensors)

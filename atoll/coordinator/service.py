@@ -106,7 +106,13 @@ def join_request(m: pb.JoinRequest) -> JoinRequest:
         session_id=m.session_id,
         codecs=tuple(m.codecs),
         tensors=tuple(
-            TensorDecl(canonical_name(t.name), tuple(t.shape), TORCH_FROM_PB.get(t.dtype), TENSOR_KINDS.get(t.kind))
+            TensorDecl(
+                canonical_name(t.name),
+                tuple(t.shape),
+                TORCH_FROM_PB.get(t.dtype),
+                TENSOR_KINDS.get(t.kind),
+                tuple(canonical_name(a) for a in t.aliases),
+            )
             for t in m.tensors
         ),
         num_ranks=m.num_ranks,

@@ -34,7 +34,7 @@ from atoll.islands.link import CoordinatorLink
 from atoll.islands.options import DiLoCoOptions
 from atoll.islands.routes import Routes
 from atoll.islands.schedule import Schedule
-from atoll.islands.shards import local_shards
+from atoll.islands.shards import local_shards, tied_aliases
 
 log = logging.getLogger("atoll.island")
 
@@ -102,7 +102,7 @@ class DiLoCo:
             src = dist.get_global_rank(o.process_group, 0) if o.process_group is not None else 0
             dist.broadcast_object_list(shared, src=src, group=o.process_group)
             link.session_id = shared[0]
-        routes = Routes(o, shards, link, self._rank, self._num_ranks)
+        routes = Routes(o, shards, link, self._rank, self._num_ranks, tied_aliases(self.model))
         schedule = Schedule(len(routes.sessions), streaming=o.streaming, sync_every_seconds=o.sync_every_seconds)
         exchanges = Exchanges(
             routes, schedule, overlap=bool(o.overlap_steps), group=o.process_group, token_group=o.token_group

@@ -29,10 +29,18 @@ log = logging.getLogger("atoll.island")
 
 class Routes:
     def __init__(
-        self, options: DiLoCoOptions, shards: list[LocalShard], link: CoordinatorLink, rank, num_ranks
+        self,
+        options: DiLoCoOptions,
+        shards: list[LocalShard],
+        link: CoordinatorLink,
+        rank: int,
+        num_ranks: int,
+        aliases: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
-        """Routes ``shards`` to the link's coordinator shards and opens the link (no call yet)."""
+        """Routes ``shards`` to the link's coordinator shards and opens the link (no call yet).
+        ``aliases``: tied weights' other names, declared at Join (``atoll export`` writes them)."""
         self.options = options
+        self.aliases = aliases or {}
         self.shards = shards
         self.link = link
         n = len(link.addresses)
@@ -86,7 +94,13 @@ class Routes:
                     seen.add(s.name)
                     kind = pb.TENSOR_KIND_BUFFER if s.kind == BUFFER else pb.TENSOR_KIND_PARAMETER
                     dtype = PB_FROM_TORCH[s.tensor.dtype]
-                    req.tensors.add(name=s.name, shape=list(s.tensor.shape), dtype=dtype, kind=kind)
+                    req.tensors.add(
+                        name=s.name,
+                        shape=list(s.tensor.shape),
+                        dtype=dtype,
+                        kind=kind,
+                        aliases=self.aliases.get(s.name, ()),
+                    )
             return req
 
         return build

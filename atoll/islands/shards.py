@@ -81,6 +81,15 @@ def synced_tensors(model: torch.nn.Module, *, buffers: bool = True) -> list[tupl
     return out
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Tied weights: for each parameter registered under several names (GPT-2's lm_head.weight is
+    transformer.wte.weight), its other canonical names; synced once under the first."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(canonical_name(name))
+    return {first: tuple(dict.fromkeys(n for n in rest if n != first)) for first, *rest in names.values() if rest}
+
+
 def local_shards(model: torch.nn.Module, group=None, *, buffers: bool = True) -> list[LocalShard]:
     """This rank's shards of ``model``'s synced tensors; collective over ``group`` when distributed."""
     named = synced_tensors(model, buffers=buffers)

@@ -110,16 +110,18 @@ UPDATE_KIND_FULL: UpdateKind
 UPDATE_KIND_DELTA: UpdateKind
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "kind")
+    __slots__ = ("name", "shape", "dtype", "kind", "aliases")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     kind: TensorKind
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunConfigProto(_message.Message):
     __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds", "error_feedback", "late_policy", "staleness_weight", "max_staleness", "aggregation", "clip_norm", "max_delta_norm", "error_feedback_decay", "total_rounds", "max_tokens_per_round")
