@@ -17,12 +17,12 @@ import grpc
 import pytest
 import torch
 from conftest import collect_events, coordinator_flags, inner_step, island_flags, make_diloco, post_json
+from small_island import H, batches, config, island
 
 from atoll.coordinator import RunConfig, persistence
 from atoll.coordinator.membership import IslandState, island_state
 from atoll.coordinator.pulls import wait_event
 from atoll.islands import CoordinatorRefused
-from atoll.islands.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason
 from atoll.protos.status import reason_of
@@ -110,31 +110,6 @@ def test_wait_event_is_cancelled_even_when_the_event_fires_in_the_same_iteration
         assert time.monotonic() - t >= 0.04
 
     asyncio.run(scenario())
-
-
-H = 4
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-
-
-def batches(n: int):
-    gen = torch.Generator().manual_seed(3)
-    return [(torch.randn(32, 8, generator=gen), torch.randn(32, 4, generator=gen)) for _ in range(n)]
-
-
-def config(**kw) -> RunConfig:
-    return RunConfig(run_id="t", sync_every=H, outer_lr=0.7, outer_momentum=0.9, **kw)
-
-
-def island(address, **kw):
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    kw.setdefault("island_id", "solo")
-    sync = make_diloco(model, address, run_id="t", retry=RetryPolicy(give_up_seconds=20), **kw)
-    return model, opt, sync
 
 
 # ---- operator control ----------------------------------------------------------------------------
