@@ -49,6 +49,7 @@ from atoll.coordinator.messages import (
     PushResult,
 )
 from atoll.coordinator.model import GlobalModel
+from atoll.coordinator.owners import Owners
 from atoll.coordinator.pulls import Pulls
 from atoll.coordinator.pushes import Pushes
 from atoll.coordinator.rounds import RoundPolicy
@@ -92,9 +93,9 @@ class RunState:
         self.model = GlobalModel(config)
         self.ledger = Ledger(clock())
         self.downlink = Downlink(self.state_dir)
-        owners = dict(membership=self.membership, accumulator=self.accumulator, model=self.model, ledger=self.ledger)
-        self.pushes = Pushes(lambda: self.config, clock=clock, name=name, **owners)
-        self.pulls = Pulls(lambda: self.config, downlink=self.downlink, waiting=lambda: self.waiting, **owners)
+        owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
+        self.pushes = Pushes(owners, clock=clock, name=name)
+        self.pulls = Pulls(owners, downlink=self.downlink, waiting=lambda: self.waiting)
         self.problem: str | None = None
         """Why the coordinator is unhealthy (a save failing), None when it is well."""
         self.stall: str | None = None

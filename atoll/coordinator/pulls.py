@@ -12,13 +12,9 @@ import math
 from collections.abc import Callable
 
 from atoll.coordinator import checks
-from atoll.coordinator.accumulator import RoundAccumulator
-from atoll.coordinator.config import RunConfig
 from atoll.coordinator.downlink import Downlink
-from atoll.coordinator.ledger import Ledger
-from atoll.coordinator.membership import Membership
 from atoll.coordinator.messages import PullAnswer, PullRequest, UpdateKind
-from atoll.coordinator.model import GlobalModel
+from atoll.coordinator.owners import Owners
 
 MAX_WAIT_SECONDS = 60.0
 
@@ -39,23 +35,11 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
 
 
 class Pulls:
-    def __init__(
-        self,
-        config: Callable[[], RunConfig],
-        *,
-        membership: Membership,
-        accumulator: RoundAccumulator,
-        model: GlobalModel,
-        ledger: Ledger,
-        downlink: Downlink,
-        waiting: Callable[[], str],
-    ) -> None:
+    def __init__(self, owners: Owners, *, downlink: Downlink, waiting: Callable[[], str]) -> None:
         """``waiting()``: what the open round waits for, for people (the decider's last reason)."""
-        self._config = config
-        self.membership = membership
-        self.accumulator = accumulator
-        self.model = model
-        self.ledger = ledger
+        self._config = owners.config
+        self.membership, self.accumulator = owners.membership, owners.accumulator
+        self.model, self.ledger = owners.model, owners.ledger
         self.downlink = downlink
         self.waiting = waiting
 

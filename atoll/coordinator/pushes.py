@@ -16,13 +16,11 @@ import torch
 
 from atoll.compression import WireFormatError, get_codec
 from atoll.coordinator import checks, robust
-from atoll.coordinator.accumulator import RoundAccumulator
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.errors import Reason, invalid, refuse
-from atoll.coordinator.ledger import BOOTSTRAP, Ledger
-from atoll.coordinator.membership import Membership
+from atoll.coordinator.ledger import BOOTSTRAP
 from atoll.coordinator.messages import PushHeader, PushKind, PushOutcome, PushResult
-from atoll.coordinator.model import GlobalModel
+from atoll.coordinator.owners import Owners
 from atoll.coordinator.staging import (
     Committed,
     PushClass,
@@ -42,22 +40,10 @@ Theta0 = tuple[
 
 
 class Pushes:
-    def __init__(
-        self,
-        config: Callable[[], RunConfig],
-        *,
-        membership: Membership,
-        accumulator: RoundAccumulator,
-        model: GlobalModel,
-        ledger: Ledger,
-        clock: Callable[[], float],
-        name: str = "",
-    ) -> None:
-        self._config = config
-        self.membership = membership
-        self.accumulator = accumulator
-        self.model = model
-        self.ledger = ledger
+    def __init__(self, owners: Owners, *, clock: Callable[[], float], name: str = "") -> None:
+        self._config = owners.config
+        self.membership, self.accumulator = owners.membership, owners.accumulator
+        self.model, self.ledger = owners.model, owners.ledger
         self.clock = clock
         self.name = name
 
