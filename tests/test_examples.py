@@ -19,7 +19,8 @@ def run_example(group, tmp_path, script: str, run_id: str, sync_every: int, extr
     )
     procs = []
     for island in ("site-a", "site-b"):
-        argv = [sys.executable, str(EXAMPLES / script), "--coordinator", address, "--island-id", island, *extra]
+        mine = [a.replace("{island}", island) for a in extra]
+        argv = [sys.executable, str(EXAMPLES / script), "--coordinator", address, "--island-id", island, *mine]
         procs.append(ManagedProcess(island, argv, group.work_dir))
         group.processes.append(procs[-1])
     codes = [p.wait(240) for p in procs]
@@ -30,9 +31,13 @@ def run_example(group, tmp_path, script: str, run_id: str, sync_every: int, extr
 
 @pytest.mark.timeout(300)
 def test_plain_pytorch_example(group, tmp_path):
-    a, b = run_example(group, tmp_path, "plain_pytorch.py", "example", 20)
+    ckpt = str(tmp_path / "ckpt-{island}")
+    a, b = run_example(group, tmp_path, "plain_pytorch.py", "example", 20, ["--checkpoint-dir", ckpt])
     assert a["digest"] == b["digest"]
     assert a["last_loss"] < 0.7 * a["first_loss"], a
+    for island in ("site-a", "site-b"):  # the library's checkpoint helper wrote one per push, complete
+        steps = sorted(p.name for p in (tmp_path / f"ckpt-{island}").glob("step-*") if (p / "done-0").exists())
+        assert steps[-1] == "step-0000000100", steps
 
 
 @pytest.mark.slow

@@ -6,11 +6,12 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 
 import pytest
 import torch
-from conftest import ServerThread, inner_step
-from small_island import H, batches, config, island
+from conftest import ServerThread, inner_step, make_diloco
+from small_island import H, batches, config, island, make_model
 
 from atoll.islands import DiLoCo
 
@@ -202,3 +203,42 @@ def test_sigterm_while_waiting_for_the_outer_step_keeps_the_exchange_for_a_check
     finally:
         sync.close()
     assert srv.inspect(lambda s: s.accumulator.committed_islands()) == ["pre"]  # its push counts
+
+
+def test_island_checkpoint_in_a_users_own_loop_resumes_bitwise(start_server, tmp_path):
+    """The library's checkpoint helper in a loop of the user's: model, AdamW, DiLoCo state, RNG and the
+    loop's data generator, saved at each push; a process that dies mid-round and a new one that loads
+    it end where the uninterrupted run does, bitwise."""
+    from atoll.islands import IslandCheckpoint
+
+    def run(address, ckpt_dir, steps, crash_at=None):
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(11)
+        ckpt = IslandCheckpoint(
+            ckpt_dir, model, opt, state=lambda: {"gen": gen.get_state()}, load_state=lambda s: gen.set_state(s["gen"])
+        )
+        sync = make_diloco(model, address, island_id="solo", before_push=ckpt.save)
+        resumed = ckpt.load(sync)
+        sync.start()
+        try:
+            while sync.inner_steps < steps:
+                if sync.inner_steps == crash_at:
+                    sync.close(leave=False)  # as if killed: no Leave, the lease lapses
+                    ckpt.wait()
+                    return None, resumed
+                x, y = torch.randn(32, 8, generator=gen), torch.randn(32, 4, generator=gen)
+                sync.step(tokens=32, loss=inner_step(model, opt, (x, y)))
+        finally:
+            sync.close()
+            ckpt.wait()
+        return theta(model), resumed
+
+    ref = start_server(config(), tmp_path / "ref")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (before: torch warned at every save that it assumed one process)
+        want, _ = run(ref.address, tmp_path / "ck-ref", 3 * H)
+    srv = start_server(config(), tmp_path / "run")
+    assert run(srv.address, tmp_path / "ck", 3 * H, crash_at=H + 2) == (None, False)
+    got, resumed = run(srv.address, tmp_path / "ck", 3 * H)
+    assert resumed and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -23,8 +23,17 @@ __all__ = [
     "CoordinatorUnreachable",
     "DiLoCo",
     "DiLoCoOptions",
+    "IslandCheckpoint",
     "Preempted",
     "RetryPolicy",
     "RoundStats",
     "Transport",
 ]
+
+
+def __getattr__(name: str):
+    if name == "IslandCheckpoint":  # torch.distributed.checkpoint costs ~1 s to import: only when asked for
+        from atoll.islands.checkpoint import IslandCheckpoint
+
+        return IslandCheckpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

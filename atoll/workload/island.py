@@ -231,31 +231,26 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
     per_rank = args.batch_size // layout.dp_size
     ckpt = None
     if args.checkpoint_dir:
-        from atoll.workload.checkpoint import IslandCheckpointer
+        from atoll.islands.checkpoint import IslandCheckpoint
 
-        ckpt = IslandCheckpointer(args.checkpoint_dir, rank=layout.rank, world=layout.world)
+        def load_state(s: dict) -> None:
+            sched.load_state_dict(s["scheduler"])
+            gen.set_state(s["generator"])
 
-    checkpoint_seconds = [0.0]  # of the training thread, per push (the writing runs in the background)
+        ckpt = IslandCheckpoint(
+            args.checkpoint_dir,
+            model,
+            opt,
+            state=lambda: {"scheduler": sched.state_dict(), "generator": gen.get_state()},
+            load_state=load_state,
+        )
 
     def before_push(sync: DiLoCo):
         """Checkpoint the island; the push waits for the write (returned), so every push the
         coordinator counts has a checkpoint behind it."""
         if args.dump_dir and sync.round == 0:
             _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
-        return save_checkpoint(sync) if ckpt is not None else None
-
-    def save_checkpoint(sync: DiLoCo):
-        started = time.perf_counter()
-        extra = {
-            "diloco": sync.state_dict(),
-            "scheduler": sched.state_dict(),
-            "generator": gen.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
-        ckpt.save(sync.inner_steps, model, opt, extra)
-        checkpoint_seconds[0] = time.perf_counter() - started
-        return ckpt.wait
+        return ckpt.save(sync) if ckpt is not None else None
 
     retry = RetryPolicy(give_up_seconds=args.give_up_seconds)
     token = args.token or None
@@ -289,25 +284,18 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         token_group=layout.dp_group,
         before_push=before_push if ckpt or args.dump_dir else None,
     )
-    resumed = ckpt.load(model, opt) if ckpt else None
-    if resumed is not None:
-        sync.load_state_dict(resumed["diloco"])
-        sched.load_state_dict(resumed["scheduler"])
-        gen.set_state(resumed["generator"])
-        torch.set_rng_state(resumed["torch_rng"])
-        if resumed["cuda_rng"]:
-            torch.cuda.set_rng_state_all(resumed["cuda_rng"])
+    resumed = ckpt.load(sync) if ckpt else False
     reporter = Reporter(
         args.progress, lead=layout.rank == 0, island=args.island_id, progress_seconds=args.progress_seconds
     )
     try:
         sync.start()
-        _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, checkpoint_seconds)
+        _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, ckpt)
         done = {"round": sync.round, "run_complete": sync.run_complete}
     except Preempted:  # SIGTERM: checkpoint where it stands (mid-round too), leave, exit 143
         done = {"round": sync.round, "run_complete": False, "preempted": True, "step": sync.inner_steps}
         if ckpt is not None:
-            save_checkpoint(sync)
+            ckpt.save(sync)
     finally:
         sync.close()
         if ckpt is not None:
@@ -318,7 +306,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
     return 143 if done.get("preempted") else 0
 
 
-def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, ckpt_seconds) -> None:
+def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, ckpt) -> None:
     device = layout.device
     start_eval = evaluate(model, data, device)
     digest = model_digest(model) if args.digest else None
@@ -330,7 +318,7 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, re
         digest=digest,
         ranks=layout.world,
         parallel=layout.mode,
-        resumed=resumed is not None,
+        resumed=resumed,
         run_complete=sync.run_complete,
     )
     round_mark = time.perf_counter()
@@ -369,7 +357,7 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, re
             dropped=stats.dropped,
             run_complete=stats.run_complete,
             gpu_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            checkpoint_seconds=ckpt_seconds[0],
+            checkpoint_seconds=ckpt.seconds if ckpt is not None else 0.0,
         )
 
     pushed_before = sync.rounds_pushed

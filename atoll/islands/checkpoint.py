@@ -1,4 +1,12 @@
-"""Island checkpoints: model, inner optimizer, LR schedule, data position, RNG and DiLoCo state.
+"""Island checkpoints: model, inner optimizer, DiLoCo state, RNG, and the loop's own state (data
+position, LR schedule), for an island to resume exactly.
+
+    ckpt = IslandCheckpoint("/ckpt/site-a", model, opt, state=lambda: {"data": sampler.state_dict()},
+                            load_state=lambda s: sampler.load_state_dict(s["data"]))
+    sync = DiLoCo(model, link, before_push=ckpt.save)
+    ckpt.load(sync)              # before start(): the newest complete checkpoint, if there is one
+    with sync:
+        ...                      # the loop; on SIGTERM (Preempted): ckpt.save(sync)() before leaving
 
 Saved at each push (``DiLoCo(before_push=...)``), written in the background (the push waits for the write,
 so every push the coordinator counts has a checkpoint), and loaded at start, so a
@@ -21,6 +29,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 log = logging.getLogger("atoll.island")
 
 PREFIX = "step-"
+SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -62,8 +72,12 @@ class IslandCheckpointer:
         self.wait()
         path = self.dir / f"{PREFIX}{step:010d}"
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        self._quiet()
         future = dcp.async_save(
-            {"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=self.group
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=str(path),
+            process_group=self.group,
+            no_dist=self.world == 1,  # one rank: say so, or torch warns at every save that it assumes it
         )
         self._thread = threading.Thread(target=self._finish, args=(future, path, extra), name="atoll-ckpt", daemon=True)
         self._thread.start()
@@ -111,6 +125,12 @@ class IslandCheckpointer:
             if p not in keep and p.name < newest.name:
                 shutil.rmtree(p, ignore_errors=True)
 
+    def _quiet(self) -> None:
+        """One rank: DCP warns at every save and load that it assumes a single process, even when told
+        so (no_dist=True), from its own writer thread; that one message is filtered (it is what we ask)."""
+        if self.world == 1:
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS, category=UserWarning)
+
     # ---- loading --------------------------------------------------------------------------------
     def latest(self) -> Path | None:
         """The newest complete checkpoint (rank 0 decides; every rank loads the same)."""
@@ -128,8 +148,74 @@ class IslandCheckpointer:
             return None
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        self._quiet()
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = torch.load(path / f"rank-{self.rank}.pt", weights_only=True)
         log.info("loaded the island checkpoint %s", path)
         return extra
+
+
+RNG = ("torch_rng", "cuda_rng")
+
+
+class IslandCheckpoint:
+    """What an island needs to resume exactly, through torch.distributed.checkpoint (sharded as the
+    island is: FSDP2 and TP DTensors included): the model, the inner optimizer, :class:`DiLoCo`'s state,
+    torch's RNG (CPU and CUDA) and ``state()``, the loop's own (data position, LR scheduler, generators;
+    tensors and plain Python values).
+
+    ``save(sync)`` is made for ``DiLoCo(before_push=...)``: it stages everything now, writes it in the
+    background and returns the wait for the write, which the push waits for (a push the coordinator
+    counts always has a checkpoint behind it). ``load(sync)``, before ``sync.start()``, restores the
+    newest complete checkpoint and returns True, or False when there is none. Collective over the
+    island's ranks (each writes its shards and its own DiLoCo state)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        model: torch.nn.Module,
+        optimizer,
+        *,
+        state=None,
+        load_state=None,
+        keep: int = 2,
+    ) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        self.writer = IslandCheckpointer(directory, rank=rank, world=world, keep=keep)
+        self.model, self.optimizer = model, optimizer
+        self.state, self.load_state = state, load_state
+        self.seconds = 0.0
+        """Time the last save took on the calling thread (staging; the write is in the background)."""
+
+    def save(self, sync):
+        """Stage the checkpoint now and write it in the background; returns the wait for the write."""
+        started = time.perf_counter()
+        extra = {
+            "diloco": sync.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "user": self.state() if self.state is not None else {},
+        }
+        self.writer.save(sync.inner_steps, self.model, self.optimizer, extra)
+        self.seconds = time.perf_counter() - started
+        return self.writer.wait
+
+    def load(self, sync) -> bool:
+        """Restore the newest complete checkpoint into the model, the optimizer, ``sync`` (not started)
+        and the RNG, and hand the loop's own state to ``load_state``; False when there is none."""
+        extra = self.writer.load(self.model, self.optimizer)
+        if extra is None:
+            return False
+        sync.load_state_dict(extra["diloco"])
+        torch.set_rng_state(extra["torch_rng"])
+        if extra["cuda_rng"]:
+            torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        if self.load_state is not None:
+            self.load_state(extra["user"])
+        return True
+
+    def wait(self) -> None:
+        """Block until the write in progress is done (before the process exits)."""
+        self.writer.wait()
