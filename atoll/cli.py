@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"atoll {_version()}")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log verbosity (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.subcommands = sub.choices
 
     coord = _subparser(sub, "coordinator", "run the coordinator daemon")
     coord.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
@@ -136,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-inflight-bytes",
         type=int,
         default=0,
-        help="push payload bytes held at once; past it pushes get RESOURCE_EXHAUSTED and retry "
-        "(default 0: twice the model's fp32 size, at least 256 MiB)",
+        help="push payload bytes admitted at once (declared at each push's header); past it pushes get "
+        "RESOURCE_EXHAUSTED before their data flows and retry (default 0: two whole fp32 pushes of the model, "
+        "at least 256 MiB)",
     )
     coord.add_argument(
         "--stream-idle-seconds", type=float, default=120.0, help="abort a push stream silent this long (default: 120)"
@@ -168,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help='JSON {"island-id": "token"}: islands must present their own bearer token',
+    )
+    coord.add_argument(
+        "--exit-when-complete",
+        action="store_true",
+        help="exit 0 by itself once the run is complete (--total-rounds) and every live island holds the "
+        "final θ (for batch schedulers)",
     )
     _add_dataclass_args(coord, RunConfig, track_given=True)
 
@@ -220,6 +228,7 @@ def _coordinator(ns: argparse.Namespace) -> int:
         admin={"host": ns.admin_host, "port": ns.admin_port, "token": ns.admin_token, "port_file": ns.admin_port_file},
         security=security,
         fragments=ns.fragments,
+        exit_when_complete=ns.exit_when_complete,
         options={
             "keep_snapshots": ns.keep_snapshots,
             "max_inflight_bytes": ns.max_inflight_bytes,
@@ -233,7 +242,9 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
     """``island_hooks``: seams of ``atoll island``'s loop (:class:`atoll.workload.hooks.IslandHooks`;
     the harness's entry point passes its fault hooks)."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top-level one
+        parser.subcommands[ns.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from atoll.coordinator.config import ConfigMismatch
     from atoll.coordinator.persistence import StateError

@@ -45,7 +45,9 @@ def format_status(s: dict) -> str:
         f" outer lr {run['outer_lr']} / momentum {run['outer_momentum']}, quorum {run['quorum']}",
         "health: " + ("ok" if s.get("healthy", True) else f"UNHEALTHY: {s.get('problem')}"),
     ]
-    if s.get("stall"):
+    if s.get("run_complete"):
+        pass  # nothing waits any more
+    elif s.get("stall"):
         lines.append(f"stalled: {s['stall']}")
     elif s.get("waiting"):
         lines.append(f"now: {s['waiting']}")

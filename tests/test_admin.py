@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
 import torch
 from conftest import post_json
@@ -90,6 +91,9 @@ def test_metrics_carry_loss_tokens_and_each_islands_state(start_server, raw_isla
     a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
     a.push({"w": torch.ones(2, 2)}, round_=0, tokens=640, loss=2.5)
     a.pull(0)
+    for shapes in ({"w": (3, 3)}, {"w": (2, 2)}):  # a wrong model, then a wrong run: refused, and counted
+        with pytest.raises(grpc.RpcError):
+            raw_island(srv.address, "x", shapes, run_id="t" if shapes["w"] == (3, 3) else "other").join()
     with urllib.request.urlopen(srv.server.admin.address + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     m = {
@@ -100,6 +104,7 @@ def test_metrics_carry_loss_tokens_and_each_islands_state(start_server, raw_isla
     assert m["atoll_round_loss{}"] == 2.5 and m["atoll_round_tokens{}"] == 640 and m["atoll_tokens_per_second{}"] > 0
     assert m['atoll_island_state{"island": "a", "state": "active"}'] == 1
     assert 0 <= m['atoll_island_last_push_age_seconds{"island": "a"}'] < 30
+    assert m["atoll_joins_refused_total{}"] == 2  # (before: refused joins were not counted anywhere)
 
 
 def test_lease_expiry_is_logged_and_fragment_lines_say_which(start_server, raw_island, tmp_path, caplog):

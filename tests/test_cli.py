@@ -156,3 +156,28 @@ def test_atoll_status_prints_the_run_at_a_glance(start_server, raw_island):
     assert "2.5000" in out.stdout and "640" in out.stdout
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "HTTP 401" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_wrong_flag_gets_the_subcommands_usage(capsys):
+    """(Before: the top-level usage, which lists no flag of the subcommand.)"""
+    from atoll.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["export", "--state-dir", "s", "--out", "o", "--bogus"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("usage: atoll export") and "unrecognized arguments: --bogus" in err
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinator_exits_by_itself_once_the_run_is_complete(group, tmp_path):
+    """For batch schedulers: --exit-when-complete stops the daemon (exit 0) once every island holds the
+    final θ. (Before: it served until a signal.)"""
+    coord, address = group.start_coordinator(
+        tmp_path / "state",
+        coordinator_flags(sync_every=5, quorum=1, extra=["--total-rounds", "2", "--exit-when-complete"]),
+    )
+    island = group.start("i0", island_flags(address, "i0", rounds=None))
+    collect_events([island], until=lambda ev: any(e["event"] == "done" for e in ev), timeout=90)
+    assert island.wait(30) == 0
+    assert coord.wait(30) == 0
+    assert "every island holds its final θ" in coord.log_tail()

@@ -147,3 +147,30 @@ def test_a_round_closes_at_its_deadline_with_quorum_by_the_clock(tmp_path):
     assert s.round == 1 and s.history[0]["islands"] == ["a"] and s.history[0]["seconds_open"] == 30.0
     late = asyncio.run(push(s, "b", rand(2), round_=0))
     assert late.outcome is PushOutcome.ROUND_CLOSED  # the default late policy drops it, as an outcome
+
+
+def test_a_finished_run_waits_for_nothing_and_says_so(tmp_path):
+    """(Before: `atoll status` kept the last "waiting for ..." line of a finished run.)"""
+    from atoll.tools import format_status
+
+    s = run_state(tmp_path, total_rounds=1)
+    join(s, "a")
+    join(s, "b")
+    asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
+    asyncio.run(push(s, "a", rand(1)))
+    s.waiting = decide(s.clock(), view(s), s.policy())[1]
+    assert "waiting for b" in s.waiting
+    asyncio.run(s.close_round("test"))
+    assert s.run_complete and s.waiting == "" and not s.finished()  # b never pulled its final θ
+    pull(s, "a", 0)
+    pull(s, "b", 0)
+    assert s.finished()
+    status = {
+        "run": {"run_id": "t", "sync_every": 1, "codec": "identity", "outer_lr": 0.7, "outer_momentum": 0.9},
+        "round": 1,
+        "run_complete": True,
+        "waiting": "round 0: 1 committed, waiting for b",
+        "islands": [],
+    }
+    status["run"]["quorum"] = 1
+    assert "waiting" not in format_status(status) and "(complete)" in format_status(status)

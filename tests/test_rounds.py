@@ -96,3 +96,19 @@ def test_a_waiting_round_is_logged_when_it_changes_and_reminded_every_30_seconds
     assert logged == list(range(0, 600, 30))
     v = RoundView(round=817, opened_at=0.0, islands=(IslandView(island_id="a", lease_expires_at=1e9, committed=True),))
     assert r.due(600.5, waiting_key(v, 600.5))  # b left: a change, logged at once
+
+
+def test_a_stall_is_warned_about_once_it_lasted_a_lease_and_its_end_is_said():
+    """(Before: "cannot reach quorum" at WARNING at every start, while the second island was still
+    joining, and at every normal end, while islands left.)"""
+    import logging
+
+    from atoll.coordinator.closing import StallReport
+
+    r = StallReport()
+    assert r.update(0.0, "stuck", grace=30.0) is None  # at start: the other island is on its way
+    assert r.update(10.0, None, grace=30.0) is None  # it joined: never warned, nothing to say
+    assert r.update(20.0, "stuck", grace=30.0) is None
+    assert r.update(50.0, "stuck", grace=30.0) == (logging.WARNING, "stuck")
+    assert r.update(80.0, "stuck", grace=30.0) is None  # once
+    assert r.update(90.0, None, grace=30.0) == (logging.INFO, "the round can reach quorum again")

@@ -38,6 +38,29 @@ class Reminder:
         return False
 
 
+class StallReport:
+    """When a stall is worth a WARNING: once it has lasted ``grace`` seconds (a lease: islands still
+    joining at the start of a run, or leaving at its end, are not a stall an operator must act on).
+    /api/status shows it at once."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.warned = False
+
+    def update(self, now: float, stuck: str | None, grace: float) -> tuple[int, str] | None:
+        """(log level, line) to log now, if any: the stall at WARNING once it lasted ``grace``, and its
+        end at INFO when it had been warned about."""
+        if stuck is None:
+            warned, self.since, self.warned = self.warned, None, False
+            return (logging.INFO, "the round can reach quorum again") if warned else None
+        if self.since is None:
+            self.since = now
+        if not self.warned and now - self.since >= grace:
+            self.warned = True
+            return logging.WARNING, stuck
+        return None
+
+
 def waiting_key(v: RoundView, now: float) -> tuple:
     """What a waiting round's log line is about: the round, who committed, who is live and missing."""
     committed = tuple(sorted(i.island_id for i in v.islands if i.committed))
@@ -62,7 +85,7 @@ def view(s: RunState) -> RoundView:
 async def run_decider(s: RunState) -> None:
     """Background task: close rounds when ``decide`` says so, retry a pending save, log what the round
     waits for and when it cannot close at all."""
-    reminder = Reminder()
+    reminder, stalls = Reminder(), StallReport()
     while True:
         timeout = 1.0
         for rec in s.membership.newly_expired():
@@ -88,12 +111,12 @@ async def run_decider(s: RunState) -> None:
             if reminder.due(now, waiting_key(v, now)):
                 log.info("%s%s", s.name, reason)
             stuck = stall(now, v, s.policy())
-            if stuck != s.stall:
-                if stuck:
-                    log.warning("%s%s", s.name, stuck)
-                elif s.stall:
-                    log.info("%sround %d can reach quorum again", s.name, s.round)
-                s.stall = stuck
+            said = stalls.update(now, stuck, s.config.lease_seconds)
+            if said is not None:
+                log.log(said[0], "%s%s", s.name, said[1])
+            s.stall = stuck
+            if stuck is not None:
+                timeout = min(timeout, max(stalls.since + s.config.lease_seconds - now, 0.005))
             wake = next_wakeup(now, v, s.policy())
             if wake is not None:
                 timeout = min(max(wake - now, 0.005), 1.0)

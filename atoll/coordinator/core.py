@@ -118,6 +118,10 @@ class RunState:
     def run_complete(self) -> bool:
         return self.ledger.complete(self.config.total_rounds)
 
+    def finished(self) -> bool:
+        """The run is complete and no live island still waits for its final θ (each holds it, or left)."""
+        return self.run_complete and all(r.holds_round >= self.round for r in self.membership.live())
+
     def policy(self) -> RoundPolicy:
         return RoundPolicy(quorum=self.config.quorum, deadline_seconds=self.config.round_deadline_seconds)
 
@@ -385,6 +389,9 @@ class RunState:
             if sealed.round == BOOTSTRAP:  # sized from θ_0 itself, not from what a join declared
                 self._size_budget(self.model.specs)
             self.ledger.advance(sealed, self.clock())
+            self.waiting = ""  # the decider says what the new round waits for
+            if self.run_complete:
+                self.stall = None
             record = sealed.record
             if record is not None:
                 record["persist_seconds"] = published - started

@@ -36,13 +36,16 @@ async def serve(
     security: dict | None = None,
     fragments: int = 0,
     options: dict | None = None,
+    exit_when_complete: bool = False,
 ) -> int:
     """``security``: ``{"tls": TlsConfig | None, "tokens": IslandTokens | None, "shard": (i, n),
     "partition": "hash" | "layers"}``. ``fragments`` P > 0: serve all P fragments of a streaming run
     (shards i/P, partition "layers") from this process, each on its own port with its own state
     under ``state_dir/fragment-i``; ``port`` is then the first fragment's (0: any free ports).
     ``options``: further :class:`CoordinatorServer` keywords (keep_snapshots, max_inflight_bytes,
-    given, ...). Returns the exit code: 0 after a signal, 1 when a background task failed."""
+    given, ...). ``exit_when_complete``: stop by itself once the run is complete and every live island
+    holds the final θ (for batch schedulers). Returns the exit code: 0 after a signal or a complete
+    run, 1 when a background task failed."""
     admin = admin or {}
     security = dict(security or {})
     if fragments > 0:
@@ -100,14 +103,24 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         stopping = asyncio.ensure_future(stop.wait())
+        watcher = asyncio.ensure_future(_stop_when_finished(servers, stop)) if exit_when_complete else None
         await asyncio.wait({stopping, *(s.failed for s in servers)}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
+        if watcher is not None:
+            watcher.cancel()
         return 1 if any(s.failed.done() for s in servers) else 0
     finally:
         log.info("shutting down")
         for server in servers:
             if server.port is not None:
                 await server.stop(grace=2.0)
+
+
+async def _stop_when_finished(servers: list[CoordinatorServer], stop: asyncio.Event) -> None:
+    while not all(s.state.finished() for s in servers):
+        await asyncio.sleep(0.5)
+    log.warning("the run is complete and every island holds its final θ: the coordinator exits")
+    stop.set()
 
 
 def main(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, **kwargs) -> int:

@@ -60,6 +60,7 @@ class Counters:
         "pushes_late_folded": "Late pushes folded into a later round",
         "pushes_late_dropped": "Pushes for a round that had closed (dropped)",
         "pushes_refused": "Pushes refused for bad input",
+        "joins_refused": "Joins refused (wrong run, model, codec, shard, a second process, eviction, bad request)",
         "pushes_busy": "Pushes refused at their header, before their data flowed: in-flight budget spent or a "
         "stream of the same island and rank open (the island retries)",
     }
@@ -70,6 +71,7 @@ class Counters:
     pushes_late_dropped: int = 0
     pushes_refused: int = 0
     pushes_busy: int = 0
+    joins_refused: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -222,12 +224,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if holder != island_id:
             raise refuse(Reason.PERMISSION_DENIED, f"token of island {holder!r} cannot act for island {island_id!r}")
 
-    async def _unary(self, handler, request, context):
+    async def _unary(self, handler, request, context, refused: str | None = None):
+        """``refused``: the counter a refusal adds to."""
         try:
             request = _parsed(request)
             self._check_identity(context, request.island_id)
             return handler(request)
         except RequestError as err:
+            if refused is not None:
+                setattr(self.counters, refused, getattr(self.counters, refused) + 1)
             await _abort(context, err)
 
     async def Join(self, request, context):
@@ -241,7 +246,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 run_complete=a.run_complete,
             )
 
-        return await self._unary(join, request, context)
+        return await self._unary(join, request, context, refused="joins_refused")
 
     async def Heartbeat(self, request, context):
         def heartbeat(m):
