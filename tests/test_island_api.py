@@ -237,18 +237,31 @@ def test_buffers_can_be_left_out_but_not_by_half_the_run(start_server):
 
 
 # ---- 5. tokens --------------------------------------------------------------------------------------
-def test_missing_token_counts_are_warned_about_on_both_sides(start_server, raw_island, caplog):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=1, round_deadline_seconds=0.5))
+def test_an_island_without_token_counts_weighs_its_steps_at_the_others_tokens_per_step(
+    start_server, raw_island, caplog
+):
+    """The rule: an island that reports no tokens but took inner steps weighs steps x the tokens per
+    step of the islands that report them (the last closed round's), and both sides warn. (Before: it
+    weighed 1 token, 160x less than its share in the measured run.)"""
+    srv = start_server(RunConfig(run_id="t", sync_every=5, quorum=2, outer_lr=1.0, outer_momentum=0.0))
     caplog.set_level(logging.WARNING, logger="atoll")
     shapes = {"w": (2, 2)}
     a, b = raw_island(srv.address, "a", shapes), raw_island(srv.address, "b", shapes)
     a.join()
     b.join()
     a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
-    b.push({"w": torch.ones(2, 2)}, round_=0, tokens=0, loss=1.0)
-    a.push({"w": torch.ones(2, 2)}, round_=0, tokens=1000, loss=1.0)  # both in: the round closes
-    a.pull(0)
-    assert any("reported no tokens" in r.getMessage() and "b" in r.getMessage() for r in caplog.records)
+    for r in range(2):
+        a.push({"w": torch.full((2, 2), 1.0)}, round_=r, tokens=1000, loss=1.0, inner_steps=5)  # 200 per step
+        b.push({"w": torch.full((2, 2), 4.0)}, round_=r, tokens=0, loss=1.0, inner_steps=5)
+        a.pull(r)
+    hist = srv.inspect(lambda s: s.history)
+    assert hist[1]["tokens_by_island"] == {"a": 1000, "b": 0} and hist[1]["steps_by_island"] == {"a": 5, "b": 5}
+    # Round 0 had no closed round to learn from but a's commit: b weighs 5 x 200 in both rounds, so the
+    # mean Δ is (1 + 4) / 2 and, with outer lr 1 and no momentum, θ moves by -2.5 a round.
+    theta = srv.inspect(lambda s: s.model.params["w"].clone())
+    assert torch.allclose(theta, torch.full((2, 2), -5.0))
+    assert any("island b reported no tokens for its 5 inner steps" in r.getMessage() for r in caplog.records)
+    srv.inspect(lambda s: s.set_operational({"quorum": 1, "round_deadline_seconds": 0.5}))
 
     class W(torch.nn.Module):  # the run's model: one tensor "w"
         def __init__(self):

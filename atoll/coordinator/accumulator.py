@@ -121,6 +121,11 @@ class RoundAccumulator:
     def committed_islands(self) -> list[str]:
         return sorted(self.committed)
 
+    def tokens_per_step(self) -> float | None:
+        """Tokens per inner step of this round's committed islands that report both (None: none do)."""
+        both = [c for c in self.committed.values() if c.tokens and c.inner_steps]
+        return sum(c.tokens for c in both) / sum(c.inner_steps for c in both) if both else None
+
     def weight_total(self) -> float:
         return sum(c.weight for c in self.committed.values()) + sum(c.weight for c in self.late.values())
 

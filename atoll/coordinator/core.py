@@ -321,15 +321,6 @@ class RunState:
             started = time.perf_counter()
             r, c = self.round, self.config
             total = sum(x.tokens for x in committed.values())
-            silent = sorted(i for i, x in committed.items() if x.tokens == 0)
-            if silent and total:
-                log.warning(
-                    "%sround %d: islands %s reported no tokens while others did; each weighs 1 token in the mean "
-                    "(their step() calls need tokens=)",
-                    self.name,
-                    r,
-                    ", ".join(silent),
-                )
             losses = [(max(x.tokens, 1), x.loss) for x in committed.values() if x.loss is not None]
             loss = sum(t * v for t, v in losses) / sum(t for t, _ in losses) if losses else None
             await asyncio.to_thread(self.downlink.release_latest)  # its room goes to θ_{r+1}
@@ -342,6 +333,7 @@ class RunState:
                 "states": self.states(),
                 "tokens": total,
                 "tokens_by_island": {i: x.tokens for i, x in sorted(committed.items())},
+                "steps_by_island": {i: x.inner_steps for i, x in sorted(committed.items())},
                 "bytes_by_island": {i: x.num_bytes for i, x in sorted(committed.items())},
                 "loss": loss,
                 "bytes_in": sum(x.num_bytes for x in committed.values()),

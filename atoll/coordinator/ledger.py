@@ -59,6 +59,15 @@ class Ledger:
         """The islands' mean loss of the closed round ``round_`` (None: unknown)."""
         return self.history[round_]["loss"] if 0 <= round_ < len(self.history) else None
 
+    def tokens_per_step(self) -> float | None:
+        """Tokens per inner step of the last closed round's islands that reported both (None: unknown)."""
+        if not self.history:
+            return None
+        last = self.history[-1]
+        steps = last.get("steps_by_island", {})
+        both = [i for i, t in last["tokens_by_island"].items() if t and steps.get(i)]
+        return sum(last["tokens_by_island"][i] for i in both) / sum(steps[i] for i in both) if both else None
+
     def advance(self, sealed: Sealed, now: float) -> None:
         """The sealed round is saved: open the next one and wake whoever waits for it."""
         if sealed.record is not None:

@@ -111,6 +111,7 @@ class Pushes:
             h.codec,
             entries,
             late=cls is PushClass.LATE,
+            inner_steps=h.inner_steps,
         )
 
     def check_entry(self, plan: PushPlan, index: int, payload) -> None:
@@ -146,7 +147,7 @@ class Pushes:
         late = cls is PushClass.LATE
         try:
             checks.coverage(self.model.specs, ranks, f"island {plan.island_id!r} discarded for round {ledger.round}")
-            weight = float(max(plan.tokens, 1))
+            weight = self._weight(plan)
             if late:
                 weight *= c.staleness_weight ** (ledger.round - plan.round)
             if c.aggregation == "mean" and not c.max_delta_norm:
@@ -155,7 +156,8 @@ class Pushes:
                 await self._add_dense((plan.island_id, plan.round), ranks, weight, c)
         finally:
             release(ranks)  # decoded into the sum (or refused): the payloads are done
-        record = Committed(ranks[0].plan.tokens, ranks[0].plan.loss, sum(r.plan.num_bytes for r in ranks), weight)
+        num_bytes = sum(r.plan.num_bytes for r in ranks)
+        record = Committed(plan.tokens, ranks[0].plan.loss, num_bytes, weight, plan.inner_steps)
         acc.commit(plan.island_id, plan.round, record, late)
         rec.last_push_at = self.clock()
         if late:
@@ -176,6 +178,25 @@ class Pushes:
         ledger.poke.set()
         outcome = PushOutcome.FOLDED if late else PushOutcome.COMMITTED
         return PushResult(outcome, ledger.round, committed=True, bytes_received=plan.num_bytes)
+
+    def _weight(self, plan: PushPlan) -> float:
+        """An island's weight in the mean: the tokens it reports. One that reports none (its step()
+        calls lack tokens=) but took inner steps weighs its steps times the tokens per step of the
+        islands that do report them (the last closed round's, else this round's so far), or its steps
+        alone when nobody reports tokens; it was weighed 1 token, a fraction of any other island."""
+        if plan.tokens or not plan.inner_steps:
+            return float(max(plan.tokens, 1))
+        per_step = self.ledger.tokens_per_step() or self.accumulator.tokens_per_step() or 1.0
+        log.warning(
+            "%sisland %s reported no tokens for its %d inner steps: weighed as %d steps x %.4g tokens per step "
+            "(pass tokens= to step())",
+            self.name,
+            plan.island_id,
+            plan.inner_steps,
+            plan.inner_steps,
+            per_step,
+        )
+        return plan.inner_steps * per_step
 
     async def _add_dense(self, key: tuple[str, int], ranks: list[StagedRank], weight: float, c: RunConfig) -> None:
         """Norm bound and robust aggregation need the island's whole delta: assemble it densely."""

@@ -81,6 +81,7 @@ class PushPlan:
     codec: str
     entries: tuple[EntryPlan, ...]
     late: bool = False
+    inner_steps: int = 0
 
     @property
     def num_bytes(self) -> int:
@@ -102,6 +103,7 @@ class Committed:
     num_bytes: int
     weight: float
     """Weight of the delta in the round's average: tokens, times staleness_weight^k if k rounds late."""
+    inner_steps: int = 0
 
 
 class PushClass(enum.Enum):

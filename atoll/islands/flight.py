@@ -300,8 +300,8 @@ class Exchanges:
             tokens = int(t.item())
         if tokens == 0 and not self._warned_tokens and self.rank == 0:
             log.warning(
-                "%s: step() got no tokens=; this island's delta weighs 1 in the mean against the other "
-                "islands' token counts (pass the tokens each step processed)",
+                "%s: step() got no tokens=; the coordinator weighs this island's delta by its inner steps "
+                "times the other islands' tokens per step (pass the tokens each step processed)",
                 self.island_id,
             )
             self._warned_tokens = True
