@@ -116,7 +116,7 @@ class ShardState:
 
     @torch.no_grad()
     def delta(self) -> torch.Tensor:
-        """θ_start − θ as a tensor on the device (for inspection: ``keep_last_delta``)."""
+        """θ_start − θ as a tensor on the device (for inspection: ``DiLoCo.pseudo_gradient()``)."""
         return self.placement.fetch(self.start) - self.shard.local().detach().float()
 
     @torch.no_grad()
