@@ -77,7 +77,9 @@ def test_island_killed_mid_push_round_closes_at_quorum_and_it_rejoins(group, tmp
     # round 0 close with B, C, D before A had joined. Round 1 has waited for A either way.
     assert len(hist[0]["islands"]) >= 3
     assert hist[1]["islands"] == ["A", "B", "C"]  # D's half push never counted
-    assert hist[1]["states"]["D"] == "gone"  # its lease ran out: the round closed without it
+    # The round closed without it: at D's expected arrival (the grace window, from its round-0
+    # arrival), or once its lease ran out, whichever came first.
+    assert hist[1]["states"]["D"] == "gone" or hist[1]["reason"].endswith("; D did not come"), hist[1]
     per_island = hist[0]["bytes_in"] // len(hist[0]["islands"])  # identity: every push the same size
     assert hist[1]["bytes_in"] == 3 * per_island
     # D comes back under the same name: it receives exactly the θ the others hold.

@@ -174,3 +174,34 @@ def test_a_finished_run_waits_for_nothing_and_says_so(tmp_path):
     }
     status["run"]["quorum"] = 1
     assert "waiting" not in format_status(status) and "(complete)" in format_status(status)
+
+
+def test_the_grace_window_learns_when_an_island_arrives_and_stops_waiting_after_it(tmp_path):
+    """A run of quorum 1 whose island b commits 3 s into every round; when b stalls, the round closes
+    at b's expected arrival (mean + 4 deviations = +6.4 s), not at the 600 s deadline, and the round
+    record says why."""
+    clock = FakeClock()
+    s = run_state(tmp_path, clock, quorum=1, round_deadline_seconds=600.0, lease_seconds=1e6)
+    join(s, "a")
+    join(s, "b")
+    asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
+    for r in range(3):
+        clock.now = s.ledger.opened_at + 1.0
+        asyncio.run(push(s, "a", rand(1), round_=r))
+        clock.now += 2.0
+        asyncio.run(push(s, "b", rand(2), round_=r))
+        decision, reason = decide(clock(), view(s), s.policy())
+        assert decision is Decision.CLOSE and "all 2 live islands committed" in reason
+        asyncio.run(s.close_round(reason))
+    assert s.membership.islands["b"].arrival.expected() == 3.0 + 4 * 0.84375
+    clock.now = s.ledger.opened_at + 1.0
+    asyncio.run(push(s, "a", rand(1), round_=3))  # b stalls this round
+    clock.now = s.ledger.opened_at + 6.3
+    assert decide(clock(), view(s), s.policy())[0] is Decision.WAIT
+    clock.now = s.ledger.opened_at + 6.375
+    decision, reason = decide(clock(), view(s), s.policy())
+    assert (
+        decision is Decision.CLOSE and reason == "round 3: grace 5.4s after quorum: b expected at +6.4s; b did not come"
+    )
+    asyncio.run(s.close_round(reason))
+    assert s.history[3]["islands"] == ["a"] and s.history[3]["reason"] == reason

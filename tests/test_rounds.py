@@ -112,3 +112,46 @@ def test_a_stall_is_warned_about_once_it_lasted_a_lease_and_its_end_is_said():
     assert r.update(50.0, "stuck", grace=30.0) == (logging.WARNING, "stuck")
     assert r.update(80.0, "stuck", grace=30.0) is None  # once
     assert r.update(90.0, None, grace=30.0) == (logging.INFO, "the round can reach quorum again")
+
+
+# ---- the grace window after quorum (issue: decoupled outer loop, item 1) --------------------------
+def test_arrivals_are_tracked_as_a_smoothed_mean_and_deviation():
+    from atoll.coordinator.grace import Arrival
+
+    a = Arrival()
+    assert a.expected() is None
+    a.observe(10.0)
+    assert (a.mean, a.dev, a.expected()) == (10.0, 5.0, 30.0)
+    a.observe(12.0)  # err 2: mean += 2/8, dev += (2 - 5)/4
+    assert (a.mean, a.dev) == (10.25, 4.25) and a.expected() == 27.25
+
+
+def view_with(now_committed: dict, missing: dict, opened_at: float = 0.0, round_: int = 7) -> RoundView:
+    islands = tuple(
+        IslandView(island_id=i, lease_expires_at=1e9, committed=True, committed_at=t) for i, t in now_committed.items()
+    ) + tuple(IslandView(island_id=i, lease_expires_at=1e9, committed=False, expected=e) for i, e in missing.items())
+    return RoundView(round=round_, opened_at=opened_at, islands=islands)
+
+
+def test_a_stalled_but_live_island_does_not_hold_a_quorum_round_beyond_its_grace():
+    """(Before: a round with quorum waited for a live straggler until --round-deadline-seconds, 600 s
+    by default, however early the straggler used to arrive.)"""
+    policy = RoundPolicy(quorum=2, deadline_seconds=600.0, grace="auto")
+    v = view_with({"a": 10.0, "b": 11.0}, {"c": 12.5})  # c usually commits by +12.5 s
+    assert decide(12.0, v, policy)[0] is Decision.WAIT
+    assert next_wakeup(11.0, v, policy) == 12.5
+    decision, reason = decide(12.5, v, policy)
+    assert decision is Decision.CLOSE
+    assert reason == "round 7: grace 1.5s after quorum: c expected at +12.5s; c did not come"
+
+
+def test_without_history_the_grace_is_the_deadline_and_a_fixed_window_or_off_are_honoured():
+    missing_new = view_with({"a": 1.0}, {"new": None})
+    auto = RoundPolicy(quorum=1, deadline_seconds=60.0, grace="auto")
+    assert decide(59.0, missing_new, auto)[0] is Decision.WAIT  # no ground to cut the wait short
+    assert "deadline 60s passed" in decide(60.0, missing_new, auto)[1]
+    fixed = RoundPolicy(quorum=1, deadline_seconds=60.0, grace=5.0)
+    assert decide(5.9, missing_new, fixed)[0] is Decision.WAIT and decide(6.0, missing_new, fixed)[0] is Decision.CLOSE
+    off = RoundPolicy(quorum=1, deadline_seconds=60.0, grace="off")
+    assert decide(59.0, view_with({"a": 1.0}, {"c": 2.0}), off)[0] is Decision.WAIT
+    assert decide(2.0, view_with({"a": 1.0}, {"c": 2.0}), auto)[0] is Decision.CLOSE

@@ -71,7 +71,13 @@ def waiting_key(v: RoundView, now: float) -> tuple:
 def view(s: RunState) -> RoundView:
     committed = s.accumulator.committed
     islands = tuple(
-        IslandView(island_id=i.island_id, lease_expires_at=i.lease_expires_at, committed=i.island_id in committed)
+        IslandView(
+            island_id=i.island_id,
+            lease_expires_at=i.lease_expires_at,
+            committed=i.island_id in committed,
+            committed_at=committed[i.island_id].at if i.island_id in committed else None,
+            expected=i.arrival.expected(),
+        )
         for i in s.membership.islands.values()
     )
     extra = tuple(  # committed islands that left since still count

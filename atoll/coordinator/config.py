@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from atoll.compression import get_codec
+from atoll.coordinator import grace
 
 TOKENS_PER_STEP_BOUND = 1 << 24
 """Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
@@ -59,6 +60,10 @@ class RunConfig:
     """Seconds after the round opened when a round with quorum closes without its stragglers."""
     lease_seconds: float = 30.0
     """Seconds without a call after which an island stops counting as live."""
+    grace_window: str = "auto"
+    """Once quorum has committed, how long a round waits for the live islands still missing: auto (until
+    each is expected, from its past arrivals; the deadline when one has none yet), SECONDS after the
+    quorum, or off (until the deadline). The deadline is the hard cap."""
     total_rounds: int = 0
     """The run is complete after this many rounds (0: no end); islands then stop by themselves."""
     max_tokens_per_round: int = 0
@@ -75,6 +80,7 @@ class RunConfig:
                 get_codec(getattr(self, field))
             except ValueError as err:
                 raise ValueError(f"{field}: {err}") from None
+        grace.parse(self.grace_window)
         if self.late_policy not in ("drop", "fold"):
             raise ValueError(f"late_policy must be 'drop' or 'fold', got {self.late_policy!r}")
         if self.aggregation not in ("mean", "clipped_mean", "median"):
@@ -152,6 +158,7 @@ MATH_FIELDS = (
 OPERATIONAL_FIELDS = (
     "quorum",
     "round_deadline_seconds",
+    "grace_window",
     "lease_seconds",
     "late_policy",
     "staleness_weight",

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from atoll.coordinator import checks, persistence
+from atoll.coordinator import checks, grace, persistence
 from atoll.coordinator.accumulator import RoundAccumulator
 from atoll.coordinator.config import ConfigMismatch, RunConfig, apply_operational, reconcile
 from atoll.coordinator.downlink import Downlink
@@ -123,7 +123,10 @@ class RunState:
         return self.run_complete and all(r.holds_round >= self.round for r in self.membership.live())
 
     def policy(self) -> RoundPolicy:
-        return RoundPolicy(quorum=self.config.quorum, deadline_seconds=self.config.round_deadline_seconds)
+        c = self.config
+        return RoundPolicy(
+            quorum=c.quorum, deadline_seconds=c.round_deadline_seconds, grace=grace.parse(c.grace_window)
+        )
 
     def states(self) -> dict[str, str]:
         """Every island's state (joining / active / late / gone / left / evicted)."""

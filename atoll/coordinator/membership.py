@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atoll.coordinator.errors import Reason, refuse
+from atoll.coordinator.grace import Arrival
 from atoll.coordinator.messages import TensorDecl
 
 log = logging.getLogger("atoll.coordinator")
@@ -48,6 +49,8 @@ class IslandRecord:
     layout_digest: str = ""
     last_push_at: float | None = None
     """Clock time of its last committed push."""
+    arrival: Arrival = field(default_factory=Arrival)
+    """When in a round its push commits (the grace window waits for it that long)."""
     expiry_logged: bool = field(default=False, repr=False)
 
 
@@ -172,6 +175,7 @@ class Membership:
                     "joined_round": i.joined_round,
                     "rounds_committed": i.rounds_committed,
                     "last_committed_round": i.last_committed_round,
+                    "arrival": i.arrival.to_json(),
                 }
                 for i in self.islands.values()
             },
@@ -192,4 +196,5 @@ class Membership:
                 int(rec["joined_round"]),
                 int(rec["rounds_committed"]),
                 last_committed_round=int(rec.get("last_committed_round", -1)),
+                arrival=Arrival.from_json(rec.get("arrival")),
             )

@@ -157,9 +157,10 @@ class Pushes:
         finally:
             release(ranks)  # decoded into the sum (or refused): the payloads are done
         num_bytes = sum(r.plan.num_bytes for r in ranks)
-        record = Committed(plan.tokens, ranks[0].plan.loss, num_bytes, weight, plan.inner_steps)
+        now = self.clock()
+        record = Committed(plan.tokens, ranks[0].plan.loss, num_bytes, weight, plan.inner_steps, at=now)
         acc.commit(plan.island_id, plan.round, record, late)
-        rec.last_push_at = self.clock()
+        rec.last_push_at = now
         if late:
             log.info(
                 "%sround %d: folded island %s's late delta for round %d (weight %.3g)",
@@ -172,6 +173,7 @@ class Pushes:
         else:
             rec.rounds_committed += 1
             rec.last_committed_round = plan.round
+            rec.arrival.observe(now - ledger.opened_at)
             log.info(
                 "%sround %d: island %s committed (%d tokens)", self.name, ledger.round, plan.island_id, plan.tokens
             )

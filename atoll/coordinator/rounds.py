@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from atoll.coordinator.grace import OFF, grace_until
+
 
 class Decision(enum.Enum):
     WAIT = "wait"
@@ -20,7 +22,10 @@ class RoundPolicy:
     quorum: int
     """Minimum committed islands for the round to close."""
     deadline_seconds: float
-    """Seconds after the round opened when stragglers stop being waited for."""
+    """Seconds after the round opened when stragglers stop being waited for (the hard cap)."""
+    grace: float | str = OFF
+    """After quorum: wait for the missing live islands until their expected arrival ("auto"), a
+    fixed number of seconds, or until the deadline ("off"). See :mod:`atoll.coordinator.grace`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +33,10 @@ class IslandView:
     island_id: str
     lease_expires_at: float
     committed: bool
+    committed_at: float | None = None
+    """When its push committed this round (None: not committed, or not known)."""
+    expected: float | None = None
+    """When in a round it is expected to commit, seconds after the round opened (None: no history)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,8 +47,9 @@ class RoundView:
 
 
 def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision, str]:
-    """Close the round when quorum has committed and either no live island is still missing or
-    the deadline has passed. Returns the decision and a reason worth logging."""
+    """Close the round when quorum has committed and either no live island is still missing, the
+    grace window for the missing ones has passed, or the deadline has. Returns the decision and a
+    reason worth logging."""
     committed = sorted(i.island_id for i in state.islands if i.committed)
     missing = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at > now)
     if len(committed) < policy.quorum:
@@ -55,16 +65,34 @@ def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision,
             f"round {state.round}: deadline {policy.deadline_seconds:g}s passed with quorum "
             f"({len(committed)} committed); not waiting for {', '.join(missing)}"
         )
+    until, why = _grace(now, state, policy)
+    if until is not None and now >= until:
+        return Decision.CLOSE, f"round {state.round}: {why}; {', '.join(missing)} did not come"
+    left = f"{until - now:.1f}s of grace, " if until is not None else ""
     return Decision.WAIT, (
         f"round {state.round}: {len(committed)} committed, waiting for {', '.join(missing)} "
-        f"({policy.deadline_seconds - waited:.1f}s to deadline)"
+        f"({left}{policy.deadline_seconds - waited:.1f}s to deadline)"
     )
+
+
+def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | None, str]:
+    """The end of the grace window of a round that has its quorum (None: none), and why."""
+    times = sorted(
+        i.committed_at if i.committed_at is not None else state.opened_at for i in state.islands if i.committed
+    )
+    if len(times) < policy.quorum:
+        return None, ""
+    missing = {i.island_id: i.expected for i in state.islands if not i.committed and i.lease_expires_at > now}
+    return grace_until(policy.grace, state.opened_at, times[policy.quorum - 1], missing)
 
 
 def next_wakeup(now: float, state: RoundView, policy: RoundPolicy) -> float | None:
     """When ``decide`` could next change its answer without new input (deadline or lease expiry)."""
     times = [state.opened_at + policy.deadline_seconds]
     times += [i.lease_expires_at for i in state.islands if not i.committed and i.lease_expires_at > now]
+    until, _ = _grace(now, state, policy)
+    if until is not None:
+        times.append(until)
     future = [t for t in times if t > now]
     return min(future) if future else None
 

@@ -104,6 +104,8 @@ class Committed:
     weight: float
     """Weight of the delta in the round's average: tokens, times staleness_weight^k if k rounds late."""
     inner_steps: int = 0
+    at: float | None = None
+    """Clock time it committed (the grace window counts from the quorum's)."""
 
 
 class PushClass(enum.Enum):
