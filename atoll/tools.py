@@ -52,11 +52,14 @@ def format_status(s: dict) -> str:
     elif s.get("waiting"):
         lines.append(f"now: {s['waiting']}")
     lines.append("")
-    lines.append(f"{'island':<24} {'state':<8} {'ranks':>5} {'rounds':>6} {'last push':>9}")
+    if s.get("goodput") is not None:
+        lines.append(f"goodput: {s['goodput']:.0%} of island time computed what entered θ")
+    lines.append(f"{'island':<24} {'state':<8} {'ranks':>5} {'rounds':>6} {'last push':>9} {'goodput':>7}")
     for i in s["islands"]:
+        goodput = "-" if i.get("goodput") is None else f"{i['goodput']:.0%}"
         lines.append(
             f"{i['island']:<24} {i['state']:<8} {i.get('num_ranks', '-'):>5} {i.get('rounds_committed', '-'):>6} "
-            f"{_age(i.get('last_push_age_seconds')):>9}"
+            f"{_age(i.get('last_push_age_seconds')):>9} {goodput:>7}"
         )
     hist = s.get("history", [])[-5:]
     if hist:

@@ -17,6 +17,7 @@ from atoll.coordinator.config import RunConfig
 from atoll.coordinator.core import RunState
 from atoll.coordinator.messages import EntryDecl as Entry
 from atoll.coordinator.messages import (
+    IslandCall,
     JoinRequest,
     PullRequest,
     PushHeader,
@@ -42,12 +43,12 @@ def join(s: RunState, island: str):
     return s.join(JoinRequest(run_id="t", island_id=island, session_id=island, codecs=("identity",), tensors=decls))
 
 
-async def push(s: RunState, island: str, tensors: dict, round_: int = 0, kind=PushKind.DELTA, tokens: int = 1):
+async def push(s: RunState, island: str, tensors: dict, round_: int = 0, kind=PushKind.DELTA, tokens: int = 1, **more):
     payloads = [IDENT.encode(tensors[n].contiguous()) for n in SHAPES]
     entries = tuple(Entry(n, (), (), len(p)) for n, p in zip(SHAPES, payloads, strict=True))
     header = PushHeader(
         run_id="t", island_id=island, session_id=island, round=round_, kind=kind, codec="identity",
-        entries=entries, tokens=tokens,
+        entries=entries, tokens=tokens, **more,
     )  # fmt: skip
     plan = s.plan_push(header)
     if isinstance(plan, PushResult):
@@ -205,3 +206,46 @@ def test_the_grace_window_learns_when_an_island_arrives_and_stops_waiting_after_
     )
     asyncio.run(s.close_round(reason))
     assert s.history[3]["islands"] == ["a"] and s.history[3]["reason"] == reason
+
+
+def test_goodput_counts_the_compute_whose_tokens_entered_theta_over_the_time_joined(tmp_path):
+    """A hand-made trace: a computes 8 s of every 10 s round and each push enters θ; b computes 8 s too,
+    but its round-1 push arrives after the round closed and is dropped (the default late policy), so
+    those 8 s do not count; c left after one round, and its share still counts for the run."""
+    from atoll.coordinator.goodput import run_goodput
+
+    clock = FakeClock(0.0)
+    s = run_state(tmp_path, clock, quorum=1, lease_seconds=1e6, grace_window="off", round_deadline_seconds=9.0)
+    for i in "abc":
+        join(s, i)
+    asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
+    clock.now = 10.0
+    for i in "abc":
+        assert asyncio.run(push(s, i, rand(1), round_=0, compute_seconds=8.0, blocked_seconds=2.0)).committed
+    asyncio.run(s.close_round("all in"))
+    s.leave(IslandCall(run_id="t", island_id="c", session_id="c"))
+    clock.now = 20.0
+    asyncio.run(push(s, "a", rand(2), round_=1, compute_seconds=8.0, blocked_seconds=2.0))
+    asyncio.run(s.close_round("deadline"))  # b is late
+    late = asyncio.run(push(s, "b", rand(3), round_=1, compute_seconds=8.0, blocked_seconds=2.0))
+    assert late.outcome is PushOutcome.ROUND_CLOSED
+    a, b = (s.membership.islands[i].goodput for i in "ab")
+    assert (a.compute_into_theta, a.blocked_seconds, a.tokens_into_theta) == (16.0, 4.0, 2)
+    assert (a.ratio(20.0), b.ratio(20.0)) == (0.8, 0.4)
+    (c,) = s.membership.past_goodput
+    assert (c.wall(20.0), c.ratio(20.0)) == (10.0, 0.8)
+    assert run_goodput(s.membership.goodput(), 20.0) == (16 + 8 + 8) / (20 + 20 + 10)
+    assert s.history[0]["compute_seconds_by_island"] == {"a": 8.0, "b": 8.0, "c": 8.0}
+
+
+def test_an_island_reports_its_compute_and_blocked_seconds_with_each_push():
+    from atoll.islands.schedule import Schedule
+
+    clock = FakeClock(0.0)
+    sched = Schedule(1, streaming=False, sync_every_seconds=None, clock=clock)
+    sched.begin(4)
+    clock.now = 10.0
+    sched.was_blocked(2.5)  # an exchange of the previous round, finished in this one
+    assert sched.links[0].compute_seconds(clock()) == 7.5 and sched.links[0].blocked == 2.5
+    sched.synced([0])
+    assert (sched.links[0].blocked, sched.links[0].compute_seconds(12.0)) == (0.0, 2.0)

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch
+from atoll.coordinator.goodput import run_goodput
 from atoll.coordinator.membership import IslandState
 from atoll.coordinator.service import Counters
 
@@ -101,6 +102,22 @@ class _StateCollector:
         yield CounterMetricFamily(
             "atoll_round_seconds", "Total seconds rounds were open", value=sum(h["seconds_open"] for h in s.history)
         )
+        run = run_goodput(s.membership.goodput(), now)
+        yield GaugeMetricFamily(
+            "atoll_goodput",
+            "Island compute-seconds whose tokens entered θ over island wall-seconds while joined (the run)",
+            value=run if run is not None else 0.0,
+        )
+        per = GaugeMetricFamily("atoll_island_goodput", "The same, per island", labels=["island"])
+        blocked = GaugeMetricFamily(
+            "atoll_island_blocked_seconds", "Seconds the island reported blocked on exchanges", labels=["island"]
+        )
+        for island, rec in s.membership.islands.items():
+            if rec.goodput is not None:
+                per.add_metric([island], rec.goodput.ratio(now) or 0.0)
+                blocked.add_metric([island], rec.goodput.blocked_seconds)
+        yield per
+        yield blocked
         yield GaugeMetricFamily(
             "atoll_inflight_bytes",
             "Push bytes held now: declared by admitted streams, or staged",
@@ -228,7 +245,12 @@ def status_json(server, started_at: float) -> dict:
         rec = s.membership.islands.get(island)
         row = {"island": island, "state": state, "committed_this_round": island in s.accumulator.committed}
         if rec is not None:
+            g = rec.goodput
             row.update(
+                goodput=None if g is None else g.ratio(now),
+                compute_seconds_into_theta=None if g is None else g.compute_into_theta,
+                blocked_seconds=None if g is None else g.blocked_seconds,
+                tokens_into_theta=None if g is None else g.tokens_into_theta,
                 num_ranks=rec.num_ranks,
                 joined_round=rec.joined_round,
                 rounds_committed=rec.rounds_committed,
@@ -244,6 +266,7 @@ def status_json(server, started_at: float) -> dict:
         "bootstrapped": s.model.ready,
         "run_complete": s.run_complete,
         "num_params": sum(t.numel() for t in s.model.params.values()) if s.model.ready else 0,
+        "goodput": run_goodput(s.membership.goodput(), now),
         "healthy": health_problem(server) is None,
         "problem": health_problem(server),
         "stall": s.stall,

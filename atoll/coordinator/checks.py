@@ -16,6 +16,7 @@ from atoll.sharding import shard_of
 MAX_ID_LEN = 128
 MAX_RANKS = 65536
 MAX_ALIASES = 16
+MAX_REPORTED_SECONDS = 1e7
 PAYLOAD_SLACK = 65536
 """A payload may exceed 8 bytes per element by this much (headers, codec params)."""
 
@@ -175,6 +176,9 @@ def push_header(h: PushHeader, num_ranks: int, specs: dict[str, tuple[int, ...]]
         raise invalid(f"rank {h.rank} outside 0..{num_ranks - 1}")
     if h.loss is not None and not math.isfinite(h.loss):
         raise invalid("reported loss is not finite")
+    for what, seconds in (("compute_seconds", h.compute_seconds), ("blocked_seconds", h.blocked_seconds)):
+        if not (math.isfinite(seconds) and 0 <= seconds <= MAX_REPORTED_SECONDS):
+            raise invalid(f"{what} {seconds} outside 0..{MAX_REPORTED_SECONDS:g}")
     entries = []
     for e in h.entries:
         shape = specs.get(e.name)

@@ -337,6 +337,7 @@ class RunState:
                 "tokens": total,
                 "tokens_by_island": {i: x.tokens for i, x in sorted(committed.items())},
                 "steps_by_island": {i: x.inner_steps for i, x in sorted(committed.items())},
+                "compute_seconds_by_island": {i: x.compute_seconds for i, x in sorted(committed.items())},
                 "bytes_by_island": {i: x.num_bytes for i, x in sorted(committed.items())},
                 "loss": loss,
                 "bytes_in": sum(x.num_bytes for x in committed.values()),

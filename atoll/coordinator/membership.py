@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atoll.coordinator.errors import Reason, refuse
+from atoll.coordinator.goodput import Goodput
 from atoll.coordinator.grace import Arrival
 from atoll.coordinator.messages import TensorDecl
 
@@ -51,6 +52,8 @@ class IslandRecord:
     """Clock time of its last committed push."""
     arrival: Arrival = field(default_factory=Arrival)
     """When in a round its push commits (the grace window waits for it that long)."""
+    goodput: Goodput | None = None
+    """Its compute into θ and its time while joined (set at the join)."""
     expiry_logged: bool = field(default=False, repr=False)
 
 
@@ -74,6 +77,8 @@ class Membership:
         """Islands no longer members, by id: IslandState.LEFT or IslandState.EVICTED (persisted)."""
         self.bootstrapper: str | None = None
         """The island holding the claim to upload θ_0 (until θ_0 exists)."""
+        self.past_goodput: list[Goodput] = []
+        """The goodput of island records that left or were replaced (the run's value counts them)."""
 
     # ---- joins and leases ------------------------------------------------------------------
     def join(
@@ -103,8 +108,12 @@ class Membership:
             log.info("island %s: a new process (session %s) takes over an expired lease", island_id, session_id[:8])
             rec = None
         new = rec is None or rec.num_ranks != num_ranks
+        old = self.islands.get(island_id)
+        if new and old is not None and old.goodput is not None:  # a new process, or a new layout
+            old.goodput.left_at = now
+            self.past_goodput.append(old.goodput)
         if new:
-            rec = IslandRecord(island_id, num_ranks, now, round_)
+            rec = IslandRecord(island_id, num_ranks, now, round_, goodput=Goodput(joined_at=now))
             self.islands[island_id] = rec
         rec.session_id = session_id or rec.session_id
         rec.tensors = tensors or rec.tensors
@@ -137,10 +146,17 @@ class Membership:
         self._depart(island_id, IslandState.EVICTED)
 
     def _depart(self, island_id: str, how: str) -> None:
-        self.islands.pop(island_id, None)
+        rec = self.islands.pop(island_id, None)
+        if rec is not None and rec.goodput is not None:
+            rec.goodput.left_at = self.clock()
+            self.past_goodput.append(rec.goodput)
         self.departed[island_id] = how
         if self.bootstrapper == island_id:
             self.bootstrapper = None
+
+    def goodput(self) -> list[Goodput]:
+        """Every island record's goodput bookkeeping of the run: the members' and those that left."""
+        return self.past_goodput + [r.goodput for r in self.islands.values() if r.goodput is not None]
 
     def newly_expired(self) -> list[IslandRecord]:
         """Members whose lease ran out since the last call (each reported once, for the log)."""
@@ -197,4 +213,5 @@ class Membership:
                 int(rec["rounds_committed"]),
                 last_committed_round=int(rec.get("last_committed_round", -1)),
                 arrival=Arrival.from_json(rec.get("arrival")),
+                goodput=Goodput(joined_at=now),
             )

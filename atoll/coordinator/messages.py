@@ -90,6 +90,8 @@ class PushHeader:
     entries: tuple[EntryDecl, ...] = ()
     loss: float | None = None
     inner_steps: int = 0
+    compute_seconds: float = 0.0
+    blocked_seconds: float = 0.0
 
 
 class PushOutcome(enum.Enum):

@@ -112,6 +112,8 @@ class Pushes:
             entries,
             late=cls is PushClass.LATE,
             inner_steps=h.inner_steps,
+            compute_seconds=h.compute_seconds,
+            blocked_seconds=h.blocked_seconds,
         )
 
     def check_entry(self, plan: PushPlan, index: int, payload) -> None:
@@ -158,9 +160,14 @@ class Pushes:
             release(ranks)  # decoded into the sum (or refused): the payloads are done
         num_bytes = sum(r.plan.num_bytes for r in ranks)
         now = self.clock()
-        record = Committed(plan.tokens, ranks[0].plan.loss, num_bytes, weight, plan.inner_steps, at=now)
+        first = ranks[0].plan  # the island's numbers travel with every rank's header: rank 0's count
+        record = Committed(
+            first.tokens, first.loss, num_bytes, weight, first.inner_steps, first.compute_seconds, at=now
+        )
         acc.commit(plan.island_id, plan.round, record, late)
         rec.last_push_at = now
+        if rec.goodput is not None:
+            rec.goodput.entered(first.compute_seconds, first.blocked_seconds, first.tokens)
         if late:
             log.info(
                 "%sround %d: folded island %s's late delta for round %d (weight %.3g)",

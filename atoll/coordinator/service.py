@@ -141,6 +141,8 @@ def push_header(h: pb.PushHeader) -> PushHeader:
         ),
         loss=h.loss if h.HasField("loss") else None,
         inner_steps=h.inner_steps,
+        compute_seconds=h.compute_seconds,
+        blocked_seconds=h.blocked_seconds,
     )
 
 

@@ -82,6 +82,8 @@ class PushPlan:
     entries: tuple[EntryPlan, ...]
     late: bool = False
     inner_steps: int = 0
+    compute_seconds: float = 0.0
+    blocked_seconds: float = 0.0
 
     @property
     def num_bytes(self) -> int:
@@ -104,6 +106,7 @@ class Committed:
     weight: float
     """Weight of the delta in the round's average: tokens, times staleness_weight^k if k rounds late."""
     inner_steps: int = 0
+    compute_seconds: float = 0.0
     at: float | None = None
     """Clock time it committed (the grace window counts from the quorum's)."""
 

@@ -290,6 +290,7 @@ class DiLoCo:
             if flight.error is not None:
                 raise Preempted()  # the wait for the outer step gave up: the flight stays, for a checkpoint
         stats = self._exchanges.finish(flight, lambda: self.run_complete)
+        self._schedule.was_blocked(stats.sync_seconds)
         self.history.append(stats)
         return stats
 

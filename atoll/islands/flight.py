@@ -192,6 +192,7 @@ class Exchanges:
         started = time.perf_counter()
         routes, sessions = self.routes, self.routes.sessions
         count = self.schedule.links[indices[0]]
+        compute, blocked = count.compute_seconds(self.schedule.clock()), count.blocked
         flight = Flight(
             links=indices,
             round=min(sessions[i].round for i in indices),
@@ -227,6 +228,7 @@ class Exchanges:
                 loss=flight.loss,
                 steps=flight.steps,
             )
+            header.compute_seconds, header.blocked_seconds = compute, blocked
             flight.pushes.append((i, header, payloads))
             del payloads
             self.by_link[i] = flight

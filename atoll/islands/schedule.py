@@ -25,12 +25,19 @@ class LinkCount:
     """Clock time the round started (the time budget counts from here)."""
     pushed: int = 0
     """Rounds this link pushed since start()."""
+    blocked: float = 0.0
+    """Seconds the island was blocked on exchanges since this link's round started."""
+
+    def compute_seconds(self, now: float) -> float:
+        """The island's compute time in this round: its wall time since the round started, less the
+        time it was blocked on exchanges meanwhile (the coordinator's goodput counts it)."""
+        return max(now - self.started - self.blocked, 0.0)
 
     def mean_loss(self) -> float | None:
         return sum(self.losses) / len(self.losses) if self.losses else None
 
     def restart(self, now: float) -> None:
-        self.steps, self.tokens, self.losses, self.started = 0, 0, [], now
+        self.steps, self.tokens, self.losses, self.started, self.blocked = 0, 0, [], now, 0.0
         self.pushed += 1
 
     def state_dict(self) -> dict:
@@ -83,6 +90,11 @@ class Schedule:
 
     def budget_spent(self) -> bool:
         return self.clock() - self.links[0].started >= self.sync_every_seconds
+
+    def was_blocked(self, seconds: float) -> None:
+        """The island spent ``seconds`` on an exchange (encoding, waiting, applying)."""
+        for link in self.links:
+            link.blocked += seconds
 
     def synced(self, indices: list[int]) -> None:
         now = self.clock()

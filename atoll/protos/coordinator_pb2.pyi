@@ -242,7 +242,7 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("run_id", "island_id", "round", "kind", "rank", "num_ranks", "tokens", "codec", "entries", "loss", "session_id", "inner_steps")
+    __slots__ = ("run_id", "island_id", "round", "kind", "rank", "num_ranks", "tokens", "codec", "entries", "loss", "session_id", "inner_steps", "compute_seconds", "blocked_seconds")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,8 @@ class PushHeader(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island_id: str
     round: int
@@ -267,7 +269,9 @@ class PushHeader(_message.Message):
     loss: float
     session_id: str
     inner_steps: int
-    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., loss: _Optional[float] = ..., session_id: _Optional[str] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    compute_seconds: float
+    blocked_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., loss: _Optional[float] = ..., session_id: _Optional[str] = ..., inner_steps: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., blocked_seconds: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
