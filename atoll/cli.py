@@ -190,12 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--token", default=None, help="the admin bearer token, if the coordinator has one")
 
     export = _subparser(sub, "export", "write the trained θ of a coordinator's state dir as safetensors")
-    export.add_argument("--state-dir", type=Path, required=True, help="the coordinator's state dir (required)")
+    export.add_argument(
+        "--state-dir",
+        type=Path,
+        required=True,
+        help="the coordinator's --state-dir; for a --fragments coordinator, the same parent dir (required)",
+    )
     export.add_argument("--out", type=Path, required=True, help="the .safetensors file to write (required)")
     export.add_argument("--round", type=int, default=None, help="a kept snapshot's round (default: the newest)")
 
     rollback = _subparser(sub, "rollback", "list a state dir's snapshots, or make an older one the newest")
-    rollback.add_argument("--state-dir", type=Path, required=True, help="the coordinator's state dir (required)")
+    rollback.add_argument(
+        "--state-dir",
+        type=Path,
+        required=True,
+        help="the coordinator's --state-dir; --round on a live dir is refused: stop the coordinator first (required)",
+    )
     rollback.add_argument(
         "--round", type=int, default=None, help="roll back to this kept round (without it: list the snapshots)"
     )
