@@ -74,9 +74,10 @@ class RunState:
         name: str = "",
     ) -> None:
         """``shard``: (index, count) of this coordinator; ``partition``: "hash" or "layers" (see
-        :mod:`atoll.sharding`). ``max_inflight_bytes``: push bytes held at once (0: twice the model's
-        fp32 size, at least 256 MiB). ``given``: the config fields the operator set (None: all); on a
-        restart the stored run's math must match them and its operational fields take them.
+        :mod:`atoll.sharding`). ``max_inflight_bytes``: push bytes admitted at once (0: two whole fp32
+        pushes of the model with their framing, at least 256 MiB). ``given``: the config fields the
+        operator set (None: all); on a restart the stored run's math must match them and its
+        operational fields take them.
         ``name``: prefix of this coordinator's log lines ("fragment 1/4: "), empty when it is alone."""
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
