@@ -245,12 +245,15 @@ def status_json(server, started_at: float) -> dict:
         rec = s.membership.islands.get(island)
         row = {"island": island, "state": state, "committed_this_round": island in s.accumulator.committed}
         if rec is not None:
-            g = rec.goodput
+            if rec.goodput is not None:
+                g = rec.goodput
+                row.update(
+                    goodput=g.ratio(now),
+                    compute_seconds_into_theta=g.compute_into_theta,
+                    blocked_seconds=g.blocked_seconds,
+                    tokens_into_theta=g.tokens_into_theta,
+                )
             row.update(
-                goodput=None if g is None else g.ratio(now),
-                compute_seconds_into_theta=None if g is None else g.compute_into_theta,
-                blocked_seconds=None if g is None else g.blocked_seconds,
-                tokens_into_theta=None if g is None else g.tokens_into_theta,
                 num_ranks=rec.num_ranks,
                 joined_round=rec.joined_round,
                 rounds_committed=rec.rounds_committed,

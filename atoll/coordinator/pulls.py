@@ -64,7 +64,7 @@ class Pulls:
             await wait_event(ledger.round_changed, wait)
             self.membership.touch(req.island_id, req.session_id)
         round_, params = ledger.round, model.params
-        latest = dict(latest_round=round_, run_complete=ledger.complete(self._config().total_rounds))
+        latest = dict(latest_round=round_, run_complete=ledger.complete(c.total_rounds))
         if req.have_round == round_:
             sealed = ledger.sealed
             committed = req.island_id in self.accumulator.committed or (

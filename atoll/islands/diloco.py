@@ -215,14 +215,17 @@ class DiLoCo:
         self._preempted = True
         self.link.stopping.set()
 
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the island (one MAX all-reduce when it has several)."""
+        if self._num_ranks == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self._routes.shards[0].local().device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.options.process_group)
+        return bool(t.item())
+
     def _check_preempted(self) -> None:
         """Raise Preempted at a safe point once SIGTERM arrived (on any rank of the island)."""
-        flag = self._preempted
-        if self._num_ranks > 1:  # the ranks stop at the same step, or their collectives would hang
-            t = torch.tensor([1.0 if flag else 0.0], device=self._routes.shards[0].local().device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.options.process_group)
-            flag = bool(t.item())
-        if flag:
+        if self._any_rank(self._preempted):  # the ranks stop at the same step, or their collectives hang
             self._preempted = True
             self.link.stopping.set()
             raise Preempted()
@@ -257,12 +260,7 @@ class DiLoCo:
         sessions, busy = self._routes.sessions, set(self._exchanges.by_link)
         if self.options.sync_every_seconds is None:
             return [i for i in self._schedule.due_by_steps(busy) if not sessions[i].run_complete]
-        due = self._schedule.budget_spent()
-        if self._num_ranks > 1:  # the island's ranks must agree on when to sync
-            flag = torch.tensor([1.0 if due else 0.0], device=self._routes.shards[0].local().device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.options.process_group)
-            due = bool(flag.item())
-        if not due:
+        if not self._any_rank(self._schedule.budget_spent()):  # the island's ranks agree on when to sync
             return []
         for flight in self._exchanges.in_flight():  # the budget is up with the last one still out
             self._finish(flight)
