@@ -9,12 +9,10 @@ the accumulator *advances* to the next round.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from atoll.compression.wire import payload_size
 from atoll.coordinator import robust
+from atoll.coordinator.downlink import identity_size
 from atoll.coordinator.errors import Reason, refuse
 from atoll.coordinator.staging import (
     Committed,
@@ -33,7 +31,7 @@ REGION_SLACK = 64
 
 def fp32_push_bytes(specs: dict[str, tuple[int, ...]]) -> int:
     """Bytes of one identity (fp32) push of the whole model, payload framing included."""
-    return sum(payload_size(len(s), 0, 4 * math.prod(s)) + REGION_SLACK for s in specs.values())
+    return sum(identity_size(s) + REGION_SLACK for s in specs.values())
 
 
 class RoundAccumulator:
