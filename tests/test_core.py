@@ -50,7 +50,7 @@ async def push(s: RunState, island: str, tensors: dict, round_: int = 0, kind=Pu
         run_id="t", island_id=island, session_id=island, round=round_, kind=kind, codec="identity",
         entries=entries, tokens=tokens, **more,
     )  # fmt: skip
-    plan = s.plan_push(header)
+    plan = await s.plan_push(header)
     if isinstance(plan, PushResult):
         return plan
     reservation = s.open_stream(plan)
@@ -147,7 +147,54 @@ def test_a_round_closes_at_its_deadline_with_quorum_by_the_clock(tmp_path):
     asyncio.run(s.close_round(reason))
     assert s.round == 1 and s.history[0]["islands"] == ["a"] and s.history[0]["seconds_open"] == 30.0
     late = asyncio.run(push(s, "b", rand(2), round_=0))
-    assert late.outcome is PushOutcome.ROUND_CLOSED  # the default late policy drops it, as an outcome
+    assert late.outcome is PushOutcome.FOLDED and late.committed  # the default: folded into round 1
+    assert s.accumulator.late[("b", 0)].weight == 0.5  # a round late: staleness_weight ** 1 of its 1 token
+
+
+def test_a_push_that_arrives_while_its_round_is_being_saved_is_folded_into_the_next(tmp_path, monkeypatch):
+    """(Before: a push that reached the coordinator between a round's outer step and its publish was
+    dropped, late policy or not.) It waits for the publish and is folded into the next round; a push
+    more than max_staleness rounds late is still dropped, as an outcome."""
+    clock = FakeClock()
+    s = run_state(tmp_path, clock, quorum=1, lease_seconds=1e6, max_staleness=1)
+    join(s, "a")
+    join(s, "b")
+    asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
+
+    real_save, broken = persistence.save, [True]
+
+    def save(*a, **kw):
+        if broken[0]:
+            raise OSError(28, "No space left on device")
+        return real_save(*a, **kw)
+
+    monkeypatch.setattr(persistence, "save", save)
+
+    async def race():
+        await push(s, "a", rand(1), round_=0)
+        await s.close_round("quorum")  # the outer step is computed; its save fails for now
+        late = asyncio.create_task(push(s, "b", rand(2), round_=0))
+        await asyncio.sleep(0.05)
+        assert not late.done() and s.ledger.sealed is not None  # it waits for the publish, not dropped
+        broken[0] = False
+        assert await s.try_publish()
+        return await late
+
+    got = asyncio.run(race())
+    assert got.outcome is PushOutcome.FOLDED and s.round == 1 and ("b", 0) in s.accumulator.late
+    asyncio.run(push(s, "a", rand(3), round_=1))
+    asyncio.run(s.close_round("quorum"))
+    assert s.history[1]["late"] == [["b", 0]] and s.history[1]["tokens_by_island"] == {"a": 1, "b": 1}
+    asyncio.run(push(s, "a", rand(4), round_=2))
+    asyncio.run(s.close_round("quorum"))
+    again = asyncio.run(push(s, "a", rand(3), round_=1))  # a re-push (a restarted island): counted once
+    assert again.outcome is PushOutcome.DUPLICATE and again.committed
+    assert asyncio.run(push(s, "b", rand(2), round_=0)).outcome is PushOutcome.DUPLICATE  # folded once
+    stale = asyncio.run(push(s, "b", rand(5), round_=1))  # 2 rounds late, max_staleness 1
+    assert stale.outcome is PushOutcome.ROUND_CLOSED and not stale.committed
+    asyncio.run(push(s, "a", rand(6), round_=3))
+    asyncio.run(s.close_round("quorum"))
+    assert s.history[3]["too_stale"] == [["b", 1]] and s.history[3]["late"] == []
 
 
 def test_a_finished_run_waits_for_nothing_and_says_so(tmp_path):
@@ -210,12 +257,14 @@ def test_the_grace_window_learns_when_an_island_arrives_and_stops_waiting_after_
 
 def test_goodput_counts_the_compute_whose_tokens_entered_theta_over_the_time_joined(tmp_path):
     """A hand-made trace: a computes 8 s of every 10 s round and each push enters θ; b computes 8 s too,
-    but its round-1 push arrives after the round closed and is dropped (the default late policy), so
+    but its round-1 push arrives after the round closed and is dropped (late_policy drop), so
     those 8 s do not count; c left after one round, and its share still counts for the run."""
     from atoll.coordinator.goodput import run_goodput
 
     clock = FakeClock(0.0)
-    s = run_state(tmp_path, clock, quorum=1, lease_seconds=1e6, grace_window="off", round_deadline_seconds=9.0)
+    s = run_state(
+        tmp_path, clock, quorum=1, lease_seconds=1e6, grace_window="off", round_deadline_seconds=9.0, late_policy="drop"
+    )
     for i in "abc":
         join(s, i)
     asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))

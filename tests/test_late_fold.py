@@ -19,6 +19,7 @@ def setup(start_server, raw_island, policy):
             outer_momentum=0.0,
             late_policy=policy,
             staleness_weight=0.5,
+            max_staleness=1,
             round_deadline_seconds=0.2,
         )
     )

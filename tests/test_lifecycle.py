@@ -138,7 +138,7 @@ def test_a_second_process_with_a_live_island_id_is_refused(start_server):
         first.close()
 
 
-def test_a_dropped_push_shows_in_round_stats(start_server):
+def test_a_late_push_is_folded_by_default(start_server):
     srv = start_server(config(quorum=1, round_deadline_seconds=0.3))
     fast_model, fast_opt, fast = island(srv.address, island_id="fast")
     slow_model, slow_opt, slow = island(srv.address, island_id="slow")
@@ -149,9 +149,45 @@ def test_a_dropped_push_shows_in_round_stats(start_server):
         for b in data:
             fast.step(tokens=32, loss=inner_step(fast_model, fast_opt, b))  # round 0 closes without slow
         for b in data:
-            slow.step(tokens=32, loss=inner_step(slow_model, slow_opt, b))
+            slow.step(tokens=32, loss=inner_step(slow_model, slow_opt, b))  # folded into round 1
+        assert [h.dropped for h in slow.history] == [False] and slow.round == 1
+        assert srv.inspect(lambda s: sorted(s.accumulator.late)) == [("slow", 0)]
+    finally:
+        fast.close()
+        slow.close()
+
+
+def test_a_dropped_push_shows_in_round_stats_and_its_island_keeps_its_progress(start_server):
+    """(Before: the island of a dropped push took the new θ and lost its H steps.) It re-bases on the
+    new θ keeping its local progress, θ ← θ_1 + (θ_local − θ_0), and its next push carries that work
+    (Δ relative to θ_1, with the dropped round's steps and tokens added)."""
+    srv = start_server(config(quorum=1, round_deadline_seconds=0.3, late_policy="drop"))
+    fast_model, fast_opt, fast = island(srv.address, island_id="fast")
+    slow_model, slow_opt, slow = island(srv.address, island_id="slow")
+    fast.start()
+    slow.start()
+    try:
+        data = batches(H)
+        for b in data:
+            fast.step(tokens=32, loss=inner_step(fast_model, fast_opt, b))  # round 0 closes without slow
+        theta0 = {k: v.clone() for k, v in slow.global_params().items()}
+        for i, b in enumerate(data):
+            loss = inner_step(slow_model, slow_opt, b)
+            if i == H - 1:
+                at_push = {n: p.detach().clone() for n, p in slow_model.named_parameters()}
+            slow.step(tokens=32, loss=loss)
         assert [h.dropped for h in fast.history] == [False]
         assert [h.dropped for h in slow.history] == [True] and slow.round == 1
+        theta1 = slow.global_params()
+        for n, p in slow_model.named_parameters():
+            assert torch.allclose(p.detach(), theta1[n] + (at_push[n] - theta0[n]), atol=1e-6)
+            assert not torch.allclose(p.detach(), theta1[n])  # its progress is kept
+        for (name, *_), v in slow.pseudo_gradient().items():  # and is in its next push
+            assert torch.allclose(v, theta0[name] - at_push[name], atol=1e-6)
+        for b in data:  # slow commits round 1 first this time
+            slow.step(tokens=32, loss=inner_step(slow_model, slow_opt, b))
+        record = srv.inspect(lambda s: dict(s.history[1]))
+        assert record["steps_by_island"]["slow"] == 2 * H and record["tokens_by_island"]["slow"] == 2 * H * 32
     finally:
         fast.close()
         slow.close()

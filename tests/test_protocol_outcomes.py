@@ -19,7 +19,7 @@ def rand(shapes=SHAPES):
 
 # ---- 7. outcomes as data ------------------------------------------------------------------------
 def test_a_push_for_a_closed_round_is_an_outcome_not_an_error_text(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=1, round_deadline_seconds=0.2))
+    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=1, round_deadline_seconds=0.2, late_policy="drop"))
     a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
     a.join()
     b.join()

@@ -51,6 +51,8 @@ class RoundAccumulator:
         """Robust aggregation: each contribution's (weight, dense delta) for the open round."""
         self.streams: set[tuple[str, int]] = set()
         """(island, rank) of the push streams open now."""
+        self.too_stale: set[tuple[str, int]] = set()
+        """(island, round) of the deltas that came too late to fold while this round was open (dropped)."""
         self._sums: dict[str, torch.Tensor] = {}
 
     # ---- the budget and the streams ------------------------------------------------------------
@@ -149,9 +151,35 @@ class RoundAccumulator:
         sums, self._sums = self._sums, {}
         return sums, robust_grads
 
+    def record(self) -> dict:
+        """The open round's contributions for its history record: who committed, who was folded late
+        (``late``: [island, round]) or came too late to fold (``too_stale``), and per island the tokens,
+        inner steps, compute seconds and bytes of everything that entered θ (folded ones included)."""
+        entered = [*self.committed.items(), *((i, x) for (i, _), x in self.late.items())]
+        losses = [(max(x.tokens, 1), x.loss) for x in self.committed.values() if x.loss is not None]
+
+        def by_island(field: str) -> dict:
+            out: dict = {}
+            for island, x in entered:
+                out[island] = out.get(island, 0) + getattr(x, field)
+            return dict(sorted(out.items()))
+
+        return {
+            "islands": sorted(self.committed),
+            "late": sorted([island, rnd] for island, rnd in self.late),
+            "too_stale": sorted([island, rnd] for island, rnd in self.too_stale),
+            "tokens": sum(x.tokens for _, x in entered),
+            "tokens_by_island": by_island("tokens"),
+            "steps_by_island": by_island("inner_steps"),
+            "compute_seconds_by_island": by_island("compute_seconds"),
+            "bytes_by_island": by_island("num_bytes"),
+            "loss": sum(t * v for t, v in losses) / sum(t for t, _ in losses) if losses else None,
+            "bytes_in": sum(x.num_bytes for _, x in entered),
+        }
+
     def advance(self, keep_from: int) -> None:
         """The round closed: clear its contributions; keep staged pushes for rounds >= ``keep_from``."""
-        self.committed, self.late, self.dense = {}, {}, {}
+        self.committed, self.late, self.dense, self.too_stale = {}, {}, {}, set()
         for key in [k for k in self.pending if k[1] < keep_from]:
             release(self.pending.pop(key).values())
         self.folded = {k for k in self.folded if k[1] >= keep_from - 1}

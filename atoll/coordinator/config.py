@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from atoll.compression import get_codec
 from atoll.coordinator import grace
 
+OUTER_MODES = ("sync", "decoupled")
 TOKENS_PER_STEP_BOUND = 1 << 24
 """Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
 any published LLM run): a push claiming more than H x this is refused."""
@@ -42,12 +43,18 @@ class RunConfig:
     with β = 1 a coordinate's residual grows by about one Δ per round until top-k picks it. The
     value then sent is many rounds' worth. In a 20-round top-k 1% demo that made the global θ
     diverge; β = 0.5 kept it converging (benchmarks/RESULTS.md)."""
-    late_policy: str = "drop"
-    """A push for a closed round: drop it, or fold it into the open round (down-weighted)."""
+    outer_mode: str = "sync"
+    """sync: islands wait at each push for the round's outer step (bitwise deterministic for a given
+    arrival order). decoupled: islands never wait; each applies the update when it arrives, keeping the
+    progress made since its push, and its next push is folded with its staleness (timing-dependent by
+    design). ``quorum`` is then the minimum quorum of a round."""
+    late_policy: str = "fold"
+    """A push for a closed round: fold it into the open round (down-weighted; the default), or drop it."""
     staleness_weight: float = 0.5
     """fold: a delta k rounds late weighs staleness_weight**k times its tokens."""
-    max_staleness: int = 1
-    """fold: pushes more than this many rounds late are dropped."""
+    max_staleness: int = 4
+    """fold: pushes more than this many rounds late are dropped (counted in the round record's
+    ``too_stale``; the island keeps the work and carries it into its next push)."""
     aggregation: str = "mean"
     """How deltas are combined: mean (token-weighted), clipped_mean or median (robust)."""
     clip_norm: float = 0.0
@@ -81,6 +88,8 @@ class RunConfig:
             except ValueError as err:
                 raise ValueError(f"{field}: {err}") from None
         grace.parse(self.grace_window)
+        if self.outer_mode not in OUTER_MODES:
+            raise ValueError(f"outer_mode must be one of {', '.join(OUTER_MODES)}, got {self.outer_mode!r}")
         if self.late_policy not in ("drop", "fold"):
             raise ValueError(f"late_policy must be 'drop' or 'fold', got {self.late_policy!r}")
         if self.aggregation not in ("mean", "clipped_mean", "median"):
@@ -153,6 +162,7 @@ MATH_FIELDS = (
     "error_feedback",
     "error_feedback_decay",
     "aggregation",
+    "outer_mode",
 )
 """Fields that define the run's math or model: a restart may not change them."""
 OPERATIONAL_FIELDS = (

@@ -15,7 +15,7 @@ Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`mes
 round take ONE path: :meth:`RunState.seal` -> :meth:`RunState.try_publish` (persist, then publish).
 
 Locking rule. Every piece of run state is read and written on the event loop, so a synchronous
-method (join, heartbeat, leave, evict, set_operational, plan_push, a pull's bookkeeping) runs
+method (join, heartbeat, leave, evict, set_operational, planning a push, a pull's bookkeeping) runs
 without interleaving and takes no lock. ``lock`` serialises the coroutines that await a worker
 thread *in the middle of* changing the round's sum, θ or the ledger: committing a push
 (:meth:`commit_push`), closing a round (:meth:`close_round`) and saving/publishing one
@@ -45,18 +45,22 @@ from atoll.coordinator.messages import (
     PullAnswer,
     PullRequest,
     PushHeader,
+    PushKind,
     PushOutcome,
     PushResult,
 )
 from atoll.coordinator.model import GlobalModel
 from atoll.coordinator.owners import Owners
-from atoll.coordinator.pulls import Pulls
+from atoll.coordinator.pulls import Pulls, wait_event
 from atoll.coordinator.pushes import Pushes
 from atoll.coordinator.rounds import RoundPolicy
 from atoll.coordinator.staging import PushPlan, Reservation, StagedRank, release
 from atoll.sharding import PARTITIONS
 
 log = logging.getLogger("atoll.coordinator")
+
+SEAL_WAIT_SECONDS = 30.0
+"""How long a late delta waits for a sealed round's save before it is dropped (the save keeps failing)."""
 
 
 class RunState:
@@ -275,7 +279,8 @@ class RunState:
             persistence.write_departed(self.state_dir, self.membership.departed)
 
     # ---- pushes and pulls ------------------------------------------------------------------------
-    def plan_push(self, h: PushHeader) -> PushPlan | PushResult:
+    async def plan_push(self, h: PushHeader) -> PushPlan | PushResult:
+        await self._past_seal(h.kind is PushKind.INIT, h.round, time.monotonic() + SEAL_WAIT_SECONDS)
         self.pulls.release_if_held()  # the update was written meanwhile: the pushes may have its room
         return self.pushes.plan(h)
 
@@ -289,27 +294,39 @@ class RunState:
         """Validate one entry of a push as it completes (worker thread; changes nothing)."""
         self.pushes.check_entry(plan, index, payload)
 
+    async def _past_seal(self, init: bool, round_: int, deadline: float) -> None:
+        """A delta for a round that is sealed (its outer step computed, its save pending) takes nothing
+        now; when the run folds late pushes it waits for the publish and is folded into the next round,
+        rather than dropped. A save that keeps failing past ``deadline`` drops it."""
+        while not init and self.pushes.waits_for_publish(round_) and (left := deadline - time.monotonic()) > 0:
+            await wait_event(self.ledger.round_changed, min(left, 1.0))
+
     async def commit_push(self, plan: PushPlan, payloads: list, reservation: Reservation) -> PushResult:
         """Stage one rank's validated payloads; the island's contribution commits when all its ranks
         are in, and θ_0 is sealed and published. The reservation is released once the payloads are
         consumed or dropped."""
-        async with self.lock:
-            staged = StagedRank(plan, payloads, reservation)
-            try:
-                if not plan.init:
-                    return await self.pushes.commit_delta(staged)
-                got = self.pushes.commit_init(staged)
-            except BaseException:
-                release([staged])
-                raise
-            if isinstance(got, PushResult):
-                return got
-            params, specs, buffers, layout, aliases = got
-            self.model.define(specs, buffers, layout, aliases)
-            self.seal(Sealed(BOOTSTRAP, params, None, None, frozenset({plan.island_id})))
-            log.info("%sbootstrapped θ_0 from island %s (%d tensors)", self.name, plan.island_id, len(params))
-        await self.try_publish()
-        return PushResult(PushOutcome.COMMITTED, self.round, committed=True, bytes_received=plan.num_bytes)
+        deadline = time.monotonic() + SEAL_WAIT_SECONDS
+        while True:
+            await self._past_seal(plan.init, plan.round, deadline)
+            async with self.lock:
+                if not plan.init and self.pushes.waits_for_publish(plan.round) and time.monotonic() < deadline:
+                    continue  # another round was sealed meanwhile
+                staged = StagedRank(plan, payloads, reservation)
+                try:
+                    if not plan.init:
+                        return await self.pushes.commit_delta(staged)
+                    got = self.pushes.commit_init(staged)
+                except BaseException:
+                    release([staged])
+                    raise
+                if isinstance(got, PushResult):
+                    return got
+                params, specs, buffers, layout, aliases = got
+                self.model.define(specs, buffers, layout, aliases)
+                self.seal(Sealed(BOOTSTRAP, params, None, None, frozenset({plan.island_id})))
+                log.info("%sbootstrapped θ_0 from island %s (%d tensors)", self.name, plan.island_id, len(params))
+            await self.try_publish()
+            return PushResult(PushOutcome.COMMITTED, self.round, committed=True, bytes_received=plan.num_bytes)
 
     async def pull(self, req: PullRequest) -> PullAnswer:
         return await self.pulls.pull(req)
@@ -324,24 +341,13 @@ class RunState:
                 return
             started = time.perf_counter()
             r, c = self.round, self.config
-            total = sum(x.tokens for x in committed.values())
-            losses = [(max(x.tokens, 1), x.loss) for x in committed.values() if x.loss is not None]
-            loss = sum(t * v for t, v in losses) / sum(t for t, _ in losses) if losses else None
             await asyncio.to_thread(self.downlink.release_latest)  # its room goes to θ_{r+1}
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             params, payloads = await asyncio.to_thread(self.model.step, sums, acc.weight_total(), robust_grads)
             record = {
                 "round": r,
-                "islands": sorted(committed),
-                "late": sorted([island, rnd] for island, rnd in acc.late),
+                **acc.record(),
                 "states": self.states(),
-                "tokens": total,
-                "tokens_by_island": {i: x.tokens for i, x in sorted(committed.items())},
-                "steps_by_island": {i: x.inner_steps for i, x in sorted(committed.items())},
-                "compute_seconds_by_island": {i: x.compute_seconds for i, x in sorted(committed.items())},
-                "bytes_by_island": {i: x.num_bytes for i, x in sorted(committed.items())},
-                "loss": loss,
-                "bytes_in": sum(x.num_bytes for x in committed.values()),
                 "bytes_out_per_island": sum(len(p) for p in payloads.values()),
                 "reason": reason,
                 "seconds_open": self.clock() - self.ledger.opened_at,

@@ -52,8 +52,13 @@ class Ledger:
         return bool(total_rounds) and self.round >= total_rounds
 
     def committed_before(self, island_id: str, round_: int) -> bool:
-        """Whether ``island_id``'s push counted in the closed round ``round_``."""
-        return 0 <= round_ < len(self.history) and island_id in self.history[round_]["islands"]
+        """Whether ``island_id``'s push for the closed round ``round_`` counted: committed in it, or
+        folded late into a later round."""
+        if not 0 <= round_ < len(self.history):
+            return False
+        if island_id in self.history[round_]["islands"]:
+            return True
+        return any([island_id, round_] in rec.get("late", ()) for rec in self.history[round_ + 1 :])
 
     def loss_of(self, round_: int) -> float | None:
         """The islands' mean loss of the closed round ``round_`` (None: unknown)."""

@@ -57,6 +57,14 @@ class Pushes:
             max_staleness=c.max_staleness,
         )
 
+    def waits_for_publish(self, push_round: int) -> bool:
+        """Whether a delta for ``push_round`` arrives while a round is sealed and will be folded into
+        the next one once it is published (late policy fold, within max_staleness)."""
+        sealed, c = self.ledger.sealed, self._config()
+        if sealed is None or sealed.round == BOOTSTRAP or c.late_policy != "fold" or push_round > sealed.round:
+            return False
+        return sealed.round + 1 - push_round <= c.max_staleness
+
     # ---- the header ---------------------------------------------------------------------------
     def plan(self, h: PushHeader) -> PushPlan | PushResult:
         """Validate a push header. Returns the plan, or the result when nothing is to be read."""
@@ -87,10 +95,10 @@ class Pushes:
                     Reason.ROUND_IN_FUTURE,
                     f"round {h.round} is in the future; the coordinator is at round {ledger.round}",
                 )
+            if cls in (PushClass.CLOSED, PushClass.LATE) and ledger.committed_before(h.island_id, h.round):
+                return PushResult(PushOutcome.DUPLICATE, ledger.round, committed=True)  # it counted already
             if cls is PushClass.CLOSED:
-                if ledger.committed_before(h.island_id, h.round):  # counted before it closed
-                    return PushResult(PushOutcome.DUPLICATE, ledger.round, committed=True)
-                return PushResult(PushOutcome.ROUND_CLOSED, ledger.round, committed=False)
+                return self._too_stale(h.island_id, h.round)
             if self.accumulator.is_duplicate(h.island_id, h.round, h.rank, cls):
                 done = self.accumulator.is_done(h.island_id, h.round, cls)
                 return PushResult(PushOutcome.DUPLICATE, ledger.round, committed=done)
@@ -133,9 +141,12 @@ class Pushes:
         in. The caller holds the core's lock and releases the reservation on an exception."""
         plan, ledger, acc, c = staged.plan, self.ledger, self.accumulator, self._config()
         cls = self.classify(plan.round)  # the round may have moved while the push streamed
+        if cls in (PushClass.CLOSED, PushClass.LATE) and ledger.committed_before(plan.island_id, plan.round):
+            release([staged])  # it counted in its round while it streamed (a re-push)
+            return PushResult(PushOutcome.DUPLICATE, ledger.round, committed=True)
         if cls in (PushClass.CLOSED, PushClass.FUTURE):
             release([staged])
-            return PushResult(PushOutcome.ROUND_CLOSED, ledger.round, committed=False)
+            return self._too_stale(plan.island_id, plan.round)
         rec = self.membership.islands.get(plan.island_id)
         if rec is None or rec.num_ranks != plan.num_ranks:
             raise refuse(Reason.NOT_JOINED, f"island {plan.island_id!r} left or re-joined while pushing")
@@ -187,6 +198,23 @@ class Pushes:
         ledger.poke.set()
         outcome = PushOutcome.FOLDED if late else PushOutcome.COMMITTED
         return PushResult(outcome, ledger.round, committed=True, bytes_received=plan.num_bytes)
+
+    def _too_stale(self, island_id: str, round_: int) -> PushResult:
+        """A delta for a round that closed, too late to fold: dropped, and said in the open round's record
+        (the island re-bases on the newest θ and carries the work into its next push)."""
+        if (island_id, round_) not in self.accumulator.too_stale:
+            self.accumulator.too_stale.add((island_id, round_))
+            log.warning(
+                "%sisland %s's delta for round %d came at round %d: too stale to fold (max_staleness %d, late "
+                "policy %s); dropped",
+                self.name,
+                island_id,
+                round_,
+                self.ledger.round,
+                self._config().max_staleness,
+                self._config().late_policy,
+            )
+        return PushResult(PushOutcome.ROUND_CLOSED, self.ledger.round, committed=False)
 
     def _weight(self, plan: PushPlan) -> float:
         """An island's weight in the mean: the tokens it reports. One that reports none (its step()

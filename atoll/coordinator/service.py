@@ -302,7 +302,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise invalid("a push stream must start with a header")
         self._check_identity(context, first.header.island_id)
         header = push_header(first.header)
-        plan = self.state.plan_push(header)
+        plan = await self.state.plan_push(header)
         if isinstance(plan, PushResult):
             return plan, header.kind is PushKind.INIT  # nothing to read
         reservation = self.state.open_stream(plan)

@@ -56,7 +56,10 @@ class DiLoCo:
 
     Call :meth:`step` after each inner optimizer step; every H steps it pushes this rank's
     pseudo-gradient Δ = θ_round_start − θ and applies the outer update (or, with ``overlap_steps``,
-    τ steps later). :meth:`drain` applies exchanges still in flight at the end; :meth:`close`
+    τ steps later). In a run whose coordinator has ``--outer-mode decoupled`` the island never waits:
+    the update is applied at the first step after it arrived, keeping the progress made since the push
+    (θ ← θ_new + (θ − θ_at_push)), and the next push goes out once H steps are counted and the
+    previous exchange is done. :meth:`drain` applies exchanges still in flight at the end; :meth:`close`
     leaves the run. :meth:`state_dict` / :meth:`load_state_dict` checkpoint and resume exactly.
 
     The form ``DiLoCo(model, inner_optimizer, coordinator=..., run_id=..., island_id=...)`` still
@@ -110,6 +113,7 @@ class DiLoCo:
         try:
             joined = link.join()
             routes.settle(joined)
+            exchanges.overlap = exchanges.overlap or routes.decoupled  # the run's mode, known from the join
             if self._resume is not None:
                 done = resume.resume(self._resume, routes, exchanges, joined, lambda: routes.complete())
                 self.history.extend(done)
@@ -243,14 +247,18 @@ class DiLoCo:
         self.inner_steps += 1
         self._schedule.count(tokens, loss)
         done = None
+        decoupled = self._routes.decoupled
         for flight in self._exchanges.in_flight():
-            if self.inner_steps - flight.pushed_at >= self.options.overlap_steps:
+            if decoupled:  # applied once it arrived (on every rank), never waited for
+                if not self._any_rank(flight.thread is not None and flight.thread.is_alive()):
+                    done = self._finish(flight)
+            elif self.inner_steps - flight.pushed_at >= self.options.overlap_steps:
                 done = self._finish(flight)
         if not self.run_complete:
-            due = self._due_links()
+            due = self._due_links()  # a link whose exchange is still out is not due: training goes on
             if due:
                 flight = self._begin(due)
-                if not self.options.overlap_steps:
+                if not self.options.overlap_steps and not decoupled:
                     done = self._finish(flight)
         if self._sigterm is not None:
             self._check_preempted()
@@ -262,6 +270,8 @@ class DiLoCo:
             return [i for i in self._schedule.due_by_steps(busy) if not sessions[i].run_complete]
         if not self._any_rank(self._schedule.budget_spent()):  # the island's ranks agree on when to sync
             return []
+        if self._routes.decoupled:  # the budget is up with the last one still out: train on
+            return [] if busy else list(range(len(sessions)))
         for flight in self._exchanges.in_flight():  # the budget is up with the last one still out
             self._finish(flight)
         return list(range(len(sessions)))

@@ -124,6 +124,12 @@ class ShardState:
         self.snapshot = self.placement.copy_of(self.shard.local().float())
 
     @torch.no_grad()
+    def keep_base(self) -> None:
+        """The push was dropped: keep θ_start (before the update) as the snapshot, so loading the new θ
+        keeps all the local progress of the round, θ ← θ_new + (θ − θ_start), for the next push."""
+        self.snapshot = self.placement.copy_of(self.placement.fetch(self.start))
+
+    @torch.no_grad()
     def apply(self, payload, full: bool) -> None:
         """Advance θ_start by one pulled update: θ itself (``full``) or θ_start + u, decoded on the device."""
         codec = codec_of(payload)

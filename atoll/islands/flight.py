@@ -76,6 +76,8 @@ class Flight:
     result: tuple[str, float | None] = ("", None)
     max_payload_numel: int = 0
     blocked: float = 0.0
+    compute_seconds: float = 0.0
+    """The island's compute seconds the push reports."""
     error: BaseException | None = None
     thread: threading.Thread | None = None
     ready: Callable[[], object] | None = None
@@ -192,12 +194,13 @@ class Exchanges:
         started = time.perf_counter()
         routes, sessions = self.routes, self.routes.sessions
         count = self.schedule.links[indices[0]]
-        compute, blocked = count.compute_seconds(self.schedule.clock()), count.blocked
+        steps, tokens, compute = count.carried  # the work of a dropped push, still in θ
+        compute, blocked = compute + count.compute_seconds(self.schedule.clock()), count.blocked
         flight = Flight(
             links=indices,
             round=min(sessions[i].round for i in indices),
-            steps=count.steps,
-            tokens=self._island_tokens(count.tokens),
+            steps=steps + count.steps,
+            tokens=tokens + self._island_tokens(count.tokens),
             loss=count.mean_loss(),
             pushed_at=pushed_at,
             merge=self.overlap,
@@ -229,6 +232,7 @@ class Exchanges:
                 steps=flight.steps,
             )
             header.compute_seconds, header.blocked_seconds = compute, blocked
+            flight.compute_seconds = compute
             flight.pushes.append((i, header, payloads))
             del payloads
             self.by_link[i] = flight
@@ -261,6 +265,9 @@ class Exchanges:
             flight.release_payloads()
             for i, header, _ in flight.pushes:
                 dropped = flight.outcomes[i] == pb.PUSH_OUTCOME_ROUND_CLOSED
+                if dropped:  # re-based on the new θ with the round's progress kept (before any update lands)
+                    for s in routes.link_shards[i]:
+                        routes.states[s.key].keep_base()
                 # In the background (overlap) updates are kept and applied by the training thread; on
                 # the training thread they are applied entry by entry as they arrive.
                 buffered = flight.thread is not None
@@ -288,8 +295,11 @@ class Exchanges:
         for i, header, payloads in flight.updates:
             by_link.setdefault(i, []).append((header, payloads))
         for i in flight.links:
+            dropped = flight.outcomes.get(i) == pb.PUSH_OUTCOME_ROUND_CLOSED
             self.routes.apply_all(i, by_link.get(i, []))
-            self.routes.load_params(i, merge=flight.merge)
+            self.routes.load_params(i, merge=flight.merge or dropped)
+            if dropped:
+                self.schedule.links[i].carry(flight.steps, flight.tokens, flight.compute_seconds)
         flight.updates = []
         flight.blocked += time.perf_counter() - started
         return flight.stats(self.routes.link.bytes(flight.links), self._island_bytes, run_complete())

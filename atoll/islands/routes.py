@@ -69,6 +69,8 @@ class Routes:
             group=options.process_group,
         )
         self.sync_every = options.sync_every or 0
+        self.decoupled = False
+        """The run's outer mode is decoupled: the island never waits for an outer step (see DiLoCo.step)."""
         self.codec = None
 
     def _join_request_for(self, index: int, digest: str, num_shards: int, rank: int, num_ranks: int):
@@ -126,6 +128,7 @@ class Routes:
                     c.sync_every,
                     o.sync_every,
                 )
+            self.decoupled = c.outer_mode == "decoupled"
             run_codec = get_codec(resp.codec)
             if self.codec is None:
                 decay = c.error_feedback_decay or 1.0  # 0: unset by an older coordinator
@@ -134,13 +137,15 @@ class Routes:
                 raise RuntimeError(
                     f"coordinator shard {session.index} runs codec {resp.codec}, another {self.codec.spec}"
                 )
-            if o.overlap_steps and o.sync_every_seconds is None and o.overlap_steps >= self.sync_every:
+            if o.overlap_steps and self.decoupled and session.index == 0:
+                log.warning("%s: overlap_steps is ignored in a decoupled run", self.link.island_id)
+            elif o.overlap_steps and o.sync_every_seconds is None and o.overlap_steps >= self.sync_every:
                 raise ValueError(f"overlap_steps ({o.overlap_steps}) must be below the run's H ({self.sync_every})")
             if session.round < 0:
                 session.round = resp.round
             me = session.me
             log.info(
-                "%s[%d/%d] joined run %s (shard %d/%d) at round %d (H=%d, codec %s)",
+                "%s[%d/%d] joined run %s (shard %d/%d) at round %d (H=%d, codec %s, %s)",
                 me.island_id,
                 me.rank,
                 me.num_ranks,
@@ -150,6 +155,7 @@ class Routes:
                 resp.round,
                 self.sync_every,
                 resp.codec,
+                "decoupled" if self.decoupled else "sync",
             )
 
     def bootstrap(self, session: Session) -> None:

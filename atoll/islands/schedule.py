@@ -27,6 +27,8 @@ class LinkCount:
     """Rounds this link pushed since start()."""
     blocked: float = 0.0
     """Seconds the island was blocked on exchanges since this link's round started."""
+    carried: tuple[int, int, float] = (0, 0, 0.0)
+    """(steps, island tokens, compute seconds) of a dropped push whose progress the next push carries."""
 
     def compute_seconds(self, now: float) -> float:
         """The island's compute time in this round: its wall time since the round started, less the
@@ -38,14 +40,28 @@ class LinkCount:
 
     def restart(self, now: float) -> None:
         self.steps, self.tokens, self.losses, self.started, self.blocked = 0, 0, [], now, 0.0
+        self.carried = (0, 0, 0.0)
         self.pushed += 1
 
+    def carry(self, steps: int, tokens: int, compute_seconds: float) -> None:
+        """A push of this link was dropped; its work stays in θ and goes with the next push."""
+        s, t, c = self.carried
+        self.carried = (s + steps, t + tokens, c + compute_seconds)
+
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "tokens": self.tokens, "losses": list(self.losses), "pushed": self.pushed}
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "losses": list(self.losses),
+            "pushed": self.pushed,
+            "carried": list(self.carried),
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         self.steps, self.tokens, self.losses = int(sd["steps"]), int(sd["tokens"]), list(sd["losses"])
         self.pushed = int(sd["pushed"])
+        s, t, c = sd.get("carried", (0, 0, 0.0))  # absent in checkpoints of older releases
+        self.carried = (int(s), int(t), float(c))
 
 
 class Schedule:

@@ -1,0 +1,95 @@
+"""``--outer-mode decoupled``: an island never blocks on the exchange while it can train. Its update is
+applied when it arrives, keeping the local progress made since the push; its next push is relative to
+the round it actually started from, and the coordinator folds it with its staleness."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import inner_step
+from small_island import H, batches, config, island
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    until = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < until, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_decoupled_island_keeps_training_while_its_round_waits_and_keeps_that_progress(start_server):
+    """Quorum 2: round 0 cannot close until b pushes. a (before: blocked in step() until then) takes
+    3H more steps meanwhile; when the round closes a applies θ_1 + (θ_a − θ_a at push) at its next step,
+    pushes at once (its count is long past H) and that push carries every step since the first one."""
+    srv = start_server(config(quorum=2, outer_mode="decoupled", lease_seconds=60.0))
+    a_model, a_opt, a = island(srv.address, island_id="a")
+    b_model, b_opt, b = island(srv.address, island_id="b")
+    a.start()
+    b.start()
+    try:
+        data = batches(4 * H)
+        for i, batch in enumerate(data):
+            loss = inner_step(a_model, a_opt, batch)
+            if i == H - 1:
+                at_push = {n: p.detach().clone() for n, p in a_model.named_parameters()}
+            started = time.perf_counter()
+            assert a.step(tokens=32, loss=loss) is None  # nothing applied: round 0 is still open
+            assert time.perf_counter() - started < 1.0  # and step() did not wait for it
+        assert a.round == 0 and a.inner_steps == 4 * H and len(a._exchanges.in_flight()) == 1
+        before = {n: p.detach().clone() for n, p in a_model.named_parameters()}
+        for batch in data[:H]:
+            b.step(tokens=32, loss=inner_step(b_model, b_opt, batch))  # b too, for its own round 0
+        wait_for(lambda: srv.inspect(lambda s: s.round) == 1)
+        wait_for(lambda: not a._exchanges.in_flight()[0].thread.is_alive())
+        stats = a.step(tokens=0)  # applies the update (no inner step taken: the model is as before)
+        assert stats is not None and stats.round == 0 and stats.sync_seconds < 1.0
+        theta1 = a.global_params()
+        for n, p in a_model.named_parameters():
+            assert torch.allclose(p.detach(), theta1[n] + (before[n] - at_push[n]), atol=1e-6)
+        # ... and pushed again at once: 3H + 1 steps since the first push, relative to θ_1 (round 1)
+        (flight,) = a._exchanges.in_flight()
+        assert (flight.round, flight.steps, flight.tokens) == (1, 3 * H + 1, 3 * H * 32)
+        for b_batch in data[:H]:
+            b.step(tokens=32, loss=inner_step(b_model, b_opt, b_batch))
+        wait_for(lambda: srv.inspect(lambda s: s.round) == 2)
+        record = srv.inspect(lambda s: dict(s.history[1]))
+        assert record["steps_by_island"] == {"a": 3 * H + 1, "b": H}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_slow_decoupled_island_is_folded_with_its_staleness(start_server):
+    """Quorum 1: the fast island closes rounds by itself; the slow one's deltas arrive rounds late and
+    are folded with weight staleness_weight ** k, never dropped while k <= max_staleness."""
+    srv = start_server(
+        config(quorum=1, outer_mode="decoupled", lease_seconds=60.0, grace_window="0", staleness_weight=0.5)
+    )
+    f_model, f_opt, fast = island(srv.address, island_id="fast")
+    s_model, s_opt, slow = island(srv.address, island_id="slow")
+    fast.start()
+    slow.start()
+    try:
+        data = batches(H)
+        for _ in range(3):  # three rounds close on the fast island alone
+            r = fast.round
+            for batch in data:
+                fast.step(tokens=32, loss=inner_step(f_model, f_opt, batch))
+            wait_for(lambda r=r: srv.inspect(lambda s: s.round) == r + 1)
+            wait_for(lambda: not fast._exchanges.in_flight() or not fast._exchanges.in_flight()[0].thread.is_alive())
+            fast.step(tokens=0)
+        assert srv.inspect(lambda s: s.round) >= 3
+        for batch in data:
+            slow.step(tokens=32, loss=inner_step(s_model, s_opt, batch))  # its round-0 delta, 3+ rounds late
+        wait_for(lambda: srv.inspect(lambda s: ("slow", 0) in s.accumulator.late))
+        k = srv.inspect(lambda s: s.round)
+        weight = srv.inspect(lambda s: s.accumulator.late[("slow", 0)].weight)
+        assert weight == pytest.approx(H * 32 * 0.5**k)
+        wait_for(lambda: not slow._exchanges.in_flight()[0].thread.is_alive())
+        slow.step(tokens=0)
+        assert slow.round == k and slow.history[-1].dropped is False
+    finally:
+        fast.close()
+        slow.close()
