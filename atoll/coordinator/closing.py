@@ -77,6 +77,8 @@ def view(s: RunState) -> RoundView:
             committed=i.island_id in committed,
             committed_at=committed[i.island_id].at if i.island_id in committed else None,
             expected=i.arrival.expected(),
+            behind=0 <= i.holds_round < s.round,
+            compute_seconds=committed[i.island_id].compute_seconds if i.island_id in committed else None,
         )
         for i in s.membership.islands.values()
     )

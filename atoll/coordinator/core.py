@@ -130,7 +130,10 @@ class RunState:
     def policy(self) -> RoundPolicy:
         c = self.config
         return RoundPolicy(
-            quorum=c.quorum, deadline_seconds=c.round_deadline_seconds, grace=grace.parse(c.grace_window)
+            quorum=c.quorum,
+            deadline_seconds=c.round_deadline_seconds,
+            grace=grace.parse(c.grace_window),
+            decoupled=c.outer_mode == "decoupled",
         )
 
     def states(self) -> dict[str, str]:

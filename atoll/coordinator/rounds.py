@@ -26,6 +26,17 @@ class RoundPolicy:
     grace: float | str = OFF
     """After quorum: wait for the missing live islands until their expected arrival ("auto"), a
     fixed number of seconds, or until the deadline ("off"). See :mod:`atoll.coordinator.grace`."""
+    decoupled: bool = False
+    """Decoupled outer loop: an island training on an older θ is not waited for (its push will be
+    folded, never committed to this round), and a grace window ends at ``DECOUPLED_SLACK`` of the
+    smallest compute per round of the committed islands after the quorum."""
+
+
+DECOUPLED_SLACK = 0.5
+"""Decoupled: the share of the quorum islands' compute per round that a round waits past its quorum.
+They do not wait meanwhile, but a round kept open makes their next pushes later (a longer round); the
+round closes well before they are due again (Decoupled DiLoCo bounds its grace window by the slack
+that overlap leaves the quorum's learners)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +48,10 @@ class IslandView:
     """When its push committed this round (None: not committed, or not known)."""
     expected: float | None = None
     """When in a round it is expected to commit, seconds after the round opened (None: no history)."""
+    behind: bool = False
+    """It holds an older θ than the open round's: its next push is for an older round."""
+    compute_seconds: float | None = None
+    """The compute seconds its push of this round reported (None: not committed, or none reported)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +66,7 @@ def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision,
     grace window for the missing ones has passed, or the deadline has. Returns the decision and a
     reason worth logging."""
     committed = sorted(i.island_id for i in state.islands if i.committed)
-    missing = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at > now)
+    missing = sorted(i.island_id for i in waited_for(now, state, policy))
     if len(committed) < policy.quorum:
         return Decision.WAIT, (
             f"round {state.round}: {len(committed)} of quorum {policy.quorum} committed"
@@ -75,6 +90,14 @@ def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision,
     )
 
 
+def waited_for(now: float, state: RoundView, policy: RoundPolicy) -> list[IslandView]:
+    """The live islands the round still waits for: not committed, lease running, and (decoupled) not
+    training on an older θ."""
+    return [
+        i for i in state.islands if not i.committed and i.lease_expires_at > now and not (policy.decoupled and i.behind)
+    ]
+
+
 def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | None, str]:
     """The end of the grace window of a round that has its quorum (None: none), and why."""
     times = sorted(
@@ -82,14 +105,23 @@ def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | N
     )
     if len(times) < policy.quorum:
         return None, ""
-    missing = {i.island_id: i.expected for i in state.islands if not i.committed and i.lease_expires_at > now}
-    return grace_until(policy.grace, state.opened_at, times[policy.quorum - 1], missing)
+    quorum_at = times[policy.quorum - 1]
+    missing = {i.island_id: i.expected for i in waited_for(now, state, policy)}
+    until, why = grace_until(policy.grace, state.opened_at, quorum_at, missing)
+    computes = [i.compute_seconds for i in state.islands if i.committed and i.compute_seconds]
+    if policy.decoupled and policy.grace != OFF and missing and computes:
+        cap = quorum_at + DECOUPLED_SLACK * min(computes)
+        if until is None or cap < until:
+            return cap, f"grace {cap - quorum_at:.1f}s after quorum (half the quorum's compute per round)"
+    return until, why
 
 
-def next_wakeup(now: float, state: RoundView, policy: RoundPolicy) -> float | None:
-    """When ``decide`` could next change its answer without new input (deadline or lease expiry)."""
+def next_wakeup(now: float, state: RoundView, policy: RoundPolicy, *, leases: bool = True) -> float | None:
+    """When ``decide`` could next change its answer without new input: the deadline, the end of the
+    grace window, or (``leases``) a lease expiring."""
     times = [state.opened_at + policy.deadline_seconds]
-    times += [i.lease_expires_at for i in state.islands if not i.committed and i.lease_expires_at > now]
+    if leases:
+        times += [i.lease_expires_at for i in state.islands if not i.committed and i.lease_expires_at > now]
     until, _ = _grace(now, state, policy)
     if until is not None:
         times.append(until)
