@@ -31,6 +31,8 @@ class DemoArgs:
     """Codec of the outer update the coordinator sends back."""
     overlap_steps: int = 0
     """Islands keep training while the exchange is in flight and apply it this many steps later."""
+    outer_mode: str = "sync"
+    """sync, or decoupled: islands never wait for the outer step (see atoll coordinator --outer-mode)."""
     fragments: int = 0
     """Streaming DiLoCo: P fragments on staggered schedules (0: every tensor syncs at once)."""
     outer_lr: float = 1.0
@@ -52,6 +54,8 @@ class DemoArgs:
             raise ValueError("islands, rounds and sync_every must be >= 1")
         if not 0 <= self.overlap_steps < self.sync_every:
             raise ValueError(f"overlap_steps must be in [0, sync_every), got {self.overlap_steps}")
+        if self.outer_mode not in ("sync", "decoupled"):
+            raise ValueError(f"outer_mode must be sync or decoupled, got {self.outer_mode!r}")
         if self.fragments < 0:
             raise ValueError(f"fragments must be >= 0, got {self.fragments}")
 
@@ -80,6 +84,8 @@ def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[lis
                 "--error-feedback" if args.error_feedback else "--no-error-feedback",
                 "--error-feedback-decay",
                 str(args.error_feedback_decay),
+                "--outer-mode",
+                args.outer_mode,
                 "--quorum",
                 str(args.islands),
                 "--round-deadline-seconds",

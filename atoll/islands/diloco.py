@@ -171,6 +171,13 @@ class DiLoCo:
         return self._routes.sync_every if self._routes else (self.options.sync_every or 0)
 
     @property
+    def decoupled(self) -> bool:
+        """The run's outer mode is decoupled (``atoll coordinator --outer-mode decoupled``; known once
+        started): step() never waits for an outer step, and the model holds local progress on top of
+        the global θ."""
+        return bool(self._routes and self._routes.decoupled)
+
+    @property
     def codec(self):
         """The codec this island pushes with (the run's, once started)."""
         return self._routes.codec if self._routes else None

@@ -326,7 +326,7 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, re
     def digest_now() -> str | None:
         if not args.digest:
             return None
-        if args.overlap_steps:  # the model also holds progress made during the exchange
+        if args.overlap_steps or sync.decoupled:  # the model also holds progress made during the exchange
             return param_digest(sync.global_params()) if layout.world == 1 else None
         return model_digest(model)
 
