@@ -61,14 +61,15 @@ def test_a_decoupled_island_keeps_training_while_its_round_waits_and_keeps_that_
         b.close()
 
 
-def test_a_slow_decoupled_island_is_folded_with_its_staleness(start_server):
-    """Quorum 1: the fast island closes rounds by itself; the slow one's deltas arrive rounds late and
-    are folded with weight staleness_weight ** k, never dropped while k <= max_staleness."""
+def test_a_slow_decoupled_island_pushes_early_and_is_folded_with_its_staleness(start_server):
+    """Quorum 1: the fast island closes rounds by itself. The slow one, seeing (by its heartbeats) the run
+    3 rounds past its θ, pushes at its next step rather than after H (a delta H steps later would come
+    too stale to fold); the coordinator folds it with weight tokens x staleness_weight ** 3."""
     srv = start_server(
         config(quorum=1, outer_mode="decoupled", lease_seconds=60.0, grace_window="0", staleness_weight=0.5)
     )
     f_model, f_opt, fast = island(srv.address, island_id="fast")
-    s_model, s_opt, slow = island(srv.address, island_id="slow")
+    s_model, s_opt, slow = island(srv.address, island_id="slow", heartbeat_seconds=0.05)
     fast.start()
     slow.start()
     try:
@@ -80,16 +81,15 @@ def test_a_slow_decoupled_island_is_folded_with_its_staleness(start_server):
             wait_for(lambda r=r: srv.inspect(lambda s: s.round) == r + 1)
             wait_for(lambda: not fast._exchanges.in_flight() or not fast._exchanges.in_flight()[0].thread.is_alive())
             fast.step(tokens=0)
-        assert srv.inspect(lambda s: s.round) >= 3
-        for batch in data:
-            slow.step(tokens=32, loss=inner_step(s_model, s_opt, batch))  # its round-0 delta, 3+ rounds late
+        assert srv.inspect(lambda s: s.round) == 3 and slow.round == 0
+        wait_for(lambda: slow._routes.sessions[0].latest_round == 3)  # heard by a heartbeat
+        slow.step(tokens=32, loss=inner_step(s_model, s_opt, data[0]))  # one step, and it pushes
         wait_for(lambda: srv.inspect(lambda s: ("slow", 0) in s.accumulator.late))
-        k = srv.inspect(lambda s: s.round)
-        weight = srv.inspect(lambda s: s.accumulator.late[("slow", 0)].weight)
-        assert weight == pytest.approx(H * 32 * 0.5**k)
+        record = srv.inspect(lambda s: s.accumulator.late[("slow", 0)])
+        assert (record.inner_steps, record.weight) == (1, 32 * 0.5**3)
         wait_for(lambda: not slow._exchanges.in_flight()[0].thread.is_alive())
         slow.step(tokens=0)
-        assert slow.round == k and slow.history[-1].dropped is False
+        assert slow.round == 3 and slow.history[-1].dropped is False
     finally:
         fast.close()
         slow.close()

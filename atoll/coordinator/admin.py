@@ -249,6 +249,7 @@ def status_json(server, started_at: float) -> dict:
                 g = rec.goodput
                 row.update(
                     goodput=g.ratio(now),
+                    joined_seconds=g.wall(now),
                     compute_seconds_into_theta=g.compute_into_theta,
                     blocked_seconds=g.blocked_seconds,
                     tokens_into_theta=g.tokens_into_theta,

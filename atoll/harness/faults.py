@@ -5,7 +5,8 @@ Island-side kinds run inside the island process, started as ``python -m atoll.ha
 JSON island ...`` (the reference island with :class:`IslandFaults` as its hooks):
 
 - ``slow``: each inner step takes ``factor`` times as long, for ``rounds`` rounds from ``round``;
-- ``stall``: sleep ``seconds`` before the round's first step (compute stall; heartbeats go on);
+- ``stall``: sleep ``seconds`` before the first step of the first round at or after ``round`` (once:
+  a decoupled island may skip round numbers; compute stall, heartbeats go on);
 - ``kill_mid_push``: the process dies (exit 137) after sending half of that round's push;
 - ``exit``: the process dies at the start of the round.
 
@@ -63,6 +64,7 @@ class IslandFaults(IslandHooks):
     def __init__(self, spec: str = "") -> None:
         self.spec = spec
         self.faults = [Fault(**f) for f in json.loads(spec)] if spec else []
+        self._stalled: set[int] = set()
 
     def relaunch_argv(self) -> list[str]:
         return ["--faults", self.spec]
@@ -78,9 +80,10 @@ class IslandFaults(IslandHooks):
             return
         if self._active("exit", round_):
             os._exit(KILLED)
-        stall = self._active("stall", round_)
-        if stall:
-            time.sleep(stall.seconds)
+        for i, f in enumerate(self.faults):
+            if f.kind == "stall" and f.round <= round_ and i not in self._stalled:
+                self._stalled.add(i)
+                time.sleep(f.seconds)
 
     def after_step(self, round_: int, step_seconds: float) -> None:
         slow = self._active("slow", round_)

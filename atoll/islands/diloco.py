@@ -274,7 +274,8 @@ class DiLoCo:
     def _due_links(self) -> list[int]:
         sessions, busy = self._routes.sessions, set(self._exchanges.by_link)
         if self.options.sync_every_seconds is None:
-            return [i for i in self._schedule.due_by_steps(busy) if not sessions[i].run_complete]
+            due = [i for i in self._schedule.due_by_steps(busy) if not sessions[i].run_complete]
+            return sorted(set(due) | set(self._behind(busy))) if self._routes.decoupled else due
         if not self._any_rank(self._schedule.budget_spent()):  # the island's ranks agree on when to sync
             return []
         if self._routes.decoupled:  # the budget is up with the last one still out: train on
@@ -282,6 +283,25 @@ class DiLoCo:
         for flight in self._exchanges.in_flight():  # the budget is up with the last one still out
             self._finish(flight)
         return list(range(len(sessions)))
+
+    def _behind(self, busy: set[int]) -> list[int]:
+        """Decoupled: the idle links whose θ the run has moved ``push_behind`` rounds past, so a push at
+        H steps would come too stale to fold. They push now with the steps they have: an island slower
+        than the others takes fewer inner steps per round, as DyLU (Liu et al. 2024) sets them from
+        the workers' speeds, here from the rounds the island sees go by. The island's ranks agree."""
+        sessions, links = self._routes.sessions, self._schedule.links
+        flags = [
+            i not in busy
+            and links[i].steps > 0
+            and not sessions[i].run_complete
+            and sessions[i].latest_round - sessions[i].round >= self._routes.push_behind
+            for i in range(len(sessions))
+        ]
+        if self._num_ranks > 1:
+            t = torch.tensor(flags, dtype=torch.float32, device=self._routes.shards[0].local().device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.options.process_group)
+            flags = [bool(x) for x in t.tolist()]
+        return [i for i, behind in enumerate(flags) if behind]
 
     def sync(self) -> RoundStats:
         """Push this round's pseudo-gradient to every shard, wait for the outer step and apply it

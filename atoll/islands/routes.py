@@ -71,6 +71,9 @@ class Routes:
         self.sync_every = options.sync_every or 0
         self.decoupled = False
         """The run's outer mode is decoupled: the island never waits for an outer step (see DiLoCo.step)."""
+        self.push_behind = 0
+        """Decoupled: push before H steps once the run is this many rounds past the island's θ (half the
+        run's max_staleness, at least 1), so the delta arrives fresh enough to be folded."""
         self.codec = None
 
     def _join_request_for(self, index: int, digest: str, num_shards: int, rank: int, num_ranks: int):
@@ -129,6 +132,7 @@ class Routes:
                     o.sync_every,
                 )
             self.decoupled = c.outer_mode == "decoupled"
+            self.push_behind = max(1, c.max_staleness // 2)
             run_codec = get_codec(resp.codec)
             if self.codec is None:
                 decay = c.error_feedback_decay or 1.0  # 0: unset by an older coordinator

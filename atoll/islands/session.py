@@ -73,6 +73,8 @@ class Session:
         self.pull_wait_seconds = pull_wait_seconds
         self.round = -1
         self.run_complete = False
+        self.latest_round = -1
+        """The coordinator's open round as last heard (heartbeats, pulls): how far the run is ahead."""
         self.joined: pb.JoinResponse | None = None
 
     @property
@@ -103,6 +105,7 @@ class Session:
                 pb.HeartbeatRequest(run_id=m.run_id, island_id=m.island_id, round=self.round, session_id=m.session_id)
             )
             self.run_complete = self.run_complete or resp.run_complete
+            self.latest_round = max(self.latest_round, resp.round)
         except grpc.RpcError as err:
             if reason_of(err) is Reason.NOT_JOINED:
                 log.info("coordinator shard %d forgot %s; re-joining", self.index, m.island_id)
@@ -247,6 +250,7 @@ class Session:
             if on_update is not None:
                 on_update(header, payloads)
             self.round = header.round
+            self.latest_round = max(self.latest_round, header.latest_round)
             if header.round < header.latest_round:  # several rounds behind: next delta right away
                 have_round, repush = header.round, None
                 continue
