@@ -23,8 +23,9 @@ Policies (coordinator flags; islands follow the run's mode):
 Printed per policy, at the end of the budget, from the coordinator's ``/api/status``: the run's
 goodput (island compute-seconds whose tokens entered θ over island wall-seconds while joined), each
 island's blocked share of its time and tokens into θ, rounds closed, and the eval loss of the
-coordinator's θ at that moment (the same held-out batches for every policy). Plots island A's eval
-loss against wall time and the run's tokens into θ (PNG) with ``--plot-dir``.
+coordinator's θ at that moment (the same held-out batches for every policy). Every snapshot is kept,
+so ``--plot-dir`` plots the eval loss of θ after every round against wall time (since round 0
+opened) and against the tokens that had entered θ (PNG).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
     work.mkdir(parents=True)
     flags = [*COMMON, "--sync-every", str(a.sync_every), *POLICIES[policy]]
     admin_file = work / "admin.port"
-    flags += ["--admin-port", "0", "--admin-port-file", str(admin_file)]
+    flags += ["--admin-port", "0", "--admin-port-file", str(admin_file), "--keep-snapshots", "100000"]
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(work / "state", flags)
         admin_port = int(admin_file.read_text())
@@ -162,6 +163,7 @@ def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
         total += h["tokens"]
         tokens_by_round[h["round"] + 1] = total
     rows = {r["island"]: r for r in got["islands"] if r.get("joined_seconds")}
+    theta = evaluate_theta(work / "state")
     return {
         "policy": policy,
         "goodput": got["goodput"],
@@ -171,14 +173,17 @@ def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
         "tokens_into_theta": total,
         "late_folded": got["counters"].get("pushes_late_folded", 0),
         "late_dropped": got["counters"].get("pushes_late_dropped", 0),
-        "eval_loss": evaluate_final(work / "state"),
         "restarts": restarts,
-        "curve": [(t, tokens_by_round.get(r, 0), loss) for t, r, loss in curve],
+        "island_curve": [(t, tokens_by_round.get(r, 0), loss) for t, r, loss in curve],
+        "curve": theta,
+        "eval_loss": theta[-1][2],
     }
 
 
-def evaluate_final(state_dir: Path) -> float:
-    """The held-out loss of the coordinator's newest θ (the reference island's model and batches)."""
+def evaluate_theta(state_dir: Path) -> list[tuple[float, int, float]]:
+    """The held-out loss of the coordinator's θ after every round (every snapshot is kept), with the
+    wall seconds since round 0 opened (the rounds' open, save and publish times summed) and the tokens
+    that had entered θ: [(seconds, tokens, eval loss)], θ_0 first."""
     from atoll.coordinator import persistence
     from atoll.models import PRESETS
     from atoll.workload.island import IslandArgs, build_model, evaluate, load_data
@@ -186,11 +191,17 @@ def evaluate_final(state_dir: Path) -> float:
     args = IslandArgs(coordinator="-", island_id="eval", data=str(state_dir.parent.parent / "corpus.bin"))
     data = load_data(args, args.block_size or PRESETS[args.model]["block_size"])
     model = build_model(args, data.vocab_size)
-    missing, unexpected = model.load_state_dict(persistence.load(state_dir).params, strict=False)
     params = {n for n, _ in model.named_parameters()}
-    if unexpected or params & set(missing):
-        raise RuntimeError(f"the run's θ does not fit the model: missing {missing}, unexpected {unexpected}")
-    return evaluate(model, data)
+    out = []
+    for path in persistence.snapshot_paths(state_dir):
+        snap = persistence.verify(path)
+        missing, unexpected = model.load_state_dict(snap.params, strict=False)
+        if unexpected or params & set(missing):
+            raise RuntimeError(f"the run's θ does not fit the model: missing {missing}, unexpected {unexpected}")
+        h = snap.history
+        seconds = sum(r["seconds_open"] + r.get("persist_seconds", 0) + r.get("publish_seconds", 0) for r in h)
+        out.append((seconds, sum(r["tokens"] for r in h), evaluate(model, data)))
+    return out
 
 
 def plot(results: list[dict], out: Path) -> None:
@@ -204,8 +215,10 @@ def plot(results: list[dict], out: Path) -> None:
         t, tokens, loss = zip(*r["curve"], strict=True) if r["curve"] else ((), (), ())
         axes[0].plot(t, loss, marker=".", label=f"{r['policy']} (goodput {r['goodput']:.2f})")
         axes[1].plot(tokens, loss, marker=".", label=r["policy"])
-    axes[0].set(xlabel="wall seconds", ylabel="eval loss (island A)", title="eval loss against wall time")
-    axes[1].set(xlabel="tokens into θ", ylabel="eval loss (island A)", title="eval loss against tokens")
+    axes[0].set(
+        xlabel="wall seconds since round 0 opened", ylabel="eval loss of θ", title="eval loss against wall time"
+    )
+    axes[1].set(xlabel="tokens into θ", ylabel="eval loss of θ", title="eval loss against tokens")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
@@ -222,6 +235,7 @@ def main() -> None:
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--plot-dir", type=Path, default=None)
     p.add_argument("--work-dir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write every figure and curve here")
     a = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="atoll-goodput-") as tmp:
@@ -239,6 +253,8 @@ def main() -> None:
                 f"{r['late_dropped']}, B restarts {r['restarts']}, eval loss {r['eval_loss']:.4f}",
                 flush=True,
             )
+    if a.json is not None:
+        a.json.write_text(json.dumps(results, indent=1))
     if a.plot_dir is not None:
         plot(results, a.plot_dir / "goodput.png")
         print(f"plot: {a.plot_dir / 'goodput.png'}")

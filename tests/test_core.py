@@ -98,6 +98,26 @@ def test_theta0_and_a_round_take_the_one_path_and_match_a_numpy_reference(tmp_pa
     assert (delta.kind, delta.round) == (UpdateKind.DELTA, 1)
 
 
+@pytest.mark.parametrize("mode", ["sync", "decoupled"])
+def test_a_delta_of_more_than_h_steps_enters_a_decoupled_mean_scaled_to_h_steps(tmp_path, mode):
+    """(Before: in a decoupled run an island that trained 3H steps while its exchange was out pushed a
+    delta three times the size and three times the weight of the others; the outer step overshot and
+    θ's eval loss jumped, benchmarks/RESULTS.md.) It enters scaled by H/n, weighing its tokens; sync
+    mode is unchanged."""
+    s = run_state(tmp_path, outer_lr=1.0, outer_momentum=0.0, sync_every=2, outer_mode=mode)
+    join(s, "a")
+    join(s, "b")
+    theta0, da, db = rand(0), rand(1), rand(2)
+    asyncio.run(push(s, "a", theta0, kind=PushKind.INIT))
+    asyncio.run(push(s, "a", da, tokens=2, inner_steps=2))
+    asyncio.run(push(s, "b", db, tokens=6, inner_steps=6))  # 3H steps
+    asyncio.run(s.close_round("test"))
+    scale = 1 / 3 if mode == "decoupled" else 1.0
+    for n in SHAPES:
+        want = theta0[n].numpy() - (2 * da[n].numpy() + 6 * scale * db[n].numpy()) / 8
+        np.testing.assert_allclose(s.model.params[n].numpy(), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("at", ["theta0", "round"])
 def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_path, monkeypatch, at):
     s = run_state(tmp_path)
@@ -285,6 +305,7 @@ def test_goodput_counts_the_compute_whose_tokens_entered_theta_over_the_time_joi
     assert (c.wall(20.0), c.ratio(20.0)) == (10.0, 0.8)
     assert run_goodput(s.membership.goodput(), 20.0) == (16 + 8 + 8) / (20 + 20 + 10)
     assert s.history[0]["compute_seconds_by_island"] == {"a": 8.0, "b": 8.0, "c": 8.0}
+    assert s.history[0]["goodput"] == 24 / 30 and s.history[1]["goodput"] == (16 + 8 + 8) / (20 + 20 + 10)
 
 
 def test_an_island_reports_its_compute_and_blocked_seconds_with_each_push():

@@ -68,7 +68,7 @@ def test_dashboard_renders_live_charts_and_timeline(start_server, raw_island, tm
     b.join()
     a.push({"w": torch.randn(4, 3)}, round_=0, kind=pb.PUSH_KIND_INIT)
     for r in range(3):
-        a.push({"w": torch.randn(4, 3)}, round_=r, tokens=10, loss=3.0 - r)
+        a.push({"w": torch.randn(4, 3)}, round_=r, tokens=10, loss=3.0 - r, compute_seconds=1e6)  # always busy
         if r != 1:  # b misses round 1: the round closes at the deadline without it
             b.push({"w": torch.randn(4, 3)}, round_=r, tokens=10, loss=3.0 - r)
         a.pull(r)
@@ -81,6 +81,12 @@ def test_dashboard_renders_live_charts_and_timeline(start_server, raw_island, tm
     assert bytes_svg.count('class="point"') == 3
     row_b = re.search(r'<tr data-island="b&lt;i&gt;">(.*?)</tr>', dom, re.S).group(1)  # escaped, not injected
     assert re.findall(r'class="cell (\w+)"', row_b) == ["committed", "missing", "committed"]
+    # Goodput: a reports more compute than wall time (capped at 100%), b none; the run's is all of a's.
+    assert '<b id="goodput">100%</b>' in dom
+    row_a = re.search(r"<tr><td>a</td>(.*?)</tr>", dom, re.S).group(1)
+    assert re.search(r'<td class="goodput">100%</td>', row_a) and row_a.endswith("<td>30</td>")  # 30 tokens in θ
+    row_b = re.search(r"<tr><td>b&lt;i&gt;</td>(.*?)</tr>", dom, re.S).group(1)
+    assert re.search(r'<td class="goodput">0%</td>', row_b) and row_b.endswith("<td>20</td>")
     assert painted(tmp_path / "dash.png", LOSS_BLUE) > 50 and painted(tmp_path / "dash.png", BYTES_GREEN) > 50
     # Without the token the page is refused.
     assert "missing or wrong bearer token" in render(f"{base}/dashboard", tmp_path / "profile2")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 from conftest import inner_step
 from small_island import H, batches, config, island

@@ -36,6 +36,7 @@ from atoll.coordinator.accumulator import RoundAccumulator
 from atoll.coordinator.config import ConfigMismatch, RunConfig, apply_operational, reconcile
 from atoll.coordinator.downlink import Downlink
 from atoll.coordinator.errors import Reason, refuse
+from atoll.coordinator.goodput import run_goodput
 from atoll.coordinator.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger, Sealed
 from atoll.coordinator.membership import Membership, island_state
 from atoll.coordinator.messages import (
@@ -354,6 +355,7 @@ class RunState:
                 "bytes_out_per_island": sum(len(p) for p in payloads.values()),
                 "reason": reason,
                 "seconds_open": self.clock() - self.ledger.opened_at,
+                "goodput": run_goodput(self.membership.goodput(), self.clock()),  # the run's, so far
                 "outer_step_seconds": time.perf_counter() - started,
             }
             self.seal(Sealed(r, params, payloads, record, frozenset(committed)))

@@ -39,6 +39,16 @@ Theta0 = tuple[
 """θ_0 as the bootstrap island sent it: (params, specs, buffers, layout digest, tied-weight aliases)."""
 
 
+def step_scale(c: RunConfig, inner_steps: int) -> float:
+    """Decoupled: a delta of n > H inner steps (its island trained on while its exchange was out, or
+    carried a dropped push) enters the mean scaled by H/n, an estimate of the H-step update, while
+    its weight stays its tokens. At full size it both outweighs and outsizes the H-step deltas beside
+    it, and the outer step overshoots (benchmarks/RESULTS.md). 1 in sync mode, and for n <= H."""
+    if c.outer_mode != "decoupled" or inner_steps <= c.sync_every:
+        return 1.0
+    return c.sync_every / inner_steps
+
+
 class Pushes:
     def __init__(self, owners: Owners, *, clock: Callable[[], float], name: str = "") -> None:
         self._config = owners.config
@@ -163,10 +173,11 @@ class Pushes:
             weight = self._weight(plan)
             if late:
                 weight *= c.staleness_weight ** (ledger.round - plan.round)
+            scale = step_scale(c, ranks[0].plan.inner_steps)
             if c.aggregation == "mean" and not c.max_delta_norm:
-                await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight)
+                await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale)
             else:
-                await self._add_dense((plan.island_id, plan.round), ranks, weight, c)
+                await self._add_dense((plan.island_id, plan.round), ranks, weight, c, scale)
         finally:
             release(ranks)  # decoded into the sum (or refused): the payloads are done
         num_bytes = sum(r.plan.num_bytes for r in ranks)
@@ -235,7 +246,9 @@ class Pushes:
         )
         return plan.inner_steps * per_step
 
-    async def _add_dense(self, key: tuple[str, int], ranks: list[StagedRank], weight: float, c: RunConfig) -> None:
+    async def _add_dense(
+        self, key: tuple[str, int], ranks: list[StagedRank], weight: float, c: RunConfig, scale: float
+    ) -> None:
         """Norm bound and robust aggregation need the island's whole delta: assemble it densely."""
         delta = await asyncio.to_thread(assemble, ranks, self.model.specs, self.model.uplink)
         norm = robust.l2_norm(delta)
@@ -244,6 +257,9 @@ class Pushes:
                 Reason.DELTA_TOO_LARGE,
                 f"island {key[0]!r} discarded for round {key[1]}: delta norm {norm:.4g} exceeds {c.max_delta_norm:g}",
             )
+        if scale != 1.0:
+            for t in delta.values():
+                t.mul_(scale)
         self.accumulator.add_dense(key, delta, weight, mean=c.aggregation == "mean")
 
     def commit_init(self, staged: StagedRank) -> PushResult | Theta0:
