@@ -70,8 +70,8 @@ def test_fold_applies_a_late_delta_once_with_staleness_weight(start_server, raw_
     expected = theta1 - (100 * d_a1["w"] + 50 * d_b_late["w"]) / 150
     np.testing.assert_allclose(srv.inspect(lambda s: s.model.params["w"].clone()).numpy(), expected.numpy(), atol=1e-6)
     assert torch.allclose(acc_before, 50 * d_b_late["w"])
-    # Too stale (2 rounds): dropped.
-    assert b.push(d_b_late, round_=0, tokens=100).outcome == pb.PUSH_OUTCOME_ROUND_CLOSED
+    # Two rounds later the same push (a restarted island's) is still answered as counted, not applied again.
+    assert b.push(d_b_late, round_=0, tokens=100).outcome == pb.PUSH_OUTCOME_DUPLICATE
 
 
 def test_lagging_island_catches_up_by_deltas(start_server, raw_island):

@@ -4,6 +4,7 @@ coordinator's waits give way to a cancellation (its stop)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import subprocess
@@ -138,23 +139,29 @@ def test_a_second_process_with_a_live_island_id_is_refused(start_server):
         first.close()
 
 
-def test_a_late_push_is_folded_by_default(start_server):
-    srv = start_server(config(quorum=1, round_deadline_seconds=0.3))
+@contextlib.contextmanager
+def fast_closes_round_0_without_slow(srv):
+    """Two started islands; "fast" runs round 0, which closes at the deadline without "slow"."""
     fast_model, fast_opt, fast = island(srv.address, island_id="fast")
     slow_model, slow_opt, slow = island(srv.address, island_id="slow")
     fast.start()
     slow.start()
     try:
-        data = batches(H)
-        for b in data:
-            fast.step(tokens=32, loss=inner_step(fast_model, fast_opt, b))  # round 0 closes without slow
-        for b in data:
-            slow.step(tokens=32, loss=inner_step(slow_model, slow_opt, b))  # folded into round 1
-        assert [h.dropped for h in slow.history] == [False] and slow.round == 1
-        assert srv.inspect(lambda s: sorted(s.accumulator.late)) == [("slow", 0)]
+        for b in batches(H):
+            fast.step(tokens=32, loss=inner_step(fast_model, fast_opt, b))
+        yield fast, (fast_model, fast_opt), slow, (slow_model, slow_opt)
     finally:
         fast.close()
         slow.close()
+
+
+def test_a_late_push_is_folded_by_default(start_server):
+    srv = start_server(config(quorum=1, round_deadline_seconds=0.3))
+    with fast_closes_round_0_without_slow(srv) as (_, _, slow, (slow_model, slow_opt)):
+        for b in batches(H):
+            slow.step(tokens=32, loss=inner_step(slow_model, slow_opt, b))  # folded into round 1
+        assert [h.dropped for h in slow.history] == [False] and slow.round == 1
+        assert srv.inspect(lambda s: sorted(s.accumulator.late)) == [("slow", 0)]
 
 
 def test_a_dropped_push_shows_in_round_stats_and_its_island_keeps_its_progress(start_server):
@@ -162,14 +169,8 @@ def test_a_dropped_push_shows_in_round_stats_and_its_island_keeps_its_progress(s
     new θ keeping its local progress, θ ← θ_1 + (θ_local − θ_0), and its next push carries that work
     (Δ relative to θ_1, with the dropped round's steps and tokens added)."""
     srv = start_server(config(quorum=1, round_deadline_seconds=0.3, late_policy="drop"))
-    fast_model, fast_opt, fast = island(srv.address, island_id="fast")
-    slow_model, slow_opt, slow = island(srv.address, island_id="slow")
-    fast.start()
-    slow.start()
-    try:
+    with fast_closes_round_0_without_slow(srv) as (fast, _, slow, (slow_model, slow_opt)):
         data = batches(H)
-        for b in data:
-            fast.step(tokens=32, loss=inner_step(fast_model, fast_opt, b))  # round 0 closes without slow
         theta0 = {k: v.clone() for k, v in slow.global_params().items()}
         for i, b in enumerate(data):
             loss = inner_step(slow_model, slow_opt, b)
@@ -188,9 +189,6 @@ def test_a_dropped_push_shows_in_round_stats_and_its_island_keeps_its_progress(s
             slow.step(tokens=32, loss=inner_step(slow_model, slow_opt, b))
         record = srv.inspect(lambda s: dict(s.history[1]))
         assert record["steps_by_island"]["slow"] == 2 * H and record["tokens_by_island"]["slow"] == 2 * H * 32
-    finally:
-        fast.close()
-        slow.close()
 
 
 # ---- the run's end --------------------------------------------------------------------------------
