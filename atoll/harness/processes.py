@@ -19,7 +19,10 @@ from pathlib import Path
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGKILL this child when the process that started it dies, however it dies."""
+    """Linux: SIGKILL this child when the process that started it dies, however it dies. And SIGINT back
+    to its default: a harness run as a background job of a non-interactive shell inherits it ignored,
+    and its children then ignore Ctrl-C (found when the test of Ctrl-C failed only there)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         import ctypes
 
