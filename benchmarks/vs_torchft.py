@@ -1,0 +1,384 @@
+"""atoll's DiLoCo against torchft's, side by side on one workload, with the floors measured in the same run.
+
+    pip install -e '.[bench]'          # torchft, the peer: a benchmark extra, never a runtime dependency
+    python benchmarks/vs_torchft.py [--model tiny|gpt-125m] [--pairs 3] [--rounds 4] [--sync-every 2]
+                                    [--codecs identity int8]
+
+The workload (issue 21): 2 workers, the preset's tensors, inner steps that set every gradient to seeded
+noise and take an SGD step (both systems do identical, cheap compute), H = ``--sync-every``, outer
+Nesterov lr 0.7 / momentum 0.9.
+
+- torchft 0.2.0: a lighthouse, one Manager and one reconfigurable gloo process group per worker (a
+  replica group of one rank), ``torchft.local_sgd.DiLoCo`` (pseudo-gradient all-reduce, the outer
+  step in every replica). A worker's sync time is its ``inner_optimizer.step()`` at the H-th step,
+  which runs the quorum, the all-reduce and the outer step.
+- atoll: ``atoll coordinator`` and two ``DiLoCo(model, CoordinatorLink(...))`` workers; the sync time
+  is ``sync.step()`` at the H-th step (push, the outer step on the coordinator, pull, apply). Codec
+  ``identity``, or ``int8`` both ways (downlink with coordinator-side error feedback).
+
+Each system runs in its own network namespace (``unshare -rn``, when available), so the loopback
+counter counts only that run. Runs are interleaved by pairs, the order alternating. Printed per pair:
+the median steady sync time (rounds after the first) of each system and their ratio, bytes on
+loopback per round (and over |θ|), each worker's peak RSS (and the coordinator's), and the largest
+difference between the two systems' final θ. The floors, measured in the same run: |θ| over one raw
+loopback TCP stream, and a 2-process gloo all-reduce of |θ| fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VOCAB = {"tiny": 65, "gpt-125m": 50257}
+"""The bundled text's character vocabulary for the tiny model; GPT-2's for the 124M preset."""
+
+
+# ---- what both systems train ---------------------------------------------------------------------------
+def build(model: str):
+    import torch
+
+    from atoll.models import TinyGPT, preset
+
+    torch.manual_seed(0)
+    return TinyGPT(preset(model, vocab_size=VOCAB[model]))
+
+
+def noise_step(model, opt, gen) -> None:
+    """A stand-in inner step: every gradient set to seeded noise (1e-3), then the optimizer's step."""
+    import torch
+
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    opt.step()
+
+
+def peak_rss(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def theta_summary(model, name: str) -> list[list[float]]:
+    """Per parameter, in float64: the sum of its total update θ − θ_0, and of its absolute values (enough
+    to tell apart two runs' final θ, which differ from θ_0 by a few 1e-4)."""
+    import torch
+
+    with torch.no_grad():
+        init = dict(build(name).named_parameters())
+        out = []
+        for n, p in model.named_parameters():
+            d = p.detach().double() - init[n].detach().double()
+            out.append([float(d.sum()), float(d.abs().sum())])
+        return out
+
+
+def lo_bytes() -> int:
+    """Bytes the loopback interface received (= sent) in this network namespace."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[0])
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- workers (one process each) -------------------------------------------------------------------------
+def torchft_worker(a) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    model = build(a.model)
+    inner = torch.optim.SGD(model.parameters(), lr=1e-2)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=300)),
+        load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        min_replica_size=2,
+        use_async_quorum=False,
+        replica_id=f"w{a.index}",
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=a.lighthouse,
+        port=0,
+        timeout=timedelta(seconds=300),
+        quorum_timeout=timedelta(seconds=300),
+        connect_timeout=timedelta(seconds=60),
+    )
+    gen = torch.Generator().manual_seed(1000 + a.index)
+    syncs = []
+    with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu")):
+        for step in range(1, a.rounds * a.sync_every + 1):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            started = time.perf_counter()
+            inner.step()  # at the H-th step: quorum, all-reduce of the pseudo-gradients, outer step
+            if step % a.sync_every == 0:
+                syncs.append(time.perf_counter() - started)
+    manager.shutdown(wait=False)
+    print(json.dumps({"syncs": syncs, "rss": peak_rss(), "theta": theta_summary(model, a.model)}), flush=True)
+
+
+def atoll_worker(a) -> None:
+    import torch
+
+    from atoll.islands import CoordinatorLink, DiLoCo
+
+    torch.set_num_threads(1)
+    model = build(a.model)
+    inner = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1000 + a.index)
+    syncs = []
+    link = CoordinatorLink(a.coordinator, run_id="vs", island_id=f"w{a.index}")
+    with DiLoCo(model, link) as sync:
+        for _ in range(a.rounds * a.sync_every):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            inner.step()
+            started = time.perf_counter()
+            if sync.step(tokens=1) is not None:  # push, outer step, pull, apply
+                syncs.append(time.perf_counter() - started)
+    print(json.dumps({"syncs": syncs, "rss": peak_rss(), "theta": theta_summary(model, a.model)}), flush=True)
+
+
+# ---- one system's run (inside its own network namespace) ------------------------------------------------
+def run_system(a) -> None:
+    if a.netns:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    before = lo_bytes()
+    me = [sys.executable, str(Path(__file__).resolve())]
+    common = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every)]
+    coord = lighthouse = None
+    with tempfile.TemporaryDirectory(prefix="vs-") as tmp:
+        if a.system == "torchft":
+            from torchft._torchft import LighthouseServer
+
+            lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+            target = ["--lighthouse", lighthouse.address()]
+        else:
+            port_file = Path(tmp) / "port"
+            codec = ["--codec", a.codec, "--downlink-codec", a.codec]
+            coord = subprocess.Popen(
+                [sys.executable, "-m", "atoll", "coordinator", "--host", "127.0.0.1", "--port", "0",
+                 "--state-dir", str(Path(tmp) / "state"), "--port-file", str(port_file), "--run-id", "vs",
+                 "--sync-every", str(a.sync_every), "--outer-lr", "0.7", "--outer-momentum", "0.9",
+                 "--quorum", "2", "--lease-seconds", "120", *codec, "--log-level", "WARNING"],
+                stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            while not port_file.exists():
+                if coord.poll() is not None:
+                    raise RuntimeError(f"the coordinator exited with {coord.returncode}")
+                time.sleep(0.05)
+            target = ["--coordinator", f"127.0.0.1:{port_file.read_text().strip()}"]
+        workers = [
+            subprocess.Popen(
+                [*me, "--role", f"{a.system}-worker", "--index", str(i), *common, *target],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        coord_rss = [0]
+        if coord is not None:  # the coordinator's peak RSS, read while it runs
+
+            def watch() -> None:
+                while coord.poll() is None and any(w.poll() is None for w in workers):
+                    coord_rss[0] = max(coord_rss[0], peak_rss(coord.pid))
+                    time.sleep(0.2)
+
+            threading.Thread(target=watch, daemon=True).start()
+        outs = [json.loads(w.communicate()[0].strip().splitlines()[-1]) for w in workers]
+        after = lo_bytes()
+        if coord is not None:
+            coord_rss[0] = max(coord_rss[0], peak_rss(coord.pid))
+            coord.terminate()
+            coord.wait(30)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    print(json.dumps({"workers": outs, "lo_bytes": after - before, "coordinator_rss": coord_rss[0]}), flush=True)
+
+
+# ---- the floors -------------------------------------------------------------------------------------------
+def floors(a) -> None:
+    """|θ| over one raw loopback TCP stream, and a 2-process gloo all-reduce of |θ| fp32."""
+    if a.netns:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    import torch
+
+    n = sum(p.numel() for p in build(a.model).parameters())
+    nbytes = 4 * n
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+
+    def receive() -> None:
+        conn, _ = srv.accept()
+        left, buf = nbytes, bytearray(1 << 22)
+        while left:
+            left -= conn.recv_into(buf, min(len(buf), left))
+        conn.sendall(b"k")
+        conn.close()
+
+    t = threading.Thread(target=receive)
+    t.start()
+    payload = memoryview(bytearray(nbytes))
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        started = time.perf_counter()
+        c.sendall(payload)
+        c.recv(1)
+        tcp = time.perf_counter() - started
+    t.join()
+    del payload
+    port = free_port()
+    me = [sys.executable, str(Path(__file__).resolve()), "--model", a.model]
+    procs = [
+        subprocess.Popen([*me, "--role", "gloo-rank", "--index", str(r), "--port", str(port)], stdout=subprocess.PIPE)
+        for r in range(2)
+    ]
+    gloo = max(float(p.communicate()[0]) for p in procs)
+    print(json.dumps({"numel": n, "tcp_seconds": tcp, "gloo_seconds": gloo}), flush=True)
+    del torch
+
+
+def gloo_rank(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.index, world_size=2)
+    t = torch.ones(sum(p.numel() for p in build(a.model).parameters()))
+    dist.all_reduce(t)  # warm-up
+    dist.barrier()
+    started = time.perf_counter()
+    dist.all_reduce(t)
+    print(time.perf_counter() - started)
+    dist.destroy_process_group()
+
+
+# ---- the driver -------------------------------------------------------------------------------------------
+def isolated(args: list[str]) -> dict:
+    """Run this script with ``args`` in a fresh network namespace when unshare works (else plainly)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    netns = shutil.which("unshare") is not None and shutil.which("ip") is not None
+    if netns:
+        probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True)
+        netns = probe.returncode == 0
+    if netns:
+        cmd = ["unshare", "-rn", *cmd, "--netns"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got["netns"] = netns
+    return got
+
+
+def steady(run: dict) -> float:
+    """The median over rounds after the first of the slower worker's sync time."""
+    per_round = [max(times) for times in zip(*(w["syncs"] for w in run["workers"]), strict=True)]
+    return statistics.median(per_round[1:] if len(per_round) > 1 else per_round)
+
+
+def rss(run: dict, theta: int) -> str:
+    """Each worker's peak RSS in MiB and over |θ|."""
+    return ", ".join(f"{w['rss'] / 2**20:.0f} MiB ({w['rss'] / theta:.1f}|θ|)" for w in run["workers"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", choices=sorted(VOCAB))
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--sync-every", type=int, default=2)
+    p.add_argument("--codecs", nargs="+", default=["identity"], help="atoll's codec(s), each in its own pairs")
+    p.add_argument("--role", default="driver", help=argparse.SUPPRESS)
+    p.add_argument("--system", default="", help=argparse.SUPPRESS)
+    p.add_argument("--codec", default="identity", help=argparse.SUPPRESS)
+    p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--netns", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    roles = {
+        "torchft-worker": torchft_worker,
+        "atoll-worker": atoll_worker,
+        "run": run_system,
+        "floors": floors,
+        "gloo-rank": gloo_rank,
+    }
+    if a.role != "driver":
+        roles[a.role](a)
+        return
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        sys.exit("torchft is not installed: pip install -e '.[bench]'")
+    common = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every)]
+    floor = isolated(["--role", "floors", "--model", a.model])
+    theta = 4 * floor["numel"]
+    print(
+        f"model {a.model}: {floor['numel']:,} parameters, |θ| = {theta / 2**20:.1f} MiB; H={a.sync_every}, "
+        f"{a.rounds} rounds, 2 workers; network namespaces: {floor['netns']}"
+    )
+    print(
+        f"floors: one TCP stream moves |θ| in {floor['tcp_seconds'] * 1e3:.1f} ms, "
+        f"a 2-process gloo all-reduce of |θ| takes {floor['gloo_seconds'] * 1e3:.1f} ms"
+    )
+    for codec in a.codecs:
+        ratios = []
+        for pair in range(a.pairs):
+            order = ["atoll", "torchft"] if pair % 2 == 0 else ["torchft", "atoll"]
+            runs = {s: isolated(["--role", "run", "--system", s, "--codec", codec, *common]) for s in order}
+            at, tf = runs["atoll"], runs["torchft"]
+            ratio = steady(at) / steady(tf)
+            ratios.append(ratio)
+            pairs = list(zip(at["workers"][0]["theta"], tf["workers"][0]["theta"], strict=True))
+            drift = sum(abs(x[0] - y[0]) for x, y in pairs) / max(sum(y[1] for _, y in pairs), 1e-30)
+            print(
+                f"[{codec}] pair {pair + 1} ({' then '.join(order)}): sync atoll {steady(at):.3f} s, torchft "
+                f"{steady(tf):.3f} s, ratio {ratio:.2f}x (floors: {steady(at) / floor['tcp_seconds']:.0f}x TCP, "
+                f"torchft {steady(tf) / floor['gloo_seconds']:.0f}x gloo); loopback bytes/round atoll "
+                f"{at['lo_bytes'] / a.rounds / theta:.2f}|θ|, torchft {tf['lo_bytes'] / a.rounds / theta:.2f}|θ| "
+                f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x); peak RSS: atoll workers "
+                f"{rss(at, theta)}, coordinator "
+                f"{at['coordinator_rss'] / 2**20:.0f} MiB ({at['coordinator_rss'] / theta:.1f}|θ|), torchft workers "
+                f"{rss(tf, theta)}; the two final updates θ − θ_0 differ by {drift:.1e} of torchft's",
+                flush=True,
+            )
+        print(f"[{codec}] median sync ratio atoll / torchft over {a.pairs} pairs: {statistics.median(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
