@@ -70,18 +70,20 @@ def waiting_key(v: RoundView, now: float) -> tuple:
 
 def view(s: RunState) -> RoundView:
     committed = s.accumulator.committed
-    islands = tuple(
-        IslandView(
+
+    def island(i) -> IslandView:
+        c = committed.get(i.island_id)
+        return IslandView(
             island_id=i.island_id,
             lease_expires_at=i.lease_expires_at,
-            committed=i.island_id in committed,
-            committed_at=committed[i.island_id].at if i.island_id in committed else None,
+            committed=c is not None,
+            committed_at=None if c is None else c.at,
             expected=i.arrival.expected(),
             behind=0 <= i.holds_round < s.round,
-            compute_seconds=committed[i.island_id].compute_seconds if i.island_id in committed else None,
+            compute_seconds=None if c is None else c.compute_seconds,
         )
-        for i in s.membership.islands.values()
-    )
+
+    islands = tuple(island(i) for i in s.membership.islands.values())
     extra = tuple(  # committed islands that left since still count
         IslandView(island_id=k, lease_expires_at=0.0, committed=True)
         for k in committed

@@ -76,8 +76,6 @@ class Flight:
     result: tuple[str, float | None] = ("", None)
     max_payload_numel: int = 0
     blocked: float = 0.0
-    compute_seconds: float = 0.0
-    """The island's compute seconds the push reports."""
     error: BaseException | None = None
     thread: threading.Thread | None = None
     ready: Callable[[], object] | None = None
@@ -232,7 +230,6 @@ class Exchanges:
                 steps=flight.steps,
             )
             header.compute_seconds, header.blocked_seconds = compute, blocked
-            flight.compute_seconds = compute
             flight.pushes.append((i, header, payloads))
             del payloads
             self.by_link[i] = flight
@@ -294,12 +291,14 @@ class Exchanges:
         by_link: dict[int, list] = {}
         for i, header, payloads in flight.updates:
             by_link.setdefault(i, []).append((header, payloads))
+        headers = {i: h for i, h, _ in flight.pushes}
         for i in flight.links:
             dropped = flight.outcomes.get(i) == pb.PUSH_OUTCOME_ROUND_CLOSED
             self.routes.apply_all(i, by_link.get(i, []))
             self.routes.load_params(i, merge=flight.merge or dropped)
-            if dropped:
-                self.schedule.links[i].carry(flight.steps, flight.tokens, flight.compute_seconds)
+            if dropped:  # what the push said it covers (also for a flight restored from a checkpoint)
+                h = headers[i]
+                self.schedule.links[i].carry(h.inner_steps, h.tokens, h.compute_seconds)
         flight.updates = []
         flight.blocked += time.perf_counter() - started
         return flight.stats(self.routes.link.bytes(flight.links), self._island_bytes, run_complete())
