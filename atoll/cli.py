@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-snapshots", type=int, default=2, help="verified snapshots kept for an explicit rollback (default: 2)"
     )
     coord.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=8,
+        help="rounds between full snapshots, written in the background; every round is durable before it "
+        "is published by its write-ahead log record, small (default: 8)",
+    )
+    coord.add_argument(
         "--max-inflight-bytes",
         type=int,
         default=0,
@@ -241,6 +248,7 @@ def _coordinator(ns: argparse.Namespace) -> int:
         exit_when_complete=ns.exit_when_complete,
         options={
             "keep_snapshots": ns.keep_snapshots,
+            "snapshot_every": ns.snapshot_every,
             "max_inflight_bytes": ns.max_inflight_bytes,
             "stream_idle_seconds": ns.stream_idle_seconds,
             "given": _given(RunConfig, ns),

@@ -11,7 +11,7 @@ import torch
 from conftest import FakeClock
 
 from atoll.compression import get_codec
-from atoll.coordinator import persistence
+from atoll.coordinator import persistence, wal
 from atoll.coordinator.closing import view
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.core import RunState
@@ -120,9 +120,11 @@ def test_a_delta_of_more_than_h_steps_enters_a_decoupled_mean_scaled_to_h_steps(
 
 @pytest.mark.parametrize("at", ["theta0", "round"])
 def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_path, monkeypatch, at):
+    """θ_0's durable write is its snapshot, a round's its log record."""
     s = run_state(tmp_path)
     join(s, "a")
-    real_save, broken = persistence.save, [True]
+    module, name = (persistence, "save") if at == "theta0" else (wal, "append")
+    real_save, broken = getattr(module, name), [True]
 
     def save(*a, **kw):
         if broken[0]:
@@ -131,7 +133,7 @@ def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_
 
     if at == "round":
         asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
-    monkeypatch.setattr(persistence, "save", save)
+    monkeypatch.setattr(module, name, save)
     if at == "theta0":
         assert asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT)).committed
     else:
@@ -181,14 +183,14 @@ def test_a_push_that_arrives_while_its_round_is_being_saved_is_folded_into_the_n
     join(s, "b")
     asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
 
-    real_save, broken = persistence.save, [True]
+    real_save, broken = wal.append, [True]
 
     def save(*a, **kw):
         if broken[0]:
             raise OSError(28, "No space left on device")
         return real_save(*a, **kw)
 
-    monkeypatch.setattr(persistence, "save", save)
+    monkeypatch.setattr(wal, "append", save)
 
     async def race():
         await push(s, "a", rand(1), round_=0)

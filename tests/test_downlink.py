@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from atoll.compression import codec_of, get_codec
-from atoll.coordinator import persistence
+from atoll.coordinator import RunConfig, wal
 from atoll.coordinator.downlink import Downlink, identity_size
 from atoll.coordinator.regions import Region
 
@@ -19,7 +19,7 @@ def test_downlink_serves_regions_exactly_and_the_full_theta_one_entry_at_a_time(
     update = {"w": torch.randn(6, 4)}
     int8 = get_codec("int8")
     down = Downlink(tmp_path, window=2)
-    persistence.save_update(tmp_path, 3, {"w": int8.encode(update["w"])}, keep_from=2)
+    log_update(tmp_path, 2, {"w": int8.encode(update["w"])})  # round 2's record: the update to θ_3
     down.restore(3)
     assert down.latest_round == 3 and down.can_catch_up(2, 3) and not down.can_catch_up(0, 3)
     region = Region((2, 0), (3, 4))
@@ -36,10 +36,15 @@ def test_downlink_serves_regions_exactly_and_the_full_theta_one_entry_at_a_time(
     assert body.obj is not None and np.shares_memory(np.asarray(body), theta["w"].numpy())
 
 
-def test_updates_are_kept_for_the_window(tmp_path):
-    for r in range(1, 6):
-        persistence.save_update(tmp_path, r, {"w": bytearray(b"abc" * r)}, keep_from=r - 1)
-    kept = [int(p.stem.split("-")[1]) for p in persistence.update_paths(tmp_path)]
-    assert kept == [4, 5] and bytes(persistence.load_update(tmp_path, 5)["w"]) == b"abc" * 5
-    assert persistence.load_update(tmp_path, 1) is None
-    assert math.isclose(len(persistence.load_update(tmp_path, 4)["w"]), 12)
+def log_update(state_dir, round_, payloads):
+    wal.append(state_dir, round_, payloads, {"round": round_}, {}, RunConfig(run_id="d"))
+
+
+def test_the_logged_updates_serve_catch_ups_and_are_pruned_to_the_window(tmp_path):
+    for r in range(0, 5):
+        log_update(tmp_path, r, {"w": bytearray(b"abc" * (r + 1))})
+        wal.prune(tmp_path, snapshot_round=r + 1, keep_from=r - 1)
+    assert [r for r, _ in wal.records(tmp_path)] == [3, 4]
+    assert bytes(wal.load_update(tmp_path, 5)["w"]) == b"abc" * 5  # θ_5 = θ_4 + round 4's update
+    assert wal.load_update(tmp_path, 2) is None
+    assert math.isclose(len(wal.load_update(tmp_path, 4)["w"]), 12)

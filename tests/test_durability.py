@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ServerThread
 
-from atoll.coordinator import RunConfig, persistence
+from atoll.coordinator import RunConfig, persistence, wal
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (4, 3), "b": (5,)}
@@ -56,7 +56,7 @@ def test_failed_save_keeps_the_round_unpublished_reports_it_and_recovers(start_s
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
-    real_save = persistence.save
+    real_save = wal.append  # a round's durable write is its log record
     disk = {"full": True}
 
     def save(*args, **kwargs):
@@ -64,7 +64,7 @@ def test_failed_save_keeps_the_round_unpublished_reports_it_and_recovers(start_s
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(persistence, "save", save)
+    monkeypatch.setattr(wal, "append", save)
     caplog.set_level(logging.INFO, logger="atoll")
     assert a.push(rand(), round_=0, tokens=4).committed
     header, _ = a.pull(0, wait_seconds=1.5)

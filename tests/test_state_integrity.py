@@ -28,11 +28,12 @@ SHAPES = {"w": (64, 32), "b": (32,)}
 
 @pytest.fixture(scope="module")
 def made_state(tmp_path_factory):
-    """A state dir after bootstrap and three rounds, made by the real server."""
+    """A state dir after bootstrap and three rounds, made by the real server (a snapshot every round:
+    the damaged log is tests/test_wal.py's)."""
     from tests.conftest import RawIsland, ServerThread
 
     state = tmp_path_factory.mktemp("made") / "state"
-    srv = ServerThread(RunConfig(run_id="t", sync_every=1), state).start()
+    srv = ServerThread(RunConfig(run_id="t", sync_every=1), state, snapshot_every=1).start()
     a = RawIsland(srv.address, "a", SHAPES)
     try:
         a.join()

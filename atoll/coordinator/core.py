@@ -12,7 +12,10 @@ Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`mes
 - :class:`~atoll.coordinator.downlink.Downlink`: the latest encoded update and the kept ones.
 
 :mod:`pushes` and :mod:`pulls` act on those; :mod:`closing` is the decider task. θ_0 and every
-round take ONE path: :meth:`RunState.seal` -> :meth:`RunState.try_publish` (persist, then publish).
+round take ONE path: :meth:`RunState.seal` -> :meth:`RunState.try_publish` (make it durable, then
+publish): θ_0 as a snapshot, a round as its log record (:mod:`atoll.coordinator.wal`); the optimizer
+state and the snapshots every ``snapshot_every`` rounds are written after the publish, in the
+background.
 
 Locking rule. Every piece of run state is read and written on the event loop, so a synchronous
 method (join, heartbeat, leave, evict, set_operational, planning a push, a pull's bookkeeping) runs
@@ -33,6 +36,7 @@ from pathlib import Path
 
 from atoll.coordinator import checks, grace, persistence
 from atoll.coordinator.accumulator import RoundAccumulator
+from atoll.coordinator.checkpoints import Checkpoints
 from atoll.coordinator.config import ConfigMismatch, RunConfig, apply_operational, reconcile
 from atoll.coordinator.downlink import Downlink
 from atoll.coordinator.errors import Reason, refuse
@@ -74,6 +78,7 @@ class RunState:
         shard: tuple[int, int] = (0, 1),
         partition: str = "hash",
         keep_snapshots: int = 2,
+        snapshot_every: int = 8,
         max_inflight_bytes: int = 0,
         given: frozenset[str] | None = None,
         name: str = "",
@@ -82,7 +87,8 @@ class RunState:
         :mod:`atoll.sharding`). ``max_inflight_bytes``: push bytes admitted at once (0: two whole fp32
         pushes of the model with their framing, at least 256 MiB). ``given``: the config fields the
         operator set (None: all); on a restart the stored run's math must match them and its
-        operational fields take them.
+        operational fields take them. ``snapshot_every``: rounds between the full snapshots written
+        in the background (each round is durable by its log record before it is published).
         ``name``: prefix of this coordinator's log lines ("fragment 1/4: "), empty when it is alone."""
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
@@ -99,6 +105,7 @@ class RunState:
         self.model = GlobalModel(config)
         self.ledger = Ledger(clock())
         self.downlink = Downlink(self.state_dir)
+        self.checkpoints = Checkpoints(self.state_dir, every=snapshot_every, keep=keep_snapshots)
         owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
         self.pushes = Pushes(owners, clock=clock, name=name)
         self.pulls = Pulls(owners, downlink=self.downlink, waiting=lambda: self.waiting)
@@ -146,8 +153,8 @@ class RunState:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def restore(self) -> bool:
-        """Load the newest verified snapshot; True if there was one. StateError / ConfigMismatch
-        (one line each) when the state dir cannot be trusted or does not fit the asked config."""
+        """Load the newest verified snapshot and the log after it; True if there was one. StateError /
+        ConfigMismatch (one line each) when the state dir cannot be trusted or does not fit the config."""
         if self._dir_lock is None:  # one writer per state dir, from here until close()
             self._dir_lock = persistence.StateLock(self.state_dir).acquire("starting a coordinator on it")
         try:
@@ -167,10 +174,11 @@ class RunState:
             )
         given = frozenset(RunConfig.__dataclass_fields__) if self.given is None else self.given
         self.config, changes = reconcile(snap.config, self.config, given)
-        for line in changes:
-            log.warning("%srestored run %s: %s (from the command line)", self.name, self.config.run_id, line)
+        for line in [*(f"{c} (from the command line)" for c in changes), *snap.notes]:
+            log.warning("%srestored run %s: %s", self.name, self.config.run_id, line)
         self.model.configure(self.config)
         self.model.restore(snap.params, snap.extra, snap.buffers, snap.layout_digest, snap.aliases)
+        self.checkpoints.restored()
         self.ledger.round, self.ledger.history = snap.round, snap.history
         self.ledger.opened_at = self.clock()
         self.membership.restore(snap.islands, snap.departed)
@@ -192,8 +200,8 @@ class RunState:
             )
 
     def close(self) -> None:
-        """Wait for the update being written to the state dir (the server is stopping); let go of it."""
-        self.downlink.close()
+        """Wait for the background checkpoint being written (the server is stopping); let go of the dir."""
+        self.checkpoints.wait()
         if self._dir_lock is not None:
             self._dir_lock.release()
             self._dir_lock = None
@@ -345,7 +353,8 @@ class RunState:
                 return
             started = time.perf_counter()
             r, c = self.round, self.config
-            await asyncio.to_thread(self.downlink.release_latest)  # its room goes to θ_{r+1}
+            self.downlink.release_latest()  # its room goes to θ_{r+1}
+            await asyncio.to_thread(self.checkpoints.wait)  # the step changes what it may still write
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             params, payloads = await asyncio.to_thread(self.model.step, sums, acc.weight_total(), robust_grads)
             record = {
@@ -367,17 +376,15 @@ class RunState:
         self.ledger.sealed = sealed
 
     async def try_publish(self) -> bool:
-        """Save the sealed round (or θ_0) and only then publish it; False if the save failed (the
-        decider retries with backoff, the round stays unpublished and /healthz says why)."""
+        """Make the sealed round (or θ_0) durable and only then publish it; False if the write failed
+        (the decider retries with backoff, the round stays unpublished and /healthz says why)."""
         async with self.lock:
             sealed = self.ledger.sealed
             if sealed is None:
                 return True
             started = time.perf_counter()
-            history = self.history if sealed.record is None else [*self.history, sealed.record]
-            snap = self.snapshot(sealed.params, sealed.round + 1, history)
             try:
-                await asyncio.to_thread(persistence.save, self.state_dir, snap, keep=None)
+                await asyncio.to_thread(self._durable_write(sealed))
             except Exception as err:  # a full disk, a read-only or vanished dir: retried until it works
                 sealed.failures += 1
                 what = "θ_0" if sealed.round == BOOTSTRAP else f"round {sealed.round}"
@@ -403,20 +410,25 @@ class RunState:
             record = sealed.record
             if record is not None:
                 record["persist_seconds"] = published - started
-                log.info(
-                    "%sclosed round %d (%s): loss %s, outer step %.3fs + persist %.3fs",
-                    self.name,
-                    sealed.round,
-                    record["reason"],
-                    "n/a" if record["loss"] is None else f"{record['loss']:.4f}",
-                    record["outer_step_seconds"],
-                    record["persist_seconds"],
-                )
+                loss, took = record["loss"], (record["outer_step_seconds"], record["persist_seconds"])
+                loss = "n/a" if loss is None else f"{loss:.4f}"
+                log.info("%sclosed round %d (%s): loss %s, outer step %.3fs + log %.3fs", self.name, sealed.round,
+                         record["reason"], loss, *took)  # fmt: skip
                 record["publish_seconds"] = time.perf_counter() - published
+                snap = self.snapshot(self.model.params, self.round, list(self.history))
+                self.checkpoints.after_publish(snap, keep_from=self.downlink.keep_from(self.round) - 1)
             if self.run_complete:
                 log.warning("%srun %s is complete after %d rounds", self.name, self.config.run_id, self.round)
-        await asyncio.to_thread(persistence.prune, self.state_dir, self.keep_snapshots)
         return True
+
+    def _durable_write(self, sealed: Sealed) -> Callable[[], None]:
+        """The write that makes ``sealed`` durable, for a worker thread (what it writes is read here):
+        θ_0's snapshot, or a round's log record (update, history record, membership, config)."""
+        if sealed.record is None:
+            snap = self.snapshot(sealed.params, sealed.round + 1, self.history)
+            return lambda: self.checkpoints.bootstrap(snap)
+        r, islands, config = sealed.round, self.membership.to_json()["islands"], self.config
+        return lambda: self.checkpoints.log_round(r, sealed.payloads, sealed.record, islands, config)
 
     def snapshot(self, params, round_: int, history: list[dict]) -> persistence.Snapshot:
         members = self.membership.to_json()

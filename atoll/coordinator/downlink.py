@@ -1,31 +1,26 @@
 """What islands pull: outer updates and the full θ, built so memory does not grow with islands or rounds.
 
 - The latest outer update stays in memory, encoded (every island pulls it right after a round),
-  until the next round's outer step needs the room; it is also written to the state dir in the
-  background as soon as it is published.
-- Older ones, up to ``window`` rounds back, are read from the state dir when an island that fell
-  behind asks. Those files are a cache: written without fsync, checked by each payload's CRC when
-  read; one that is missing or damaged only means a full θ for an island that far behind.
+  until the next round's outer step needs the room. It is already on disk: a round's update is its
+  log record (:mod:`atoll.coordinator.wal`), written before the round is published.
+- Older ones, up to ``window`` rounds back, are read from the log when an island that fell behind
+  asks; one that is missing or damaged only means a full θ for an island that far behind.
 - A full θ (an island joining, or too far behind) and any region of a tensor are encoded one entry
   at a time while the answer streams: no copy of θ is cached.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 from pathlib import Path
 
 import torch
 
 from atoll.compression import codec_of, get_codec, wire
 from atoll.compression.wire import payload_size
-from atoll.coordinator import persistence
+from atoll.coordinator import wal
 from atoll.coordinator.messages import PayloadEntry
 from atoll.coordinator.regions import Region
-
-log = logging.getLogger("atoll.coordinator")
 
 IDENTITY_ID = get_codec("identity").codec_id
 UPDATES_KEPT = 8
@@ -55,51 +50,22 @@ class Downlink:
         self.latest_round: int | None = None
         """θ_latest_round = θ_(latest_round - 1) + decode(latest)."""
         self.latest: dict | None = {}
-        """The latest update's payloads, or None once only the state dir has them."""
-        self._writer: threading.Thread | None = None
-        self._written = False
+        """The latest update's payloads, or None once only the log has them."""
 
-    def publish(self, round_: int, payloads: dict[str, bytearray]) -> None:
-        """The new latest update: served from memory, written to the state dir in the background."""
-        self._wait_written()
-        self.latest_round, self.latest, self._written = round_, payloads, False
-        self._writer = threading.Thread(
-            target=self._write, args=(round_, payloads), name="atoll-update-writer", daemon=True
-        )
-        self._writer.start()
+    def publish(self, round_: int, payloads: dict) -> None:
+        """The new latest update (its log record is written): served from memory."""
+        self.latest_round, self.latest = round_, payloads
 
-    def _write(self, round_: int, payloads: dict) -> None:
-        try:
-            persistence.save_update(self.state_dir, round_, payloads, keep_from=self.keep_from(round_), durable=False)
-            self._written = True
-        except Exception as err:  # a cache: islands that far behind get the full θ instead
-            log.warning("could not keep the update of round %d for catch-up: %s", round_, err)
-
-    def _wait_written(self) -> None:
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-
-    def close(self) -> None:
-        """Wait for the update being written (the server is stopping)."""
-        self._wait_written()
-
-    def release_latest(self, wait: bool = True) -> None:
+    def release_latest(self) -> None:
         """Drop the latest update from memory (the next outer step needs the room, or every live
-        island has it): it is then served from the state dir, if it was written there. ``wait``: for
-        the write in progress; without it nothing happens until the write is done."""
-        if wait:
-            self._wait_written()
-        elif self._writer is not None and self._writer.is_alive():
-            return
-        if self._written:
-            self.latest = None
+        island has it): it is then served from the log."""
+        self.latest = None
 
     def restore(self, round_: int) -> None:
-        """After a restart: the latest update is the kept one of ``round_``, if any."""
-        kept = persistence.load_update(self.state_dir, round_)
+        """After a restart: the latest update is the logged one that produced θ_round_, if kept."""
+        kept = wal.load_update(self.state_dir, round_)
         if kept is not None:
-            self.latest_round, self.latest, self._written = round_, kept, True
+            self.latest_round, self.latest = round_, kept
 
     def keep_from(self, round_: int) -> int:
         """The oldest round whose update is kept once θ_round is published."""
@@ -113,7 +79,7 @@ class Downlink:
         """The update that produced θ_round: whole tensors as encoded, regions as exact identity slices
         of the decoded tensor (decoded per entry, when it is sent)."""
         in_memory = round_ == self.latest_round and self.latest is not None
-        payloads = self.latest if in_memory else persistence.load_update(self.state_dir, round_)
+        payloads = self.latest if in_memory else wal.load_update(self.state_dir, round_)
         if payloads is None:
             raise LookupError(f"the update of round {round_} is not kept")
         out = []

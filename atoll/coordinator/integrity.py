@@ -1,4 +1,5 @@
-"""A snapshot file checked before anything in it is trusted or allocated.
+"""The coordinator's safetensors files (snapshots, log records), written and checked before anything in
+them is trusted or allocated.
 
 - The safetensors header is read with bounds (its length against the file's), every tensor's dtype,
   shape and byte range against each other and the file, with no overlaps.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import google_crc32c
 import numpy as np
+import torch
 
 META_DIGEST = "meta_digest"
 MAX_HEADER_BYTES = 100 << 20
@@ -114,3 +116,78 @@ def _check_digests(path: Path, base: int, spans: dict[str, tuple[int, int]], dig
                 left -= got
             if f"{crc:08x}" != digests[key]:
                 raise IntegrityError(f"tensor {key} fails its checksum (crc32c {crc:08x}, recorded {digests[key]})")
+
+
+# ---- writing ------------------------------------------------------------------------------------
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _bytes_of(t) -> np.ndarray:
+    """A CPU tensor's (or a bytes-like's) bytes as a flat uint8 array over its own memory (no copy
+    when contiguous)."""
+    if not isinstance(t, torch.Tensor):
+        return np.frombuffer(t, dtype=np.uint8)
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def digest(t: torch.Tensor) -> str:
+    """CRC-32C of a CPU tensor's bytes (hardware-accelerated, zero-copy)."""
+    return f"{google_crc32c.value(_bytes_of(t)):08x}"
+
+
+def write_file(path: Path, tensors: dict, metadata: dict[str, str], *, durable: bool = True) -> None:
+    """Write a safetensors file that :func:`check_file` accepts: every tensor's digest and the
+    metadata's own in its metadata, the tensors' bytes written straight from their memory (no
+    serialised copy of them is built). Atomic: a temporary file, fsynced, renamed, the directory
+    fsynced (``durable=False``: renamed only, for a cache). A value that is not a tensor is bytes (U8)."""
+    path = Path(path)
+    arrays = {k: _bytes_of(v) for k, v in tensors.items()}
+    meta = {**metadata, "digests": json.dumps({k: f"{google_crc32c.value(a):08x}" for k, a in arrays.items()})}
+    meta[META_DIGEST] = metadata_digest(meta)
+    header: dict = {"__metadata__": meta}
+    offset = 0
+    for k, v in tensors.items():
+        n = arrays[k].nbytes
+        dtype, shape = (SAFETENSORS_DTYPES[v.dtype], list(v.shape)) if isinstance(v, torch.Tensor) else ("U8", [n])
+        header[k] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, struct.pack("<Q", len(head)) + head)
+        for a in arrays.values():
+            _write_all(fd, memoryview(a))
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        view = view[os.write(fd, view[: 1 << 30]) :]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,15 +1,17 @@
-"""The coordinator's state on disk: verified per-round snapshots, kept outer updates, departures.
+"""The coordinator's state on disk: verified snapshots, the write-ahead log, departures.
 
 ``STATE_DIR/snapshot-<round>.safetensors`` holds θ, the outer optimizer's buffers and the
 downlink error feedback, plus (metadata) the round, run config, membership, history and a
 CRC-32C per tensor. It is written to a temporary file, fsynced, renamed and the directory
-fsynced: a crash leaves the previous snapshot or the new one, never a mix. The newest
-``keep`` snapshots stay; a damaged newest one is refused, never silently replaced by an older
-one: an operator rolls back explicitly (:func:`rollback`, ``atoll rollback``).
+fsynced: a crash leaves the previous snapshot or the new one, never a mix. θ_0's is written before
+θ_0 is published; later ones in the background every few rounds (:mod:`atoll.coordinator.wal`),
+while each round is made durable by its log record before it is published. :func:`load` is the
+newest snapshot plus the log replayed after it. The newest ``keep`` snapshots stay; a damaged
+newest one, or a damaged log, is refused, never silently replaced by older state: an operator rolls
+back explicitly (:func:`rollback`, ``atoll rollback``).
 
-``STATE_DIR/updates/update-<round>.safetensors`` keeps the encoded outer update that produced
-θ_round (islands a few rounds behind catch up from these), ``membership.json`` the islands that
-left or were evicted (written at once, so a restart does not bring them back).
+``membership.json`` holds the islands that left or were evicted (written at once, so a restart does
+not bring them back).
 """
 
 from __future__ import annotations
@@ -23,14 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import google_crc32c
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from atoll.coordinator import wal
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.integrity import META_DIGEST, IntegrityError, check_file, metadata_digest
+from atoll.coordinator.integrity import META_DIGEST, IntegrityError, check_file, fsync_dir, write_file
 
 FORMAT = "atoll-state-3"
 """Format 3 adds the metadata's own checksum; format 2 snapshots (without it) still load."""
@@ -40,6 +40,7 @@ LOCK = ".lock"
 SNAPSHOT_PREFIX = "snapshot-"
 SUFFIX = ".safetensors"
 UPDATES = "updates"
+"""Where older coordinators kept outer updates (now the log's records)."""
 MEMBERSHIP = "membership.json"
 DISCARDED = "discarded"
 LEGACY = ("state.safetensors", ".state.safetensors.tmp")
@@ -68,26 +69,8 @@ class Snapshot:
     """partition "layers": the whole model's layout digest every island must match."""
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Tied weights: a tensor's other names in the model's state_dict."""
-
-
-def digest(t: torch.Tensor) -> str:
-    """CRC-32C of a CPU tensor's bytes (hardware-accelerated, zero-copy)."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return f"{google_crc32c.value(flat):08x}"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_rename(tmp: Path, final: Path) -> None:
-    _fsync(tmp)
-    os.replace(tmp, final)
-    _fsync(final.parent)
+    notes: list[str] = field(default_factory=list)
+    """What a restore wants an operator to know (state it could not bring back exactly)."""
 
 
 def snapshot_name(round_: int) -> str:
@@ -149,8 +132,8 @@ def save(state_dir: Path, snap: Snapshot, *, keep: int | None = 2) -> Path:
     to :func:`prune`, off the critical path: freeing a large file's blocks takes a while)."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {f"param/{k}": v.contiguous() for k, v in snap.params.items()}
-    tensors.update({k: v.contiguous() for k, v in snap.extra.items()})
+    tensors = {f"param/{k}": v for k, v in snap.params.items()}
+    tensors.update(snap.extra)
     metadata = {
         "format": FORMAT,
         "round": str(snap.round),
@@ -163,13 +146,9 @@ def save(state_dir: Path, snap: Snapshot, *, keep: int | None = 2) -> Path:
         "partition": snap.partition,
         "layout_digest": snap.layout_digest,
         "aliases": json.dumps({k: list(v) for k, v in snap.aliases.items()}, sort_keys=True),
-        "digests": json.dumps({k: digest(v) for k, v in tensors.items()}, sort_keys=True),
     }
-    metadata[META_DIGEST] = metadata_digest(metadata)
     final = state_dir / snapshot_name(snap.round)
-    tmp = state_dir / f".{final.name}.tmp"
-    save_file(tensors, str(tmp), metadata=metadata)
-    _atomic_rename(tmp, final)
+    write_file(final, tensors, metadata)
     if keep is not None:
         prune(state_dir, keep)
     return final
@@ -186,12 +165,13 @@ def _holds_atoll_files(state_dir: Path) -> list[str]:
     if not d.is_dir():
         return []
     names = [p.name for p in d.iterdir()]
-    ours = (SNAPSHOT_PREFIX, f".{SNAPSHOT_PREFIX}", UPDATES, MEMBERSHIP, *LEGACY)
+    ours = (SNAPSHOT_PREFIX, f".{SNAPSHOT_PREFIX}", wal.LOG, UPDATES, MEMBERSHIP, *LEGACY)
     return sorted(n for n in names if n.startswith(ours))
 
 
 def load(state_dir: Path) -> Snapshot | None:
-    """The newest snapshot, verified; None for a dir with no atoll files (a fresh run).
+    """The newest snapshot, verified, with the log replayed after it; None for a dir with no atoll
+    files (a fresh run).
 
     Raises :class:`StateError` when the newest snapshot is damaged or inconsistent, or the dir holds
     atoll files but no snapshot: a run is never restarted silently from scratch or from the past."""
@@ -214,6 +194,13 @@ def load(state_dir: Path) -> Snapshot | None:
             else "; no older snapshot is kept to roll back to"
         )
         raise StateError(f"{err}{hint}") from None
+    try:
+        snap.notes = wal.replay(state_dir, snap)
+    except wal.LogError as err:
+        raise StateError(
+            f"{err}; roll back with `atoll rollback --state-dir {state_dir} --round {read_round(paths[-1])}` "
+            "to drop the log after the newest snapshot"
+        ) from None
     departed = read_departed(state_dir)
     if departed is not None:  # written at every leave/evict/re-join: newer than any snapshot
         snap.departed = departed
@@ -296,51 +283,12 @@ def rollback(state_dir: Path, round_: int) -> Path:
     verify(target)
     aside = state_dir / DISCARDED / time.strftime("%Y%m%d-%H%M%S")
     newer = [p for p in snapshot_paths(state_dir) if read_round(p) > round_]
-    newer += [p for p in update_paths(state_dir) if int(p.stem.split("-")[1]) > round_]
+    newer += wal.discard_after(state_dir, round_)
     for p in newer:
         aside.mkdir(parents=True, exist_ok=True)
         shutil.move(str(p), aside / p.name)
-    _fsync(state_dir)
+    fsync_dir(state_dir)
     return target
-
-
-# ---- outer updates --------------------------------------------------------------------------
-def update_paths(state_dir: Path) -> list[Path]:
-    d = Path(state_dir) / UPDATES
-    return sorted(d.glob(f"update-*{SUFFIX}")) if d.is_dir() else []
-
-
-def save_update(
-    state_dir: Path, round_: int, payloads: dict[str, bytearray], *, keep_from: int, durable: bool = True
-) -> None:
-    """Keep the encoded update that produced θ_round; drop updates of rounds before ``keep_from``.
-    ``durable=False`` skips the fsyncs (a cache whose loss only costs a full θ to a lagging island)."""
-    d = Path(state_dir) / UPDATES
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"update-{round_:08d}{SUFFIX}"
-    tmp = d / f".{final.name}.tmp"
-    tensors = {
-        name: torch.frombuffer(p, dtype=torch.uint8) if len(p) else torch.empty(0, dtype=torch.uint8)
-        for name, p in payloads.items()
-    }
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "round": str(round_)})
-    if durable:
-        _atomic_rename(tmp, final)
-    else:
-        os.replace(tmp, final)
-    for old in update_paths(state_dir):
-        if int(old.stem.split("-")[1]) < keep_from or int(old.stem.split("-")[1]) > round_:
-            old.unlink()
-
-
-def load_update(state_dir: Path, round_: int) -> dict[str, memoryview] | None:
-    """The kept update of ``round_`` (payloads carry their own CRC, checked when decoded), or None."""
-    path = Path(state_dir) / UPDATES / f"update-{round_:08d}{SUFFIX}"
-    try:
-        with safe_open(str(path), framework="np") as f:
-            return {k: memoryview(np.ascontiguousarray(f.get_tensor(k))) for k in f.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError):
-        return None
 
 
 # ---- departures -----------------------------------------------------------------------------
@@ -348,8 +296,12 @@ def write_departed(state_dir: Path, departed: dict[str, str]) -> None:
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     tmp = state_dir / f".{MEMBERSHIP}.tmp"
-    tmp.write_text(json.dumps({"departed": departed}, sort_keys=True))
-    _atomic_rename(tmp, state_dir / MEMBERSHIP)
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"departed": departed}, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, state_dir / MEMBERSHIP)
+    fsync_dir(state_dir)
 
 
 def read_departed(state_dir: Path) -> dict[str, str] | None:

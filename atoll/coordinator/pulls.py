@@ -94,10 +94,10 @@ class Pulls:
         )
 
     def release_if_held(self) -> None:
-        """Once every live island holds the latest θ, its update is served from the state dir (to
+        """Once every live island holds the latest θ, its update is served from the log (to
         islands coming back) and the memory is free for the next round's pushes."""
         if all(r.holds_round >= self.ledger.round for r in self.membership.live()):
-            self.downlink.release_latest(wait=False)
+            self.downlink.release_latest()
 
     def _holds(self, island_id: str, round_: int) -> None:
         rec = self.membership.islands.get(island_id)

@@ -1,0 +1,77 @@
+"""What the coordinator writes to its state dir, and when: the one owner of that sequence.
+
+- before θ_0 is published: its snapshot;
+- before a round is published: its log record (:func:`atoll.coordinator.wal.append`), small;
+- after a publish, in the background while the next round runs: the optimizer state of the new θ,
+  or, every ``every`` rounds, a full snapshot; then the files no longer needed are pruned.
+
+The next outer step waits (:meth:`Checkpoints.wait`) for the background write, since it changes
+momentum and error feedback in place; θ itself is never changed in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from atoll.coordinator import persistence, wal
+from atoll.coordinator.config import RunConfig
+
+log = logging.getLogger("atoll.coordinator")
+
+
+class Checkpoints:
+    def __init__(self, state_dir: Path, *, every: int, keep: int) -> None:
+        if every < 1:
+            raise ValueError(f"snapshot_every must be >= 1, got {every}")
+        self.state_dir, self.every, self.keep = Path(state_dir), every, keep
+        self.snapshot_round = 0
+        """θ's round in the newest snapshot on disk (or being written)."""
+        self.failed: str | None = None
+        """Why the last background write failed (None: it worked); the next publish writes a snapshot."""
+        self._thread: threading.Thread | None = None
+
+    def restored(self) -> None:
+        """After a restore: the newest snapshot is the one on disk."""
+        self.snapshot_round = persistence.read_round(persistence.snapshot_paths(self.state_dir)[-1])
+
+    # ---- before a publish (a worker thread; raises when the write fails) ------------------------
+    def bootstrap(self, snap: persistence.Snapshot) -> None:
+        persistence.save(self.state_dir, snap, keep=None)
+
+    def log_round(self, round_: int, payloads: dict, record: dict, islands: dict, config: RunConfig) -> None:
+        wal.append(self.state_dir, round_, payloads, record, islands, config)
+
+    # ---- after a publish ------------------------------------------------------------------------
+    def after_publish(self, snap: persistence.Snapshot, keep_from: int) -> None:
+        """Write ``snap``'s optimizer state, or all of it when a snapshot is due, in the background;
+        keep log records from ``keep_from`` on (catch-ups read them)."""
+        self.wait()
+        full = snap.round - self.snapshot_round >= self.every or self.failed is not None
+        if full:
+            self.snapshot_round = snap.round
+        newest = self.snapshot_round
+
+        def write() -> None:
+            if full:
+                persistence.save(self.state_dir, snap, keep=self.keep)
+            else:
+                wal.write_optimizer(self.state_dir, snap.round, snap.extra)
+            wal.prune(self.state_dir, snapshot_round=newest, keep_from=keep_from)
+
+        self._thread = threading.Thread(target=self._run, args=(write,), name="atoll-checkpoints", daemon=True)
+        self._thread.start()
+
+    def _run(self, write) -> None:
+        try:
+            write()
+            self.failed = None
+        except Exception as err:  # every round is still in the log; the next publish writes a snapshot
+            self.failed = str(err)
+            log.error("the background checkpoint failed: %s (the log keeps every round; retried)", err)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,217 @@
+"""The coordinator's write-ahead log: what makes a round durable before it is published, small.
+
+``STATE_DIR/log/round-<r>.safetensors`` is the record of round ``r``: the encoded outer update that
+turns θ_r into θ_{r+1} (exactly the bytes islands pull and add), the round's history record, the
+membership and the run config after it. It is written and fsynced (temporary file, fsync, rename,
+directory fsync) *before* θ_{r+1} is published, so anything an island may hold can be rebuilt:
+θ_{r+1} = θ_r + decode(update_r), the very arithmetic the coordinator and the islands did.
+
+The rest of the state is written after the publish, in the background
+(:class:`~atoll.coordinator.checkpoints.Checkpoints`):
+
+- ``log/optimizer-<R>.safetensors``: the outer optimizer's momentum and the downlink error feedback
+  of θ_R, every round (the next outer step waits for it before it changes them);
+- ``snapshot-<R>.safetensors`` (:mod:`persistence`): θ_R with all of the above, every
+  ``snapshot_every`` rounds.
+
+Restore (:func:`replay`) = the newest verified snapshot + every logged update after it, in order,
+each verified by its checksums; the optimizer state is the newest ``optimizer-<R>``. A damaged
+record, or a gap in the rounds, is refused (StateError), never skipped. The crash argument is in
+docs/design.md ("Durability: a write-ahead log").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from atoll.compression import codec_of
+from atoll.compression.wire import WireFormatError
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.integrity import IntegrityError, check_file, write_file
+
+LOG = "log"
+FORMAT = "atoll-log-1"
+RECORD = re.compile(r"round-(\d{8,})\.safetensors")
+OPTIMIZER = re.compile(r"optimizer-(\d{8,})\.safetensors")
+UPDATE = "update/"
+
+
+class LogError(ValueError):
+    """A log file that cannot be trusted; the message names it (persistence turns it into StateError)."""
+
+
+def record_name(round_: int) -> str:
+    return f"round-{round_:08d}.safetensors"
+
+
+def optimizer_name(round_: int) -> str:
+    return f"optimizer-{round_:08d}.safetensors"
+
+
+def _listed(state_dir: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    d = Path(state_dir) / LOG
+    if not d.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in d.iterdir() if (m := pattern.fullmatch(p.name)))
+
+
+def records(state_dir: Path) -> list[tuple[int, Path]]:
+    """(round, path) of every log record, oldest first."""
+    return _listed(state_dir, RECORD)
+
+
+def optimizer_files(state_dir: Path) -> list[tuple[int, Path]]:
+    return _listed(state_dir, OPTIMIZER)
+
+
+# ---- records --------------------------------------------------------------------------------
+@dataclass
+class Record:
+    round: int
+    payloads: dict[str, memoryview]
+    """The encoded outer update, per tensor: θ_{round+1} = θ_round + decode(payload)."""
+    history: dict
+    islands: dict[str, dict]
+    config: RunConfig
+
+
+def append(state_dir: Path, round_: int, payloads: dict, history: dict, islands: dict, config: RunConfig) -> None:
+    """Make round ``round_`` durable (before θ_{round_+1} is published): its update, record, membership
+    and config, fsynced."""
+    d = Path(state_dir) / LOG
+    d.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": FORMAT,
+        "round": str(round_),
+        "history": json.dumps(history),
+        "islands": json.dumps(islands, sort_keys=True),
+        "config": config.to_json(),
+    }
+    write_file(d / record_name(round_), {UPDATE + k: p for k, p in payloads.items()}, meta)
+
+
+def read(path: Path) -> Record:
+    """One record, every checksum verified; LogError naming what is wrong."""
+    name = f"{LOG}/{Path(path).name}"
+    try:
+        meta = check_file(Path(path), require_meta_digest=True)
+        if meta.get("format") != FORMAT:
+            raise LogError(f"{name}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        round_ = int(meta["round"])
+        history, islands = json.loads(meta["history"]), json.loads(meta["islands"])
+        config = RunConfig.from_json(meta["config"])
+        with safe_open(str(path), framework="np") as f:
+            payloads = {k[len(UPDATE) :]: memoryview(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118
+    except (IntegrityError, OSError, SafetensorError) as err:
+        raise LogError(f"{name}: {err}") from None
+    except (KeyError, ValueError, TypeError) as err:
+        raise LogError(f"{name}: metadata unreadable ({type(err).__name__}: {err})") from None
+    m = RECORD.fullmatch(Path(path).name)
+    if m is None or int(m.group(1)) != round_ or history.get("round") != round_:
+        raise LogError(f"{name}: holds round {round_} (history record {history.get('round')})")
+    return Record(round_, payloads, history, islands, config)
+
+
+def load_update(state_dir: Path, theta_round: int) -> dict[str, memoryview] | None:
+    """The logged update that produced θ_theta_round, or None (not kept, or damaged: a catch-up only
+    falls back to the full θ)."""
+    path = Path(state_dir) / LOG / record_name(theta_round - 1)
+    try:
+        return read(path).payloads
+    except LogError:
+        return None
+
+
+# ---- replay ---------------------------------------------------------------------------------
+def replay(state_dir: Path, snap) -> list[str]:
+    """Advance ``snap`` (a verified :class:`~atoll.coordinator.persistence.Snapshot`, changed in
+    place) by every logged round after it; returns warnings for the operator. LogError when a record
+    is damaged or missing between others, or names other tensors than θ's."""
+    notes: list[str] = []
+    base = snap.round
+    for round_, path in records(state_dir):
+        if round_ < snap.round:
+            continue  # kept for catch-ups; θ is past it
+        if round_ != snap.round:
+            raise LogError(
+                f"{LOG}/{path.name}: the log has no record of round {snap.round} but holds later ones "
+                "(a record was removed by hand?)"
+            )
+        rec = read(path)
+        if set(rec.payloads) != set(snap.params):
+            raise LogError(f"{LOG}/{path.name}: its update names other tensors than θ's")
+        for name, payload in rec.payloads.items():
+            try:
+                _apply(snap.params, name, payload)
+            except WireFormatError as err:
+                raise LogError(f"{LOG}/{path.name}: update of {name}: {err}") from None
+        snap.history.append(rec.history)
+        snap.islands, snap.config, snap.round = rec.islands, rec.config, round_ + 1
+    opt = [(r, p) for r, p in optimizer_files(state_dir) if r > base]
+    if opt and opt[-1][0] > snap.round:
+        raise LogError(f"{LOG}/{opt[-1][1].name} is newer than the log's last round ({snap.round})")
+    if opt:
+        snap.extra = read_optimizer(opt[-1][1], snap.extra)
+    have = opt[-1][0] if opt else base
+    if have < snap.round:
+        notes.append(
+            f"the outer optimizer state of round {snap.round} was not on disk (it is written just after a "
+            f"publish); continuing with round {have}'s momentum"
+        )
+    return notes
+
+
+def _apply(params: dict[str, torch.Tensor], name: str, payload) -> None:
+    """θ += decode(payload), exactly as the coordinator built θ_{r+1} and islands apply it."""
+    codec, target = codec_of(payload), params[name]
+    if codec.lossy:
+        params[name] = target + codec.decode(payload, tuple(target.shape))
+    else:
+        codec.decode_add_(payload, target)
+
+
+def write_optimizer(state_dir: Path, round_: int, tensors: dict[str, torch.Tensor]) -> None:
+    d = Path(state_dir) / LOG
+    d.mkdir(parents=True, exist_ok=True)
+    write_file(d / optimizer_name(round_), tensors, {"format": FORMAT, "round": str(round_)})
+
+
+def read_optimizer(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Momentum and error feedback of one file, verified, shaped like the snapshot's ``like``."""
+    name = f"{LOG}/{Path(path).name}"
+    try:
+        check_file(Path(path), require_meta_digest=True)
+        with safe_open(str(path), framework="pt") as f:
+            got = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except (IntegrityError, OSError, SafetensorError) as err:
+        raise LogError(f"{name}: {err}") from None
+    if set(got) != set(like) or any(got[k].shape != like[k].shape for k in like):
+        raise LogError(f"{name}: holds other tensors than the snapshot's optimizer state")
+    return got
+
+
+# ---- pruning ----------------------------------------------------------------------------------
+def prune(state_dir: Path, *, snapshot_round: int, keep_from: int) -> None:
+    """Drop records no longer needed: before the newest snapshot and before ``keep_from`` (the
+    oldest a catch-up reads); optimizer files the newest snapshot or a newer file covers."""
+    for r, p in records(state_dir):
+        if r < min(snapshot_round, keep_from):
+            p.unlink(missing_ok=True)
+    opts = optimizer_files(state_dir)
+    for _, p in opts[:-1]:
+        p.unlink(missing_ok=True)
+    for r, p in opts[-1:]:
+        if r <= snapshot_round:
+            p.unlink(missing_ok=True)
+
+
+def discard_after(state_dir: Path, round_: int) -> list[Path]:
+    """Log files a rollback to θ_round_ must set aside: records of rounds >= ``round_`` and
+    optimizer files of later rounds."""
+    return [p for r, p in records(state_dir) if r >= round_] + [p for r, p in optimizer_files(state_dir) if r > round_]

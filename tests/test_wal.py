@@ -1,0 +1,150 @@
+"""The write-ahead log (issue 21, item 2): a round is durable by its small log record before it is
+published; the optimizer state and the snapshots are written after, in the background; a restart is
+the newest snapshot plus the log replayed, bitwise; a damaged or gapped log is refused, never skipped."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from atoll import cli
+from atoll.coordinator import RunConfig, persistence, wal
+from atoll.protos import coordinator_pb2 as pb
+
+SHAPES = {"w": (256, 64), "b": (64,)}
+FP32_BYTES = 4 * sum(a * b for a, b in [SHAPES["w"]]) + 4 * 64
+
+
+def run(state, rounds: int, **options):
+    """A real server, two islands, ``rounds`` rounds of int8 up and down (the downlink keeps error
+    feedback) with Nesterov momentum; returns the live θ and optimizer state at the end."""
+    from tests.conftest import RawIsland, ServerThread
+
+    config = RunConfig(run_id="t", sync_every=1, quorum=2, codec="int8", downlink_codec="int8")
+    srv = ServerThread(config, state, **options).start()
+    gen = torch.Generator().manual_seed(0)
+    islands = [RawIsland(srv.address, name, SHAPES, codec="int8") for name in ("a", "b")]
+    try:
+        for i in islands:
+            i.join()
+        islands[0].push({k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+        for r in range(rounds):
+            for i in islands:
+                i.push({k: torch.randn(s, generator=gen) * 0.01 for k, s in SHAPES.items()}, round_=r, tokens=8)
+            islands[0].pull(r)
+        live = srv.inspect(lambda st: ({k: v.clone() for k, v in st.model.params.items()}, st.model.state_tensors()))
+        live = (live[0], {k: v.clone() for k, v in live[1].items()})
+    finally:
+        for i in islands:
+            i.close()
+        srv.stop()
+    return live
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """Four rounds with no snapshot after θ_0's: the log holds rounds 0-3."""
+    state = tmp_path_factory.mktemp("wal") / "state"
+    return state, run(state, 4, snapshot_every=100)
+
+
+def copy_of(logged, tmp_path):
+    dest = tmp_path / "state"
+    shutil.copytree(logged[0], dest)
+    return dest
+
+
+def test_a_round_is_made_durable_by_its_small_log_record_and_replays_bitwise(logged):
+    state, (params, extra) = logged
+    assert [persistence.read_round(p) for p in persistence.snapshot_paths(state)] == [0]  # θ_0's only
+    assert [r for r, _ in wal.records(state)] == [0, 1, 2, 3]
+    assert [r for r, _ in wal.optimizer_files(state)] == [4]
+    # What each round wrote before its publish: the int8 update and metadata, ~|θ|/4.
+    sizes = [p.stat().st_size for _, p in wal.records(state)]
+    assert all(FP32_BYTES / 4 < s < FP32_BYTES / 4 + 8192 for s in sizes), (sizes, FP32_BYTES)
+    snap = persistence.load(state)
+    assert snap.round == 4 and [h["round"] for h in snap.history] == [0, 1, 2, 3] and snap.notes == []
+    assert set(snap.params) == set(params) and all(torch.equal(snap.params[k], params[k]) for k in params)
+    assert set(snap.extra) == set(extra) and all(torch.equal(snap.extra[k], extra[k]) for k in extra)
+    assert any(k.startswith("downlink_ef/") and v.abs().sum() > 0 for k, v in extra.items())
+    assert set(snap.islands) == {"a", "b"}
+
+
+def test_snapshots_come_every_k_rounds_and_the_log_is_pruned_behind_them(tmp_path):
+    state = tmp_path / "state"
+    params, extra = run(state, 5, snapshot_every=2)
+    assert [persistence.read_round(p) for p in persistence.snapshot_paths(state)] == [2, 4]
+    assert [r for r, _ in wal.optimizer_files(state)] == [5]
+    snap = persistence.load(state)  # snapshot 4 + round 4's record + optimizer-5
+    assert snap.round == 5 and all(torch.equal(snap.params[k], params[k]) for k in params)
+    assert all(torch.equal(snap.extra[k], extra[k]) for k in extra)
+
+
+def refused(capsys, state) -> str:
+    code = cli.main(["coordinator", "--state-dir", str(state), "--run-id", "t", "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def flip_a_bit(path, at: int = -100) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_damaged_log_record_is_refused_naming_it(logged, tmp_path, capsys):
+    state = copy_of(logged, tmp_path)
+    flip_a_bit(state / "log" / wal.record_name(1))
+    last = refused(capsys, state)
+    assert "log/round-00000001.safetensors" in last and "checksum" in last and "rollback" in last, last
+
+
+def test_a_truncated_log_record_is_refused(logged, tmp_path, capsys):
+    state = copy_of(logged, tmp_path)
+    path = state / "log" / wal.record_name(3)
+    path.write_bytes(path.read_bytes()[:5000])
+    assert "log/round-00000003.safetensors" in refused(capsys, state)
+
+
+def test_a_gap_in_the_log_is_refused_never_skipped(logged, tmp_path, capsys):
+    state = copy_of(logged, tmp_path)
+    (state / "log" / wal.record_name(2)).unlink()
+    last = refused(capsys, state)
+    assert "no record of round 2" in last, last
+
+
+def test_a_log_cut_short_behind_its_optimizer_state_is_refused(logged, tmp_path, capsys):
+    state = copy_of(logged, tmp_path)
+    (state / "log" / wal.record_name(3)).unlink()  # the optimizer state of θ_4 without θ_4's record
+    assert "newer than the log" in refused(capsys, state)
+
+
+def test_a_crash_before_the_background_write_keeps_theta_exact_and_says_what_it_lost(logged, tmp_path):
+    """Killed between a publish and its background write: θ comes back exactly from the log, the
+    optimizer state is the last one on disk, and the restore says so."""
+    state = copy_of(logged, tmp_path)
+    params, _ = logged[1]
+    (state / "log" / wal.optimizer_name(4)).unlink()
+    snap = persistence.load(state)
+    assert snap.round == 4 and all(torch.equal(snap.params[k], params[k]) for k in params)
+    assert len(snap.notes) == 1 and "round 0's momentum" in snap.notes[0]
+
+
+def test_a_rollback_sets_the_log_after_it_aside(tmp_path):
+    state = tmp_path / "state"
+    run(state, 5, snapshot_every=2)
+    done = subprocess.run(
+        [sys.executable, "-m", "atoll", "rollback", "--state-dir", str(state), "--round", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [r for r, _ in wal.records(state)] == [0, 1]  # the updates to θ_1, θ_2: kept for catch-ups
+    assert wal.optimizer_files(state) == []
+    snap = persistence.load(state)
+    assert snap.round == 2 and len(snap.history) == 2
