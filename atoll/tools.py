@@ -85,22 +85,19 @@ def _state_dirs(state_dir: Path) -> list[Path]:
 
 
 def export(ns: argparse.Namespace) -> int:
-    """θ with the model's own tensor names, from the newest (or a kept) snapshot, verified."""
+    """θ with the model's own tensor names, the newest (or a kept round's: a snapshot and the log after it),
+    verified."""
     from safetensors.torch import save_file
 
     dirs = _state_dirs(ns.state_dir)
     if ns.round is not None and len(dirs) > 1:
-        raise _fail("--round picks one snapshot; fragments close rounds on their own (export the newest)")
+        raise _fail("--round picks one round; fragments close rounds on their own (export the newest)")
     params, rounds, run_id = {}, [], None
     for d in dirs:
-        if ns.round is None:
-            snap = persistence.load(d)
-        else:
-            path = d / persistence.snapshot_name(ns.round)
-            if not path.exists():
-                kept = ", ".join(str(persistence.read_round(p)) for p in persistence.snapshot_paths(d)) or "none"
-                raise _fail(f"no snapshot of round {ns.round} in {d} (kept rounds: {kept})")
-            snap = persistence.verify(path)
+        try:
+            snap = persistence.load(d, upto=ns.round)
+        except persistence.StateError as err:
+            raise _fail(str(err)) from None
         if snap is None:
             raise _fail(f"{d} holds no snapshot")
         params.update(snap.params)

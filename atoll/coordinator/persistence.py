@@ -169,13 +169,16 @@ def _holds_atoll_files(state_dir: Path) -> list[str]:
     return sorted(n for n in names if n.startswith(ours))
 
 
-def load(state_dir: Path) -> Snapshot | None:
+def load(state_dir: Path, upto: int | None = None) -> Snapshot | None:
     """The newest snapshot, verified, with the log replayed after it; None for a dir with no atoll
-    files (a fresh run).
+    files (a fresh run). ``upto``: θ of that round instead, from the newest snapshot at or before it
+    (StateError when neither a snapshot nor the log reaches it).
 
     Raises :class:`StateError` when the newest snapshot is damaged or inconsistent, or the dir holds
     atoll files but no snapshot: a run is never restarted silently from scratch or from the past."""
-    paths = snapshot_paths(state_dir)
+    paths = [p for p in snapshot_paths(state_dir) if upto is None or read_round(p) <= upto]
+    if not paths and upto is not None:
+        raise StateError(f"no snapshot of round {upto} or before in {state_dir}")
     if not paths:
         found = _holds_atoll_files(state_dir)
         if found:
@@ -195,12 +198,15 @@ def load(state_dir: Path) -> Snapshot | None:
         )
         raise StateError(f"{err}{hint}") from None
     try:
-        snap.notes = wal.replay(state_dir, snap)
+        snap.notes = wal.replay(state_dir, snap, upto)
     except wal.LogError as err:
         raise StateError(
             f"{err}; roll back with `atoll rollback --state-dir {state_dir} --round {read_round(paths[-1])}` "
             "to drop the log after the newest snapshot"
         ) from None
+    if upto is not None and snap.round != upto:
+        last = f"the log after {paths[-1].name} ends at round {snap.round}"
+        raise StateError(f"round {upto} is not kept in {state_dir}: {last}")
     departed = read_departed(state_dir)
     if departed is not None:  # written at every leave/evict/re-join: newer than any snapshot
         snap.departed = departed

@@ -129,15 +129,15 @@ def load_update(state_dir: Path, theta_round: int) -> dict[str, memoryview] | No
 
 
 # ---- replay ---------------------------------------------------------------------------------
-def replay(state_dir: Path, snap) -> list[str]:
+def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
     """Advance ``snap`` (a verified :class:`~atoll.coordinator.persistence.Snapshot`, changed in
-    place) by every logged round after it; returns warnings for the operator. LogError when a record
-    is damaged or missing between others, or names other tensors than θ's."""
+    place) by every logged round after it (up to θ_upto); returns warnings for the operator. LogError
+    when a record is damaged or missing between others, or names other tensors than θ's."""
     notes: list[str] = []
     base = snap.round
     for round_, path in records(state_dir):
-        if round_ < snap.round:
-            continue  # kept for catch-ups; θ is past it
+        if round_ < snap.round or (upto is not None and round_ >= upto):
+            continue  # kept for catch-ups (θ is past it), or past what was asked
         if round_ != snap.round:
             raise LogError(
                 f"{LOG}/{path.name}: the log has no record of round {snap.round} but holds later ones "
@@ -153,7 +153,7 @@ def replay(state_dir: Path, snap) -> list[str]:
                 raise LogError(f"{LOG}/{path.name}: update of {name}: {err}") from None
         snap.history.append(rec.history)
         snap.islands, snap.config, snap.round = rec.islands, rec.config, round_ + 1
-    opt = [(r, p) for r, p in optimizer_files(state_dir) if r > base]
+    opt = [(r, p) for r, p in optimizer_files(state_dir) if r > base and (upto is None or r <= upto)]
     if opt and opt[-1][0] > snap.round:
         raise LogError(f"{LOG}/{opt[-1][1].name} is newer than the log's last round ({snap.round})")
     if opt:

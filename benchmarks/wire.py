@@ -1,0 +1,179 @@
+"""Push and pull against raw loopback TCP of the same bytes, measured side by side in one run.
+
+    python benchmarks/wire.py [--model gpt-125m|tiny] [--many 2000] [--repeat 3]
+
+A real ``atoll coordinator`` process (quorum 1) and this process as one island speaking the
+protocol through atoll's own client:
+
+- push: one identity (fp32) push of the whole model, header to answer;
+- close -> publish: from the push's answer to the update being pullable (outer step + the round's
+  log record), read from the coordinator's round record;
+- pull: the round's update (identity, |θ|) once published, request to last byte;
+- the floor: the same bytes over one raw loopback TCP stream between two processes;
+- per tensor: the same pushes and pulls with ``--many`` tensors of 1 KiB each (``--many 0`` skips it).
+
+Printed: each figure, the median over ``--repeat`` rounds, and push / pull over the TCP floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from atoll.compression import get_codec  # noqa: E402
+from atoll.islands.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from atoll.protos import coordinator_pb2 as pb  # noqa: E402
+
+
+def shapes_of(model: str, many: int) -> dict[str, tuple[int, ...]]:
+    if many:
+        return {f"t{i}": (256,) for i in range(many)}
+    from atoll.models import TinyGPT, preset
+
+    vocab = {"tiny": 65, "gpt-125m": 50257}[model]
+    with torch.device("meta"):
+        m = TinyGPT(preset(model, vocab_size=vocab))
+    return {k: tuple(p.shape) for k, p in m.named_parameters()}
+
+
+def tcp_floor(nbytes: int) -> float:
+    """Seconds for ``nbytes`` over one loopback TCP stream to another process, until its ack."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    code = (
+        "import socket,sys\n"
+        f"c=socket.create_connection(('127.0.0.1',{srv.getsockname()[1]}));left={nbytes};b=bytearray(1<<22)\n"
+        "while left: left-=c.recv_into(b,min(len(b),left))\n"
+        "c.sendall(b'k')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    conn, _ = srv.accept()
+    payload = memoryview(bytearray(nbytes))
+    payload[::4096] = b"x" * len(payload[::4096])  # touched: no page faults in the timed part
+    started = time.perf_counter()
+    conn.sendall(payload)
+    conn.recv(1)
+    took = time.perf_counter() - started
+    proc.wait()
+    conn.close()
+    srv.close()
+    return took
+
+
+class Island:
+    def __init__(self, address: str, shapes) -> None:
+        self.client = CoordinatorClient(address, retry=RetryPolicy(give_up_seconds=60, rpc_timeout_seconds=120))
+        self.shapes = shapes
+        req = pb.JoinRequest(run_id="w", island_id="a", codecs=["identity"], num_ranks=1)
+        for name, shape in shapes.items():
+            req.tensors.add(name=name, shape=list(shape), dtype=pb.DTYPE_FLOAT32)
+        self.client.join(req)
+
+    def push(self, payloads: list, round_: int, kind=pb.PUSH_KIND_DELTA) -> float:
+        h = pb.PushHeader(run_id="w", island_id="a", round=round_, kind=kind, rank=0, num_ranks=1, tokens=1)
+        h.codec = "identity"
+        for name, p in zip(self.shapes, payloads, strict=True):
+            h.entries.add(name=name, num_bytes=len(p))
+        started = time.perf_counter()
+        resp = self.client.push(h, payloads)
+        took = time.perf_counter() - started
+        assert resp.outcome in (pb.PUSH_OUTCOME_COMMITTED,) or resp.committed, resp
+        return took
+
+    def pull(self, have_round: int) -> tuple[float, int]:
+        req = pb.PullRequest(run_id="w", island_id="a", have_round=have_round, wait_seconds=60)
+        started = time.perf_counter()
+        header, payloads = self.client.pull(req)
+        took = time.perf_counter() - started
+        assert header.round == have_round + 1, header
+        return took, sum(len(p) for _, p in payloads)
+
+
+def measure(shapes, repeat: int, tmp: Path) -> dict:
+    identity = get_codec("identity")
+    gen = torch.Generator().manual_seed(0)
+    theta = [identity.encode(torch.randn(s, generator=gen)) for s in shapes.values()]
+    delta = [identity.encode(torch.randn(s, generator=gen) * 1e-3) for s in shapes.values()]
+    port_file, admin_file = tmp / "port", tmp / "admin"
+    coord = subprocess.Popen(
+        [sys.executable, "-m", "atoll", "coordinator", "--host", "127.0.0.1", "--port", "0", "--state-dir",
+         str(tmp / "state"), "--port-file", str(port_file), "--admin-port", "0", "--admin-port-file",
+         str(admin_file), "--run-id", "w", "--sync-every", "1", "--quorum", "1", "--grace-window", "off",
+         "--log-level", "WARNING"],
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        while not (port_file.exists() and admin_file.exists()):
+            if coord.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with {coord.returncode}")
+            time.sleep(0.05)
+        time.sleep(0.2)
+        grpc_port, admin_port = port_file.read_text().strip(), admin_file.read_text().strip()
+
+        def status() -> dict:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/api/status", timeout=30) as resp:
+                return json.load(resp)
+
+        island = Island(f"127.0.0.1:{grpc_port}", shapes)
+        island.push(theta, 0, kind=pb.PUSH_KIND_INIT)
+        island.pull(-1)  # θ_0
+        pushes, pulls = [], []
+        for r in range(repeat + 1):
+            pushes.append(island.push(delta, r))
+            while status()["round"] <= r:  # published: the pull below is the transfer alone
+                time.sleep(0.01)
+            took, nbytes = island.pull(r)
+            pulls.append(took)
+        history = status()["history"][1:]
+        closes = [rec["outer_step_seconds"] + rec["persist_seconds"] for rec in history]
+        steps = [rec["outer_step_seconds"] for rec in history]
+        island.client.close()
+    finally:
+        coord.terminate()
+        coord.wait(30)
+    return {
+        "bytes": nbytes,
+        "push": statistics.median(pushes[1:]),
+        "pull": statistics.median(pulls[1:]),
+        "close": statistics.median(closes),
+        "step": statistics.median(steps),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-125m", choices=["tiny", "gpt-125m"])
+    p.add_argument("--many", type=int, default=2000, help="tensors of 1 KiB for the per-tensor case (0: skip)")
+    p.add_argument("--repeat", type=int, default=3)
+    a = p.parse_args()
+    cases = [(a.model, shapes_of(a.model, 0))] + ([(f"{a.many} x 1 KiB", shapes_of(a.model, a.many))] if a.many else [])
+    for name, shapes in cases:
+        with tempfile.TemporaryDirectory(prefix="wire-") as tmp:
+            got = measure(shapes, a.repeat, Path(tmp))
+        floor = statistics.median(tcp_floor(got["bytes"]) for _ in range(3))
+        print(
+            f"{name}: {len(shapes)} tensors, {got['bytes'] / 2**20:.1f} MiB; raw TCP {floor * 1e3:.1f} ms; "
+            f"push {got['push'] * 1e3:.1f} ms ({got['push'] / floor:.1f}x TCP), "
+            f"pull {got['pull'] * 1e3:.1f} ms ({got['pull'] / floor:.1f}x TCP); "
+            f"close -> publish {got['close'] * 1e3:.1f} ms (outer step {got['step'] * 1e3:.1f} ms, then the log "
+            f"record {(got['close'] - got['step']) * 1e3:.1f} ms)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
