@@ -23,6 +23,7 @@ from atoll.coordinator.staging import (
     accumulate,
     release,
 )
+from atoll.protos.rpc import BufferPool
 
 MIN_INFLIGHT_BYTES = 256 << 20
 REGION_SLACK = 64
@@ -54,6 +55,8 @@ class RoundAccumulator:
         self.too_stale: set[tuple[str, int]] = set()
         """(island, round) of the deltas that came too late to fold while this round was open (dropped)."""
         self._sums: dict[str, torch.Tensor] = {}
+        self.buffers = BufferPool(self.budget.limit)
+        """Push entry buffers reused round after round (no page faults), no more than the budget."""
 
     # ---- the budget and the streams ------------------------------------------------------------
     def size_budget(self, specs: dict[str, tuple[int, ...]]) -> int | None:
@@ -64,6 +67,8 @@ class RoundAccumulator:
         push_bytes = fp32_push_bytes(specs)
         if self._budget_from_model:
             self.budget.limit = max(self.budget.limit, MIN_INFLIGHT_BYTES, 2 * push_bytes)
+        self.buffers.limit = self.budget.limit
+        if self._budget_from_model:
             return None
         return push_bytes if push_bytes > self.budget.limit else None
 
@@ -102,6 +107,13 @@ class RoundAccumulator:
     def add(self, ranks: list[StagedRank], codec, weight: float) -> None:
         """``sum += weight · Δ`` for an island's ranks, decoded straight into the sum (worker thread)."""
         accumulate(ranks, self._sums, codec, weight)
+
+    def recycle(self, ranks: list[StagedRank]) -> None:
+        """The ranks' payloads are in the sum and read no more: their buffers serve the next pushes."""
+        for staged in ranks:
+            for payload in staged.payloads:
+                self.buffers.give(payload)
+            staged.payloads = []
 
     def add_dense(self, key: tuple[str, int], delta: dict[str, torch.Tensor], weight: float, mean: bool) -> None:
         """A contribution already decoded densely: added (``mean``) or kept for robust aggregation."""

@@ -176,6 +176,7 @@ class Pushes:
             scale = step_scale(c, ranks[0].plan.inner_steps)
             if c.aggregation == "mean" and not c.max_delta_norm:
                 await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale)
+                acc.recycle(ranks)  # only once the add is done (a cancelled await leaves it running)
             else:
                 await self._add_dense((plan.island_id, plan.round), ranks, weight, c, scale)
         finally:

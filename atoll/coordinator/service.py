@@ -318,7 +318,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def _receive(self, plan, it, reservation) -> list:
         """Read a push's data chunks (its declared bytes are already held against the in-flight budget)
         and validate each entry as soon as it is complete; more bytes than declared are refused."""
-        assembler = EntryAssembler([e.num_bytes for e in plan.entries])
+        assembler = EntryAssembler([e.num_bytes for e in plan.entries], self.state.accumulator.buffers)
         payloads = []
         try:
             return await self._read(plan, it, reservation, assembler, payloads)

@@ -26,7 +26,7 @@ from atoll.islands.errors import PartialUpdate, ProtocolError
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 from atoll.protos.raw import RawData
-from atoll.protos.rpc import CLIENT_OPTIONS, EntryAssembler, StreamOverrun, bulk_calls, data_chunks
+from atoll.protos.rpc import CLIENT_OPTIONS, BufferPool, EntryAssembler, StreamOverrun, bulk_calls, data_chunks
 
 log = logging.getLogger("atoll.island")
 
@@ -82,6 +82,8 @@ class RetryPolicy:
 
 
 WARN_EVERY_SECONDS = 30.0
+PULL_BUFFER_BYTES = 512 << 20
+"""Entry buffers an island keeps for its next pulls (one entry is held at a time: the largest few)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +126,8 @@ class CoordinatorClient:
         self._push_call, self._pull_call = bulk_calls(self._channel)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.buffers = BufferPool(PULL_BUFFER_BYTES)
+        """Entry buffers of pulls applied entry by entry, reused round after round (no page faults)."""
 
     def close(self) -> None:
         self._channel.close()
@@ -246,8 +250,9 @@ class CoordinatorClient:
         """One long-poll pull; returns the header and each entry's payload.
 
         ``on_entry(header, i, payload)``: hand each entry over as soon as its bytes are in instead
-        (the payloads list is then empty), so no more than one entry is held. Once an entry was
-        handed over the pull is not retried: a broken stream raises :class:`PartialUpdate`."""
+        (the payloads list is then empty), so no more than one entry is held; the payload must not be
+        kept once it returns (its buffer takes the next entries). Once an entry was handed over the
+        pull is not retried: a broken stream raises :class:`PartialUpdate`."""
 
         def attempt():
             stream = self._pull_call(req, timeout=self._timeout() + req.wait_seconds, metadata=self._metadata)
@@ -262,15 +267,16 @@ class CoordinatorClient:
                             done = assembler.feed(data)
                         except StreamOverrun as err:
                             raise ProtocolError(str(err)) from None
-                        handed += _deliver(done, header, on_entry, payloads)
+                        handed += _deliver(done, header, on_entry, payloads, self.buffers)
                     elif header is not None:
                         raise ProtocolError("two headers in one update stream")
                     else:
                         header = chunk.header
-                        assembler = EntryAssembler([e.num_bytes for e in header.entries])
+                        pool = self.buffers if on_entry is not None else None  # entries read no more once applied
+                        assembler = EntryAssembler([e.num_bytes for e in header.entries], pool)
                 if header is None:
                     raise ProtocolError("update stream without a header")
-                handed += _deliver(assembler.finish(), header, on_entry, payloads)
+                handed += _deliver(assembler.finish(), header, on_entry, payloads, self.buffers)
                 if not assembler.done:
                     raise ProtocolError(f"update stream carried {assembler.received} bytes, header declares more")
             except grpc.RpcError as err:
@@ -285,12 +291,13 @@ class CoordinatorClient:
         return self.call("PullUpdate", attempt)
 
 
-def _deliver(done: list, header, on_entry, payloads: list) -> int:
+def _deliver(done: list, header, on_entry, payloads: list, pool: BufferPool) -> int:
     if on_entry is None:
         payloads += [p for _, p in done]
         return 0
     for i, payload in done:
-        on_entry(header, i, payload)
+        on_entry(header, i, payload)  # applied: the payload is read no more
+        pool.give(payload)
     return len(done)
 
 
