@@ -38,12 +38,14 @@ from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 from atoll.protos.dtypes import TORCH_FROM_PB
 from atoll.protos.raw import RawData
-from atoll.protos.rpc import SERVICE_NAME, EntryAssembler, StreamOverrun, data_chunks, server_handlers
+from atoll.protos.rpc import SERVICE_NAME, ChunkPacker, EntryAssembler, StreamOverrun, server_handlers
 from atoll.protos.status import error_status
 
 log = logging.getLogger("atoll.coordinator")
 
 STREAM_IDLE_SECONDS = 120.0
+INLINE_CHECK_BYTES = 256 << 10
+"""Entries a chunk completes are checked on the event loop below this many bytes, in a worker thread above."""
 """A push stream that sends nothing for this long is aborted (its bytes released)."""
 PUSH_OUTCOMES = {o: getattr(pb, f"PUSH_OUTCOME_{o.name}") for o in PushOutcome}
 UPDATE_KINDS = {k: getattr(pb, f"UPDATE_KIND_{k.name}") for k in UpdateKind}
@@ -327,6 +329,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             payloads.clear()
             raise
 
+    async def _check(self, plan, complete: list) -> None:
+        """Validate the entries a chunk completed: small ones here (a thread hop costs more than their
+        checksum), larger ones together in one worker thread."""
+        if sum(memoryview(p).nbytes for _, p in complete) < INLINE_CHECK_BYTES:
+            for index, payload in complete:
+                self.state.check_entry(plan, index, payload)
+        else:
+            await asyncio.to_thread(lambda: [self.state.check_entry(plan, i, p) for i, p in complete])
+
     async def _read(self, plan, it, reservation, assembler: EntryAssembler, payloads: list) -> list:
         while True:
             try:
@@ -343,9 +354,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 complete = assembler.feed(data)
             except StreamOverrun as err:
                 raise invalid(str(err)) from None
-            for index, payload in complete:
-                await asyncio.to_thread(self.state.check_entry, plan, index, payload)
-                payloads.append(payload)
+            if complete:
+                await self._check(plan, complete)
+                payloads += [payload for _, payload in complete]
         payloads += [p for _, p in assembler.finish()]
         if not assembler.done:
             raise invalid(f"push stream ended early: {assembler.index} of {len(plan.entries)} tensors complete")
@@ -378,15 +389,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 e.offsets.extend(entry.region.offsets)
                 e.sizes.extend(entry.region.sizes)
         yield pb.PullChunk(header=header)
+        packer = ChunkPacker()  # small entries share messages
         for entry in answer.entries:
             parts = await asyncio.to_thread(entry.parts) if callable(entry.data) else entry.parts()
             size = sum(memoryview(p).nbytes for p in parts)
             if size != entry.num_bytes:  # pragma: no cover - a bug, not an input
                 raise AssertionError(f"entry {entry.name}: {size} bytes, header says {entry.num_bytes}")
             self.counters.bytes_out += size
-            for chunk in data_chunks(parts):
-                yield chunk
+            for part in parts:
+                for chunk in packer.add(part):
+                    yield chunk
             del parts
+        for chunk in packer.flush():
+            yield chunk
 
 
 def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:

@@ -26,7 +26,15 @@ from atoll.islands.errors import PartialUpdate, ProtocolError
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 from atoll.protos.raw import RawData
-from atoll.protos.rpc import CLIENT_OPTIONS, BufferPool, EntryAssembler, StreamOverrun, bulk_calls, data_chunks
+from atoll.protos.rpc import (
+    CLIENT_OPTIONS,
+    BufferPool,
+    ChunkPacker,
+    EntryAssembler,
+    StreamOverrun,
+    bulk_calls,
+    data_chunks,
+)
 
 log = logging.getLogger("atoll.island")
 
@@ -218,10 +226,12 @@ class CoordinatorClient:
 
             def chunks():
                 yield pb.PushChunk(header=header)
+                packer = ChunkPacker()
                 while (payload := ready.get()) is not None:
-                    yield from data_chunks([payload])
+                    yield from packer.add(payload)
                     del payload
                     alive.release()
+                yield from packer.flush()
 
             call = self._push_call.future(chunks(), timeout=self._timeout(total), metadata=self._metadata)
             try:

@@ -15,12 +15,20 @@ _DATA_TAG = 0x12  # field 2, wire type 2 (length-delimited)
 
 
 class RawData:
-    """A data chunk as a memoryview (what the generated code would wrap in ``PushChunk(data=...)``)."""
+    """A data chunk as a memoryview (what the generated code would wrap in ``PushChunk(data=...)``),
+    or, to send, as buffers sent one after the other (joined once, when serialised)."""
 
-    __slots__ = ("view",)
+    __slots__ = ("view", "parts")
 
     def __init__(self, view) -> None:
         self.view = memoryview(view).cast("B")
+        self.parts: list | None = None
+
+    @classmethod
+    def of(cls, parts: list) -> RawData:
+        chunk = cls(b"")
+        chunk.parts = [memoryview(p).cast("B") for p in parts]
+        return chunk
 
 
 def _varint(n: int) -> bytes:
@@ -49,7 +57,8 @@ def _read_varint(buf, pos: int) -> tuple[int, int] | None:
 
 def serialize(msg) -> bytes:
     if isinstance(msg, RawData):
-        return b"".join((bytes([_DATA_TAG]), _varint(msg.view.nbytes), msg.view))
+        parts = [msg.view] if msg.parts is None else msg.parts
+        return b"".join((bytes([_DATA_TAG]), _varint(sum(p.nbytes for p in parts)), *parts))
     return msg.SerializeToString()
 
 

@@ -85,12 +85,47 @@ def bulk_calls(channel: grpc.Channel) -> tuple[grpc.StreamUnaryMultiCallable, gr
     return push, pull
 
 
-def data_chunks(payloads: Iterable, chunk_bytes: int = CHUNK_BYTES) -> Iterator[RawData]:
-    """The payloads (bytes-like), cut into data chunks of at most ``chunk_bytes``."""
-    for payload in payloads:
+class ChunkPacker:
+    """Cuts payloads into data chunks of ``chunk_bytes``, packing small ones together: a model of many
+    small tensors costs a few messages, not one per tensor (2000 tensors of 1 KiB: 2 messages).
+
+    A small payload waits in the pending chunk (held, not copied); a large one completes the pending
+    chunk with its first bytes and goes out in chunks of its own, none of it left waiting (so a
+    streamed push holds no more of it once its chunks are sent)."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._parts: list[memoryview] = []
+        self._size = 0
+
+    def add(self, payload) -> list[RawData]:
         view = memoryview(payload).cast("B")
-        for start in range(0, view.nbytes, chunk_bytes):
-            yield RawData(view[start : start + chunk_bytes])
+        cb = self.chunk_bytes
+        if view.nbytes < cb // 2:
+            out = self.flush() if self._size + view.nbytes > cb else []
+            if view.nbytes:
+                self._parts.append(view)
+                self._size += view.nbytes
+            return out
+        head = cb - self._size
+        out = [RawData.of([*self._parts, view[:head]])]
+        self._parts, self._size = [], 0
+        out += [RawData(view[start : start + cb]) for start in range(head, view.nbytes, cb)]
+        return out
+
+    def flush(self) -> list[RawData]:
+        if not self._parts:
+            return []
+        parts, self._parts, self._size = self._parts, [], 0
+        return [RawData(parts[0]) if len(parts) == 1 else RawData.of(parts)]
+
+
+def data_chunks(payloads: Iterable, chunk_bytes: int = CHUNK_BYTES) -> Iterator[RawData]:
+    """The payloads (bytes-like) as data chunks of at most ``chunk_bytes`` (:class:`ChunkPacker`)."""
+    packer = ChunkPacker(chunk_bytes)
+    for payload in payloads:
+        yield from packer.add(payload)
+    yield from packer.flush()
 
 
 class StreamOverrun(ValueError):
