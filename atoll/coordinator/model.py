@@ -31,6 +31,8 @@ class GlobalModel:
         self.downlink_ef: dict[str, torch.Tensor] = {}
         """Downlink error feedback: what the lossy downlink codec did not send yet, per tensor."""
         self._downlink_state: dict[str, dict] = {}
+        self._spares: dict[str, bytearray] = {}
+        """The last outer update's payloads: the next step's buffers once nobody reads them."""
         self.configure(config)
 
     def configure(self, config: RunConfig) -> None:
@@ -106,5 +108,7 @@ class GlobalModel:
             downlink_ef=self.downlink_ef,
             downlink_state=self._downlink_state,
             robust_grads=robust_grads,
+            spares=self._spares,
         )
+        self._spares = dict(payloads)
         return sums, payloads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 
 import torch
@@ -55,6 +56,14 @@ class NesterovSGD:
             self.buffers[name].copy_(tensors[f"momentum/{name}"])
 
 
+def spare(spares: dict[str, bytearray] | None, name: str) -> bytearray | None:
+    """``spares[name]`` (taken out), if nothing else references it any more: no pull still streams
+    it, no file write still reads it. A buffer reused fills at memory speed; a fresh one costs a page
+    fault every 4 KiB (0.28 s for |θ| = 475 MiB on the dev machine)."""
+    buf = spares.pop(name, None) if spares is not None else None
+    return buf if buf is not None and sys.getrefcount(buf) == 2 else None  # ``buf`` and the argument
+
+
 def outer_step_(
     accum: dict[str, torch.Tensor],
     params: dict[str, torch.Tensor],
@@ -66,6 +75,7 @@ def outer_step_(
     downlink_ef: dict[str, torch.Tensor],
     downlink_state: dict[str, dict],
     robust_grads: dict[str, torch.Tensor] | None = None,
+    spares: dict[str, bytearray] | None = None,
 ) -> dict[str, bytearray]:
     """θ_{r+1} = θ_r + decode(encode(u + e)), tensor by tensor, in place in ``accum`` (which ends up
     holding θ_{r+1}): besides θ, momentum and the accumulator, only one tensor's temporaries.
@@ -74,7 +84,8 @@ def outer_step_(
     aggregated pseudo-gradient). u is the outer optimizer's update of the mean; buffers take the
     mean itself (θ − mean Δ = the islands' mean buffer). A lossy ``downlink`` codec sends u + e and
     keeps e, the error it made (downlink error feedback). Returns the encoded update per tensor:
-    what islands add to θ_r is exactly what was added here.
+    what islands add to θ_r is exactly what was added here. ``spares``: last round's payloads, each
+    reused as this round's buffer when nothing else holds it any more (see :func:`spare`).
     """
     payloads = {}
     for name, acc in accum.items():
@@ -88,11 +99,11 @@ def outer_step_(
             optimizer.step_(name, acc)
         if downlink.lossy:
             acc.add_(downlink_ef[name])
-            payloads[name] = downlink.encode(acc, downlink_state.setdefault(name, {}))
+            payloads[name] = downlink.encode(acc, downlink_state.setdefault(name, {}), out=spare(spares, name))
             sent = downlink.decode(payloads[name], tuple(acc.shape))
             downlink_ef[name].copy_(acc).sub_(sent)
             acc.copy_(sent)
         else:
-            payloads[name] = downlink.encode(acc)
+            payloads[name] = downlink.encode(acc, out=spare(spares, name))
         acc.add_(params[name])
     return payloads

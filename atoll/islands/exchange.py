@@ -16,6 +16,8 @@ exactly that of the plain implementation (payloads and θ bitwise unchanged).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from atoll.compression import codec_of
@@ -96,6 +98,8 @@ class ShardState:
         """The codec's per-tensor state; its ``residual`` (error feedback) placed like ``start``."""
         self.snapshot: torch.Tensor | None = None
         """Overlap: θ when the exchange was pushed (placed)."""
+        self._payload: bytearray | None = None
+        """The last payload encoded: the next one's buffer once nothing else holds it."""
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +113,11 @@ class ShardState:
         kept = self.codec_state.get("residual")
         if kept is not None:
             self.codec_state["residual"] = self.placement.fetch(kept)
-        payload = codec.encode_difference(start, self.shard.local().detach(), self.codec_state)
+        spare, self._payload = self._payload, None
+        if spare is not None and sys.getrefcount(spare) > 2:  # ``spare`` and the argument: still held
+            spare = None  # (kept for a re-push, in a checkpoint, in a stream): never written over
+        payload = codec.encode_difference(start, self.shard.local().detach(), self.codec_state, out=spare)
+        self._payload = payload
         if "residual" in self.codec_state:
             self.codec_state["residual"] = self.placement.keep(self.codec_state["residual"], into=kept)
         return payload
