@@ -169,10 +169,11 @@ class Codec:
         """(params bytes, body bytes) of a payload of ``shape``."""
         raise NotImplementedError
 
-    def frame(self, payload, expected_shape: tuple[int, ...] | None = None) -> Frame:
-        """Parse a payload and check it belongs to this codec and (if given) the expected shape."""
+    def frame(self, payload, expected_shape: tuple[int, ...] | None = None, *, verified: bool = False) -> Frame:
+        """Parse a payload and check it belongs to this codec and (if given) the expected shape.
+        ``verified``: its checksum was checked already (see :func:`~atoll.compression.wire.unpack`)."""
         max_numel = None if expected_shape is None else math.prod(int(d) for d in expected_shape)
-        frame = unpack(payload, max_numel=max_numel)
+        frame = unpack(payload, max_numel=max_numel, verified=verified)
         if frame.codec_id != self.codec_id:
             raise WireFormatError(f"payload was encoded with codec id {frame.codec_id}, expected {self.name}")
         if expected_shape is not None and frame.shape != tuple(int(d) for d in expected_shape):
@@ -188,13 +189,18 @@ class Codec:
         return frame
 
     def decode(
-        self, payload, expected_shape: tuple[int, ...] | None = None, *, device: torch.device | None = None
+        self,
+        payload,
+        expected_shape: tuple[int, ...] | None = None,
+        *,
+        device: torch.device | None = None,
+        verified: bool = False,
     ) -> torch.Tensor:
         """Decode to a new float32 tensor of the payload's shape, on ``device`` (default: the CPU).
 
         The payload stays on the host; its (compressed) parts are copied to ``device`` and
         decompressed there."""
-        frame = self.frame(payload, expected_shape)
+        frame = self.frame(payload, expected_shape, verified=verified)
         out = torch.empty(frame.numel, dtype=torch.float32, device=device)
         if frame.numel:
             self._decode_into(frame, out, 1.0, False)
@@ -208,12 +214,12 @@ class Codec:
             self._decode_into(frame, out.view(-1), 1.0, False)
         return out
 
-    def decode_add_(self, payload, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    def decode_add_(self, payload, out: torch.Tensor, alpha: float = 1.0, *, verified: bool = False) -> torch.Tensor:
         """``out += alpha * decode(payload)``; ``out`` is contiguous float32, on any device. The
         product is rounded before it is added (see :func:`weighted`), so two contributions sum to
-        bitwise the same result in either order."""
+        bitwise the same result in either order. ``verified``: as for :meth:`frame`."""
         self._check_out(out)
-        frame = self.frame(payload, tuple(out.shape))
+        frame = self.frame(payload, tuple(out.shape), verified=verified)
         if frame.numel:
             self._decode_into(frame, out.view(-1), float(alpha), True)
         return out

@@ -148,14 +148,19 @@ def digest(t: torch.Tensor) -> str:
     return f"{google_crc32c.value(_bytes_of(t)):08x}"
 
 
-def write_file(path: Path, tensors: dict, metadata: dict[str, str], *, durable: bool = True) -> None:
+def write_file(
+    path: Path, tensors: dict, metadata: dict[str, str], *, durable: bool = True, digests: dict[str, str] | None = None
+) -> None:
     """Write a safetensors file that :func:`check_file` accepts: every tensor's digest and the
     metadata's own in its metadata, the tensors' bytes written straight from their memory (no
     serialised copy of them is built). Atomic: a temporary file, fsynced, renamed, the directory
-    fsynced (``durable=False``: renamed only, for a cache). A value that is not a tensor is bytes (U8)."""
+    fsynced (``durable=False``: renamed only, for a cache). A value that is not a tensor is bytes (U8).
+    ``digests``: some tensors' digests known already (not computed again)."""
     path = Path(path)
     arrays = {k: _bytes_of(v) for k, v in tensors.items()}
-    meta = {**metadata, "digests": json.dumps({k: f"{google_crc32c.value(a):08x}" for k, a in arrays.items()})}
+    known = digests or {}
+    crcs = {k: known.get(k) or f"{google_crc32c.value(a):08x}" for k, a in arrays.items()}
+    meta = {**metadata, "digests": json.dumps(crcs)}
     meta[META_DIGEST] = metadata_digest(meta)
     header: dict = {"__metadata__": meta}
     offset = 0

@@ -156,7 +156,8 @@ def accumulate(ranks: list[StagedRank], accum: dict[str, torch.Tensor], codec, w
     for staged in ranks:
         for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
             target = accum[entry.name][entry.region.slices()]
-            if target.is_contiguous():
-                codec.decode_add_(payload, target, alpha=weight)
+            if target.is_contiguous():  # every entry was checked as it arrived (its crc32c too)
+                codec.decode_add_(payload, target, alpha=weight, verified=True)
             else:
-                target.add_(weighted(codec.decode(payload, entry.region.sizes), weight))  # no fused w·Δ + acc
+                got = codec.decode(payload, entry.region.sizes, verified=True)
+                target.add_(weighted(got, weight))  # no fused w·Δ + acc

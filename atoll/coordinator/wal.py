@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from atoll.compression import codec_of
-from atoll.compression.wire import WireFormatError
+from atoll.compression.wire import SEALED_DIGEST, WireFormatError
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.integrity import IntegrityError, check_file, write_file
 
@@ -93,7 +93,9 @@ def append(state_dir: Path, round_: int, payloads: dict, history: dict, islands:
         "islands": json.dumps(islands, sort_keys=True),
         "config": config.to_json(),
     }
-    write_file(d / record_name(round_), {UPDATE + k: p for k, p in payloads.items()}, meta)
+    sealed = f"{SEALED_DIGEST:08x}"  # each payload ends in its own crc32c: no second pass over it
+    tensors = {UPDATE + k: p for k, p in payloads.items()}
+    write_file(d / record_name(round_), tensors, meta, digests=dict.fromkeys(tensors, sealed))
 
 
 def read(path: Path) -> Record:

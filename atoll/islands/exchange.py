@@ -138,17 +138,18 @@ class ShardState:
         self.snapshot = self.placement.copy_of(self.placement.fetch(self.start))
 
     @torch.no_grad()
-    def apply(self, payload, full: bool) -> None:
-        """Advance θ_start by one pulled update: θ itself (``full``) or θ_start + u, decoded on the device."""
+    def apply(self, payload, full: bool, *, verified: bool = False) -> None:
+        """Advance θ_start by one pulled update: θ itself (``full``) or θ_start + u, decoded on the device.
+        ``verified``: the payload's checksum was checked already (it is not read again)."""
         codec = codec_of(payload)
         if full:
-            new = codec.decode(payload, self.shard.sizes, device=self.device)
+            new = codec.decode(payload, self.shard.sizes, device=self.device, verified=verified)
         else:
             new = self.placement.fetch(self.start)
             if codec.lossy:  # decode then add, as the coordinator does: bitwise its θ
-                new.add_(codec.decode(payload, self.shard.sizes, device=self.device))
+                new.add_(codec.decode(payload, self.shard.sizes, device=self.device, verified=verified))
             else:  # fp32: adding straight from the payload is the same arithmetic, without a temporary
-                codec.decode_add_(payload, new)
+                codec.decode_add_(payload, new, verified=verified)
         self.start = self.placement.keep(new, into=self.start)
 
     @torch.no_grad()

@@ -203,7 +203,7 @@ class Routes:
                     f"update entry {e.name!r} {list(e.offsets)}+{list(e.sizes)} is no region of this rank"
                 )
             codec_of(payload).frame(payload, s.sizes)  # WireFormatError before it changes anything
-            self.states[s.key].apply(payload, header.kind == pb.UPDATE_KIND_FULL)
+            self.states[s.key].apply(payload, header.kind == pb.UPDATE_KIND_FULL, verified=True)
 
         return apply
 
@@ -226,7 +226,7 @@ class Routes:
                 codec_of(by_key[key]).frame(by_key[key], s.sizes)  # WireFormatError before anything changes
                 plans.append((s, by_key[key], header.kind == pb.UPDATE_KIND_FULL))
         for s, payload, full in plans:
-            self.states[s.key].apply(payload, full)
+            self.states[s.key].apply(payload, full, verified=True)
 
     def load_params(self, index: int, merge: bool) -> None:
         for s in self.link_shards[index]:
