@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_diloco
+from conftest import inner_step, make_diloco
 
 from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorLink, CoordinatorRefused, DiLoCo
@@ -275,3 +275,25 @@ def test_an_island_without_token_counts_weighs_its_steps_at_the_others_tokens_pe
     finally:
         sync.close()
     assert any("step() got no tokens=" in r.getMessage() for r in caplog.records)
+
+
+def test_the_island_that_uploads_theta0_does_not_pull_it_back_and_trains_from_it_exactly(start_server):
+    """Issue 21 ("no byte sent twice"): the bootstrapper pulled θ_0 back right after uploading it,
+    |θ| more on the wire per run. Its θ_start is now the fp32 of its own θ, which is what it sent."""
+    from small_island import H, batches, config, island
+
+    srv = start_server(config())
+    model, opt, sync = island(srv.address)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sync.start()
+    assert srv.server.counters.bytes_out == 0  # nothing pulled: θ_0 is its own
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    theta0 = srv.inspect(lambda st: {k: v.clone() for k, v in st.model.params.items()})
+    assert all(torch.equal(theta0[k], before[k]) for k in theta0)
+    assert srv.inspect(lambda st: st.membership.islands["solo"].holds_round) == 0
+    for b in batches(H):
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    sync.close()
+    # One round: θ_1 = θ_0 + u from the island's own θ_start, the same on both ends.
+    theta1 = srv.inspect(lambda st: {k: v.clone() for k, v in st.model.params.items()})
+    assert all(torch.equal(v, theta1[k]) for k, v in model.state_dict().items())

@@ -336,6 +336,7 @@ class RunState:
                 params, specs, buffers, layout, aliases = got
                 self.model.define(specs, buffers, layout, aliases)
                 self.seal(Sealed(BOOTSTRAP, params, None, None, frozenset({plan.island_id})))
+                self.membership.holds(plan.island_id, 0)  # it uploaded θ_0: it has it, no pull of it back
                 log.info("%sbootstrapped θ_0 from island %s (%d tensors)", self.name, plan.island_id, len(params))
             await self.try_publish()
             return PushResult(PushOutcome.COMMITTED, self.round, committed=True, bytes_received=plan.num_bytes)

@@ -81,6 +81,12 @@ class Membership:
         """The goodput of island records that left or were replaced (the run's value counts them)."""
 
     # ---- joins and leases ------------------------------------------------------------------
+    def holds(self, island_id: str, round_: int) -> None:
+        """``island_id`` holds θ_round_ (it pulled it, or uploaded θ_0)."""
+        rec = self.islands.get(island_id)
+        if rec is not None:
+            rec.holds_round = max(rec.holds_round, round_)
+
     def join(
         self,
         island_id: str,

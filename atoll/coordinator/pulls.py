@@ -100,6 +100,4 @@ class Pulls:
             self.downlink.release_latest()
 
     def _holds(self, island_id: str, round_: int) -> None:
-        rec = self.membership.islands.get(island_id)
-        if rec is not None:
-            rec.holds_round = max(rec.holds_round, round_)
+        self.membership.holds(island_id, round_)

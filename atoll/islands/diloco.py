@@ -119,10 +119,10 @@ class DiLoCo:
                 self.history.extend(done)
             else:
                 for s, resp in zip(routes.sessions, joined, strict=True):
-                    if resp.bootstrap:
-                        routes.bootstrap(s)
-                for s in routes.sessions:
-                    routes.pull_theta(s)
+                    if resp.bootstrap and routes.bootstrap(s):
+                        routes.keep_own_theta(s)  # the run's θ_0 is this upload: nothing to pull back
+                    else:
+                        routes.pull_theta(s)
         except BaseException:
             link.close(leave=False)  # a failed start must not keep the island alive on the coordinator
             raise

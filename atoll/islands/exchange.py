@@ -128,6 +128,11 @@ class ShardState:
         return self.placement.fetch(self.start) - self.shard.local().detach().float()
 
     @torch.no_grad()
+    def start_from_local(self) -> None:
+        """θ_start = θ itself, in fp32: what the identity θ_0 this rank uploaded decodes to."""
+        self.start = self.placement.copy_of(self.shard.local().float())
+
+    @torch.no_grad()
     def take_snapshot(self) -> None:
         self.snapshot = self.placement.copy_of(self.shard.local().float())
 

@@ -162,20 +162,33 @@ class Routes:
                 "decoupled" if self.decoupled else "sync",
             )
 
-    def bootstrap(self, session: Session) -> None:
-        """Upload this rank's owned regions of θ as θ_0 (identity codec)."""
+    def bootstrap(self, session: Session) -> bool:
+        """Upload this rank's owned regions of θ as θ_0 (identity codec); True when they are the run's
+        θ_0 and this rank holds nothing else of it (it then has θ_0 already: no pull of it back)."""
         ident = get_codec("identity")
-        owned = [s for s in self.link_shards[session.index] if s.owned]
+        shards = self.link_shards[session.index]
+        owned = [s for s in shards if s.owned]
         sizes = [ident.encoded_size(s.sizes) for s in owned]
         header = session.header(pb.PUSH_KIND_INIT, 0, owned, sizes, "identity")
-        session.push(header, lambda j: ident.encode(owned[j].local().detach()))  # one tensor at a time
+        outcome = session.push(header, lambda j: ident.encode(owned[j].local().detach()))  # one tensor at a time
+        return outcome == pb.PUSH_OUTCOME_COMMITTED and len(owned) == len(shards)
 
     def pull_theta(self, session: Session) -> None:
         """Wait for the run's θ (uploading θ_0 if the claim comes to this island) and load it."""
-        session.pull_until_ready(
+        kind, _ = session.pull_until_ready(
             -1, on_entry=self.entry_applier(session.index), bootstrap=lambda: self.bootstrap(session)
         )
-        self.load_params(session.index, merge=False)
+        if kind == "BOOTSTRAPPED":
+            self.keep_own_theta(session)
+        else:
+            self.load_params(session.index, merge=False)
+
+    def keep_own_theta(self, session: Session) -> None:
+        """The run's θ_0 is this rank's own upload (:meth:`bootstrap` said so): θ_start is the fp32 of
+        its θ, exactly what the upload decodes to."""
+        session.round = max(session.round, 0)
+        for s in self.link_shards[session.index]:
+            self.states[s.key].start_from_local()
 
     # ---- the exchange ---------------------------------------------------------------------------
     def encode(self, index: int) -> list:

@@ -184,7 +184,7 @@ class Session:
         on_update: Callable[[pb.UpdateHeader, list], None] | None = None,
         on_entry: Callable[[pb.UpdateHeader, int, object], None] | None = None,
         repush: Callable[[], tuple] | None = None,
-        bootstrap: Callable[[], None] | None = None,
+        bootstrap: Callable[[], bool] | None = None,
         cancel: threading.Event | None = None,
     ) -> tuple[str, float | None]:
         """Long-poll until the outer step past ``have_round`` is out; hand each update (several when
@@ -195,7 +195,9 @@ class Session:
         entry held at a time); an update that breaks off half-applied is followed by the full θ.
         ``repush()``: (header, payloads) of this island's push for ``have_round``, sent again when the
         coordinator says it has none (it restarted). ``bootstrap()``: upload θ_0 when the claim passes
-        to this island. ``cancel``: give up between polls once set (the island is closing)."""
+        to this island; True when the run's θ_0 is that upload and this rank holds all of it (returns
+        ``"BOOTSTRAPPED"``: nothing to pull back). ``cancel``: give up between polls once set (the island
+        is closing)."""
         started = warned = time.monotonic()
         resyncs = 0
         m = self.me
@@ -226,7 +228,8 @@ class Session:
             if header.kind == pb.UPDATE_KIND_NOT_READY:
                 if header.bootstrap and bootstrap is not None:
                     log.warning("%s: the bootstrap claim passed to this island; uploading θ_0", m.island_id)
-                    bootstrap()
+                    if bootstrap():
+                        return "BOOTSTRAPPED", None
                     continue
                 if header.run_complete and header.round == have_round:
                     return "NOT_READY", None
