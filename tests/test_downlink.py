@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -41,10 +39,19 @@ def log_update(state_dir, round_, payloads):
 
 
 def test_the_logged_updates_serve_catch_ups_and_are_pruned_to_the_window(tmp_path):
+    identity = get_codec("identity")
+    updates = [identity.encode(torch.full((3,), float(r))) for r in range(5)]
     for r in range(0, 5):
-        log_update(tmp_path, r, {"w": bytearray(b"abc" * (r + 1))})
+        log_update(tmp_path, r, {"w": updates[r]})
         wal.prune(tmp_path, snapshot_round=r + 1, keep_from=r - 1)
     assert [r for r, _ in wal.records(tmp_path)] == [3, 4]
-    assert bytes(wal.load_update(tmp_path, 5)["w"]) == b"abc" * 5  # θ_5 = θ_4 + round 4's update
+    assert bytes(wal.load_update(tmp_path, 5)["w"]) == bytes(updates[4])  # θ_5 = θ_4 + round 4's update
     assert wal.load_update(tmp_path, 2) is None
-    assert math.isclose(len(wal.load_update(tmp_path, 4)["w"]), 12)
+    assert len(wal.load_update(tmp_path, 4)["w"]) == len(updates[3])
+
+
+def test_a_logged_update_that_is_not_a_sealed_payload_is_refused_when_read(tmp_path):
+    """A record's digest of a payload is CRC-32C's residue (a sealed payload ends in its own crc32c):
+    bytes that are not such a payload fail it, like a flipped bit."""
+    log_update(tmp_path, 0, {"w": bytearray(b"abc")})
+    assert wal.load_update(tmp_path, 1) is None

@@ -82,8 +82,8 @@ class Record:
 
 
 def append(state_dir: Path, round_: int, payloads: dict, history: dict, islands: dict, config: RunConfig) -> None:
-    """Make round ``round_`` durable (before θ_{round_+1} is published): its update, record, membership
-    and config, fsynced."""
+    """Make round ``round_`` durable (before θ_{round_+1} is published): its update (sealed atoll
+    payloads: each ends in its own crc32c), record, membership and config, fsynced."""
     d = Path(state_dir) / LOG
     d.mkdir(parents=True, exist_ok=True)
     meta = {

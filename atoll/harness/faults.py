@@ -118,7 +118,7 @@ class DyingTransport:
                 if sent >= half:
                     time.sleep(0.2)  # let the server take in what was sent
                     os._exit(KILLED)
-                sent += chunk.view.nbytes
+                sent += chunk.nbytes
                 yield chunk
 
         try:

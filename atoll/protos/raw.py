@@ -24,6 +24,10 @@ class RawData:
         self.view = memoryview(view).cast("B")
         self.parts: list | None = None
 
+    @property
+    def nbytes(self) -> int:
+        return self.view.nbytes if self.parts is None else sum(p.nbytes for p in self.parts)
+
     @classmethod
     def of(cls, parts: list) -> RawData:
         chunk = cls(b"")
@@ -58,7 +62,7 @@ def _read_varint(buf, pos: int) -> tuple[int, int] | None:
 def serialize(msg) -> bytes:
     if isinstance(msg, RawData):
         parts = [msg.view] if msg.parts is None else msg.parts
-        return b"".join((bytes([_DATA_TAG]), _varint(sum(p.nbytes for p in parts)), *parts))
+        return b"".join((bytes([_DATA_TAG]), _varint(msg.nbytes), *parts))
     return msg.SerializeToString()
 
 
