@@ -47,6 +47,7 @@ from atoll.harness.wan import ProxyThread  # noqa: E402
 
 SPEEDS = {"A": 1, "B": 1, "C": 2, "D": 4}
 COMMON = ["--run-id", "gp", "--outer-lr", "1.0", "--outer-momentum", "0.5", "--lease-seconds", "10"]
+COMMON += ["--codec", "identity", "--downlink-codec", "identity"]  # as its recorded figures were measured
 POLICIES = {
     "barrier": ["--quorum", "4", "--grace-window", "off", "--late-policy", "drop", "--max-staleness", "1"],
     "defaults": ["--quorum", "1", "--grace-window", "off", "--late-policy", "drop", "--max-staleness", "1"],

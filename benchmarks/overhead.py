@@ -52,7 +52,7 @@ def main() -> None:
         return time.perf_counter() - t
 
     with tempfile.TemporaryDirectory() as tmp, ProcessGroup(Path(tmp)) as group:
-        coord, address = group.start_coordinator(Path(tmp) / "state", ["--run-id", "ov", "--sync-every", "1000000000"])
+        coord, address = group.start_coordinator(Path(tmp) / "state", ["--run-id", "ov", "--sync-every", "1000000000", "--codec", "identity", "--downlink-codec", "identity"])
         sync = DiLoCo(model, CoordinatorLink(address, run_id="ov", island_id="ov")).start()
         loop(None)  # warm-up
         plain, wrapped = [], []

@@ -51,6 +51,7 @@ def run(work: Path, args, kill: bool, sig: int = signal.SIGKILL) -> dict:
             work / "state",
             [
                 *("--run-id", "resume", "--sync-every", str(args.sync_every), "--quorum", "2"),
+                *("--codec", "identity", "--downlink-codec", "identity"),
                 *("--total-rounds", str(args.rounds), "--round-deadline-seconds", "600"),
                 *("--admin-port", "0", "--admin-port-file", str(admin_file)),
             ],

@@ -146,6 +146,7 @@ def run_config(work: Path, model: str, islands: int, codec: str, rounds: int) ->
             work / "state",
             [
                 *("--run-id", "scale", "--sync-every", "1", "--codec", codec, "--quorum", str(islands)),
+                *("--downlink-codec", "identity"),
                 *("--round-deadline-seconds", "3600", "--lease-seconds", "600", "--keep-snapshots", "1"),
                 *("--admin-port", "0", "--admin-port-file", str(admin_file)),
             ],

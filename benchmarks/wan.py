@@ -38,6 +38,7 @@ def run(work: Path, args, profile: LinkProfile | None, overlap: int = 0) -> dict
                 "2",
                 "--round-deadline-seconds",
                 "600",
+                *("--codec", "identity", "--downlink-codec", "identity"),
             ],
         )
         proxies = [ProxyThread(address, profile).start() for _ in range(2)] if profile else []

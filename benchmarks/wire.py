@@ -9,7 +9,9 @@ protocol through atoll's own client:
 - close -> publish: from the push's answer to the update being pullable (outer step + the round's
   log record), read from the coordinator's round record;
 - pull: the round's update (identity, |θ|) once published, request to last byte;
-- the floor: the same bytes over one raw loopback TCP stream between two processes;
+- the floors: the same bytes over one raw loopback TCP stream between two processes, and written
+  with fsync to a new file beside the state dir (plain buffered writes, the median of three: what
+  "the time to fsync the round's update bytes" is on this disk);
 - per tensor: the same pushes and pulls with ``--many`` tensors of 1 KiB each (``--many 0`` skips it).
 
 Printed: each figure, the median over ``--repeat`` rounds, and push / pull over the TCP floor.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -43,7 +46,7 @@ def shapes_of(model: str, many: int) -> dict[str, tuple[int, ...]]:
         return {f"t{i}": (256,) for i in range(many)}
     from atoll.models import TinyGPT, preset
 
-    vocab = {"tiny": 65, "gpt-125m": 50257}[model]
+    vocab = {"tiny": 65, "gpt-small": 65, "gpt-125m": 50257}[model]
     with torch.device("meta"):
         m = TinyGPT(preset(model, vocab_size=vocab))
     return {k: tuple(p.shape) for k, p in m.named_parameters()}
@@ -72,6 +75,28 @@ def tcp_floor(nbytes: int) -> float:
     conn.close()
     srv.close()
     return took
+
+
+def rss_kib(pid: int, field: str) -> int:
+    """VmRSS (now) or VmHWM (peak) of a process, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
+
+
+def disk_floor(nbytes: int, where: Path) -> float:
+    """Seconds to write ``nbytes`` to a new file in ``where`` and fsync it (buffered, as the OS does
+    by default), the median of three."""
+    data = memoryview(bytearray(nbytes))
+    took = []
+    for i in range(3):
+        path = where / f"floor-{i}.bin"
+        started = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        took.append(time.perf_counter() - started)
+        path.unlink()
+    return statistics.median(took)
 
 
 class Island:
@@ -118,6 +143,7 @@ def measure(shapes, repeat: int, tmp: Path) -> dict:
         [sys.executable, "-m", "atoll", "coordinator", "--host", "127.0.0.1", "--port", "0", "--state-dir",
          str(tmp / "state"), "--port-file", str(port_file), "--admin-port", "0", "--admin-port-file",
          str(admin_file), "--run-id", "w", "--sync-every", "1", "--quorum", "1", "--grace-window", "off",
+         "--codec", "identity", "--downlink-codec", "identity",
          "--log-level", "WARNING"],
         cwd=ROOT,
     )  # fmt: skip
@@ -128,6 +154,7 @@ def measure(shapes, repeat: int, tmp: Path) -> dict:
             time.sleep(0.05)
         time.sleep(0.2)
         grpc_port, admin_port = port_file.read_text().strip(), admin_file.read_text().strip()
+        start_rss = rss_kib(coord.pid, "VmRSS") * 1024  # serving, before any model is there
 
         def status() -> dict:
             with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/api/status", timeout=30) as resp:
@@ -145,12 +172,15 @@ def measure(shapes, repeat: int, tmp: Path) -> dict:
             pulls.append(took)
         history = status()["history"][1:]
         closes = [rec["outer_step_seconds"] + rec["persist_seconds"] for rec in history]
+        peak_rss = rss_kib(coord.pid, "VmHWM") * 1024
         steps = [rec["outer_step_seconds"] for rec in history]
         island.client.close()
     finally:
         coord.terminate()
         coord.wait(30)
     return {
+        "disk": disk_floor(nbytes, tmp),
+        "rss": (peak_rss - start_rss) / nbytes,
         "bytes": nbytes,
         "push": statistics.median(pushes[1:]),
         "pull": statistics.median(pulls[1:]),
@@ -161,7 +191,7 @@ def measure(shapes, repeat: int, tmp: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt-125m", choices=["tiny", "gpt-125m"])
+    p.add_argument("--model", default="gpt-125m", choices=["tiny", "gpt-small", "gpt-125m"])
     p.add_argument("--many", type=int, default=2000, help="tensors of 1 KiB for the per-tensor case (0: skip)")
     p.add_argument("--repeat", type=int, default=3)
     a = p.parse_args()
@@ -175,7 +205,10 @@ def main() -> None:
             f"push {got['push'] * 1e3:.1f} ms ({got['push'] / floor:.1f}x TCP), "
             f"pull {got['pull'] * 1e3:.1f} ms ({got['pull'] / floor:.1f}x TCP); "
             f"close -> publish {got['close'] * 1e3:.1f} ms (outer step {got['step'] * 1e3:.1f} ms, then the log "
-            f"record {(got['close'] - got['step']) * 1e3:.1f} ms)",
+            f"record {(got['close'] - got['step']) * 1e3:.1f} ms); write + fsync of the update's bytes "
+            f"{got['disk'] * 1e3:.1f} ms: close -> publish = {got['close'] / (got['step'] + got['disk']):.2f}x "
+            "(outer step + fsync); coordinator peak RSS above its start "
+            f"{got['rss']:.1f}|θ| (one push of |θ| in flight at a time)",
             flush=True,
         )
 

@@ -219,7 +219,9 @@ def island_flags(address: str, island_id: str, *, rounds: int | None, codec: str
     ]
 
 
-def coordinator_flags(*, sync_every: int, quorum: int, codec: str = "identity", extra=()):
+def coordinator_flags(
+    *, sync_every: int, quorum: int, codec: str = "identity", downlink_codec: str = "identity", extra=()
+):
     return [
         "--run-id",
         "e2e",
@@ -229,6 +231,8 @@ def coordinator_flags(*, sync_every: int, quorum: int, codec: str = "identity", 
         str(quorum),
         "--codec",
         codec,
+        "--downlink-codec",
+        downlink_codec,
         "--round-deadline-seconds",
         "120",
         "--lease-seconds",

@@ -28,11 +28,13 @@ class RunConfig:
     """Outer momentum (DiLoCo default 0.9)."""
     nesterov: bool = True
     """Nesterov momentum (DiLoCo) rather than heavy-ball."""
-    codec: str = "identity"
+    codec: str = "int8"
     """Codec of the islands' pseudo-gradients: identity, fp16, bf16, int8, int4, int2 (blockwise; block=B,
     scale=fp32|fp16), topk:fraction=F, dcttopk:fraction=F (top-k of block-DCT coefficients),
-    powersgd:rank=R."""
-    downlink_codec: str = "identity"
+    powersgd:rank=R. int8 both ways is the default: within 0.02% of identity's eval loss on the demo
+    and benchmarks/convergence.py at a quarter of the bytes (benchmarks/RESULTS.md); identity is
+    plain DiLoCo, bit for bit."""
+    downlink_codec: str = "int8"
     """Codec of the outer update sent back to islands (same choices; with downlink error feedback)."""
     error_feedback: bool = False
     """Islands carry what the lossy uplink codec dropped into the next round (per-rank residual)."""

@@ -21,13 +21,13 @@ class DemoArgs:
     """Outer rounds to run."""
     sync_every: int = 30
     """H: inner steps per round."""
-    codec: str = "identity"
-    """Uplink codec spec, e.g. "int8" or "topk:fraction=0.01"."""
+    codec: str = "int8"
+    """Uplink codec spec, e.g. "identity" or "topk:fraction=0.01"."""
     error_feedback: bool = False
     """Islands carry the lossy codec's error into the next round."""
     error_feedback_decay: float = 1.0
     """β: error feedback sends C(Δ + β·residual) (1: classic)."""
-    downlink_codec: str = "identity"
+    downlink_codec: str = "int8"
     """Codec of the outer update the coordinator sends back."""
     overlap_steps: int = 0
     """Islands keep training while the exchange is in flight and apply it this many steps later."""
