@@ -84,6 +84,9 @@ OUTER: dict = {}
 """Outer optimizer settings for every DiLoCo run (from the command line)."""
 
 
+IDENTITY = {"codec": "identity", "downlink_codec": "identity"}
+
+
 def run_diloco(steps: int, h: int, lr: float, **kw) -> dict:
     args = DemoArgs(rounds=steps // h, sync_every=h, inner_lr=lr, **OUTER, **kw)
     with tempfile.TemporaryDirectory() as tmp:
@@ -168,7 +171,7 @@ def main() -> None:
 
 def short(args, h: int, lr: float) -> None:
     ddp = run_ddp(args.steps, lr, eval_every=h // 2)
-    plain = run_diloco(args.steps, h, lr, codec="identity", downlink_codec="identity")
+    plain = run_diloco(args.steps, h, lr, **IDENTITY)
     rows = [
         ("DDP (all-reduce every step)", ddp),
         (f"DiLoCo identity, H={h}", plain),
@@ -177,8 +180,8 @@ def short(args, h: int, lr: float) -> None:
             "DiLoCo top-k 1% + EF, int8 down",
             run_diloco(args.steps, h, lr, codec="topk:fraction=0.01", error_feedback=True, downlink_codec="int8"),
         ),
-        (f"overlapped (tau={h // 3} steps)", run_diloco(args.steps, h, lr, codec="identity", downlink_codec="identity", overlap_steps=h // 3)),
-        (f"streaming, P={args.fragments}", run_diloco(args.steps, h, lr, codec="identity", downlink_codec="identity", fragments=args.fragments)),
+        (f"overlapped (tau={h // 3} steps)", run_diloco(args.steps, h, lr, **IDENTITY, overlap_steps=h // 3)),
+        (f"streaming, P={args.fragments}", run_diloco(args.steps, h, lr, **IDENTITY, fragments=args.fragments)),
     ]
     print(
         f"2 workers, {args.steps} inner steps each (batch 16 x 64 tokens), outer lr {args.outer_lr:g} / Nesterov "
@@ -196,7 +199,7 @@ def long(args) -> None:
     long_ddp = run_ddp(args.long_steps, lr, eval_every=lh // 5)
     long_rows = [
         ("DDP (all-reduce every step)", long_ddp),
-        (f"DiLoCo identity, H={lh}", run_diloco(args.long_steps, lh, lr, codec="identity", downlink_codec="identity")),
+        (f"DiLoCo identity, H={lh}", run_diloco(args.long_steps, lh, lr, **IDENTITY)),
         (
             f"DiLoCo int8 up+down, H={lh}",
             run_diloco(args.long_steps, lh, lr, codec="int8", downlink_codec="int8"),

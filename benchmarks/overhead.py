@@ -24,6 +24,9 @@ from atoll.harness import ProcessGroup  # noqa: E402
 from atoll.islands import CoordinatorLink, DiLoCo  # noqa: E402
 from atoll.models import GPTConfig, TinyGPT  # noqa: E402
 
+IDENTITY = ("--codec", "identity", "--downlink-codec", "identity")
+"""As its recorded figures were measured (the run's default is int8 both ways)."""
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +55,8 @@ def main() -> None:
         return time.perf_counter() - t
 
     with tempfile.TemporaryDirectory() as tmp, ProcessGroup(Path(tmp)) as group:
-        coord, address = group.start_coordinator(Path(tmp) / "state", ["--run-id", "ov", "--sync-every", "1000000000", "--codec", "identity", "--downlink-codec", "identity"])
+        flags = ["--run-id", "ov", "--sync-every", "1000000000", *IDENTITY]
+        coord, address = group.start_coordinator(Path(tmp) / "state", flags)
         sync = DiLoCo(model, CoordinatorLink(address, run_id="ov", island_id="ov")).start()
         loop(None)  # warm-up
         plain, wrapped = [], []

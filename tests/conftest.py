@@ -26,6 +26,12 @@ class FakeClock:
         return self.now
 
 
+def exact_config(**kw) -> RunConfig:
+    """A run config with identity both ways: the tests' exact fp32 arithmetic (a new run's default
+    is int8 both ways)."""
+    return RunConfig(**{"codec": "identity", "downlink_codec": "identity", **kw})
+
+
 class ServerThread:
     """A real CoordinatorServer (grpc.aio, port 0) on its own event loop thread."""
 
@@ -69,7 +75,9 @@ def start_server(tmp_path):
 
     def start(config: RunConfig | None = None, state_dir: Path | None = None, **server_kwargs) -> ServerThread:
         srv = ServerThread(
-            config or RunConfig(run_id="t", sync_every=1), state_dir or tmp_path / "state", **server_kwargs
+            config or exact_config(run_id="t", sync_every=1),
+            state_dir or tmp_path / "state",
+            **server_kwargs,
         )
         started.append(srv.start())
         return srv

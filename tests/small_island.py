@@ -23,6 +23,7 @@ def batches(n: int):
 
 
 def config(**kw) -> RunConfig:
+    kw = {"codec": "identity", "downlink_codec": "identity", **kw}  # exact fp32 arithmetic
     return RunConfig(run_id="t", sync_every=H, outer_lr=0.7, outer_momentum=0.9, **kw)
 
 

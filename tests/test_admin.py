@@ -11,10 +11,10 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from conftest import post_json
+from conftest import exact_config, post_json
 from prometheus_client.parser import text_string_to_metric_families
 
-from atoll.coordinator import CoordinatorServer, RunConfig
+from atoll.coordinator import CoordinatorServer
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (4, 3)}
@@ -36,7 +36,7 @@ def metrics(base, token=None):
 
 
 def test_endpoints_follow_a_round(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=1), admin_port=0)
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=1), admin_port=0)
     base = srv.server.admin.address
     assert get(base + "/healthz") == (200, "ok\n")
     a = raw_island(srv.address, "a", SHAPES)
@@ -75,7 +75,7 @@ def test_token_protects_everything_but_healthz(start_server):
 def test_non_loopback_admin_needs_a_token(tmp_path):
     import asyncio
 
-    server = CoordinatorServer(RunConfig(run_id="t"), tmp_path, admin_host="0.0.0.0", admin_port=0)
+    server = CoordinatorServer(exact_config(run_id="t"), tmp_path, admin_host="0.0.0.0", admin_port=0)
     with pytest.raises(ValueError, match="needs a token"):
         asyncio.run(server.start())
     assert server._server is None  # refused before the gRPC port opened
@@ -85,7 +85,7 @@ def test_non_loopback_admin_needs_a_token(tmp_path):
 def test_metrics_carry_loss_tokens_and_each_islands_state(start_server, raw_island):
     from prometheus_client.parser import text_string_to_metric_families
 
-    srv = start_server(RunConfig(run_id="t", sync_every=1), admin_port=0)
+    srv = start_server(exact_config(run_id="t", sync_every=1), admin_port=0)
     a = raw_island(srv.address, "a", {"w": (2, 2)})
     a.join()
     a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
@@ -110,7 +110,10 @@ def test_metrics_carry_loss_tokens_and_each_islands_state(start_server, raw_isla
 def test_lease_expiry_is_logged_and_fragment_lines_say_which(start_server, raw_island, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="atoll")
     srv = start_server(
-        RunConfig(run_id="t", sync_every=1, lease_seconds=0.3), shard=(1, 2), partition="layers", name="fragment 1/2: "
+        exact_config(run_id="t", sync_every=1, lease_seconds=0.3),
+        shard=(1, 2),
+        partition="layers",
+        name="fragment 1/2: ",
     )
     a = raw_island(srv.address, "a", {"w": (2, 2)})
     a.join(shard_index=1, num_shards=2, partition="layers", layout_digest="d")
@@ -143,7 +146,7 @@ def test_dashboard_accepts_the_token_in_the_authorization_header(start_server):
 
 
 def test_status_json_is_valid_with_a_closed_round(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1), admin_port=0)
+    srv = start_server(exact_config(run_id="t", sync_every=1), admin_port=0)
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)

@@ -8,6 +8,7 @@ import logging
 import grpc
 import pytest
 import torch
+from conftest import exact_config
 
 from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
@@ -37,7 +38,7 @@ def assert_same(a, b):
 
 @pytest.fixture
 def run(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=2))
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=2))
     a = raw_island(srv.address, "a", SHAPES)
     b = raw_island(srv.address, "b", SHAPES)
     a.join()
@@ -253,7 +254,7 @@ def test_unknown_method_without_a_token_is_unimplemented_without_a_traceback(sta
 # ---- 6. token weight ----------------------------------------------------------------------------
 def test_absurd_token_claims_are_refused(start_server, raw_island):
     """tokens = 2^64 - 1 would take nearly all of the mean's weight. (Before: accepted.)"""
-    srv = start_server(RunConfig(run_id="t", sync_every=10, quorum=2))
+    srv = start_server(exact_config(run_id="t", sync_every=10, quorum=2))
     a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
     a.join()
     b.join()
@@ -267,7 +268,7 @@ def test_absurd_token_claims_are_refused(start_server, raw_island):
 
 
 def test_token_bound_is_a_run_setting(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, max_tokens_per_round=1000))
+    srv = start_server(exact_config(run_id="t", sync_every=1, max_tokens_per_round=1000))
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
@@ -277,7 +278,7 @@ def test_token_bound_is_a_run_setting(start_server, raw_island):
 
 
 def test_refusals_carry_a_reason(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1))
+    srv = start_server(exact_config(run_id="t", sync_every=1))
     ghost = raw_island(srv.address, "ghost", SHAPES)
     with pytest.raises(grpc.RpcError) as info:
         ghost.pull(-1)
@@ -290,7 +291,7 @@ def test_refusals_carry_a_reason(start_server, raw_island):
 
 # ---- counters -----------------------------------------------------------------------------------
 def test_a_norm_bound_refusal_is_counted_once(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, max_delta_norm=1.0))
+    srv = start_server(exact_config(run_id="t", sync_every=1, max_delta_norm=1.0))
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)

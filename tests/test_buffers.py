@@ -51,7 +51,11 @@ SHAPES = {"w": (1024, 1024), "b": (8,)}  # w: 4 MiB, above the mapped-entry size
 
 
 def test_the_coordinator_reuses_push_buffers_and_islands_pull_buffers_with_exact_sums(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, outer_lr=1.0, outer_momentum=0.0))
+    srv = start_server(
+        RunConfig(
+            codec="identity", downlink_codec="identity", run_id="t", sync_every=1, outer_lr=1.0, outer_momentum=0.0
+        )
+    )
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     theta = {k: torch.randn(s) for k, s in SHAPES.items()}

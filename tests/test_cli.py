@@ -11,10 +11,9 @@ import time
 
 import pytest
 import torch
-from conftest import collect_events, coordinator_flags, island_flags
+from conftest import collect_events, coordinator_flags, exact_config, island_flags
 
 from atoll.cli import build_parser
-from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
 
 
@@ -142,7 +141,11 @@ def test_ctrl_c_leaves_the_run_with_one_line_and_a_model_mismatch_is_one_line(gr
 
 
 def test_atoll_status_prints_the_run_at_a_glance(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="glance", sync_every=1), admin_port=0, admin_token="tok")
+    srv = start_server(
+        exact_config(run_id="glance", sync_every=1),
+        admin_port=0,
+        admin_token="tok",
+    )
     a = raw_island(srv.address, "a", {"w": (2, 2)}, run_id="glance")
     a.join()
     a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import exact_config
 
 from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch, RunConfig, apply_operational, reconcile
 
@@ -19,7 +20,7 @@ def test_reconcile_applies_operational_fields_and_refuses_math_changes():
     ):
         reconcile(stored, RunConfig(run_id="r", codec="identity", outer_lr=0.5), frozenset({"codec", "outer_lr"}))
     with pytest.raises(ConfigMismatch, match="holds run 'r', not 'x'"):
-        reconcile(stored, RunConfig(run_id="x"), frozenset({"run_id"}))
+        reconcile(stored, exact_config(run_id="x"), frozenset({"run_id"}))
 
 
 def test_apply_operational_checks_names_and_types():

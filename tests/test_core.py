@@ -35,6 +35,7 @@ IDENT = get_codec("identity")
 
 def run_state(tmp_path, clock=None, **config) -> RunState:
     config.setdefault("sync_every", 1)
+    config = {"codec": "identity", "downlink_codec": "identity", **config}  # exact fp32 arithmetic
     return RunState(RunConfig(run_id="t", **config), tmp_path / "state", clock=clock or FakeClock())
 
 

@@ -61,7 +61,16 @@ def test_painted_counts_only_the_colour(tmp_path):
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
 def test_dashboard_renders_live_charts_and_timeline(start_server, raw_island, tmp_path):
     srv = start_server(
-        RunConfig(run_id="dash", sync_every=1, quorum=1, round_deadline_seconds=0.3), admin_port=0, admin_token="tok"
+        RunConfig(
+            codec="identity",
+            downlink_codec="identity",
+            run_id="dash",
+            sync_every=1,
+            quorum=1,
+            round_deadline_seconds=0.3,
+        ),
+        admin_port=0,
+        admin_token="tok",
     )
     a, b = raw_island(srv.address, "a", SHAPES, run_id="dash"), raw_island(srv.address, "b<i>", SHAPES, run_id="dash")
     a.join()

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_diloco
+from conftest import exact_config, make_diloco
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -149,7 +149,12 @@ def test_an_island_on_a_fake_gpu_runs_rounds_against_a_real_coordinator(start_se
 
 def test_streaming_fragments_on_a_fake_gpu(start_server, tmp_path):
     servers = [
-        start_server(RunConfig(run_id="t", sync_every=4), tmp_path / f"f{i}", shard=(i, 2), partition="layers")
+        start_server(
+            exact_config(run_id="t", sync_every=4),
+            tmp_path / f"f{i}",
+            shard=(i, 2),
+            partition="layers",
+        )
         for i in range(2)
     ]
     with FakeTensorMode(allow_non_fake_inputs=True):

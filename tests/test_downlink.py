@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from conftest import exact_config
 
 from atoll.compression import codec_of, get_codec
-from atoll.coordinator import RunConfig, wal
+from atoll.coordinator import wal
 from atoll.coordinator.downlink import Downlink, identity_size
 from atoll.coordinator.regions import Region
 
@@ -35,7 +36,14 @@ def test_downlink_serves_regions_exactly_and_the_full_theta_one_entry_at_a_time(
 
 
 def log_update(state_dir, round_, payloads):
-    wal.append(state_dir, round_, payloads, {"round": round_}, {}, RunConfig(run_id="d"))
+    wal.append(
+        state_dir,
+        round_,
+        payloads,
+        {"round": round_},
+        {},
+        exact_config(run_id="d"),
+    )
 
 
 def test_the_logged_updates_serve_catch_ups_and_are_pruned_to_the_window(tmp_path):

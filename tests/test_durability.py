@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import ServerThread
+from conftest import ServerThread, exact_config
 
-from atoll.coordinator import RunConfig, persistence, wal
+from atoll.coordinator import persistence, wal
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (4, 3), "b": (5,)}
@@ -51,7 +51,7 @@ def test_failed_save_keeps_the_round_unpublished_reports_it_and_recovers(start_s
     """A full disk at the close of round 0: the round stays unpublished, an ERROR names the cause,
     /healthz answers 503 with it, and the round is published by itself once saving works again.
     (Before: the decider task died silently; /healthz said ok; rounds never closed again.)"""
-    srv = start_server(RunConfig(run_id="t", sync_every=1), admin_port=0)
+    srv = start_server(exact_config(run_id="t", sync_every=1), admin_port=0)
     base = srv.server.admin.address
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
@@ -184,7 +184,7 @@ def test_a_second_coordinator_or_a_rollback_on_a_live_state_dir_is_refused_namin
 
     state = tmp_path / "live"
     srv = start_server(state_dir=state)
-    second = ServerThread(RunConfig(run_id="t", sync_every=1), state)
+    second = ServerThread(exact_config(run_id="t", sync_every=1), state)
     with pytest.raises(persistence.StateError, match=rf"in use by process {os.getpid()}"):
         second.start()
     second.loop.call_soon_threadsafe(second.loop.stop)

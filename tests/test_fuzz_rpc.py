@@ -2,10 +2,10 @@
 
 import grpc
 import torch
+from conftest import exact_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (4, 3), "b": (5,)}
@@ -108,7 +108,7 @@ def same(a, b):
 
 
 def test_malformed_messages_on_every_rpc(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=2))
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=2))
     a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
     a.join()
     b.join()

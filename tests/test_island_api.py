@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import inner_step, make_diloco
+from conftest import exact_config, inner_step, make_diloco
 
 from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorLink, CoordinatorRefused, DiLoCo
@@ -54,7 +54,7 @@ def diloco(address, model=None, **kw):
 
 
 def test_an_h_the_run_overrides_is_warned_about_naming_both(start_server, caplog):
-    srv = start_server(RunConfig(run_id="t", sync_every=H))
+    srv = start_server(exact_config(run_id="t", sync_every=H))
     caplog.set_level(logging.WARNING, logger="atoll")
     sync = diloco(srv.address, sync_every=5).start()
     sync.close()
@@ -77,7 +77,7 @@ def test_codec_parameters_the_run_does_not_use_are_refused_at_join_naming_both(s
 
 
 def test_the_deprecated_form_runs_and_warns_once_naming_the_new_one(start_server):
-    srv = start_server(RunConfig(run_id="t", sync_every=H))
+    srv = start_server(exact_config(run_id="t", sync_every=H))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         diloco_module._legacy_warned = False
@@ -142,7 +142,11 @@ def test_an_unreachable_coordinator_warns_within_seconds_and_the_connect_deadlin
 
 def test_a_long_wait_for_the_outer_step_says_what_the_round_waits_for(start_server, raw_island, monkeypatch, caplog):
     monkeypatch.setattr(session_module, "WAIT_WARN_SECONDS", 1.0)
-    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=2, round_deadline_seconds=600))
+    srv = start_server(
+        RunConfig(
+            codec="identity", downlink_codec="identity", run_id="t", sync_every=1, quorum=2, round_deadline_seconds=600
+        )
+    )
     caplog.set_level(logging.WARNING, logger="atoll")
     sync = diloco(srv.address, pull_wait_seconds=0.5).start()
     other = raw_island(srv.address, "other", {"0.weight": (8, 6), "0.bias": (8,), "2.weight": (3, 8), "2.bias": (3,)})
@@ -164,7 +168,7 @@ def test_a_compiled_and_checkpoint_wrapped_island_joins_a_run_of_plain_islands(s
     """(Before: ``_orig_mod.`` and ``_checkpoint_wrapped_module.`` made the names differ: refused.)"""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    srv = start_server(RunConfig(run_id="t", sync_every=H, quorum=2))
+    srv = start_server(exact_config(run_id="t", sync_every=H, quorum=2))
     plain = diloco(srv.address, island_id="plain")
     inner = model_fn()
     inner[0] = checkpoint_wrapper(inner[0])
@@ -190,7 +194,17 @@ def bn_model():
 
 def test_floating_point_buffers_are_averaged_over_the_islands(start_server):
     """(Before: BatchNorm's running statistics were never synced: same weights, different buffers.)"""
-    srv = start_server(RunConfig(run_id="t", sync_every=H, quorum=2, outer_lr=0.7, outer_momentum=0.9))
+    srv = start_server(
+        RunConfig(
+            codec="identity",
+            downlink_codec="identity",
+            run_id="t",
+            sync_every=H,
+            quorum=2,
+            outer_lr=0.7,
+            outer_momentum=0.9,
+        )
+    )
     islands = [diloco(srv.address, model=bn_model(), island_id=f"i{k}") for k in range(2)]
     for s in islands:
         s.start()
@@ -227,7 +241,7 @@ def test_floating_point_buffers_are_averaged_over_the_islands(start_server):
 
 
 def test_buffers_can_be_left_out_but_not_by_half_the_run(start_server):
-    srv = start_server(RunConfig(run_id="t", sync_every=H))
+    srv = start_server(exact_config(run_id="t", sync_every=H))
     first = diloco(srv.address, model=bn_model(), island_id="a", sync_buffers=False).start()
     try:
         with pytest.raises(CoordinatorRefused, match="sync buffers the same way"):
@@ -243,7 +257,17 @@ def test_an_island_without_token_counts_weighs_its_steps_at_the_others_tokens_pe
     """The rule: an island that reports no tokens but took inner steps weighs steps x the tokens per
     step of the islands that report them (the last closed round's), and both sides warn. (Before: it
     weighed 1 token, 160x less than its share in the measured run.)"""
-    srv = start_server(RunConfig(run_id="t", sync_every=5, quorum=2, outer_lr=1.0, outer_momentum=0.0))
+    srv = start_server(
+        RunConfig(
+            codec="identity",
+            downlink_codec="identity",
+            run_id="t",
+            sync_every=5,
+            quorum=2,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+        )
+    )
     caplog.set_level(logging.WARNING, logger="atoll")
     shapes = {"w": (2, 2)}
     a, b = raw_island(srv.address, "a", shapes), raw_island(srv.address, "b", shapes)

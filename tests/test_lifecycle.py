@@ -17,10 +17,10 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from conftest import collect_events, coordinator_flags, inner_step, island_flags, make_diloco, post_json
+from conftest import collect_events, coordinator_flags, exact_config, inner_step, island_flags, make_diloco, post_json
 from small_island import H, batches, config, island
 
-from atoll.coordinator import RunConfig, persistence
+from atoll.coordinator import persistence
 from atoll.coordinator.membership import IslandState, island_state
 from atoll.coordinator.pulls import wait_event
 from atoll.islands import CoordinatorRefused
@@ -35,7 +35,7 @@ def test_island_waiting_for_theta0_keeps_its_lease(start_server, raw_island):
     heartbeats must keep it alive (not "gone", which the round would not wait for), and it must
     start from exactly the θ_0 that was uploaded."""
     lease = 1.0
-    srv = start_server(RunConfig(run_id="t", sync_every=4, lease_seconds=lease))
+    srv = start_server(exact_config(run_id="t", sync_every=4, lease_seconds=lease))
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     theta0 = {n: torch.randn_like(p) for n, p in model.named_parameters()}
@@ -295,7 +295,7 @@ WRONG = {"w": (7, 7)}
 def test_a_bootstrapper_that_leaves_releases_its_claim(start_server, raw_island):
     """An island with a wrong model joins first and leaves before uploading θ_0: the next island
     bootstraps with its own model. (Before: every real island was refused from then on.)"""
-    srv = start_server(RunConfig(run_id="t", sync_every=1))
+    srv = start_server(exact_config(run_id="t", sync_every=1))
     rogue = raw_island(srv.address, "rogue", WRONG)
     assert rogue.join().bootstrap
     rogue.client.leave(pb.LeaveRequest(run_id="t", island_id="rogue"))
@@ -308,7 +308,7 @@ def test_a_bootstrapper_that_leaves_releases_its_claim(start_server, raw_island)
 def test_a_silent_bootstrapper_passes_the_claim_to_a_waiting_island(start_server, raw_island):
     """The rogue lets its lease lapse; an island that joined meanwhile and waits in its pull is told
     to upload θ_0 (UpdateHeader.bootstrap), and its model becomes the run's."""
-    srv = start_server(RunConfig(run_id="t", sync_every=1, lease_seconds=1.0))
+    srv = start_server(exact_config(run_id="t", sync_every=1, lease_seconds=1.0))
     rogue = raw_island(srv.address, "rogue", WRONG)
     assert rogue.join().bootstrap
     real = raw_island(srv.address, "real", SHAPES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import exact_config
 
 from atoll.compression import get_codec
 from atoll.coordinator import RunConfig
@@ -39,7 +40,18 @@ def decode_update(header, payloads, have):
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_outer_step_matches_numpy_reference(start_server, raw_island, nesterov):
     lr, mu = 0.7, 0.9
-    srv = start_server(RunConfig(run_id="t", sync_every=1, outer_lr=lr, outer_momentum=mu, nesterov=nesterov, quorum=3))
+    srv = start_server(
+        RunConfig(
+            codec="identity",
+            downlink_codec="identity",
+            run_id="t",
+            sync_every=1,
+            outer_lr=lr,
+            outer_momentum=mu,
+            nesterov=nesterov,
+            quorum=3,
+        )
+    )
     rng = np.random.default_rng(0)
     theta0 = {k: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()}
     islands = [raw_island(srv.address, f"i{k}", SHAPES) for k in range(3)]
@@ -74,7 +86,7 @@ def test_outer_step_matches_numpy_reference(start_server, raw_island, nesterov):
 
 
 def test_momentum_is_persisted_and_pull_full_is_bitwise(start_server, raw_island, tmp_path):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=1))
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=1))
     isl = raw_island(srv.address, "a", SHAPES)
     isl.join()
     theta0 = {k: torch.randn(s) for k, s in SHAPES.items()}

@@ -34,6 +34,7 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def config(**kw) -> RunConfig:
+    kw = {"codec": "identity", "downlink_codec": "identity", **kw}
     return RunConfig(run_id="t", sync_every=H, outer_lr=OUTER_LR, outer_momentum=0.0, nesterov=False, **kw)
 
 
@@ -130,7 +131,11 @@ def test_overlap_off_is_plain_diloco_exactly(start_server, tmp_path):
 def test_overlap_keeps_training_while_the_exchange_is_out(start_server, raw_island):
     """With overlap the island's inner steps run while its round is still open on the coordinator
     (a second island has not pushed yet); the update lands when that island pushes."""
-    srv = start_server(RunConfig(run_id="t", sync_every=H, quorum=2, round_deadline_seconds=600))
+    srv = start_server(
+        RunConfig(
+            codec="identity", downlink_codec="identity", run_id="t", sync_every=H, quorum=2, round_deadline_seconds=600
+        )
+    )
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sync = make_diloco(model, srv.address, island_id="solo", run_id="t", overlap_steps=3).start()

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import exact_config
 
 from atoll.coordinator import persistence
-from atoll.coordinator.config import RunConfig
 
 
 # ---- persistence --------------------------------------------------------------------------------
 def snap(round_: int) -> persistence.Snapshot:
     params = {"w": torch.full((3, 2), float(round_))}
     history = [{"round": i} for i in range(round_)]
-    return persistence.Snapshot(RunConfig(run_id="p"), round_, params, {"momentum/w": torch.zeros(3, 2)}, {}, history)
+    return persistence.Snapshot(
+        exact_config(run_id="p"),
+        round_,
+        params,
+        {"momentum/w": torch.zeros(3, 2)},
+        {},
+        history,
+    )
 
 
 def test_snapshots_are_kept_verified_and_rolled_back(tmp_path):

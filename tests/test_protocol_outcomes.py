@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+from conftest import exact_config
 
 from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
@@ -19,7 +20,17 @@ def rand(shapes=SHAPES):
 
 # ---- 7. outcomes as data ------------------------------------------------------------------------
 def test_a_push_for_a_closed_round_is_an_outcome_not_an_error_text(start_server, raw_island):
-    srv = start_server(RunConfig(run_id="t", sync_every=1, quorum=1, round_deadline_seconds=0.2, late_policy="drop"))
+    srv = start_server(
+        RunConfig(
+            codec="identity",
+            downlink_codec="identity",
+            run_id="t",
+            sync_every=1,
+            quorum=1,
+            round_deadline_seconds=0.2,
+            late_policy="drop",
+        )
+    )
     a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
     a.join()
     b.join()
@@ -35,7 +46,7 @@ def test_a_push_for_a_closed_round_is_an_outcome_not_an_error_text(start_server,
 def test_an_island_ahead_of_the_coordinator_is_served_the_full_parameters(start_server, raw_island):
     """After an operator rolls the coordinator back, an island holding a newer round gets the full θ
     as an answer (UPDATE_KIND_FULL), not a FAILED_PRECONDITION it has to interpret."""
-    srv = start_server(RunConfig(run_id="t", sync_every=1))
+    srv = start_server(exact_config(run_id="t", sync_every=1))
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     theta = rand()
@@ -46,7 +57,7 @@ def test_an_island_ahead_of_the_coordinator_is_served_the_full_parameters(start_
 
 def test_no_nan_loss_is_reported_for_a_round_without_tokens(start_server, raw_island):
     """A round whose islands sent no token counts reports their mean loss, not 0.0."""
-    srv = start_server(RunConfig(run_id="t", sync_every=1))
+    srv = start_server(exact_config(run_id="t", sync_every=1))
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)

@@ -6,12 +6,12 @@ import ipaddress
 import grpc
 import pytest
 import torch
+from conftest import exact_config
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from atoll.coordinator import RunConfig
 from atoll.coordinator.security import IslandTokens, TlsConfig
 from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
@@ -104,7 +104,7 @@ def test_mutual_tls_requires_a_client_certificate(start_server, pki):
 
 def test_island_tokens(start_server):
     tokens = IslandTokens({"a": "token-a", "b": "token-b"})
-    srv = start_server(RunConfig(run_id="t", sync_every=1), tokens=tokens)
+    srv = start_server(exact_config(run_id="t", sync_every=1), tokens=tokens)
     none = CoordinatorClient(srv.address, retry=FAST)
     wrong = CoordinatorClient(srv.address, retry=FAST, token="nope")
     a = CoordinatorClient(srv.address, retry=FAST, token="token-a")

@@ -54,7 +54,16 @@ class RankClient:
 @pytest.fixture
 def two_rank_island(start_server):
     srv = start_server(
-        RunConfig(run_id="t", sync_every=1, quorum=1, outer_lr=1.0, outer_momentum=0.0, round_deadline_seconds=1.0)
+        RunConfig(
+            codec="identity",
+            downlink_codec="identity",
+            run_id="t",
+            sync_every=1,
+            quorum=1,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            round_deadline_seconds=1.0,
+        )
     )
     ranks = [RankClient(srv.address, "fsdp", r, 2) for r in range(2)]
     for r in ranks:
