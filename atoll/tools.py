@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -84,6 +85,19 @@ def _state_dirs(state_dir: Path) -> list[Path]:
     return fragments or [state_dir]
 
 
+def _load_live(state_dir: Path, upto: int | None):
+    """``persistence.load`` of a dir a live coordinator may be writing: a file it prunes between our
+    listing and our read fails one attempt, so a failure is only reported when it repeats."""
+    for attempt in range(3):
+        try:
+            return persistence.load(state_dir, upto=upto)
+        except persistence.StateError as err:
+            if attempt == 2:
+                raise _fail(str(err)) from None
+            time.sleep(0.5)
+    return None
+
+
 def export(ns: argparse.Namespace) -> int:
     """θ with the model's own tensor names, the newest (or a kept round's: a snapshot and the log after it),
     verified."""
@@ -94,10 +108,7 @@ def export(ns: argparse.Namespace) -> int:
         raise _fail("--round picks one round; fragments close rounds on their own (export the newest)")
     params, rounds, run_id = {}, [], None
     for d in dirs:
-        try:
-            snap = persistence.load(d, upto=ns.round)
-        except persistence.StateError as err:
-            raise _fail(str(err)) from None
+        snap = _load_live(d, ns.round)
         if snap is None:
             raise _fail(f"{d} holds no snapshot")
         params.update(snap.params)

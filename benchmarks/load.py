@@ -188,7 +188,8 @@ def run(islands: int, numel: int, rounds: int, work: Path) -> dict:
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(
             work / "state",
-            ["--run-id", "load", "--sync-every", "1", "--quorum", str(islands), "--round-deadline-seconds", "600"],
+            ["--run-id", "load", "--sync-every", "1", "--quorum", str(islands), "--round-deadline-seconds", "600"]
+            + ["--codec", "identity", "--downlink-codec", "identity"],
         )
         rss_before = rss_kib(coord.pid, "VmRSS")
         clients = [CoordinatorClient(address, retry=RetryPolicy(give_up_seconds=60)) for _ in range(islands)]

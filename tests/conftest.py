@@ -26,6 +26,10 @@ class FakeClock:
         return self.now
 
 
+IDENTITY_FLAGS = ["--codec", "identity", "--downlink-codec", "identity"]
+"""``atoll coordinator`` flags of the tests' exact fp32 runs."""
+
+
 def exact_config(**kw) -> RunConfig:
     """A run config with identity both ways: the tests' exact fp32 arithmetic (a new run's default
     is int8 both ways)."""

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import ServerThread, exact_config
+from conftest import IDENTITY_FLAGS, ServerThread, exact_config
 
 from atoll.coordinator import persistence, wal
 from atoll.protos import coordinator_pb2 as pb
@@ -98,7 +98,7 @@ def test_a_state_dir_on_a_full_tmpfs_recovers_when_space_returns(tmp_path, raw_i
     cmd = (
         f"mount -t tmpfs -o size=24m tmpfs {state} && exec {sys.executable} -m atoll coordinator "
         f"--state-dir {state} --run-id t --sync-every 1 --port-file {port_file} --admin-port 0 "
-        f"--admin-port-file {admin_file}"
+        f"--admin-port-file {admin_file} {' '.join(IDENTITY_FLAGS)}"
     )
     proc = subprocess.Popen(["unshare", "-m", "sh", "-c", cmd], stdout=log, stderr=log)
     try:
@@ -152,7 +152,8 @@ def test_a_dead_background_task_ends_the_daemon_with_a_non_zero_exit(tmp_path):
         "    raise RuntimeError('a bug in decide')\n"
         "c.decide = broken\n"
         "from atoll.cli import main\n"
-        f"sys.exit(main(['coordinator', '--state-dir', r'{tmp_path / 'state'}', '--run-id', 't']))\n"
+        f"flags = ['--state-dir', r'{tmp_path / 'state'}', '--run-id', 't', *{IDENTITY_FLAGS!r}]\n"
+        "sys.exit(main(['coordinator', *flags]))\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

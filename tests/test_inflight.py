@@ -14,6 +14,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from conftest import IDENTITY_FLAGS
 
 from atoll.compression import get_codec
 from atoll.islands.client import RetryPolicy
@@ -95,7 +96,7 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
     coord, address = group.start_coordinator(
         tmp_path / "state",
         [
-            *("--run-id", "t", "--sync-every", "1", "--quorum", "2"),
+            *("--run-id", "t", "--sync-every", "1", "--quorum", "2", *IDENTITY_FLAGS),
             *("--max-inflight-bytes", str(24 * MIB), "--admin-port", "0", "--admin-port-file", str(tmp_path / "admin")),
         ],
     )
@@ -176,7 +177,8 @@ def test_coordinator_memory_does_not_grow_with_rounds_or_the_catch_up_window(gro
     shapes = {"w": (2048, 4096)}
     theta = 2048 * 4096 * 4
     coord, address = group.start_coordinator(
-        tmp_path / "state", ["--run-id", "t", "--sync-every", "1", "--quorum", "2", "--round-deadline-seconds", "60"]
+        tmp_path / "state",
+        ["--run-id", "t", "--sync-every", "1", "--quorum", "2", "--round-deadline-seconds", "60", *IDENTITY_FLAGS],
     )
     a, b = raw_island(address, "a", shapes), raw_island(address, "b", shapes)
     a.join()

@@ -2,8 +2,8 @@
 
 import numpy as np
 import torch
+from conftest import exact_config
 
-from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (3, 4)}
@@ -11,7 +11,7 @@ SHAPES = {"w": (3, 4)}
 
 def setup(start_server, raw_island, policy):
     srv = start_server(
-        RunConfig(
+        exact_config(
             run_id="t",
             sync_every=1,
             quorum=1,

@@ -17,7 +17,16 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from conftest import collect_events, coordinator_flags, exact_config, inner_step, island_flags, make_diloco, post_json
+from conftest import (
+    IDENTITY_FLAGS,
+    collect_events,
+    coordinator_flags,
+    exact_config,
+    inner_step,
+    island_flags,
+    make_diloco,
+    post_json,
+)
 from small_island import H, batches, config, island
 
 from atoll.coordinator import persistence
@@ -250,7 +259,9 @@ def test_a_stalled_quorum_is_reported_and_cleared_live(start_server, raw_island,
 
 def test_a_restart_applies_operational_flags_refuses_math_ones_and_forgets_who_left(group, tmp_path, raw_island):
     state = tmp_path / "state"
-    coord, address = group.start_coordinator(state, ["--run-id", "t", "--sync-every", "1", "--quorum", "2"])
+    coord, address = group.start_coordinator(
+        state, ["--run-id", "t", "--sync-every", "1", "--quorum", "2", *IDENTITY_FLAGS]
+    )
     shapes = {"w": (3, 2)}
     a, b = raw_island(address, "a", shapes), raw_island(address, "b", shapes)
     a.join()

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import collect_events
+from conftest import IDENTITY_FLAGS, collect_events
 from safetensors import safe_open
 
 from atoll.coordinator import persistence
@@ -79,7 +79,17 @@ def assemble(dump_dir, island, num_ranks, shapes):
 def test_fsdp_tp_and_single_rank_islands_in_one_run(group, tmp_path):
     coord, address = group.start_coordinator(
         tmp_path / "state",
-        ["--run-id", "mix", "--sync-every", str(H), "--quorum", "3", "--round-deadline-seconds", "300"],
+        [
+            "--run-id",
+            "mix",
+            "--sync-every",
+            str(H),
+            "--quorum",
+            "3",
+            "--round-deadline-seconds",
+            "300",
+            *IDENTITY_FLAGS,
+        ],
     )
     dump = tmp_path / "dump"
     islands = {}
@@ -138,7 +148,17 @@ def test_2d_mesh_island_matches_a_single_rank_island(group, tmp_path):
     """fsdp+tp on a (dp=2, tp=2) mesh beside a single rank: same θ after every round."""
     coord, address = group.start_coordinator(
         tmp_path / "state",
-        ["--run-id", "mix", "--sync-every", str(H), "--quorum", "2", "--round-deadline-seconds", "300"],
+        [
+            "--run-id",
+            "mix",
+            "--sync-every",
+            str(H),
+            "--quorum",
+            "2",
+            "--round-deadline-seconds",
+            "300",
+            *IDENTITY_FLAGS,
+        ],
     )
     procs = [
         group.start(island, island_cmd(address, island, parallel, nproc, 2))

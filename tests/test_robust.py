@@ -4,6 +4,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import exact_config
 
 from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
@@ -13,7 +14,7 @@ SHAPES = {"w": (5, 4), "b": (3,)}
 
 def run_round(start_server, raw_island, **config):
     srv = start_server(
-        RunConfig(
+        exact_config(
             run_id="t", sync_every=1, quorum=3, outer_lr=1.0, outer_momentum=0.0, round_deadline_seconds=0.5, **config
         )
     )

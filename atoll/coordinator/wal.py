@@ -137,6 +137,9 @@ def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
     when a record is damaged or missing between others, or names other tensors than θ's."""
     notes: list[str] = []
     base = snap.round
+    # Optimizer files first: on a live dir each is written after its round's record, so a later
+    # listing of the records reaches every one of them.
+    opt = [(r, p) for r, p in optimizer_files(state_dir) if r > base and (upto is None or r <= upto)]
     for round_, path in records(state_dir):
         if round_ < snap.round or (upto is not None and round_ >= upto):
             continue  # kept for catch-ups (θ is past it), or past what was asked
@@ -155,7 +158,6 @@ def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
                 raise LogError(f"{LOG}/{path.name}: update of {name}: {err}") from None
         snap.history.append(rec.history)
         snap.islands, snap.config, snap.round = rec.islands, rec.config, round_ + 1
-    opt = [(r, p) for r, p in optimizer_files(state_dir) if r > base and (upto is None or r <= upto)]
     if opt and opt[-1][0] > snap.round:
         raise LogError(f"{LOG}/{opt[-1][1].name} is newer than the log's last round ({snap.round})")
     if opt:
