@@ -17,7 +17,9 @@ Nesterov lr 0.7 / momentum 0.9.
   ``identity``, or ``int8`` both ways (downlink with coordinator-side error feedback).
 
 Each system runs in its own network namespace (``unshare -rn``, when available), so the loopback
-counter counts only that run. Runs are interleaved by pairs, the order alternating. Printed per pair:
+counter counts only that run: over the whole run per round (θ_0's transfers included), and in the
+steady rounds (between the first and the last round's end). Runs are interleaved by pairs, the
+order alternating. Printed per pair:
 the median steady sync time (rounds after the first) of each system and their ratio, bytes on
 loopback per round (and over |θ|), each worker's peak RSS (and the coordinator's), and the largest
 difference between the two systems' final θ. The floors, measured in the same run: |θ| over one raw
@@ -136,7 +138,7 @@ def torchft_worker(a) -> None:
         connect_timeout=timedelta(seconds=60),
     )
     gen = torch.Generator().manual_seed(1000 + a.index)
-    syncs = []
+    syncs, marks = [], []
     with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu")):
         for step in range(1, a.rounds * a.sync_every + 1):
             for p in model.parameters():
@@ -145,8 +147,9 @@ def torchft_worker(a) -> None:
             inner.step()  # at the H-th step: quorum, all-reduce of the pseudo-gradients, outer step
             if step % a.sync_every == 0:
                 syncs.append(time.perf_counter() - started)
+                marks.append(lo_bytes())
     manager.shutdown(wait=False)
-    print(json.dumps({"syncs": syncs, "rss": peak_rss(), "theta": theta_summary(model, a.model)}), flush=True)
+    print(json.dumps({"syncs": syncs, "marks": marks, "rss": peak_rss(), "theta": theta_summary(model, a.model)}))
 
 
 def atoll_worker(a) -> None:
@@ -158,7 +161,7 @@ def atoll_worker(a) -> None:
     model = build(a.model)
     inner = torch.optim.SGD(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1000 + a.index)
-    syncs = []
+    syncs, marks = [], []
     link = CoordinatorLink(a.coordinator, run_id="vs", island_id=f"w{a.index}")
     with DiLoCo(model, link) as sync:
         for _ in range(a.rounds * a.sync_every):
@@ -168,7 +171,8 @@ def atoll_worker(a) -> None:
             started = time.perf_counter()
             if sync.step(tokens=1) is not None:  # push, outer step, pull, apply
                 syncs.append(time.perf_counter() - started)
-    print(json.dumps({"syncs": syncs, "rss": peak_rss(), "theta": theta_summary(model, a.model)}), flush=True)
+                marks.append(lo_bytes())
+    print(json.dumps({"syncs": syncs, "marks": marks, "rss": peak_rss(), "theta": theta_summary(model, a.model)}))
 
 
 # ---- one system's run (inside its own network namespace) ------------------------------------------------
@@ -304,6 +308,13 @@ def isolated(args: list[str]) -> dict:
     return got
 
 
+def steady_bytes(run: dict) -> float:
+    """Loopback bytes per round between the first and the last round's end (worker 0's marks): the
+    steady rounds, without θ_0's transfers at the start."""
+    marks = run["workers"][0]["marks"]
+    return (marks[-1] - marks[0]) / max(len(marks) - 1, 1)
+
+
 def steady(run: dict) -> float:
     """The median over rounds after the first of the slower worker's sync time."""
     per_round = [max(times) for times in zip(*(w["syncs"] for w in run["workers"]), strict=True)]
@@ -371,7 +382,9 @@ def main() -> None:
                 f"{steady(tf):.3f} s, ratio {ratio:.2f}x (floors: {steady(at) / floor['tcp_seconds']:.0f}x TCP, "
                 f"torchft {steady(tf) / floor['gloo_seconds']:.0f}x gloo); loopback bytes/round atoll "
                 f"{at['lo_bytes'] / a.rounds / theta:.2f}|θ|, torchft {tf['lo_bytes'] / a.rounds / theta:.2f}|θ| "
-                f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x); peak RSS: atoll workers "
+                f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x), steady rounds atoll "
+                f"{steady_bytes(at) / theta:.2f}|θ|, torchft {steady_bytes(tf) / theta:.2f}|θ|; "
+                "peak RSS: atoll workers "
                 f"{rss(at, theta)}, coordinator "
                 f"{at['coordinator_rss'] / 2**20:.0f} MiB ({at['coordinator_rss'] / theta:.1f}|θ|), torchft workers "
                 f"{rss(tf, theta)}; the two final updates θ − θ_0 differ by {drift:.1e} of torchft's",
