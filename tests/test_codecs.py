@@ -504,3 +504,18 @@ def test_error_feedback_tracks_the_sum_of_updates(spec):
     plain_err = float((true_sum - plain_sum).norm() / true_sum.norm())
     assert ef_err < 0.2 and ef_err < plain_err / 4, (ef_err, plain_err)
     assert math.isfinite(ef_err)
+
+
+@pytest.mark.parametrize("spec", ["identity", "fp16", "bf16", "int8", "int4", "int2", "int8:block=64,scale=fp16"])
+def test_a_codec_that_adds_exactly_adds_bit_for_bit_what_decode_then_add_gives(spec):
+    """Islands apply a lossy update with ``decode_add_`` when the codec says it adds exactly (no
+    temporary the size of the tensor); their θ must stay bitwise the coordinator's θ + decode(u)."""
+    codec = get_codec(spec)
+    assert codec.adds_exactly
+    gen = torch.Generator().manual_seed(7)
+    u = torch.randn(1000, 37, generator=gen) * 1e-2  # 37000 values: a ragged last block
+    theta = torch.randn(1000, 37, generator=gen)
+    payload = codec.encode(u)
+    want = codec.decode(payload, (1000, 37)) + theta  # the coordinator: decode, then add θ
+    got = codec.decode_add_(payload, theta.clone())
+    assert torch.equal(got, want)

@@ -110,6 +110,10 @@ class Codec:
     lossy: ClassVar[bool] = True
     stateful: ClassVar[bool] = False
     """Whether ``encode`` reads or writes per-tensor ``state`` (then encoding twice is not the same)."""
+    adds_exactly: ClassVar[bool] = False
+    """Whether ``decode_add_(payload, out)`` (alpha 1) is bit for bit ``out + decode(payload)``: it is
+    for codecs that decode element by element; a codec that decodes through a matmul or a transform
+    may round a chunk differently from the whole."""
 
     @property
     def chunked_input(self) -> bool:

@@ -176,6 +176,8 @@ def scales_finite(body: memoryview, n: int, *, block: int, scale_kind: int, glob
 
 
 class BlockQuantCodec(Codec):
+    adds_exactly = True  # code x scale, element by element
+
     bits: int
 
     def __init__(self, block: int = 256, scale: str = "fp32") -> None:

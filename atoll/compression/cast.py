@@ -24,6 +24,7 @@ from atoll.compression.wire import WireFormatError
 
 class _CastCodec(Codec):
     store: ClassVar[torch.dtype]
+    adds_exactly = True
 
     @property
     def chunked_input(self) -> bool:

@@ -100,9 +100,9 @@ def outer_step_(
         if downlink.lossy:
             acc.add_(downlink_ef[name])
             payloads[name] = downlink.encode(acc, downlink_state.setdefault(name, {}), out=spare(spares, name))
-            sent = downlink.decode(payloads[name], tuple(acc.shape))
-            downlink_ef[name].copy_(acc).sub_(sent)
-            acc.copy_(sent)
+            downlink_ef[name].copy_(acc)
+            downlink.decode_into(payloads[name], acc)  # what islands add: decode(u + e), no temporary
+            downlink_ef[name].sub_(acc)
         else:
             payloads[name] = downlink.encode(acc, out=spare(spares, name))
         acc.add_(params[name])

@@ -151,10 +151,10 @@ class ShardState:
             new = codec.decode(payload, self.shard.sizes, device=self.device, verified=verified)
         else:
             new = self.placement.fetch(self.start)
-            if codec.lossy:  # decode then add, as the coordinator does: bitwise its θ
-                new.add_(codec.decode(payload, self.shard.sizes, device=self.device, verified=verified))
-            else:  # fp32: adding straight from the payload is the same arithmetic, without a temporary
+            if codec.adds_exactly:  # the coordinator's θ + decode(u), without a temporary of the tensor
                 codec.decode_add_(payload, new, verified=verified)
+            else:  # decode then add, as the coordinator does: bitwise its θ
+                new.add_(codec.decode(payload, self.shard.sizes, device=self.device, verified=verified))
         self.start = self.placement.keep(new, into=self.start)
 
     @torch.no_grad()
