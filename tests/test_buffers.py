@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from conftest import exact_config
 
 from atoll.compression import get_codec
-from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.rpc import MAPPED_ENTRY_BYTES, BufferPool, EntryAssembler
 
@@ -51,11 +51,7 @@ SHAPES = {"w": (1024, 1024), "b": (8,)}  # w: 4 MiB, above the mapped-entry size
 
 
 def test_the_coordinator_reuses_push_buffers_and_islands_pull_buffers_with_exact_sums(start_server, raw_island):
-    srv = start_server(
-        RunConfig(
-            codec="identity", downlink_codec="identity", run_id="t", sync_every=1, outer_lr=1.0, outer_momentum=0.0
-        )
-    )
+    srv = start_server(exact_config(run_id="t", sync_every=1, outer_lr=1.0, outer_momentum=0.0))
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     theta = {k: torch.randn(s) for k, s in SHAPES.items()}
@@ -81,3 +77,23 @@ def test_the_coordinator_reuses_push_buffers_and_islands_pull_buffers_with_exact
         assert all(torch.equal(got[k], theta[k]) for k in SHAPES)
     assert srv.inspect(lambda st: st.accumulator.buffers.reused) == 2  # rounds 1 and 2 reused round 0's
     assert a.client.buffers.reused == 2
+
+
+def test_the_next_rounds_sum_takes_the_replaced_thetas_memory_unless_someone_still_holds_it(start_server, raw_island):
+    """The accumulator of round r+1 is θ_r's memory, zeroed (resident pages: no faults as pushes are
+    added), but never while anything still references θ_r (a pull streaming it)."""
+    srv = start_server(exact_config(run_id="t", sync_every=1, outer_lr=1.0, outer_momentum=0.0))
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    theta0 = srv.inspect(lambda st: st.model.params["w"].data_ptr())
+    assert a.push({k: torch.ones(s) for k, s in SHAPES.items()}, round_=0, tokens=4).committed
+    a.pull(0)
+    assert srv.inspect(lambda st: st.accumulator.sum_of("w").data_ptr()) == theta0
+    assert srv.inspect(lambda st: float(st.accumulator.sum_of("w").abs().sum())) == 0.0
+    held = srv.inspect(lambda st: st.model.params["w"])  # someone still holds θ_1
+    before = held.clone()
+    assert a.push({k: torch.ones(s) for k, s in SHAPES.items()}, round_=1, tokens=4).committed
+    a.pull(1)
+    assert srv.inspect(lambda st: st.accumulator.sum_of("w").data_ptr()) != held.data_ptr()
+    assert torch.equal(held, before)  # θ_1, still held, was neither zeroed nor summed into

@@ -398,10 +398,11 @@ class RunState:
                 log.warning("%ssaving works again after %d failed attempts", self.name, sealed.failures)
                 self.problem = None
             published = time.perf_counter()
-            self.model.install(sealed.params)
+            old = self.model.install(sealed.params)
             if sealed.payloads is not None:
                 self.downlink.publish(sealed.round + 1, sealed.payloads)
-            self.accumulator.reset(self.model.zeros())
+            self.accumulator.reset(await asyncio.to_thread(self.model.zeros, old))
+            del old
             if sealed.round == BOOTSTRAP:  # sized from θ_0 itself, not from what a join declared
                 self._size_budget(self.model.specs)
             self.ledger.advance(sealed, self.clock())

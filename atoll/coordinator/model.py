@@ -8,6 +8,7 @@ and installs what it published. Nothing else writes them.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -75,9 +76,10 @@ class GlobalModel:
             self.downlink_ef[name] = extra[f"downlink_ef/{name}"]
         self.params = params
 
-    def install(self, params: dict[str, torch.Tensor]) -> None:
-        """θ of a published round (or θ_0)."""
-        self.params = params
+    def install(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """θ of a published round (or θ_0); returns the θ it replaces (see :meth:`zeros`)."""
+        old, self.params = self.params, params
+        return old or {}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """What a snapshot keeps besides θ: momentum and downlink error feedback, by prefixed name."""
@@ -85,9 +87,18 @@ class GlobalModel:
         out.update({f"downlink_ef/{k}": v for k, v in self.downlink_ef.items()})
         return out
 
-    def zeros(self) -> dict[str, torch.Tensor]:
-        """An fp32 accumulator shaped like θ."""
-        return {k: torch.zeros(s, dtype=torch.float32) for k, s in self.specs.items()}
+    def zeros(self, reuse: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """An fp32 accumulator shaped like θ. ``reuse``: tensors to zero and use instead of new ones
+        (the θ a publish replaced), each one that nothing else references any more (no pull streams
+        it): its pages are resident, where a new tensor's fault in as the first pushes are added."""
+        out = {}
+        for name, shape in self.specs.items():
+            t = reuse.pop(name, None) if reuse else None
+            if t is not None and tuple(t.shape) == shape and t.dtype == torch.float32 and sys.getrefcount(t) == 2:
+                out[name] = t.zero_()  # ``t`` and the argument were its only references
+            else:
+                out[name] = torch.zeros(shape, dtype=torch.float32)
+        return out
 
     def step(
         self,
