@@ -74,3 +74,26 @@ def tune_for_bulk_buffers(
     if not ok:
         log.warning("mallopt refused the bulk-buffer settings; keeping the allocator's defaults")
     return ok
+
+
+# ---- reusing a buffer nobody else reads ------------------------------------------------------------
+def _references(obj) -> int:
+    return sys.getrefcount(obj)
+
+
+def _unheld_references() -> int:
+    probe = bytearray(1)  # one variable refers to it, as in a caller of held_elsewhere
+    return _references(probe)
+
+
+_UNHELD = _unheld_references()
+"""What the interpreter counts for an object only one variable refers to, passed to a function:
+measured once, so a change in how it counts (borrowed references) cannot make a held buffer look free."""
+
+
+def held_elsewhere(obj) -> bool:
+    """Whether anything besides the caller's one variable refers to ``obj``: another variable, a
+    container, a memoryview of it (a pull still streaming it, a push kept for a re-push). A buffer
+    reused to save page faults (a fresh one faults every 4 KiB) must not be, or its reader would see
+    it overwritten. Pass a plain local variable, taken out of any container first."""
+    return sys.getrefcount(obj) > _UNHELD

@@ -97,3 +97,18 @@ def test_the_next_rounds_sum_takes_the_replaced_thetas_memory_unless_someone_sti
     a.pull(1)
     assert srv.inspect(lambda st: st.accumulator.sum_of("w").data_ptr()) != held.data_ptr()
     assert torch.equal(held, before)  # θ_1, still held, was neither zeroed nor summed into
+
+
+def test_a_buffer_is_held_elsewhere_while_a_container_or_a_view_refers_to_it():
+    from atoll.memory import held_elsewhere
+
+    buf = bytearray(8)
+    assert not held_elsewhere(buf)
+    kept = [buf]
+    assert held_elsewhere(buf)
+    kept.clear()
+    view = memoryview(buf)[2:]  # a stream still reading it
+    assert held_elsewhere(buf)
+    view.release()
+    del view
+    assert not held_elsewhere(buf)

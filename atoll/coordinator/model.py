@@ -8,13 +8,13 @@ and installs what it published. Nothing else writes them.
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.outer import NesterovSGD, outer_step_
+from atoll.memory import held_elsewhere
 
 
 class GlobalModel:
@@ -94,8 +94,8 @@ class GlobalModel:
         out = {}
         for name, shape in self.specs.items():
             t = reuse.pop(name, None) if reuse else None
-            if t is not None and tuple(t.shape) == shape and t.dtype == torch.float32 and sys.getrefcount(t) == 2:
-                out[name] = t.zero_()  # ``t`` and the argument were its only references
+            if t is not None and tuple(t.shape) == shape and t.dtype == torch.float32 and not held_elsewhere(t):
+                out[name] = t.zero_()
             else:
                 out[name] = torch.zeros(shape, dtype=torch.float32)
         return out

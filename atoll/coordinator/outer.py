@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Protocol
 
 import torch
+
+from atoll.memory import held_elsewhere
 
 
 class OuterOptimizer(Protocol):
@@ -61,7 +62,7 @@ def spare(spares: dict[str, bytearray] | None, name: str) -> bytearray | None:
     it, no file write still reads it. A buffer reused fills at memory speed; a fresh one costs a page
     fault every 4 KiB (0.28 s for |θ| = 475 MiB on the dev machine)."""
     buf = spares.pop(name, None) if spares is not None else None
-    return buf if buf is not None and sys.getrefcount(buf) == 2 else None  # ``buf`` and the argument
+    return buf if buf is not None and not held_elsewhere(buf) else None
 
 
 def outer_step_(

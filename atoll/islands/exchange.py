@@ -16,12 +16,11 @@ exactly that of the plain implementation (payloads and θ bitwise unchanged).
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from atoll.compression import codec_of
 from atoll.islands.shards import LocalShard
+from atoll.memory import held_elsewhere
 
 HOST, DEVICE = "host", "device"
 PLACEMENTS = (HOST, DEVICE)
@@ -114,8 +113,8 @@ class ShardState:
         if kept is not None:
             self.codec_state["residual"] = self.placement.fetch(kept)
         spare, self._payload = self._payload, None
-        if spare is not None and sys.getrefcount(spare) > 2:  # ``spare`` and the argument: still held
-            spare = None  # (kept for a re-push, in a checkpoint, in a stream): never written over
+        if spare is not None and held_elsewhere(spare):  # kept for a re-push, in a checkpoint, in a stream
+            spare = None  # never written over
         payload = codec.encode_difference(start, self.shard.local().detach(), self.codec_state, out=spare)
         self._payload = payload
         if "residual" in self.codec_state:
