@@ -228,6 +228,15 @@ class Codec:
             self._decode_into(frame, out.view(-1), float(alpha), True)
         return out
 
+    def add_decoded_(self, payload, out: torch.Tensor, *, verified: bool = False) -> torch.Tensor:
+        """``out += decode(payload)``, bit for bit ``out + decode(payload)``: how an outer update
+        is applied to θ wherever it is (an island's θ_start, a replayed log), the same bits as the
+        coordinator's θ_{r+1} = decode(u) + θ_r. Straight from the payload when the codec
+        :attr:`adds_exactly` (no temporary the size of the tensor), else through a decoded one."""
+        if self.adds_exactly:
+            return self.decode_add_(payload, out, verified=verified)
+        return out.add_(self.decode(payload, tuple(out.shape), device=out.device, verified=verified))
+
     @staticmethod
     def _check_out(out: torch.Tensor) -> None:
         if out.dtype != torch.float32 or not out.is_contiguous():

@@ -152,8 +152,8 @@ def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
         if set(rec.payloads) != set(snap.params):
             raise LogError(f"{LOG}/{path.name}: its update names other tensors than θ's")
         for name, payload in rec.payloads.items():
-            try:
-                _apply(snap.params, name, payload)
+            try:  # θ += decode(u): the coordinator's and the islands' very arithmetic
+                codec_of(payload).add_decoded_(payload, snap.params[name])
             except WireFormatError as err:
                 raise LogError(f"{LOG}/{path.name}: update of {name}: {err}") from None
         snap.history.append(rec.history)
@@ -169,15 +169,6 @@ def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
             f"publish); continuing with round {have}'s momentum"
         )
     return notes
-
-
-def _apply(params: dict[str, torch.Tensor], name: str, payload) -> None:
-    """θ += decode(payload), exactly as the coordinator built θ_{r+1} and islands apply it."""
-    codec, target = codec_of(payload), params[name]
-    if codec.lossy:
-        params[name] = target + codec.decode(payload, tuple(target.shape))
-    else:
-        codec.decode_add_(payload, target)
 
 
 def write_optimizer(state_dir: Path, round_: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -149,11 +149,7 @@ class ShardState:
         if full:
             new = codec.decode(payload, self.shard.sizes, device=self.device, verified=verified)
         else:
-            new = self.placement.fetch(self.start)
-            if codec.adds_exactly:  # the coordinator's θ + decode(u), without a temporary of the tensor
-                codec.decode_add_(payload, new, verified=verified)
-            else:  # decode then add, as the coordinator does: bitwise its θ
-                new.add_(codec.decode(payload, self.shard.sizes, device=self.device, verified=verified))
+            new = codec.add_decoded_(payload, self.placement.fetch(self.start), verified=verified)
         self.start = self.placement.keep(new, into=self.start)
 
     @torch.no_grad()
