@@ -88,14 +88,15 @@ def _state_dirs(state_dir: Path) -> list[Path]:
 def _load_live(state_dir: Path, upto: int | None):
     """``persistence.load`` of a dir a live coordinator may be writing: a file it prunes between our
     listing and our read fails one attempt, so a failure is only reported when it repeats."""
-    for attempt in range(3):
+    for _ in range(2):
         try:
             return persistence.load(state_dir, upto=upto)
-        except persistence.StateError as err:
-            if attempt == 2:
-                raise _fail(str(err)) from None
+        except persistence.StateError:
             time.sleep(0.5)
-    return None
+    try:
+        return persistence.load(state_dir, upto=upto)
+    except persistence.StateError as err:
+        raise _fail(str(err)) from None
 
 
 def export(ns: argparse.Namespace) -> int:

@@ -143,11 +143,6 @@ def _bytes_of(t) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def digest(t: torch.Tensor) -> str:
-    """CRC-32C of a CPU tensor's bytes (hardware-accelerated, zero-copy)."""
-    return f"{google_crc32c.value(_bytes_of(t)):08x}"
-
-
 def write_file(
     path: Path, tensors: dict, metadata: dict[str, str], *, durable: bool = True, digests: dict[str, str] | None = None
 ) -> None:
