@@ -46,7 +46,11 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         self.thread.start()
-        self.call(self.server.start())
+        try:
+            self.call(self.server.start())
+        except BaseException:
+            self._close_loop()
+            raise
         return self
 
     def call(self, coro, timeout: float = 30.0):
@@ -68,9 +72,12 @@ class ServerThread:
         try:
             self.call(self.server.stop(grace=0.5))
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
 
 
 @pytest.fixture

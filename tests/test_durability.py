@@ -170,7 +170,10 @@ def test_a_dead_background_task_ends_the_daemon_with_a_non_zero_exit(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    err = proc.stderr.read()
+            proc.wait()
+        proc.stdout.close()
+    with proc.stderr:
+        err = proc.stderr.read()
     assert "background task atoll-decider died" in err and "a bug in decide" in err
 
 
@@ -188,8 +191,7 @@ def test_a_second_coordinator_or_a_rollback_on_a_live_state_dir_is_refused_namin
     second = ServerThread(exact_config(run_id="t", sync_every=1), state)
     with pytest.raises(persistence.StateError, match=rf"in use by process {os.getpid()}"):
         second.start()
-    second.loop.call_soon_threadsafe(second.loop.stop)
-    second.thread.join(10)
+    assert second.loop.is_closed()  # a server that failed to start leaves no loop behind
     assert cli.main(["rollback", "--state-dir", str(state), "--round", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("atoll rollback: error: ") and f"in use by process {os.getpid()}" in err, err

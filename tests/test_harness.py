@@ -34,6 +34,20 @@ def test_group_kills_children_on_error(tmp_path):
     assert not _alive(pids[0])
 
 
+def test_a_stopped_or_killed_child_leaves_no_open_pipe(tmp_path):
+    """Each ManagedProcess owns its stdout pipe and log file: after stop() or kill() both are closed, so
+    no file is left for the garbage collector (CI once failed on a ResourceWarning for the pipe, raised
+    from a finaliser in an unrelated test)."""
+    with ProcessGroup(tmp_path) as g:
+        stopped, _ = g.start_coordinator(str(tmp_path / "a"), [])
+        killed, _ = g.start_coordinator(str(tmp_path / "b"), [])
+        stopped.stop()
+        killed.kill()
+        for p in (stopped, killed):
+            assert p.proc.stdout.closed and p._log.closed
+            assert not p._reader.is_alive()
+
+
 def test_children_die_with_their_parent(tmp_path):
     # A parent that starts a coordinator through the harness, then is SIGKILLed.
     script = (
@@ -55,6 +69,7 @@ def test_children_die_with_their_parent(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+        parent.stdout.close()
 
 
 def test_atoll_demo_runs(tmp_path):

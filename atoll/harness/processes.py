@@ -40,7 +40,7 @@ class ManagedProcess:
         self.log_path = Path(log_dir) / f"{name}.log"
         self.events: queue.Queue[dict] = queue.Queue()
         self.lines: list[str] = []
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()/kill()
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _release()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             argv,
@@ -76,8 +76,16 @@ class ManagedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         rc = self.proc.wait(timeout)
-        self._reader.join(timeout=5)
+        self._release()
         return rc
+
+    def _release(self) -> None:
+        """Close what this object owns once the child is gone: the reader ends at the pipe's EOF, then the
+        pipe and the log are closed (left open, the garbage collector closes them with a ResourceWarning)."""
+        self._reader.join(timeout=5)
+        if not self._reader.is_alive():  # a grandchild still holding the pipe: leave it to the reader
+            self.proc.stdout.close()
+        self._log.close()
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -89,7 +97,7 @@ class ManagedProcess:
         self.signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        self._log.close()
+        self._release()
 
     def stop(self, grace_seconds: float = 5.0) -> int | None:
         """SIGTERM, then SIGKILL after ``grace_seconds``."""
@@ -99,8 +107,6 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             return self.proc.returncode
-        finally:
-            self._log.close()
 
     def log_tail(self, num_bytes: int = 4000) -> str:
         try:
