@@ -271,13 +271,22 @@ def make_diloco(model, address: str, **kw):
     return DiLoCo(model, CoordinatorLink(address, **link_kw), **kw)
 
 
-def post_json(url: str, body, token: str) -> tuple[int, object]:
-    """POST ``body`` as JSON with a bearer token: (status, parsed JSON answer, or the error text)."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
-    req.add_header("Authorization", f"Bearer {token}")
-    req.add_header("Content-Type", "application/json")
+def http(url: str, *, token: str | None = None, data: bytes | None = None, headers=None) -> tuple[int, str]:
+    """One HTTP request (POST when ``data`` is given), with a bearer ``token``: (status, body text),
+    error statuses included. The answer is always closed: an HTTPError left to the garbage collector
+    leaks its socket, and a ResourceWarning then fails whatever test is running when it is collected."""
+    req = urllib.request.Request(url, data=data, headers=dict(headers or {}), method="POST" if data else "GET")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
+            return resp.status, resp.read().decode()
     except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
+        with err:
+            return err.code, err.read().decode()
+
+
+def post_json(url: str, body, token: str) -> tuple[int, object]:
+    """POST ``body`` as JSON with a bearer token: (status, parsed JSON answer, or the error text)."""
+    code, text = http(url, token=token, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return code, json.loads(text) if code < 400 else text

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import errno
 import logging
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
-from conftest import IDENTITY_FLAGS, ServerThread, exact_config
+from conftest import IDENTITY_FLAGS, ServerThread, exact_config, http
 
 from atoll.coordinator import persistence, wal
 from atoll.protos import coordinator_pb2 as pb
@@ -20,17 +18,6 @@ SHAPES = {"w": (4, 3), "b": (5,)}
 
 def rand(shapes=SHAPES):
     return {k: torch.randn(s) for k, s in shapes.items()}
-
-
-def get(url, token=None, headers=None):
-    h = dict(headers or {})
-    if token:
-        h["Authorization"] = f"Bearer {token}"
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=h), timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
 
 
 # ---- 1b. the real thing: a full disk, and a task that dies -------------------------------------
@@ -69,14 +56,14 @@ def test_failed_save_keeps_the_round_unpublished_reports_it_and_recovers(start_s
     assert a.push(rand(), round_=0, tokens=4).committed
     header, _ = a.pull(0, wait_seconds=1.5)
     assert header.kind == pb.UPDATE_KIND_NOT_READY and header.round == 0
-    code, body = get(base + "/healthz")
+    code, body = http(base + "/healthz")
     assert code == 503 and "No space left on device" in body
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "No space left on device" in r.getMessage()]
     assert errors, "no ERROR names the failed save"
     disk["full"] = False
     header, _ = a.pull(0, wait_seconds=20)
     assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1
-    assert get(base + "/healthz")[0] == 200
+    assert http(base + "/healthz")[0] == 200
     assert persistence.load(srv.server.state_dir).round == 1
 
 
@@ -122,14 +109,14 @@ def test_a_state_dir_on_a_full_tmpfs_recovers_when_space_returns(tmp_path, raw_i
         header, _ = a.pull(0, wait_seconds=2.0)
         assert header.kind == pb.UPDATE_KIND_NOT_READY
         deadline = time.monotonic() + 10
-        while get(admin + "/healthz")[0] != 503:
+        while http(admin + "/healthz")[0] != 503:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        assert "No space left on device" in get(admin + "/healthz")[1]
+        assert "No space left on device" in http(admin + "/healthz")[1]
         os.unlink(filler)
         header, _ = a.pull(0, wait_seconds=30)
         assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1
-        assert get(admin + "/healthz")[0] == 200
+        assert http(admin + "/healthz")[0] == 200
     finally:
         proc.terminate()
         proc.wait(20)
