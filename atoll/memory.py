@@ -47,7 +47,11 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
 def tune_for_bulk_buffers(
-    mmap_bytes: int = MMAP_THRESHOLD_BYTES, trim_bytes: int = TRIM_THRESHOLD_BYTES, *, heap: bool = True
+    mmap_bytes: int = MMAP_THRESHOLD_BYTES,
+    trim_bytes: int = TRIM_THRESHOLD_BYTES,
+    *,
+    heap: bool = True,
+    huge_pages: bool = True,
 ) -> bool:
     """Apply the settings above; returns whether the mallopt ones took effect (glibc on Linux only).
 
@@ -56,11 +60,20 @@ def tune_for_bulk_buffers(
     cache would only add up to ``trim_bytes`` to its footprint (measured: 2.3x its shard above the
     model with it, 1.7x without, at 124M parameters). The daemon keeps the cache: it doubles ingest.
 
+    ``huge_pages=False``: the heap settings only (PyTorch's switch is left as the environment has
+    it). The daemon wants that: it reuses its large buffers round after round (push buffers, last
+    round's update payloads, the replaced θ as the next sum), so it has few first touches to save,
+    and the switch cost it resident memory: two islands, a 32 MiB θ, 12 rounds, its peak was 6.2 to
+    9.8 |θ| above its start with huge pages and 4.0 to 5.0 |θ| without (about 64 MiB). At 124M
+    parameters (``benchmarks/wire.py``) the peak was 5.1 to 5.2 |θ| either way, and push, pull and
+    close -> publish took the same time.
+
     Call it before the process allocates its first tensor, or PyTorch ignores the huge-page one.
     """
     if os.environ.get("ATOLL_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
         return False
-    os.environ.setdefault(THP_ENV, "1")  # inherited by the processes this one starts
+    if huge_pages:
+        os.environ.setdefault(THP_ENV, "1")  # inherited by the processes this one starts
     if not heap:
         return False
     try:

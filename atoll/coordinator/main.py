@@ -124,5 +124,5 @@ async def _stop_when_finished(servers: list[CoordinatorServer], stop: asyncio.Ev
 
 
 def main(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, **kwargs) -> int:
-    tune_for_bulk_buffers()  # the daemon's own process: keep payload buffers on the heap
+    tune_for_bulk_buffers(huge_pages=False)  # the daemon's own process: payload buffers on the heap (atoll.memory)
     return asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file, **kwargs))
