@@ -322,3 +322,10 @@ def test_an_island_reports_its_compute_and_blocked_seconds_with_each_push():
     assert sched.links[0].compute_seconds(clock()) == 7.5 and sched.links[0].blocked == 2.5
     sched.synced([0])
     assert (sched.links[0].blocked, sched.links[0].compute_seconds(12.0)) == (0.0, 2.0)
+
+
+def test_tokens_per_step_counts_only_reports_that_give_both():
+    from atoll.coordinator.goodput import tokens_per_step
+
+    assert tokens_per_step([(100, 5), (0, 3), (50, None), (30, 5)]) == 13.0
+    assert tokens_per_step([(0, 3), (50, 0)]) is None and tokens_per_step([]) is None

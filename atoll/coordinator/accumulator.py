@@ -14,6 +14,7 @@ import torch
 from atoll.coordinator import robust
 from atoll.coordinator.downlink import identity_size
 from atoll.coordinator.errors import Reason, refuse
+from atoll.coordinator.goodput import tokens_per_step
 from atoll.coordinator.staging import (
     Committed,
     InflightBudget,
@@ -135,8 +136,7 @@ class RoundAccumulator:
 
     def tokens_per_step(self) -> float | None:
         """Tokens per inner step of this round's committed islands that report both (None: none do)."""
-        both = [c for c in self.committed.values() if c.tokens and c.inner_steps]
-        return sum(c.tokens for c in both) / sum(c.inner_steps for c in both) if both else None
+        return tokens_per_step((c.tokens, c.inner_steps) for c in self.committed.values())
 
     def weight_total(self) -> float:
         return sum(c.weight for c in self.committed.values()) + sum(c.weight for c in self.late.values())

@@ -4,6 +4,7 @@ wall time, and a push that was dropped enters nothing, so both show as a low val
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -37,3 +38,10 @@ def run_goodput(islands: list[Goodput], now: float) -> float | None:
     """The run's goodput: every island's compute into θ over every island's wall time while joined."""
     wall = sum(g.wall(now) for g in islands)
     return min(sum(g.compute_into_theta for g in islands) / wall, 1.0) if wall > 0 else None
+
+
+def tokens_per_step(reports: Iterable[tuple[int, int | None]]) -> float | None:
+    """Σ tokens / Σ inner steps over the (tokens, inner steps) reports that give both (None: none do):
+    what an island that reports no tokens is weighed per step."""
+    both = [(tokens, steps) for tokens, steps in reports if tokens and steps]
+    return sum(t for t, _ in both) / sum(s for _, s in both) if both else None

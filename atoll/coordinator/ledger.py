@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from atoll.coordinator.goodput import tokens_per_step
+
 SAVE_RETRY_SECONDS = (0.5, 30.0)
 """First wait after a failed save, and the cap of its doubling."""
 BOOTSTRAP = -1
@@ -70,8 +72,7 @@ class Ledger:
             return None
         last = self.history[-1]
         steps = last.get("steps_by_island", {})
-        both = [i for i, t in last["tokens_by_island"].items() if t and steps.get(i)]
-        return sum(last["tokens_by_island"][i] for i in both) / sum(steps[i] for i in both) if both else None
+        return tokens_per_step((tokens, steps.get(i)) for i, tokens in last["tokens_by_island"].items())
 
     def advance(self, sealed: Sealed, now: float) -> None:
         """The sealed round is saved: open the next one and wake whoever waits for it."""
