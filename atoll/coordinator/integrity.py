@@ -12,10 +12,8 @@ them is trusted or allocated.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import mmap
 import os
 import struct
 from pathlib import Path
@@ -23,6 +21,8 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 import torch
+
+from atoll.files import write_atomic
 
 META_DIGEST = "meta_digest"
 MAX_HEADER_BYTES = 100 << 20
@@ -166,75 +166,4 @@ def write_file(
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = path.with_name(f".{path.name}.tmp")
-    parts = [struct.pack("<Q", len(head)) + head, *(memoryview(a) for a in arrays.values())]
-    if not (durable and _write_direct(tmp, parts)):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for part in parts:
-                _write_all(fd, part)
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    os.replace(tmp, path)
-    if durable:
-        fsync_dir(path.parent)
-
-
-DIRECT_BLOCK = 4096
-"""O_DIRECT alignment of memory, file offsets and lengths (the common logical block size or a multiple)."""
-BOUNCE_BYTES = 16 << 20
-
-
-def _write_direct(path: Path, parts: list) -> bool:
-    """Write ``parts`` to ``path`` with O_DIRECT through one aligned buffer, then fsync: the bytes go
-    to the device without filling the page cache first, so a durable write of |θ| takes the disk's
-    time, steadily (through the page cache it took 0.3 to 1.4 s at 475 MiB on the dev machine, now
-    about 0.3 s). False, having written nothing that stays, where the filesystem refuses O_DIRECT
-    (tmpfs); the caller then writes through the page cache."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
-    except OSError:
-        return False
-    try:
-        bounce = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned
-        buf, filled, total = np.frombuffer(bounce, dtype=np.uint8), 0, 0
-        for part in parts:
-            data = np.frombuffer(part, dtype=np.uint8)
-            while data.size:
-                take = min(BOUNCE_BYTES - filled, data.size)
-                buf[filled : filled + take] = data[:take]
-                filled, total, data = filled + take, total + take, data[take:]
-                if filled == BOUNCE_BYTES:
-                    _write_all(fd, bounce)
-                    filled = 0
-        if filled:
-            buf[filled : -(-filled // DIRECT_BLOCK) * DIRECT_BLOCK] = 0
-            _write_all(fd, memoryview(bounce)[: -(-filled // DIRECT_BLOCK) * DIRECT_BLOCK])
-        os.ftruncate(fd, total)
-        os.fsync(fd)
-        return True
-    except OSError as err:
-        if err.errno != errno.EINVAL:
-            raise
-        return False  # the filesystem takes O_DIRECT opens but not its writes
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        view = view[os.write(fd, view[: 1 << 30]) :]
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(path, [struct.pack("<Q", len(head)) + head, *(memoryview(a) for a in arrays.values())], durable)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import signal
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.server import CoordinatorServer
+from atoll.files import write_atomic
 from atoll.memory import tune_for_bulk_buffers
 
 log = logging.getLogger("atoll.coordinator")
@@ -20,9 +20,8 @@ def write_port_file(path: Path, ports: int | list[int]) -> None:
     """Write the bound port(s) atomically, so a reader never sees a partial file.
 
     One port, or (``--fragments``) the fragments' ports in order, comma-separated."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(",".join(map(str, ports if isinstance(ports, list) else [ports])) + "\n")
-    os.replace(tmp, path)
+    text = ",".join(map(str, ports if isinstance(ports, list) else [ports])) + "\n"
+    write_atomic(path, [text.encode()], durable=False)
 
 
 async def serve(

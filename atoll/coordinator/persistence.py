@@ -30,7 +30,8 @@ from safetensors import SafetensorError, safe_open
 
 from atoll.coordinator import wal
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.integrity import META_DIGEST, IntegrityError, check_file, fsync_dir, write_file
+from atoll.coordinator.integrity import META_DIGEST, IntegrityError, check_file, write_file
+from atoll.files import fsync_dir, write_atomic
 
 FORMAT = "atoll-state-3"
 """Format 3 adds the metadata's own checksum; format 2 snapshots (without it) still load."""
@@ -301,13 +302,7 @@ def rollback(state_dir: Path, round_: int) -> Path:
 def write_departed(state_dir: Path, departed: dict[str, str]) -> None:
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = state_dir / f".{MEMBERSHIP}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps({"departed": departed}, sort_keys=True))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, state_dir / MEMBERSHIP)
-    fsync_dir(state_dir)
+    write_atomic(state_dir / MEMBERSHIP, [json.dumps({"departed": departed}, sort_keys=True).encode()])
 
 
 def read_departed(state_dir: Path) -> dict[str, str] | None:

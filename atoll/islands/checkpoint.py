@@ -25,7 +25,6 @@ the training thread's.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import threading
 import time
@@ -37,19 +36,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from atoll.files import write_atomic
+
 log = logging.getLogger("atoll.island")
 
 PREFIX = "step-"
 SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class IslandCheckpointer:
@@ -91,8 +83,8 @@ class IslandCheckpointer:
 
             buf = io.BytesIO()
             torch.save(extra, buf)
-            _fsync_write(path / f"rank-{self.rank}.pt", buf.getvalue())
-            _fsync_write(path / f"done-{self.rank}", b"ok\n")
+            write_atomic(path / f"rank-{self.rank}.pt", [buf.getbuffer()])
+            write_atomic(path / f"done-{self.rank}", [b"ok\n"])
             if self.rank == 0:
                 self._prune()
         except BaseException as err:  # raised by the next save or wait()
