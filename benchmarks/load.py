@@ -121,7 +121,7 @@ def _bare_grpc_sink(port_queue) -> None:
 
     from atoll.coordinator.service import GRPC_OPTIONS
 
-    tune_for_bulk_buffers()  # as the coordinator does
+    tune_for_bulk_buffers(huge_pages=False)  # as the coordinator does
 
     async def serve():
         async def push(it, context):
