@@ -18,8 +18,12 @@ Nesterov lr 0.7 / momentum 0.9.
 
 Each system runs in its own network namespace (``unshare -rn``, when available), so the loopback
 counter counts only that run: over the whole run per round (θ_0's transfers included), and in the
-steady rounds (between the first and the last round's end). Runs are interleaved by pairs, the
-order alternating. Printed per pair:
+steady rounds (between the first and the last round's end, as worker 0 sees them: the other
+worker's transfers at either end can fall on either side, which moves the figure by up to ~0.25|θ|
+over 3 steady rounds). For atoll also the payload bytes by the coordinator's own counters (pushes
+accepted plus pulls served), per round after θ_0's push and pull (2|θ|): no boundaries, so a byte
+sent twice shows there exactly; and the loopback bytes over them (framing, TCP). Runs are
+interleaved by pairs, the order alternating. Printed per pair:
 the median steady sync time (rounds after the first) of each system and their ratio, bytes on
 loopback per round (and over |θ|), each worker's peak RSS (and the coordinator's), and the largest
 difference between the two systems' final θ. The floors, measured in the same run: |θ| over one raw
@@ -39,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,11 +200,12 @@ def run_system(a) -> None:
             coord = subprocess.Popen(
                 [sys.executable, "-m", "atoll", "coordinator", "--host", "127.0.0.1", "--port", "0",
                  "--state-dir", str(Path(tmp) / "state"), "--port-file", str(port_file), "--run-id", "vs",
+                 "--admin-port", "0", "--admin-port-file", str(Path(tmp) / "admin"),
                  "--sync-every", str(a.sync_every), "--outer-lr", "0.7", "--outer-momentum", "0.9",
                  "--quorum", "2", "--lease-seconds", "120", *codec, "--log-level", "WARNING"],
                 stdout=subprocess.DEVNULL,
             )  # fmt: skip
-            while not port_file.exists():
+            while not (port_file.exists() and (Path(tmp) / "admin").exists()):
                 if coord.poll() is not None:
                     raise RuntimeError(f"the coordinator exited with {coord.returncode}")
                 time.sleep(0.05)
@@ -223,13 +229,21 @@ def run_system(a) -> None:
             threading.Thread(target=watch, daemon=True).start()
         outs = [json.loads(w.communicate()[0].strip().splitlines()[-1]) for w in workers]
         after = lo_bytes()
+        payload = None
         if coord is not None:
             coord_rss[0] = max(coord_rss[0], peak_rss(coord.pid))
+            admin = f"http://127.0.0.1:{(Path(tmp) / 'admin').read_text().strip()}/api/status"
+            with urllib.request.urlopen(admin, timeout=30) as resp:  # after the last loopback reading
+                counters = json.load(resp)["counters"]
+            payload = counters["bytes_in"] + counters["bytes_out"]
             coord.terminate()
             coord.wait(30)
         if lighthouse is not None:
             lighthouse.shutdown()
-    print(json.dumps({"workers": outs, "lo_bytes": after - before, "coordinator_rss": coord_rss[0]}), flush=True)
+    print(
+        json.dumps({"workers": outs, "lo_bytes": after - before, "coordinator_rss": coord_rss[0], "payload": payload}),
+        flush=True,
+    )
 
 
 # ---- the floors -------------------------------------------------------------------------------------------
@@ -383,7 +397,9 @@ def main() -> None:
                 f"torchft {steady(tf) / floor['gloo_seconds']:.0f}x gloo); loopback bytes/round atoll "
                 f"{at['lo_bytes'] / a.rounds / theta:.2f}|θ|, torchft {tf['lo_bytes'] / a.rounds / theta:.2f}|θ| "
                 f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x), steady rounds atoll "
-                f"{steady_bytes(at) / theta:.2f}|θ|, torchft {steady_bytes(tf) / theta:.2f}|θ|; "
+                f"{steady_bytes(at) / theta:.2f}|θ|, torchft {steady_bytes(tf) / theta:.2f}|θ|; atoll's payload "
+                f"bytes (coordinator's counters) {(at['payload'] - 2 * theta) / a.rounds / theta:.3f}|θ| a round "
+                f"after θ_0's 2|θ|, loopback {at['lo_bytes'] / at['payload']:.4f}x them; "
                 "peak RSS: atoll workers "
                 f"{rss(at, theta)}, coordinator "
                 f"{at['coordinator_rss'] / 2**20:.0f} MiB ({at['coordinator_rss'] / theta:.1f}|θ|), torchft workers "
