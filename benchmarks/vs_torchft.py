@@ -21,8 +21,9 @@ counter counts only that run: over the whole run per round (θ_0's transfers inc
 steady rounds (between the first and the last round's end, as worker 0 sees them: the other
 worker's transfers at either end can fall on either side, which moves the figure by up to ~0.25|θ|
 over 3 steady rounds). For atoll also the payload bytes by the coordinator's own counters (pushes
-accepted plus pulls served), per round after θ_0's push and pull (2|θ|): no boundaries, so a byte
-sent twice shows there exactly; and the loopback bytes over them (framing, TCP). Runs are
+accepted, which leave out θ_0's upload, plus pulls served), per round after θ_0's one pull (|θ|):
+no boundaries, so a byte sent twice shows there exactly; and the loopback bytes over all the
+payload bytes, θ_0's upload included (framing, TCP). Runs are
 interleaved by pairs, the order alternating. Printed per pair:
 the median steady sync time (rounds after the first) of each system and their ratio, bytes on
 loopback per round (and over |θ|), each worker's peak RSS (and the coordinator's), and the largest
@@ -398,8 +399,8 @@ def main() -> None:
                 f"{at['lo_bytes'] / a.rounds / theta:.2f}|θ|, torchft {tf['lo_bytes'] / a.rounds / theta:.2f}|θ| "
                 f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x), steady rounds atoll "
                 f"{steady_bytes(at) / theta:.2f}|θ|, torchft {steady_bytes(tf) / theta:.2f}|θ|; atoll's payload "
-                f"bytes (coordinator's counters) {(at['payload'] - 2 * theta) / a.rounds / theta:.3f}|θ| a round "
-                f"after θ_0's 2|θ|, loopback {at['lo_bytes'] / at['payload']:.4f}x them; "
+                f"bytes (coordinator's counters) {(at['payload'] - theta) / a.rounds / theta:.3f}|θ| a round "
+                f"after θ_0, loopback {at['lo_bytes'] / (at['payload'] + theta):.4f}x them with θ_0's upload; "
                 "peak RSS: atoll workers "
                 f"{rss(at, theta)}, coordinator "
                 f"{at['coordinator_rss'] / 2**20:.0f} MiB ({at['coordinator_rss'] / theta:.1f}|θ|), torchft workers "
