@@ -173,7 +173,8 @@ def test_coordinator_memory_does_not_grow_with_rounds_or_the_catch_up_window(gro
     window and their payloads stayed in RAM: 26.5x |θ| of growth at 16M elements. Now its peak stays
     within momentum, accumulator, the latest update, two pushes in flight and allocator slack, and
     RSS from round 6 to 12 stays on a plateau. (Measured before the fix of ``next_chunk``: +2x |θ|
-    per round until the cyclic collector ran, a 16-17x peak; after: 1.0x from round 4 on.)"""
+    per round until the cyclic collector ran, a 16-17x peak; after: 1.0x from round 4 on. With
+    PyTorch's huge pages in the daemon the peak was 6.2-9.8x and failed CI once; without, 3.8-5.0x.)"""
     shapes = {"w": (2048, 4096)}
     theta = 2048 * 4096 * 4
     coord, address = group.start_coordinator(
