@@ -31,6 +31,21 @@ def test_the_pool_reuses_large_buffers_up_to_its_limit():
     assert pool.take(BIG + 1).nbytes == BIG + 1 and pool.reused == 1  # sizes match exactly
 
 
+def test_the_coordinators_pool_keeps_no_more_than_the_budget_says_now():
+    """Its limit is the in-flight budget as it stands, raised when a joining island declares its model."""
+    from atoll.coordinator.accumulator import RoundAccumulator
+
+    acc = RoundAccumulator()  # the budget sized from the model
+    buffers = [np.empty(BIG, dtype=np.uint8) for _ in range(3)]
+    acc.budget.limit = 2 * BIG
+    for buf in buffers:
+        acc.buffers.give(memoryview(buf))
+    assert acc.buffers.held == 2 * BIG
+    acc.size_budget({"w": (BIG,)})  # a joining island's model: the budget grows (to at least 256 MiB)
+    acc.buffers.give(memoryview(buffers[2]))
+    assert acc.budget.limit >= 3 * BIG and acc.buffers.held == 3 * BIG
+
+
 def test_an_assembler_fills_pooled_buffers_with_exactly_the_streams_bytes():
     pool = BufferPool(limit=4 * BIG)
     data = np.random.default_rng(0).integers(0, 255, 2 * BIG + 7, dtype=np.uint8)

@@ -56,7 +56,7 @@ class RoundAccumulator:
         self.too_stale: set[tuple[str, int]] = set()
         """(island, round) of the deltas that came too late to fold while this round was open (dropped)."""
         self._sums: dict[str, torch.Tensor] = {}
-        self.buffers = BufferPool(self.budget.limit)
+        self.buffers = BufferPool(lambda: self.budget.limit)
         """Push entry buffers reused round after round (no page faults), no more than the budget."""
 
     # ---- the budget and the streams ------------------------------------------------------------
@@ -68,7 +68,6 @@ class RoundAccumulator:
         push_bytes = fp32_push_bytes(specs)
         if self._budget_from_model:
             self.budget.limit = max(self.budget.limit, MIN_INFLIGHT_BYTES, 2 * push_bytes)
-        self.buffers.limit = self.budget.limit
         if self._budget_from_model:
             return None
         return push_bytes if push_bytes > self.budget.limit else None

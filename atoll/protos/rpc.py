@@ -155,9 +155,10 @@ class BufferPool:
     the kernel zeroes a page) every 4 KiB: filling 475 MiB of fresh mappings took about 0.28 s on
     the dev machine, a reused buffer about 0.04 s. A server that receives the same model's entries
     round after round takes them from here; what is given back past ``limit`` goes to the kernel.
-    Thread-safe."""
+    ``limit``: bytes, or a function that says them now (the coordinator's in-flight budget, which a
+    joining island's model can raise). Thread-safe."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int | Callable[[], int]) -> None:
         self.limit = limit
         self.held = 0
         self.reused = 0
@@ -179,8 +180,9 @@ class BufferPool:
         buf = memoryview(payload).obj
         if not isinstance(buf, np.ndarray) or buf.nbytes < MAPPED_ENTRY_BYTES:
             return
+        limit = self.limit() if callable(self.limit) else self.limit
         with self._lock:
-            if self.held + buf.nbytes <= self.limit:
+            if self.held + buf.nbytes <= limit:
                 self._free.setdefault(buf.nbytes, []).append(buf)
                 self.held += buf.nbytes
 
