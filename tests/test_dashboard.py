@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 import torch
+from conftest import exact_config
 
-from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -61,9 +61,7 @@ def test_painted_counts_only_the_colour(tmp_path):
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
 def test_dashboard_renders_live_charts_and_timeline(start_server, raw_island, tmp_path):
     srv = start_server(
-        RunConfig(
-            codec="identity",
-            downlink_codec="identity",
+        exact_config(
             run_id="dash",
             sync_every=1,
             quorum=1,

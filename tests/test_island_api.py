@@ -142,11 +142,7 @@ def test_an_unreachable_coordinator_warns_within_seconds_and_the_connect_deadlin
 
 def test_a_long_wait_for_the_outer_step_says_what_the_round_waits_for(start_server, raw_island, monkeypatch, caplog):
     monkeypatch.setattr(session_module, "WAIT_WARN_SECONDS", 1.0)
-    srv = start_server(
-        RunConfig(
-            codec="identity", downlink_codec="identity", run_id="t", sync_every=1, quorum=2, round_deadline_seconds=600
-        )
-    )
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=2, round_deadline_seconds=600))
     caplog.set_level(logging.WARNING, logger="atoll")
     sync = diloco(srv.address, pull_wait_seconds=0.5).start()
     other = raw_island(srv.address, "other", {"0.weight": (8, 6), "0.bias": (8,), "2.weight": (3, 8), "2.bias": (3,)})
@@ -195,9 +191,7 @@ def bn_model():
 def test_floating_point_buffers_are_averaged_over_the_islands(start_server):
     """(Before: BatchNorm's running statistics were never synced: same weights, different buffers.)"""
     srv = start_server(
-        RunConfig(
-            codec="identity",
-            downlink_codec="identity",
+        exact_config(
             run_id="t",
             sync_every=H,
             quorum=2,
@@ -258,9 +252,7 @@ def test_an_island_without_token_counts_weighs_its_steps_at_the_others_tokens_pe
     step of the islands that report them (the last closed round's), and both sides warn. (Before: it
     weighed 1 token, 160x less than its share in the measured run.)"""
     srv = start_server(
-        RunConfig(
-            codec="identity",
-            downlink_codec="identity",
+        exact_config(
             run_id="t",
             sync_every=5,
             quorum=2,

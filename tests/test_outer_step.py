@@ -8,7 +8,6 @@ import torch
 from conftest import exact_config
 
 from atoll.compression import get_codec
-from atoll.coordinator import RunConfig
 from atoll.coordinator.outer import NesterovSGD, outer_step_
 from atoll.protos import coordinator_pb2 as pb
 
@@ -41,9 +40,7 @@ def decode_update(header, payloads, have):
 def test_outer_step_matches_numpy_reference(start_server, raw_island, nesterov):
     lr, mu = 0.7, 0.9
     srv = start_server(
-        RunConfig(
-            codec="identity",
-            downlink_codec="identity",
+        exact_config(
             run_id="t",
             sync_every=1,
             outer_lr=lr,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import make_diloco
+from conftest import exact_config, make_diloco
 
 from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorRefused, DiLoCo
@@ -131,11 +131,7 @@ def test_overlap_off_is_plain_diloco_exactly(start_server, tmp_path):
 def test_overlap_keeps_training_while_the_exchange_is_out(start_server, raw_island):
     """With overlap the island's inner steps run while its round is still open on the coordinator
     (a second island has not pushed yet); the update lands when that island pushes."""
-    srv = start_server(
-        RunConfig(
-            codec="identity", downlink_codec="identity", run_id="t", sync_every=H, quorum=2, round_deadline_seconds=600
-        )
-    )
+    srv = start_server(exact_config(run_id="t", sync_every=H, quorum=2, round_deadline_seconds=600))
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sync = make_diloco(model, srv.address, island_id="solo", run_id="t", overlap_steps=3).start()

@@ -8,7 +8,6 @@ import math
 import torch
 from conftest import exact_config
 
-from atoll.coordinator import RunConfig
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (4, 3), "b": (5,)}
@@ -21,9 +20,7 @@ def rand(shapes=SHAPES):
 # ---- 7. outcomes as data ------------------------------------------------------------------------
 def test_a_push_for_a_closed_round_is_an_outcome_not_an_error_text(start_server, raw_island):
     srv = start_server(
-        RunConfig(
-            codec="identity",
-            downlink_codec="identity",
+        exact_config(
             run_id="t",
             sync_every=1,
             quorum=1,

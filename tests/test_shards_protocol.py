@@ -6,9 +6,9 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import exact_config
 
 from atoll.compression import get_codec
-from atoll.coordinator import RunConfig
 from atoll.islands.client import CoordinatorClient, RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 
@@ -54,9 +54,7 @@ class RankClient:
 @pytest.fixture
 def two_rank_island(start_server):
     srv = start_server(
-        RunConfig(
-            codec="identity",
-            downlink_codec="identity",
+        exact_config(
             run_id="t",
             sync_every=1,
             quorum=1,
