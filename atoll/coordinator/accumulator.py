@@ -68,7 +68,6 @@ class RoundAccumulator:
         push_bytes = fp32_push_bytes(specs)
         if self._budget_from_model:
             self.budget.limit = max(self.budget.limit, MIN_INFLIGHT_BYTES, 2 * push_bytes)
-        if self._budget_from_model:
             return None
         return push_bytes if push_bytes > self.budget.limit else None
 

@@ -74,7 +74,7 @@ class Pulls:
         if self.downlink.can_catch_up(req.have_round, round_):
             nxt = req.have_round + 1  # one round at a time; a lagging island pulls again until latest
             entries = self.downlink.delta_entries(nxt, regions, model.specs)
-            self._holds(req.island_id, nxt)
+            self.membership.holds(req.island_id, nxt)
             self.release_if_held()
             return PullAnswer(
                 UpdateKind.DELTA,
@@ -84,7 +84,7 @@ class Pulls:
                 loss=ledger.loss_of(nxt - 1),
                 **latest,
             )
-        self._holds(req.island_id, round_)
+        self.membership.holds(req.island_id, round_)
         return PullAnswer(
             UpdateKind.FULL,
             round_,
@@ -98,6 +98,3 @@ class Pulls:
         islands coming back) and the memory is free for the next round's pushes."""
         if all(r.holds_round >= self.ledger.round for r in self.membership.live()):
             self.downlink.release_latest()
-
-    def _holds(self, island_id: str, round_: int) -> None:
-        self.membership.holds(island_id, round_)

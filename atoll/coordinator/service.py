@@ -44,9 +44,9 @@ from atoll.protos.status import error_status
 log = logging.getLogger("atoll.coordinator")
 
 STREAM_IDLE_SECONDS = 120.0
+"""A push stream that sends nothing for this long is aborted (its bytes released)."""
 INLINE_CHECK_BYTES = 256 << 10
 """Entries a chunk completes are checked on the event loop below this many bytes, in a worker thread above."""
-"""A push stream that sends nothing for this long is aborted (its bytes released)."""
 PUSH_OUTCOMES = {o: getattr(pb, f"PUSH_OUTCOME_{o.name}") for o in PushOutcome}
 UPDATE_KINDS = {k: getattr(pb, f"UPDATE_KIND_{k.name}") for k in UpdateKind}
 PUSH_KINDS = {pb.PUSH_KIND_DELTA: PushKind.DELTA, pb.PUSH_KIND_INIT: PushKind.INIT}
