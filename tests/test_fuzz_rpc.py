@@ -125,7 +125,9 @@ def test_malformed_messages_on_every_rpc(start_server, raw_island):
             assert err.code() != grpc.StatusCode.UNKNOWN, err.details()  # no unhandled server exception
             assert err.details()
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    # derandomize: the same 150 messages every run, so the refusal codes seen below are those of a known set
+    # (random draws once held no INVALID_ARGUMENT: the test failed on chance, not on the server)
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(
         st.one_of(
             joins.map(lambda m: ("join", m)),
