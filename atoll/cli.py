@@ -151,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     coord.add_argument(
         "--stream-idle-seconds", type=float, default=120.0, help="abort a push stream silent this long (default: 120)"
     )
+    coord.add_argument(
+        "--bulk-port",
+        type=int,
+        default=0,
+        help="serve pushes and pulls as plain TCP streams on this port too, beside gRPC (islands learn it at "
+        "Join and fall back to gRPC if it is unreachable; never with TLS); 0 picks a free one, -1: none (default: 0)",
+    )
     coord.add_argument("--admin-host", default="127.0.0.1", help="admin HTTP address (non-loopback needs a token)")
     coord.add_argument("--admin-port", type=int, default=None, help="serve /healthz, /metrics, /api/status, / here")
     coord.add_argument("--admin-token", default=None, help="bearer token of the admin endpoints (enables POST control)")
@@ -251,6 +258,7 @@ def _coordinator(ns: argparse.Namespace) -> int:
             "snapshot_every": ns.snapshot_every,
             "max_inflight_bytes": ns.max_inflight_bytes,
             "stream_idle_seconds": ns.stream_idle_seconds,
+            "bulk_port": None if ns.bulk_port < 0 else ns.bulk_port,
             "given": _given(RunConfig, ns),
         },
     )

@@ -125,6 +125,7 @@ def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
     flags = [*COMMON, "--sync-every", str(a.sync_every), *POLICIES[policy]]
     admin_file = work / "admin.port"
     flags += ["--admin-port", "0", "--admin-port-file", str(admin_file), "--keep-snapshots", "100000"]
+    flags += ["--bulk-port", "-1"]  # C's link is the proxy of the gRPC port: a bulk port would go around it
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(work / "state", flags)
         admin_port = int(admin_file.read_text())

@@ -39,6 +39,7 @@ def run(work: Path, args, profile: LinkProfile | None, overlap: int = 0) -> dict
                 "--round-deadline-seconds",
                 "600",
                 *("--codec", "identity", "--downlink-codec", "identity"),
+                *("--bulk-port", "-1"),  # the emulated links proxy the gRPC port; a bulk port would bypass them
             ],
         )
         proxies = [ProxyThread(address, profile).start() for _ in range(2)] if profile else []

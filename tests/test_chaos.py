@@ -152,6 +152,7 @@ def test_30s_network_cut_island_resumes_by_itself(group, tmp_path):
     # Late pushes folded (the run's default): a push that misses its round by one still counts and its
     # island holds the global θ after it; only C's push from before the cut is too stale.
     flags = coord_flags(quorum=1, lease=3.0, late="fold", max_staleness=4)
+    flags += ["--bulk-port", "-1"]  # the proxy carries the gRPC port; a bulk port would go around the cut
     coord, address = group.start_coordinator(tmp_path / "state", flags)
     with ProxyThread(address) as proxy:
         c = island(group, proxy.address, "C", 12, extra=["--give-up-seconds", "120"])

@@ -76,7 +76,9 @@ def join(client, island="a"):
 def test_tls_server(start_server, pki):
     srv = start_server(tls=TlsConfig(cert=pki / "server.pem", key=pki / "server.key"))
     ok = CoordinatorClient(srv.address, retry=FAST, tls=ClientTls(ca=str(pki / "ca.pem")))
-    assert join(ok).bootstrap
+    joined = join(ok)
+    assert joined.bootstrap
+    assert joined.bulk_port == 0 and srv.server.bulk is None and ok.bulk is None  # no plaintext side door
     plain = CoordinatorClient(srv.address, retry=FAST)
     with pytest.raises(grpc.RpcError) as info:
         join(plain, "b")

@@ -69,6 +69,8 @@ async def serve(
         if "shard" in place:
             kwargs["shard"] = place["shard"]
             kwargs["name"] = place["name"]
+            if kwargs.get("bulk_port"):  # a fixed bulk port: one each, like --port
+                kwargs["bulk_port"] += i
         servers.append(
             CoordinatorServer(
                 config,

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from atoll.coordinator.bulk import BulkServer
 from atoll.coordinator.closing import run_decider
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.core import RunState
@@ -40,6 +41,7 @@ class CoordinatorServer:
         snapshot_every: int = 8,
         max_inflight_bytes: int = 0,
         stream_idle_seconds: float = STREAM_IDLE_SECONDS,
+        bulk_port: int | None = 0,
         given: Iterable[str] | None = None,
         name: str = "",
     ) -> None:
@@ -47,7 +49,9 @@ class CoordinatorServer:
         ``shard``/``partition``: this coordinator's shard and how tensors map to shards (atoll.sharding).
         ``given``: the RunConfig fields the operator set explicitly (None: all of them); on an existing
         state dir those of the run's math must match it, and its operational ones take them.
-        ``name``: prefix of this server's log lines (a fragment's)."""
+        ``name``: prefix of this server's log lines (a fragment's).
+        ``bulk_port``: serve pushes and pulls as plain TCP streams there too (0 picks a port; None: no
+        bulk port), on ``host``; never with TLS (:mod:`atoll.protos.bulk`)."""
         self.config = config
         self.admin_args = (admin_host, admin_port, admin_token)
         self.tls = tls
@@ -62,6 +66,8 @@ class CoordinatorServer:
             name=name,
         )
         self.stream_idle_seconds = stream_idle_seconds
+        self.requested_bulk_port = None if tls is not None else bulk_port
+        self.bulk: BulkServer | None = None
         self.admin = None
         self.state_dir = Path(state_dir)
         self.host = host
@@ -102,6 +108,16 @@ class CoordinatorServer:
             self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.host}:{self.requested_port}")
+        if self.requested_bulk_port is not None:
+            self.bulk = BulkServer(
+                servicer,
+                host=self.host,
+                port=self.requested_bulk_port,
+                tokens=self.tokens,
+                idle_seconds=self.stream_idle_seconds,
+            )
+            await self.bulk.start()
+            servicer.bulk_port = self.bulk.port
         await self._server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -112,7 +128,11 @@ class CoordinatorServer:
             await self.admin.start()
             log.info("admin HTTP on %s", self.admin.address)
         log.info(
-            "coordinator for run %s serving on %s (state in %s)", self.state.config.run_id, self.address, self.state_dir
+            "coordinator for run %s serving on %s%s (state in %s)",
+            self.state.config.run_id,
+            self.address,
+            f", bulk port {self.bulk.port}" if self.bulk is not None else "",
+            self.state_dir,
         )
 
     def _task_ended(self, task: asyncio.Task) -> None:
@@ -135,6 +155,9 @@ class CoordinatorServer:
             self._decider = None
         if self.failed is not None and self.failed.done() and not self.failed.cancelled():
             self.failed.exception()  # retrieved: no "exception was never retrieved" at exit
+        if self.bulk is not None:
+            await self.bulk.stop()
+            self.bulk = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

@@ -65,6 +65,7 @@ class Counters:
         "joins_refused": "Joins refused (wrong run, model, codec, shard, a second process, eviction, bad request)",
         "pushes_busy": "Pushes refused at their header, before their data flowed: in-flight budget spent or a "
         "stream of the same island and rank open (the island retries)",
+        "bulk_calls": "Pushes and pulls that came on the bulk port (the others came over gRPC)",
     }
     bytes_in: int = 0
     bytes_out: int = 0
@@ -74,6 +75,7 @@ class Counters:
     pushes_refused: int = 0
     pushes_busy: int = 0
     joins_refused: int = 0
+    bulk_calls: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -217,6 +219,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.tokens = tokens
         self.counters = counters or Counters()
         self.stream_idle_seconds = stream_idle_seconds
+        self.bulk_port = 0
+        """The bulk port Join advertises (0: none; set by the server once it listens)."""
 
     def _check_identity(self, context, island_id: str) -> None:
         """With island tokens configured, an island may only act for itself."""
@@ -248,6 +252,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 bootstrap=a.bootstrap,
                 codec=a.codec,
                 run_complete=a.run_complete,
+                bulk_port=self.bulk_port,
             )
 
         return await self._unary(join, request, context, refused="joins_refused")
@@ -323,6 +328,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         assembler = EntryAssembler([e.num_bytes for e in plan.entries], self.state.accumulator.buffers)
         payloads = []
         try:
+            fill = getattr(it, "fill", None)  # the bulk port's stream writes straight into the entries
+            if fill is not None:
+                try:
+                    await fill(assembler, lambda complete: self._take(plan, complete, payloads))
+                except StreamOverrun as err:
+                    raise invalid(str(err)) from None
+                return self._finish(plan, assembler, payloads)
             return await self._read(plan, it, reservation, assembler, payloads)
         except BaseException:
             assembler.discard()  # a refused or broken stream: its bytes go now, not with its traceback
@@ -355,8 +367,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             except StreamOverrun as err:
                 raise invalid(str(err)) from None
             if complete:
-                await self._check(plan, complete)
-                payloads += [payload for _, payload in complete]
+                await self._take(plan, complete, payloads)
+        return self._finish(plan, assembler, payloads)
+
+    async def _take(self, plan, complete: list, payloads: list) -> None:
+        await self._check(plan, complete)
+        payloads += [payload for _, payload in complete]
+
+    @staticmethod
+    def _finish(plan, assembler: EntryAssembler, payloads: list) -> list:
         payloads += [p for _, p in assembler.finish()]
         if not assembler.done:
             raise invalid(f"push stream ended early: {assembler.index} of {len(plan.entries)} tensors complete")

@@ -22,9 +22,11 @@ from typing import TypeVar
 
 import grpc
 
+from atoll.islands.bulk import BulkClient, BulkUnreachable
 from atoll.islands.errors import PartialUpdate, ProtocolError
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
+from atoll.protos.bulk import BulkError
 from atoll.protos.raw import RawData
 from atoll.protos.rpc import (
     CLIENT_OPTIONS,
@@ -132,6 +134,11 @@ class CoordinatorClient:
             self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._push_call, self._pull_call = bulk_calls(self._channel)
+        self._auth = f"Bearer {token}" if token else ""
+        self._tls = tls is not None
+        self.bulk: BulkClient | None = None
+        """The coordinator's bulk port, once a Join advertised one (never over TLS): pushes and
+        pulls go there, and back to gRPC if it cannot be reached."""
         self.bytes_sent = 0
         self.bytes_received = 0
         self.buffers = BufferPool(PULL_BUFFER_BYTES)
@@ -184,11 +191,28 @@ class CoordinatorClient:
         return self.retry.rpc_timeout_seconds + num_bytes / 1e6
 
     def join(self, req: pb.JoinRequest, *, give_up_seconds: float | None = None) -> pb.JoinResponse:
-        return self.call(
+        resp = self.call(
             "Join",
             lambda: self._stub.Join(req, timeout=self._timeout(), metadata=self._metadata),
             give_up_seconds=give_up_seconds,
         )
+        self.bulk = None
+        if resp.bulk_port and not self._tls:
+            host = parse_address(self.address)[0]
+            self.bulk = BulkClient(host, resp.bulk_port, auth=self._auth, timeout=self.retry.rpc_timeout_seconds)
+        return resp
+
+    def _on_bulk(self, what: str, attempt: Callable[[BulkClient], T]) -> T | None:
+        """``attempt`` on the bulk port, retried like any call; None when there is no bulk port (or
+        it cannot be reached: it is then dropped until the next Join, and the caller uses gRPC)."""
+        if self.bulk is None:
+            return None
+        try:
+            return self.call(what, lambda: attempt(self.bulk))
+        except BulkUnreachable as err:
+            log.warning("%s: %s; pushing and pulling over gRPC from now on", what, err)
+            self.bulk = None
+            return None
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         return self._stub.Heartbeat(req, timeout=self.retry.rpc_timeout_seconds, metadata=self._metadata)
@@ -204,6 +228,14 @@ class CoordinatorClient:
         """One attempt at a push whose data chunks the caller cuts (:func:`~atoll.protos.rpc.data_chunks`
         of its payloads): no retry. What :meth:`push` does below its retries and streaming."""
         total = sum(e.num_bytes for e in header.entries)
+        if self.bulk is not None:
+            try:
+                resp = self.bulk.push(header, (p for c in chunks for p in ([c.view] if c.parts is None else c.parts)))
+            except BulkUnreachable:
+                self.bulk = None
+            else:
+                self.bytes_sent += total + header.ByteSize()
+                return resp
         messages = itertools.chain([pb.PushChunk(header=header)], chunks)
         resp = self._push_call(messages, timeout=self._timeout(total), metadata=self._metadata)
         self.bytes_sent += total + header.ByteSize()
@@ -217,6 +249,10 @@ class CoordinatorClient:
         previous one is on the wire, and no more than two are held at once; an attempt that is
         retried encodes again, so ``encode`` must give the same bytes each time."""
         total = sum(e.num_bytes for e in header.entries)
+        resp = self._on_bulk("PushDelta", lambda port: port.push(header, payloads))
+        if resp is not None:
+            self.bytes_sent += total + header.ByteSize()
+            return resp
         if not callable(payloads):
             return self.call("PushDelta", lambda: self.push_chunks(header, data_chunks(payloads)))
 
@@ -263,6 +299,22 @@ class CoordinatorClient:
         (the payloads list is then empty), so no more than one entry is held; the payload must not be
         kept once it returns (its buffer takes the next entries). Once an entry was handed over the
         pull is not retried: a broken stream raises :class:`PartialUpdate`."""
+
+        def on_port(port: BulkClient):
+            try:
+                header, payloads, received = port.pull(req, on_entry, self.buffers)
+            except BulkError as err:
+                if getattr(err, "handed", 0):
+                    raise PartialUpdate(f"the update stream broke after {err.handed} entries: {err.details()}") from err
+                raise
+            self.bytes_received += received + header.ByteSize()
+            if on_entry is not None:
+                return header, []
+            return header, [(e.name, p) for e, p in zip(header.entries, payloads, strict=True)]
+
+        pulled = self._on_bulk("PullUpdate", on_port)
+        if pulled is not None:
+            return pulled
 
         def attempt():
             stream = self._pull_call(req, timeout=self._timeout() + req.wait_seconds, metadata=self._metadata)

@@ -196,18 +196,20 @@ class JoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_ranks: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., partition: _Optional[str] = ..., layout_digest: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("config", "round", "bootstrap", "codec", "run_complete")
+    __slots__ = ("config", "round", "bootstrap", "codec", "run_complete", "bulk_port")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     config: RunConfigProto
     round: int
     bootstrap: bool
     codec: str
     run_complete: bool
-    def __init__(self, config: _Optional[_Union[RunConfigProto, _Mapping]] = ..., round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., codec: _Optional[str] = ..., run_complete: _Optional[bool] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, config: _Optional[_Union[RunConfigProto, _Mapping]] = ..., round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., codec: _Optional[str] = ..., run_complete: _Optional[bool] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("run_id", "island_id", "round", "session_id")

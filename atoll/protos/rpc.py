@@ -209,18 +209,31 @@ class EntryAssembler:
     def feed(self, data: memoryview) -> list[tuple[int, memoryview]]:
         """Take one chunk; returns the entries it completed, as (index, payload)."""
         out = []
-        self.received += data.nbytes
         while data.nbytes:
-            if self.done:
-                raise StreamOverrun("the stream carries more bytes than its header declares")
-            size = self.sizes[self.index]
-            if self._buf is None:
-                self._buf = entry_buffer(size) if self.pool is None else self.pool.take(size)
-            take = min(size - self._filled, data.nbytes)
-            self._buf[self._filled : self._filled + take] = np.frombuffer(data[:take], dtype=np.uint8)
-            self._filled += take
+            space = self.space()
+            take = min(space.nbytes, data.nbytes)
+            space[:take] = data[:take]
             data = data[take:]
-            if self._filled == size:
+            out += self.advance(take)
+        return out + self.advance(0)
+
+    def space(self) -> memoryview:
+        """Where the stream's next bytes go: the unfilled rest of the current entry's buffer, taken
+        now (a receiver that reads straight into it saves a copy; then :meth:`advance`)."""
+        if self.done:
+            raise StreamOverrun("the stream carries more bytes than its header declares")
+        if self._buf is None:
+            size = self.sizes[self.index]
+            self._buf = entry_buffer(size) if self.pool is None else self.pool.take(size)
+        return memoryview(self._buf)[self._filled :]
+
+    def advance(self, n: int) -> list[tuple[int, memoryview]]:
+        """``n`` bytes were written at :meth:`space`; returns the entries now complete."""
+        out = []
+        self.received += n
+        if n:
+            self._filled += n
+            if self._filled == self.sizes[self.index]:
                 out.append((self.index, memoryview(self._buf)))
                 self._buf, self._filled = None, 0
                 self.index += 1

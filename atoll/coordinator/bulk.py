@@ -1,0 +1,231 @@
+"""The coordinator's bulk port (:mod:`atoll.protos.bulk`): pushes and pulls over plain TCP.
+
+Each connection carries one call to the same servicer methods gRPC calls (``PushDelta``,
+``PullUpdate``), so admission, validation, identity checks, counters and refusals are the same
+code; only the bytes move differently. A push's payloads are read by the event loop straight into
+their entry buffers (``sock_recv_into``, no copy but the kernel's); a pull's are sent from the
+update's own memory (``sock_sendall``). No thread per connection: a slow or silent peer holds a
+coroutine, and a watchdog ends a connection that makes no progress for ``idle_seconds`` while it
+is expected to (a pull's long-poll wait is not idleness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+
+from atoll.coordinator.security import UNAUTHENTICATED, IslandTokens
+from atoll.coordinator.service import tolerant
+from atoll.protos import bulk
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.raw import RawData, deserialize_push_chunk
+from atoll.protos.rpc import MAX_MESSAGE_BYTES, StreamOverrun
+
+log = logging.getLogger("atoll.coordinator")
+DRAIN_SECONDS = 10.0
+"""How long a refused call's late bytes are read and dropped before its connection is closed."""
+
+
+class Aborted(Exception):
+    """The servicer refused the call (its ``abort_with_status``)."""
+
+    def __init__(self, status) -> None:
+        super().__init__(status.details)
+        self.status = status
+
+
+class Context:
+    """What the servicer reads of a gRPC context: the caller's metadata, and how to refuse."""
+
+    def __init__(self, auth: str) -> None:
+        self._metadata = (("authorization", auth),) if auth else ()
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    async def abort_with_status(self, status):
+        raise Aborted(status)
+
+
+class Connection:
+    """One accepted socket: exact reads and whole sends on the event loop, with its progress clock."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.since: float | None = None
+        """When this connection last made progress while expected to (None: not expected to now)."""
+        self.timed_out = False
+
+    def expect(self, expecting: bool = True) -> None:
+        self.since = time.monotonic() if expecting else None
+
+    async def recv_into(self, view: memoryview) -> int:
+        """Some bytes into ``view`` (at least one); EOFError at the end of the stream."""
+        n = await self.loop.sock_recv_into(self.sock, view)
+        if n == 0:
+            raise EOFError("the peer ended the connection")
+        self.since = time.monotonic()
+        return n
+
+    async def recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            got += await self.recv_into(view[got:])
+        return bytes(buf)
+
+    async def send(self, data) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+        self.since = time.monotonic()
+
+
+class BulkPush:
+    """A push on the bulk port as the servicer reads it: its header as the first message, then
+    :meth:`fill`, which admits the data and reads it into the entries."""
+
+    def __init__(self, conn: Connection, first) -> None:
+        self.conn = conn
+        self._first = first
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._first is None:
+            raise StopAsyncIteration
+        first, self._first = self._first, None
+        return first
+
+    async def fill(self, assembler, taken) -> None:
+        """Say CONTINUE, then read the data into ``assembler``'s entries until the client ends its
+        side, handing each completed batch to ``taken`` (async). Fewer bytes than declared return
+        early (the servicer refuses the push); more raise StreamOverrun."""
+        conn = self.conn
+        await conn.send(bulk.frame(bulk.CONTINUE))
+        conn.expect()
+        done = assembler.advance(0)  # leading zero-byte entries
+        try:
+            while True:
+                if done:
+                    conn.expect(False)  # validating what arrived is not the peer's idleness
+                    await taken(done)
+                    conn.expect()
+                if assembler.done:
+                    break
+                done = assembler.advance(await conn.recv_into(assembler.space()))
+            await conn.recv_into(memoryview(bytearray(1)))
+        except EOFError:
+            return
+        raise StreamOverrun("the stream carries more bytes than its header declares")
+
+
+class BulkServer:
+    """Listens on ``host:port`` (0 picks one) and serves each connection's one call with ``servicer``."""
+
+    def __init__(self, servicer, *, host: str, port: int, tokens: IslandTokens | None, idle_seconds: float) -> None:
+        self.servicer = servicer
+        self.tokens = tokens
+        self.idle_seconds = idle_seconds
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        self._sock = socket.create_server((host, port), family=family, backlog=256)
+        self._sock.setblocking(False)
+        self.port: int = self._sock.getsockname()[1]
+        self._accepting: asyncio.Task | None = None
+        self._calls: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._accepting = asyncio.create_task(self._accept(), name="atoll-bulk-accept")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._accepting, *self._calls) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._sock.close()
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError as err:  # out of descriptors, a connection reset before accept
+                log.warning("bulk port: accept failed: %s", err)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.create_task(self._serve(Connection(sock)))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+
+    async def _serve(self, conn: Connection) -> None:
+        call = asyncio.current_task()
+        watchdog = asyncio.create_task(self._watch(conn, call))
+        try:
+            await self._call(conn)
+        except Aborted as refusal:
+            with contextlib.suppress(OSError):
+                await conn.send(bulk.status_frame(refusal.status))
+                await self._drain(conn)
+        except (OSError, EOFError, ValueError) as err:  # the peer went away, or sent what is not a call
+            log.info("bulk port: connection ended: %s", err)
+        except asyncio.CancelledError:
+            if not conn.timed_out:
+                raise
+            log.info("bulk port: no progress for %gs; connection closed", self.idle_seconds)
+        finally:
+            watchdog.cancel()
+            conn.sock.close()
+
+    async def _drain(self, conn: Connection) -> None:
+        """After a refusal: read what the peer still sends until it stops (it stops once it sees the
+        answer), so that closing does not reset the connection and lose the answer before it is read."""
+        conn.sock.shutdown(socket.SHUT_WR)
+        scratch = memoryview(bytearray(1 << 16))
+        deadline = time.monotonic() + DRAIN_SECONDS
+        with contextlib.suppress(EOFError):
+            while time.monotonic() < deadline:
+                await conn.recv_into(scratch)
+
+    async def _watch(self, conn: Connection, call: asyncio.Task) -> None:
+        while True:
+            await asyncio.sleep(max(self.idle_seconds / 4, 0.05))
+            if conn.since is not None and time.monotonic() - conn.since > self.idle_seconds:
+                conn.timed_out = True
+                call.cancel()
+                return
+
+    async def _call(self, conn: Connection) -> None:
+        conn.expect()
+        magic, method, auth_len = bulk.PREAMBLE.unpack(await conn.recv_exact(bulk.PREAMBLE.size))
+        if magic != bulk.MAGIC or method not in (bulk.PUSH, bulk.PULL) or auth_len > bulk.MAX_AUTH_BYTES:
+            raise ValueError("not an atoll bulk call")
+        auth = (await conn.recv_exact(auth_len)).decode(errors="replace")
+        (length,) = bulk.LENGTH.unpack(await conn.recv_exact(bulk.LENGTH.size))
+        if length > MAX_MESSAGE_BYTES:
+            raise ValueError(f"a message of {length} bytes (at most {MAX_MESSAGE_BYTES})")
+        context = Context(auth)
+        self.servicer.counters.bulk_calls += 1
+        if self.tokens is not None and self.tokens.island_for(context.invocation_metadata()) is None:
+            raise Aborted(UNAUTHENTICATED)
+        message = await conn.recv_exact(length)
+        conn.expect(False)
+        if method == bulk.PUSH:
+            response = await self.servicer.PushDelta(BulkPush(conn, tolerant(deserialize_push_chunk)(message)), context)
+            conn.expect(False)
+            await conn.send(bulk.frame(bulk.OK, response.SerializeToString()))
+            return
+        async for chunk in self.servicer.PullUpdate(tolerant(pb.PullRequest.FromString)(message), context):
+            if isinstance(chunk, RawData):
+                for part in [chunk.view] if chunk.parts is None else chunk.parts:
+                    conn.expect()
+                    await conn.send(part)
+                    conn.expect(False)  # the next entry may take a while to serialise: not idleness
+            else:
+                await conn.send(bulk.frame(bulk.OK, chunk.header.SerializeToString()))

@@ -1,0 +1,186 @@
+"""The bulk port: pushes and pulls as plain TCP streams, with exactly gRPC's outcomes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from conftest import exact_config
+
+from atoll.coordinator.security import IslandTokens
+from atoll.islands.bulk import BulkClient
+from atoll.islands.client import CoordinatorClient, PartialUpdate, RetryPolicy
+from atoll.protos import bulk
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.reasons import Reason
+from atoll.protos.status import reason_of
+
+SHAPES = {"w": (300, 70), "b": (5,), "empty": (0,)}
+
+
+def scenario(start_server, raw_island, state_dir, **server_kwargs):
+    """θ_0, two islands' deltas for round 0, a pull of round 1: (pulled header, payloads, counters)."""
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=2), state_dir, **server_kwargs)
+    gen = torch.Generator().manual_seed(5)
+    a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
+    joined = [a.join(), b.join()]
+    a.push({k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    for isl, tokens in ((a, 10), (b, 30)):
+        out = isl.push({k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}, round_=0, tokens=tokens)
+        assert out.outcome in (pb.PUSH_OUTCOME_STAGED, pb.PUSH_OUTCOME_COMMITTED)
+    header, payloads = a.pull(have_round=0)
+    return joined, header, [bytes(p) for _, p in payloads], srv.server.counters.as_dict()
+
+
+def test_a_round_over_the_bulk_port_equals_one_over_grpc(start_server, raw_island, tmp_path):
+    joined, header, pulled, counters = scenario(start_server, raw_island, tmp_path / "bulk")
+    assert joined[0].bulk_port > 0 and joined[0].bulk_port == joined[1].bulk_port
+    joined_g, header_g, pulled_g, counters_g = scenario(start_server, raw_island, tmp_path / "grpc", bulk_port=None)
+    assert joined_g[0].bulk_port == 0
+    assert header.kind == header_g.kind == pb.UPDATE_KIND_DELTA and header.round == header_g.round == 1
+    assert pulled == pulled_g  # the same update, byte for byte
+    assert sum(map(len, pulled)) == sum(e.num_bytes for e in header.entries) > 300 * 70 * 4
+    # Three pushes and one pull came on the bulk port; the bytes counted are the same either way.
+    assert counters["bulk_calls"] == 4 and counters_g["bulk_calls"] == 0
+    assert counters["bytes_in"] == counters_g["bytes_in"] > 2 * 300 * 70 * 4
+    assert counters["bytes_out"] == counters_g["bytes_out"] == sum(map(len, pulled))
+
+
+def test_refusals_carry_their_code_and_reason(start_server, raw_island):
+    srv = start_server(exact_config(run_id="t", sync_every=1))
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    stranger = raw_island(srv.address, "nobody", SHAPES)
+    stranger.client.bulk = a.client.bulk  # never joined, so only the bulk port can carry its push
+    with pytest.raises(grpc.RpcError) as info:
+        stranger.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert reason_of(info.value) is Reason.NOT_JOINED
+    assert srv.server.counters.bulk_calls == 1
+
+
+def test_a_refusal_part_way_reaches_the_client_and_stops_its_data(start_server, raw_island):
+    """A corrupt first entry is refused while the client is still sending: it gets INVALID_ARGUMENT
+    (not a reset connection, which it would retry), and stops sending."""
+    srv = start_server(exact_config(run_id="t", sync_every=1))
+    a = raw_island(srv.address, "a", {"w": (4 << 20,), "b": (16 << 20,)})
+    a.join()
+    from atoll.compression import get_codec
+
+    ident = get_codec("identity")
+    good = ident.encode(torch.randn(4 << 20))
+    corrupt = bytearray(good)
+    corrupt[100] ^= 0xFF
+    h = pb.PushHeader(run_id="t", island_id="a", round=0, kind=pb.PUSH_KIND_INIT, num_ranks=1, codec="identity")
+    h.entries.add(name="w", num_bytes=len(good))
+    h.entries.add(name="b", num_bytes=len(ident.encode(torch.zeros(16 << 20))))  # 64 MiB, never to be sent
+    sent = []
+
+    def pieces():
+        yield corrupt
+        for _ in range(64):
+            sent.append(1)
+            yield bytes(1 << 20)
+
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        a.client.bulk.push(h, pieces())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "crc32" in info.value.details()
+    assert len(sent) < 64 and time.monotonic() - started < 10
+
+
+def test_island_tokens_hold_on_the_bulk_port(start_server, raw_island, tmp_path):
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps({"a": "ta", "b": "tb"}))
+    srv = start_server(exact_config(run_id="t", sync_every=1), tokens=IslandTokens.load(path))
+    a = raw_island(srv.address, "a", SHAPES)
+    a.client = CoordinatorClient(srv.address, retry=RetryPolicy(give_up_seconds=5), token="ta")
+    port = a.join().bulk_port
+    refused = [("", "UNAUTHENTICATED"), ("Bearer wrong", "UNAUTHENTICATED"), ("Bearer tb", "PERMISSION_DENIED")]
+    for auth, code in refused:
+        client = BulkClient("127.0.0.1", port, auth=auth, timeout=5)
+        h = pb.PushHeader(run_id="t", island_id="a", round=0, kind=pb.PUSH_KIND_INIT, num_ranks=1, codec="identity")
+        h.entries.add(name="w", num_bytes=8)
+        with pytest.raises(grpc.RpcError) as info:
+            client.push(h, [bytes(8)])
+        assert info.value.code().name == code, auth
+    a.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)  # its own token
+    assert srv.server.state.model.ready
+    a.client.close()
+
+
+def test_junk_and_silence_are_dropped_and_the_port_keeps_serving(start_server, raw_island):
+    srv = start_server(exact_config(run_id="t", sync_every=1), stream_idle_seconds=0.5)
+    a = raw_island(srv.address, "a", SHAPES)
+    port = a.join().bulk_port
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as junk:
+        junk.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert hung_up(junk)  # without an answer
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as huge:
+        huge.sendall(bulk.PREAMBLE.pack(bulk.MAGIC, bulk.PUSH, 0) + bulk.LENGTH.pack(1 << 31))
+        assert hung_up(huge)  # a message over the limit is never read
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as silent:
+        silent.sendall(bulk.MAGIC)  # then nothing
+        started = time.monotonic()
+        assert hung_up(silent)
+        assert 0.4 < time.monotonic() - started < 5  # closed for its silence, after stream_idle_seconds
+    a.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    assert srv.server.counters.bulk_calls == 1 and srv.server.state.model.ready
+
+
+def hung_up(sock: socket.socket) -> bool:
+    """The server closed the connection (a reset when it left bytes unread)."""
+    try:
+        return sock.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_an_unreachable_bulk_port_falls_back_to_grpc(start_server, raw_island):
+    srv = start_server(exact_config(run_id="t", sync_every=1))
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    closed = socket.create_server(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()
+    a.client.bulk = BulkClient("127.0.0.1", dead_port, auth="", timeout=5)
+    out = a.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    assert out.outcome == pb.PUSH_OUTCOME_COMMITTED
+    assert a.client.bulk is None and srv.server.counters.bulk_calls == 0
+    assert a.join().bulk_port and a.client.bulk is not None  # a new Join takes the advertised port again
+
+
+def test_a_pull_that_breaks_after_an_applied_entry_is_a_partial_update():
+    """A fake bulk port sends an update's header, its first entry and half the second, then hangs up:
+    the island, having applied one entry, gets PartialUpdate (it then pulls the full θ), no retry."""
+    header = pb.UpdateHeader(kind=pb.UPDATE_KIND_DELTA, round=1)
+    header.entries.add(name="a", num_bytes=1000)
+    header.entries.add(name="b", num_bytes=1000)
+    server = socket.create_server(("127.0.0.1", 0))
+    calls = []
+
+    def serve():
+        conn, _ = server.accept()
+        calls.append(1)
+        with conn:
+            conn.recv(1 << 16)
+            conn.sendall(bulk.frame(bulk.OK, header.SerializeToString()) + bytes(1500))
+
+    t = threading.Thread(target=serve)
+    t.start()
+    client = CoordinatorClient("127.0.0.1:1", retry=RetryPolicy(give_up_seconds=5, rpc_timeout_seconds=5))
+    try:
+        client.bulk = BulkClient("127.0.0.1", server.getsockname()[1], auth="", timeout=5)
+        applied = []
+        with pytest.raises(PartialUpdate, match="after 1 entries"):
+            client.pull(pb.PullRequest(have_round=0), on_entry=lambda h, i, p: applied.append(bytes(p)))
+        assert applied == [bytes(1000)] and calls == [1]
+    finally:
+        t.join(10)
+        server.close()
+        client.close()
