@@ -1,6 +1,6 @@
 """Push and pull against raw loopback TCP of the same bytes, measured side by side in one run.
 
-    python benchmarks/wire.py [--model gpt-125m|tiny] [--many 2000] [--repeat 3]
+    python benchmarks/wire.py [--model gpt-125m|tiny] [--many 2000] [--repeat 3] [--transports bulk grpc]
 
 A real ``atoll coordinator`` process (quorum 1) and this process as one island speaking the
 protocol through atoll's own client:
@@ -12,7 +12,9 @@ protocol through atoll's own client:
 - the floors: the same bytes over one raw loopback TCP stream between two processes, and written
   with fsync to a new file beside the state dir (plain buffered writes, the median of three: what
   "the time to fsync the round's update bytes" is on this disk);
-- per tensor: the same pushes and pulls with ``--many`` tensors of 1 KiB each (``--many 0`` skips it).
+- per tensor: the same pushes and pulls with ``--many`` tensors of 1 KiB each (``--many 0`` skips it);
+- each case once per transport: the bulk port (the default) and gRPC (``--bulk-port -1``), one after
+  the other, then their ratio.
 
 Printed: each figure, the median over ``--repeat`` rounds, and push / pull over the TCP floor.
 """
@@ -133,7 +135,7 @@ class Island:
         return took, got[0]
 
 
-def measure(shapes, repeat: int, tmp: Path) -> dict:
+def measure(shapes, repeat: int, tmp: Path, transport: str) -> dict:
     identity = get_codec("identity")
     gen = torch.Generator().manual_seed(0)
     theta = [identity.encode(torch.randn(s, generator=gen)) for s in shapes.values()]
@@ -144,7 +146,7 @@ def measure(shapes, repeat: int, tmp: Path) -> dict:
          str(tmp / "state"), "--port-file", str(port_file), "--admin-port", "0", "--admin-port-file",
          str(admin_file), "--run-id", "w", "--sync-every", "1", "--quorum", "1", "--grace-window", "off",
          "--codec", "identity", "--downlink-codec", "identity",
-         "--log-level", "WARNING"],
+         "--log-level", "WARNING", *(["--bulk-port", "-1"] if transport == "grpc" else [])],
         cwd=ROOT,
     )  # fmt: skip
     try:
@@ -161,6 +163,7 @@ def measure(shapes, repeat: int, tmp: Path) -> dict:
                 return json.load(resp)
 
         island = Island(f"127.0.0.1:{grpc_port}", shapes)
+        assert (island.client.bulk is not None) == (transport == "bulk")
         island.push(theta, 0, kind=pb.PUSH_KIND_INIT)
         island.pull(-1)  # θ_0
         pushes, pulls = [], []
@@ -194,23 +197,36 @@ def main() -> None:
     p.add_argument("--model", default="gpt-125m", choices=["tiny", "gpt-small", "gpt-125m"])
     p.add_argument("--many", type=int, default=2000, help="tensors of 1 KiB for the per-tensor case (0: skip)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--transports", nargs="+", default=["bulk", "grpc"], choices=["bulk", "grpc"])
     a = p.parse_args()
     cases = [(a.model, shapes_of(a.model, 0))] + ([(f"{a.many} x 1 KiB", shapes_of(a.model, a.many))] if a.many else [])
     for name, shapes in cases:
-        with tempfile.TemporaryDirectory(prefix="wire-") as tmp:
-            got = measure(shapes, a.repeat, Path(tmp))
-        floor = statistics.median(tcp_floor(got["bytes"]) for _ in range(3))
-        print(
-            f"{name}: {len(shapes)} tensors, {got['bytes'] / 2**20:.1f} MiB; raw TCP {floor * 1e3:.1f} ms; "
-            f"push {got['push'] * 1e3:.1f} ms ({got['push'] / floor:.1f}x TCP), "
-            f"pull {got['pull'] * 1e3:.1f} ms ({got['pull'] / floor:.1f}x TCP); "
-            f"close -> publish {got['close'] * 1e3:.1f} ms (outer step {got['step'] * 1e3:.1f} ms, then the log "
-            f"record {(got['close'] - got['step']) * 1e3:.1f} ms); write + fsync of the update's bytes "
-            f"{got['disk'] * 1e3:.1f} ms: close -> publish = {got['close'] / (got['step'] + got['disk']):.2f}x "
-            "(outer step + fsync); coordinator peak RSS above its start "
-            f"{got['rss']:.1f}|θ| (one push of |θ| in flight at a time)",
-            flush=True,
-        )
+        by = {}
+        for transport in a.transports:
+            with tempfile.TemporaryDirectory(prefix="wire-") as tmp:
+                by[transport] = got = measure(shapes, a.repeat, Path(tmp), transport)
+            report(f"{name} [{transport}]", shapes, got)
+        if len(by) == 2:
+            print(
+                f"{name}: bulk port / gRPC: push {by['bulk']['push'] / by['grpc']['push']:.2f}x, "
+                f"pull {by['bulk']['pull'] / by['grpc']['pull']:.2f}x",
+                flush=True,
+            )
+
+
+def report(name: str, shapes, got: dict) -> None:
+    floor = statistics.median(tcp_floor(got["bytes"]) for _ in range(3))
+    print(
+        f"{name}: {len(shapes)} tensors, {got['bytes'] / 2**20:.1f} MiB; raw TCP {floor * 1e3:.1f} ms; "
+        f"push {got['push'] * 1e3:.1f} ms ({got['push'] / floor:.1f}x TCP), "
+        f"pull {got['pull'] * 1e3:.1f} ms ({got['pull'] / floor:.1f}x TCP); "
+        f"close -> publish {got['close'] * 1e3:.1f} ms (outer step {got['step'] * 1e3:.1f} ms, then the log "
+        f"record {(got['close'] - got['step']) * 1e3:.1f} ms); write + fsync of the update's bytes "
+        f"{got['disk'] * 1e3:.1f} ms: close -> publish = {got['close'] / (got['step'] + got['disk']):.2f}x "
+        "(outer step + fsync); coordinator peak RSS above its start "
+        f"{got['rss']:.1f}|θ| (one push of |θ| in flight at a time)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -287,9 +287,9 @@ def test_a_restart_applies_operational_flags_refuses_math_ones_and_forgets_who_l
     a.join()
     a.push({"w": torch.randn(3, 2)}, round_=1, tokens=1)
     assert a.pull(1)[0].round == 2  # b left: with quorum 1 the round closes on a alone
+    coord.stop()  # before reading its dir: a live one prunes what its background writer superseded
     snap = persistence.load(state)
     assert snap.config.quorum == 1 and snap.history[-1]["islands"] == ["a"] and "b" not in snap.islands
-    coord.stop()
 
 
 SHAPES = {"w": (4, 3), "b": (5,)}

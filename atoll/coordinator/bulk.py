@@ -227,5 +227,7 @@ class BulkServer:
                     conn.expect()
                     await conn.send(part)
                     conn.expect(False)  # the next entry may take a while to serialise: not idleness
-            else:
+            elif chunk.WhichOneof("kind") == "header":
                 await conn.send(bulk.frame(bulk.OK, chunk.header.SerializeToString()))
+            else:  # a tentative update's round is saved and published
+                await conn.send(bulk.frame(bulk.OK, chunk.durable.SerializeToString()))

@@ -374,7 +374,7 @@ class RunState:
 
     def seal(self, sealed: Sealed) -> None:
         """θ of a closed round (or θ_0) is computed: it takes no more pushes and waits to be saved."""
-        self.ledger.sealed = sealed
+        self.ledger.seal(sealed)
 
     async def try_publish(self) -> bool:
         """Make the sealed round (or θ_0) durable and only then publish it; False if the write failed
@@ -393,6 +393,7 @@ class RunState:
                 if sealed.failures == 1 or sealed.failures % 20 == 0:
                     log.error("%s%s (attempt %d)", self.name, self.problem, sealed.failures)
                 sealed.retry_in = min(sealed.retry_in * 2, SAVE_RETRY_SECONDS[1])
+                self.ledger.wake()  # tentative streams of the round end (NOT_DURABLE)
                 return False
             if self.problem is not None:
                 log.warning("%ssaving works again after %d failed attempts", self.name, sealed.failures)

@@ -82,6 +82,11 @@ class Downlink:
         payloads = self.latest if in_memory else wal.load_update(self.state_dir, round_)
         if payloads is None:
             raise LookupError(f"the update of round {round_} is not kept")
+        return self.entries_of(payloads, regions, specs)
+
+    @staticmethod
+    def entries_of(payloads: dict, regions: Regions, specs: dict[str, tuple[int, ...]]) -> list[PayloadEntry]:
+        """An update's entries: whole tensors as encoded, regions as exact identity slices."""
         out = []
         for name, region in regions:
             payload = payloads[name]

@@ -81,6 +81,17 @@ class Ledger:
         self.round = sealed.round + 1
         self.sealed = None
         self.opened_at = now
+        self.wake()
+        self.poke.set()
+
+    def seal(self, sealed: Sealed) -> None:
+        """A round's θ is computed (it takes no more pushes and waits to be saved): the long-polls
+        waiting for it stream its update now, tentatively (confirmed once it is saved)."""
+        self.sealed = sealed
+        if sealed.payloads is not None:
+            self.wake()
+
+    def wake(self) -> None:
+        """Wake the long-polls (``round_changed`` is set and replaced)."""
         self.round_changed.set()
         self.round_changed = asyncio.Event()
-        self.poke.set()

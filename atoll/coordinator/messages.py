@@ -7,7 +7,7 @@ protobuf. Enum values name what happened, so no caller matches text.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -168,3 +168,6 @@ class PullAnswer:
     bootstrap: bool = False
     run_complete: bool = False
     waiting: str = ""
+    durable: Callable[[], Awaitable[bool]] | None = None
+    """A tentative update (its round still being saved): awaited after the entries are sent; True once
+    the round is saved and published, False if it was not within the wait."""

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Callable
 
 from atoll.coordinator import checks
 from atoll.coordinator.downlink import Downlink
 from atoll.coordinator.messages import PullAnswer, PullRequest, UpdateKind
 from atoll.coordinator.owners import Owners
+from atoll.protos.rpc import DURABLE_WAIT_SECONDS
 
 MAX_WAIT_SECONDS = 60.0
 
@@ -67,6 +69,8 @@ class Pulls:
         latest = dict(latest_round=round_, run_complete=ledger.complete(c.total_rounds))
         if req.have_round == round_:
             sealed = ledger.sealed
+            if sealed is not None and sealed.round == round_ and sealed.payloads is not None and not sealed.failures:
+                return self._tentative(req.island_id, sealed, regions)
             committed = req.island_id in self.accumulator.committed or (
                 sealed is not None and req.island_id in sealed.islands
             )
@@ -91,6 +95,34 @@ class Pulls:
             entries=Downlink.full_entries(params, regions),
             loss=ledger.loss_of(round_ - 1),
             **latest,
+        )
+
+    def _tentative(self, island_id: str, sealed, regions) -> PullAnswer:
+        """The sealed round's update, streamed while its first save is under way; the stream ends with
+        the confirmation that it is saved and published (:attr:`PullAnswer.durable`), and the island
+        installs nothing before it. So the save's time overlaps the transfer, and still nothing an
+        island holds can be lost by a crash. Once a save has failed, pulls wait (NOT_READY) as before."""
+        c, ledger, r = self._config(), self.ledger, sealed.round
+
+        async def durable() -> bool:
+            deadline = time.monotonic() + DURABLE_WAIT_SECONDS
+            while ledger.round <= r:
+                if sealed.failures or (left := deadline - time.monotonic()) <= 0:
+                    return False  # its save failed (retried; islands wait for it as NOT_READY), or is slow
+                await wait_event(ledger.round_changed, left)
+            self.membership.holds(island_id, r + 1)
+            self.release_if_held()
+            return True
+
+        return PullAnswer(
+            UpdateKind.DELTA,
+            r + 1,
+            codec=c.downlink_codec,
+            entries=Downlink.entries_of(sealed.payloads, regions, self.model.specs),
+            loss=sealed.record["loss"],
+            latest_round=r + 1,
+            run_complete=bool(c.total_rounds) and r + 1 >= c.total_rounds,
+            durable=durable,
         )
 
     def release_if_held(self) -> None:

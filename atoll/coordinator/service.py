@@ -399,6 +399,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             bootstrap=answer.bootstrap,
             run_complete=answer.run_complete,
             waiting=answer.waiting,
+            tentative=answer.durable is not None,
         )
         if answer.loss is not None:
             header.loss = answer.loss
@@ -421,6 +422,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             del parts
         for chunk in packer.flush():
             yield chunk
+        if answer.durable is not None:
+            if not await answer.durable():
+                err = refuse(Reason.NOT_DURABLE, f"round {answer.round - 1} was not saved in time; pull again")
+                await _abort(context, err)
+                return
+            yield pb.PullChunk(durable=pb.Durable(round=answer.round))
 
 
 def add_servicer(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:

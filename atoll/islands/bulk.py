@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from atoll.islands.errors import ProtocolError
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
-from atoll.protos.rpc import MAX_MESSAGE_BYTES, BufferPool, entry_buffer
+from atoll.protos.rpc import DURABLE_WAIT_SECONDS, MAX_MESSAGE_BYTES, BufferPool, entry_buffer
 
 CONNECT_SECONDS = 10.0
 
@@ -117,6 +117,11 @@ class BulkClient:
                 on_entry(header, i, payload)
                 handed += 1
                 pool.give(payload)
+            if header.tentative:  # installed only once the round is saved
+                sock.settimeout(self.timeout + DURABLE_WAIT_SECONDS)
+                durable = pb.Durable.FromString(self._answer(sock))
+                if durable.round != header.round:
+                    raise ProtocolError(f"confirmation of round {durable.round} for an update of round {header.round}")
             return header, payloads, received
         except bulk.BulkError as err:
             err.handed = handed

@@ -30,6 +30,7 @@ from atoll.protos.bulk import BulkError
 from atoll.protos.raw import RawData
 from atoll.protos.rpc import (
     CLIENT_OPTIONS,
+    DURABLE_WAIT_SECONDS,
     BufferPool,
     ChunkPacker,
     EntryAssembler,
@@ -317,10 +318,13 @@ class CoordinatorClient:
             return pulled
 
         def attempt():
-            stream = self._pull_call(req, timeout=self._timeout() + req.wait_seconds, metadata=self._metadata)
-            header, assembler, payloads, handed = None, None, [], 0
+            timeout = self._timeout() + req.wait_seconds + DURABLE_WAIT_SECONDS
+            stream = self._pull_call(req, timeout=timeout, metadata=self._metadata)
+            header, assembler, payloads, handed, durable = None, None, [], 0, None
             try:
                 for chunk in stream:
+                    if durable is not None:
+                        raise ProtocolError("update stream data after its confirmation")
                     if isinstance(chunk, RawData) or chunk.WhichOneof("kind") == "data":
                         if assembler is None:
                             raise ProtocolError("update stream data before its header")
@@ -330,6 +334,10 @@ class CoordinatorClient:
                         except StreamOverrun as err:
                             raise ProtocolError(str(err)) from None
                         handed += _deliver(done, header, on_entry, payloads, self.buffers)
+                    elif chunk.WhichOneof("kind") == "durable":
+                        if header is None or not header.tentative or chunk.durable.round != header.round:
+                            raise ProtocolError("an update stream's confirmation does not match its header")
+                        durable = chunk.durable
                     elif header is not None:
                         raise ProtocolError("two headers in one update stream")
                     else:
@@ -341,6 +349,8 @@ class CoordinatorClient:
                 handed += _deliver(assembler.finish(), header, on_entry, payloads, self.buffers)
                 if not assembler.done:
                     raise ProtocolError(f"update stream carried {assembler.received} bytes, header declares more")
+                if header.tentative and durable is None:  # installed only once the round is saved
+                    raise PartialUpdate("the update stream ended before its round was confirmed saved")
             except grpc.RpcError as err:
                 if handed:
                     raise PartialUpdate(f"the update stream broke after {handed} entries: {err.details()}") from err

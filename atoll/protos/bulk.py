@@ -19,7 +19,9 @@ server answers with frames ``u8 kind  u32 length + bytes``:
 - ``CONTINUE`` (push, empty): the push is admitted for its whole declared size; the client now
   sends the header's entries' payloads, concatenated, exactly the bytes they declare.
 - ``OK``: the call's answer: a ``PushResponse``, or a pull's ``UpdateHeader`` followed by its
-  entries' payloads, concatenated, exactly the bytes the header declares.
+  entries' payloads, concatenated, exactly the bytes the header declares; after those, when the
+  header is ``tentative``, one more ``OK`` frame holding a ``Durable`` once the round is saved (or a
+  ``STATUS`` if it was not in time).
 - ``STATUS``: a refusal, a serialised ``google.rpc.Status`` (the code, message and atoll reason
   gRPC would carry): the client raises it as a :class:`BulkError`, a ``grpc.RpcError``, so
   retries and :func:`~atoll.protos.status.reason_of` treat both transports alike.

@@ -38,6 +38,7 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_UNAUTHENTICATED: _ClassVar[Reason]
     REASON_PERMISSION_DENIED: _ClassVar[Reason]
     REASON_STREAM_IDLE: _ClassVar[Reason]
+    REASON_NOT_DURABLE: _ClassVar[Reason]
 
 class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -92,6 +93,7 @@ REASON_INCOMPLETE_ISLAND: Reason
 REASON_UNAUTHENTICATED: Reason
 REASON_PERMISSION_DENIED: Reason
 REASON_STREAM_IDLE: Reason
+REASON_NOT_DURABLE: Reason
 TENSOR_KIND_PARAMETER: TensorKind
 TENSOR_KIND_BUFFER: TensorKind
 PUSH_KIND_UNSPECIFIED: PushKind
@@ -316,7 +318,7 @@ class PullRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., regions: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("kind", "round", "codec", "entries", "committed", "loss", "latest_round", "bootstrap", "run_complete", "waiting")
+    __slots__ = ("kind", "round", "codec", "entries", "committed", "loss", "latest_round", "bootstrap", "run_complete", "waiting", "tentative")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +329,7 @@ class UpdateHeader(_message.Message):
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    TENTATIVE_FIELD_NUMBER: _ClassVar[int]
     kind: UpdateKind
     round: int
     codec: str
@@ -337,15 +340,24 @@ class UpdateHeader(_message.Message):
     bootstrap: bool
     run_complete: bool
     waiting: str
-    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., round: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., committed: _Optional[bool] = ..., loss: _Optional[float] = ..., latest_round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., run_complete: _Optional[bool] = ..., waiting: _Optional[str] = ...) -> None: ...
+    tentative: bool
+    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., round: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., committed: _Optional[bool] = ..., loss: _Optional[float] = ..., latest_round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., run_complete: _Optional[bool] = ..., waiting: _Optional[str] = ..., tentative: _Optional[bool] = ...) -> None: ...
 
 class PullChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "durable")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     header: UpdateHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    durable: Durable
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., durable: _Optional[_Union[Durable, _Mapping]] = ...) -> None: ...
+
+class Durable(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "island_id", "session_id")

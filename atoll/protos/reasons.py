@@ -45,6 +45,7 @@ _TABLE: dict[str, tuple[str, bool]] = {
     "UNAUTHENTICATED": ("UNAUTHENTICATED", True),
     "PERMISSION_DENIED": ("PERMISSION_DENIED", True),
     "STREAM_IDLE": ("ABORTED", False),
+    "NOT_DURABLE": ("UNAVAILABLE", False),
 }
 
 CODE: dict[Reason, str] = {Reason[name]: code for name, (code, _) in _TABLE.items()}

@@ -23,6 +23,9 @@ SERVICE_NAME = "atoll.v1.Coordinator"
 CHUNK_BYTES = 1 << 20
 """Payload bytes per data chunk: gRPC messages stay small, and the receiver's buffers follow what arrived."""
 MAX_MESSAGE_BYTES = 16 << 20
+DURABLE_WAIT_SECONDS = 60.0
+"""How long a tentative update's stream waits for its round to be saved (then it ends, refused
+NOT_DURABLE, and the island pulls again); clients allow for it in their deadlines."""
 
 
 def method(name: str) -> str:

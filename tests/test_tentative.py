@@ -1,0 +1,119 @@
+"""A round's update streams to the islands while its log record is being written, and they install it
+only once the stream confirms the round saved: the save's time overlaps the transfer, and nothing an
+island holds can be lost by a crash."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import pytest
+import torch
+from conftest import exact_config
+
+from atoll.coordinator import pulls, wal
+from atoll.islands.client import PartialUpdate
+from atoll.protos import coordinator_pb2 as pb
+
+SHAPES = {"w": (256, 1024), "b": (5,)}
+SAVE_SECONDS = 1.0
+
+
+@pytest.fixture(params=["bulk", "grpc"])
+def transport(request):
+    return {"bulk_port": 0 if request.param == "bulk" else None}
+
+
+def _round_zero(start_server, raw_island, transport, tmp_path):
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=2), tmp_path / "state", **transport)
+    a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
+    a.join()
+    b.join()
+    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    return srv, a, b
+
+
+def _slow_save(monkeypatch, saves: list, fail: threading.Event | None = None, seconds: float = SAVE_SECONDS):
+    """The round's log record takes ``seconds``; ``saves`` gets the time each one ended."""
+    real = wal.append
+
+    def append(*args, **kwargs):
+        time.sleep(seconds)
+        if fail is not None and fail.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(*args, **kwargs)
+        saves.append(time.monotonic())
+
+    monkeypatch.setattr(wal, "append", append)
+
+
+def test_the_update_streams_during_the_save_and_is_confirmed_after_it(
+    start_server, raw_island, transport, tmp_path, monkeypatch
+):
+    srv, a, b = _round_zero(start_server, raw_island, transport, tmp_path)
+    saves: list[float] = []
+    _slow_save(monkeypatch, saves)
+    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
+    got: list[tuple[float, int]] = []
+    done: list[float] = []
+
+    def pull():
+        req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=10)
+        header, _ = b.client.pull(req, on_entry=lambda h, i, p: got.append((time.monotonic(), len(p))))
+        done.append(time.monotonic())
+        return header
+
+    puller = threading.Thread(target=lambda: done.append(pull()))
+    puller.start()
+    time.sleep(0.2)  # b waits in its long-poll
+    pushed = time.monotonic()
+    b.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)  # the round closes
+    puller.join(30)
+    assert saves and len(got) == len(SHAPES) and len(done) == 2
+    header = done[1]
+    assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1 and header.tentative
+    # Every entry was in well before the save ended, the pull returned only after it.
+    assert max(t for t, _ in got) < saves[0] - 0.5 * SAVE_SECONDS
+    assert done[0] >= saves[0] and done[0] - pushed < SAVE_SECONDS + 2.0
+    assert srv.server.state.round == 1
+    # A second island asking now gets the published update, not a tentative one.
+    header, payloads = a.pull(0)
+    assert header.round == 1 and not header.tentative and len(payloads) == len(SHAPES)
+
+
+def test_a_failed_save_ends_the_stream_unconfirmed_and_later_pulls_wait(
+    start_server, raw_island, transport, tmp_path, monkeypatch
+):
+    srv, a, b = _round_zero(start_server, raw_island, transport, tmp_path)
+    fail = threading.Event()
+    fail.set()
+    _slow_save(monkeypatch, [], fail)
+    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
+    b.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)  # the round closes, its save fails
+    applied = []
+    req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=10)
+    with pytest.raises(PartialUpdate, match="broke after 2 entries"):
+        b.client.pull(req, on_entry=lambda h, i, p: applied.append(i))
+    assert applied == [0, 1]  # applied to its θ_start, never installed: the island pulls the full θ next
+    assert srv.server.state.round == 0
+    header, _ = a.pull(0, wait_seconds=0.5)  # while saving fails, pulls wait as before
+    assert header.kind == pb.UPDATE_KIND_NOT_READY and not header.tentative
+    fail.clear()
+    header, payloads = a.pull(0, wait_seconds=20)
+    assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1 and len(payloads) == len(SHAPES)
+
+
+def test_a_slow_save_ends_the_stream_unconfirmed_after_the_wait(
+    start_server, raw_island, transport, tmp_path, monkeypatch
+):
+    srv, a, b = _round_zero(start_server, raw_island, transport, tmp_path)
+    monkeypatch.setattr(pulls, "DURABLE_WAIT_SECONDS", 0.3)
+    _slow_save(monkeypatch, [], seconds=3.0)
+    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
+    b.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
+    req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=10)
+    with pytest.raises(PartialUpdate):
+        b.client.pull(req, on_entry=lambda h, i, p: None)
+    header, _ = b.pull(-1, wait_seconds=5)  # the island's resync: the full θ, of the round now saved
+    assert header.kind == pb.UPDATE_KIND_FULL and header.round == srv.server.state.round
