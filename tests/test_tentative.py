@@ -117,3 +117,42 @@ def test_a_slow_save_ends_the_stream_unconfirmed_after_the_wait(
         b.client.pull(req, on_entry=lambda h, i, p: None)
     header, _ = b.pull(-1, wait_seconds=5)  # the island's resync: the full θ, of the round now saved
     assert header.kind == pb.UPDATE_KIND_FULL and header.round == srv.server.state.round
+
+
+def test_the_update_streams_while_the_outer_step_makes_it(start_server, raw_island, transport, tmp_path, monkeypatch):
+    """Each tensor of the update is sent as soon as the outer step has made it: the island has the
+    first one while the step still works on the second."""
+    from atoll.coordinator import model as global_model
+
+    real_step = global_model.outer_step_
+    made_at: dict[str, float] = {}
+
+    def slow_step(*args, made=None, **kwargs):
+        def made_slowly(name, payload):
+            made(name, payload)
+            made_at[name] = time.monotonic()
+            time.sleep(0.5)  # the rest of this tensor's work, and the next tensor's
+
+        return real_step(*args, made=None if made is None else made_slowly, **kwargs)
+
+    monkeypatch.setattr(global_model, "outer_step_", slow_step)
+    srv, a, b = _round_zero(start_server, raw_island, transport, tmp_path)
+    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
+    got: dict[int, float] = {}
+    data: dict[int, bytes] = {}
+
+    def on_entry(header, i, payload):
+        got[i], data[i] = time.monotonic(), bytes(payload)
+
+    req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=10)
+    puller = threading.Thread(target=lambda: b.client.pull(req, on_entry=on_entry))
+    puller.start()
+    time.sleep(0.2)  # b waits in its long-poll
+    b.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)  # the round closes
+    puller.join(30)
+    assert set(made_at) == set(SHAPES) and sorted(got) == [0, 1]
+    first, last = min(made_at.values()), max(made_at.values())
+    assert got[0] < last - 0.2  # in before the step made the last tensor
+    assert got[0] >= first and got[1] >= last
+    header, payloads = a.pull(0)  # the published update: the very bytes b was streamed
+    assert header.round == 1 and [bytes(p) for _, p in payloads] == [data[0], data[1]]

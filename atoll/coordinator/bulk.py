@@ -179,6 +179,8 @@ class BulkServer:
             if not conn.timed_out:
                 raise
             log.info("bulk port: no progress for %gs; connection closed", self.idle_seconds)
+        except Exception:  # a handler's failure ends its call (the client sees a broken stream), not the port
+            log.exception("bulk port: a call failed")
         finally:
             watchdog.cancel()
             conn.sock.close()

@@ -15,7 +15,8 @@ Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`mes
 round take ONE path: :meth:`RunState.seal` -> :meth:`RunState.try_publish` (make it durable, then
 publish): θ_0 as a snapshot, a round as its log record (:mod:`atoll.coordinator.wal`); the optimizer
 state and the snapshots every ``snapshot_every`` rounds are written after the publish, in the
-background.
+background. Waiting pulls get a round's update while its step makes it and its record is written,
+and their confirmation once it is published (:meth:`Pulls._tentative`).
 
 Locking rule. Every piece of run state is read and written on the event loop, so a synchronous
 method (join, heartbeat, leave, evict, set_operational, planning a push, a pull's bookkeeping) runs
@@ -357,10 +358,15 @@ class RunState:
             self.downlink.release_latest()  # its room goes to θ_{r+1}
             await asyncio.to_thread(self.checkpoints.wait)  # the step changes what it may still write
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
-            params, payloads = await asyncio.to_thread(self.model.step, sums, acc.weight_total(), robust_grads)
+            summary, weight = acc.record(), acc.weight_total()
+            made = self.ledger.produce(r, self.model.update_sizes(), summary["loss"])  # pulls stream it as made
+            try:
+                params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made)
+            finally:
+                self.ledger.produced()
             record = {
                 "round": r,
-                **acc.record(),
+                **summary,
                 "states": self.states(),
                 "bytes_out_per_island": sum(len(p) for p in payloads.values()),
                 "reason": reason,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from atoll.coordinator.goodput import tokens_per_step
+from atoll.coordinator.messages import PayloadEntry
 
 SAVE_RETRY_SECONDS = (0.5, 30.0)
 """First wait after a failed save, and the cap of its doubling."""
@@ -37,6 +39,44 @@ class Sealed:
     failures: int = 0
 
 
+class Producing:
+    """A round's outer update while the outer step makes it, tensor by tensor (in a worker thread):
+    pulls send each payload as soon as it is final, the step's time overlapping the transfer."""
+
+    def __init__(self, round_: int, sizes: dict[str, int], loss: float | None) -> None:
+        self.round = round_
+        self.loss = loss
+        """The round's loss (the islands' mean), for the pulls' headers."""
+        self.sizes = sizes
+        """Each tensor's payload bytes (declared in the pull's header before it exists)."""
+        self.payloads: dict[str, bytearray] = {}
+        self._loop = asyncio.get_running_loop()
+        self._made = {name: asyncio.Event() for name in sizes}
+
+    def made(self, name: str, payload: bytearray) -> None:
+        """From the step's thread: ``name``'s payload is final."""
+        if len(payload) != self.sizes[name]:  # pragma: no cover - a codec that misstates its size
+            raise AssertionError(f"{name}: {len(payload)} bytes made, {self.sizes[name]} declared")
+        self.payloads[name] = payload
+        self._loop.call_soon_threadsafe(self._made[name].set)
+
+    def fail(self) -> None:
+        """The step ended: streams still waiting for a tensor it did not make end."""
+        for event in self._made.values():
+            event.set()
+
+    def entries(self, regions) -> list[PayloadEntry]:
+        """A pull's entries of whole tensors (``regions``: (name, None) pairs), each sent once made."""
+        return [PayloadEntry(name, None, self.sizes[name], None, partial(self.payload, name)) for name, _ in regions]
+
+    async def payload(self, name: str) -> bytearray:
+        """``name``'s payload, once it is made."""
+        await self._made[name].wait()
+        if name not in self.payloads:
+            raise RuntimeError(f"the outer step of round {self.round} failed before {name}")
+        return self.payloads[name]
+
+
 class Ledger:
     def __init__(self, now: float) -> None:
         self.round = 0
@@ -45,8 +85,10 @@ class Ledger:
         self.history: list[dict] = []
         """One record per closed round."""
         self.sealed: Sealed | None = None
+        self.producing: Producing | None = None
+        """The open round's update while its outer step makes it (then it is sealed)."""
         self.round_changed = asyncio.Event()
-        """Set (and replaced) when a round is published: wakes the long-polls."""
+        """Set (and replaced) when a round is sealed or published, or its step starts: wakes the long-polls."""
         self.poke = asyncio.Event()
         """Set when anything the decider looks at changed."""
 
@@ -87,9 +129,24 @@ class Ledger:
     def seal(self, sealed: Sealed) -> None:
         """A round's θ is computed (it takes no more pushes and waits to be saved): the long-polls
         waiting for it stream its update now, tentatively (confirmed once it is saved)."""
-        self.sealed = sealed
+        self.sealed, self.producing = sealed, None
         if sealed.payloads is not None:
             self.wake()
+
+    def produce(self, round_: int, sizes: dict[str, int] | None, loss: float | None):
+        """The open round's outer step starts: the long-polls stream its update as it is made. Returns
+        the step's ``made(name, payload)`` (None when the codec cannot say its sizes beforehand)."""
+        if sizes is None:
+            return None
+        self.producing = Producing(round_, sizes, loss)
+        self.wake()
+        return self.producing.made
+
+    def produced(self) -> None:
+        """The step ended (sealed, or it failed: the streams waiting for a tensor end)."""
+        if self.producing is not None:
+            self.producing.fail()
+            self.producing = None
 
     def wake(self) -> None:
         """Wake the long-polls (``round_changed`` is set and replaced)."""

@@ -146,6 +146,8 @@ class PayloadEntry:
     region: Region | None
     num_bytes: int
     data: bytes | bytearray | memoryview | Callable[[], object]
+    made: Callable[[], Awaitable[object]] | None = None
+    """Awaited for the payload instead of ``data``: it is still being made (the outer step streams it)."""
 
     def payload(self):
         return self.data() if callable(self.data) else self.data

@@ -47,6 +47,13 @@ class GlobalModel:
         """θ_0 is published: the run has parameters."""
         return self.params is not None
 
+    def update_sizes(self) -> dict[str, int] | None:
+        """Each tensor's encoded outer update size, known before the step (None: the codec cannot say)."""
+        try:
+            return {name: self.downlink.encoded_size(shape) for name, shape in self.specs.items()}
+        except NotImplementedError:
+            return None
+
     @property
     def fp32_bytes(self) -> int:
         return 4 * sum(math.prod(s) for s in self.specs.values())
@@ -105,10 +112,12 @@ class GlobalModel:
         sums: dict[str, torch.Tensor],
         weight_total: float,
         robust_grads: dict[str, torch.Tensor] | None = None,
+        made=None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray]]:
         """θ_{r+1} and the encoded outer update, from a round's Σ w_i Δ_i (``sums``, which becomes
         θ_{r+1}: no second copy of the model) or its robust aggregate; θ_r and the optimizer's
-        momentum advance only here. See :func:`atoll.coordinator.outer.outer_step_`."""
+        momentum advance only here. ``made(name, payload)``: each tensor's payload as soon as it is
+        final. See :func:`atoll.coordinator.outer.outer_step_`."""
         payloads = outer_step_(
             sums,
             self.params,
@@ -120,6 +129,7 @@ class GlobalModel:
             downlink_state=self._downlink_state,
             robust_grads=robust_grads,
             spares=self._spares,
+            made=made,
         )
         self._spares = dict(payloads)
         return sums, payloads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -77,6 +78,7 @@ def outer_step_(
     downlink_state: dict[str, dict],
     robust_grads: dict[str, torch.Tensor] | None = None,
     spares: dict[str, bytearray] | None = None,
+    made: Callable[[str, bytearray], None] | None = None,
 ) -> dict[str, bytearray]:
     """θ_{r+1} = θ_r + decode(encode(u + e)), tensor by tensor, in place in ``accum`` (which ends up
     holding θ_{r+1}): besides θ, momentum and the accumulator, only one tensor's temporaries.
@@ -87,6 +89,7 @@ def outer_step_(
     keeps e, the error it made (downlink error feedback). Returns the encoded update per tensor:
     what islands add to θ_r is exactly what was added here. ``spares``: last round's payloads, each
     reused as this round's buffer when nothing else holds it any more (see :func:`spare`).
+    ``made(name, payload)``: called as each tensor's payload is final (pulls stream it meanwhile).
     """
     payloads = {}
     for name, acc in accum.items():
@@ -101,10 +104,14 @@ def outer_step_(
         if downlink.lossy:
             acc.add_(downlink_ef[name])
             payloads[name] = downlink.encode(acc, downlink_state.setdefault(name, {}), out=spare(spares, name))
+            if made is not None:
+                made(name, payloads[name])
             downlink_ef[name].copy_(acc)
             downlink.decode_into(payloads[name], acc)  # what islands add: decode(u + e), no temporary
             downlink_ef[name].sub_(acc)
         else:
             payloads[name] = downlink.encode(acc, out=spare(spares, name))
+            if made is not None:
+                made(name, payloads[name])
         acc.add_(params[name])
     return payloads

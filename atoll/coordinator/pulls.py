@@ -68,9 +68,12 @@ class Pulls:
         round_, params = ledger.round, model.params
         latest = dict(latest_round=round_, run_complete=ledger.complete(c.total_rounds))
         if req.have_round == round_:
-            sealed = ledger.sealed
+            sealed, producing = ledger.sealed, ledger.producing
             if sealed is not None and sealed.round == round_ and sealed.payloads is not None and not sealed.failures:
-                return self._tentative(req.island_id, sealed, regions)
+                entries = Downlink.entries_of(sealed.payloads, regions, model.specs)
+                return self._tentative(req.island_id, round_, entries, sealed.record["loss"])
+            if producing is not None and producing.round == round_ and all(r is None for _, r in regions):
+                return self._tentative(req.island_id, round_, producing.entries(regions), producing.loss)
             committed = req.island_id in self.accumulator.committed or (
                 sealed is not None and req.island_id in sealed.islands
             )
@@ -97,17 +100,20 @@ class Pulls:
             **latest,
         )
 
-    def _tentative(self, island_id: str, sealed, regions) -> PullAnswer:
-        """The sealed round's update, streamed while its first save is under way; the stream ends with
-        the confirmation that it is saved and published (:attr:`PullAnswer.durable`), and the island
-        installs nothing before it. So the save's time overlaps the transfer, and still nothing an
-        island holds can be lost by a crash. Once a save has failed, pulls wait (NOT_READY) as before."""
-        c, ledger, r = self._config(), self.ledger, sealed.round
+    def _tentative(self, island_id: str, r: int, entries: list, loss: float | None) -> PullAnswer:
+        """Round ``r``'s update, streamed while the outer step makes it or its first save is under way;
+        the stream ends with the confirmation that it is saved and published
+        (:attr:`PullAnswer.durable`), and the island installs nothing before it. So the step's and the
+        save's time overlap the transfer, and still nothing an island holds can be lost by a crash.
+        Once a save has failed, pulls wait (NOT_READY) as before."""
+        c, ledger = self._config(), self.ledger
 
         async def durable() -> bool:
             deadline = time.monotonic() + DURABLE_WAIT_SECONDS
             while ledger.round <= r:
-                if sealed.failures or (left := deadline - time.monotonic()) <= 0:
+                sealed = ledger.sealed
+                failed = sealed is not None and sealed.round == r and sealed.failures
+                if failed or (left := deadline - time.monotonic()) <= 0:
                     return False  # its save failed (retried; islands wait for it as NOT_READY), or is slow
                 await wait_event(ledger.round_changed, left)
             self.membership.holds(island_id, r + 1)
@@ -118,8 +124,8 @@ class Pulls:
             UpdateKind.DELTA,
             r + 1,
             codec=c.downlink_codec,
-            entries=Downlink.entries_of(sealed.payloads, regions, self.model.specs),
-            loss=sealed.record["loss"],
+            entries=entries,
+            loss=loss,
             latest_round=r + 1,
             run_complete=bool(c.total_rounds) and r + 1 >= c.total_rounds,
             durable=durable,

@@ -411,7 +411,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         yield pb.PullChunk(header=header)
         packer = ChunkPacker()  # small entries share messages
         for entry in answer.entries:
-            parts = await asyncio.to_thread(entry.parts) if callable(entry.data) else entry.parts()
+            if entry.made is not None:
+                parts = [await entry.made()]
+            else:
+                parts = await asyncio.to_thread(entry.parts) if callable(entry.data) else entry.parts()
             size = sum(memoryview(p).nbytes for p in parts)
             if size != entry.num_bytes:  # pragma: no cover - a bug, not an input
                 raise AssertionError(f"entry {entry.name}: {size} bytes, header says {entry.num_bytes}")
