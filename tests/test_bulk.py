@@ -133,6 +133,41 @@ def test_junk_and_silence_are_dropped_and_the_port_keeps_serving(start_server, r
     assert srv.server.counters.bulk_calls == 1 and srv.server.state.model.ready
 
 
+def test_a_trickled_preamble_and_too_many_connections_are_cut_off(start_server, raw_island):
+    """A preamble has a deadline, not an idle limit (a byte now and then does not keep a connection),
+    and connections past the cap are closed as they come; then the port serves as before."""
+    srv = start_server(exact_config(run_id="t", sync_every=1), stream_idle_seconds=1.0)
+    a = raw_island(srv.address, "a", SHAPES)
+    port = a.join().bulk_port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+        started = time.monotonic()
+        closed = False
+        for byte in bulk.PREAMBLE.pack(bulk.MAGIC, bulk.PUSH, 0) * 20:  # one byte every 0.25 s
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.25)
+            if time.monotonic() - started > 4:
+                break
+        assert closed or hung_up(slow)
+        assert time.monotonic() - started < 3.5
+    srv.server.bulk.max_connections = 2
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+    try:
+        time.sleep(0.2)  # both accepted
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
+            started = time.monotonic()
+            assert hung_up(third) and time.monotonic() - started < 0.9  # at once, not at the deadline
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    a.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    assert srv.server.state.model.ready
+
+
 def hung_up(sock: socket.socket) -> bool:
     """The server closed the connection (a reset when it left bytes unread)."""
     try:

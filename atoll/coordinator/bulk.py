@@ -27,6 +27,10 @@ from atoll.protos.rpc import MAX_MESSAGE_BYTES, StreamOverrun
 log = logging.getLogger("atoll.coordinator")
 DRAIN_SECONDS = 10.0
 """How long a refused call's late bytes are read and dropped before its connection is closed."""
+PREAMBLE_SECONDS = 10.0
+"""How long a new connection has to send its preamble (a client sends it at once)."""
+MAX_CONNECTIONS = 1024
+"""Connections served at once; more are closed as they come (each holds a descriptor)."""
 
 
 class Aborted(Exception):
@@ -58,17 +62,21 @@ class Connection:
         self.loop = asyncio.get_running_loop()
         self.since: float | None = None
         """When this connection last made progress while expected to (None: not expected to now)."""
+        self.limit: float | None = None
+        """A deadline in seconds from :meth:`expect`, progress or not (None: the server's idle limit,
+        counted from the last progress)."""
         self.timed_out = False
 
-    def expect(self, expecting: bool = True) -> None:
-        self.since = time.monotonic() if expecting else None
+    def expect(self, expecting: bool = True, limit: float | None = None) -> None:
+        self.since, self.limit = (time.monotonic() if expecting else None), limit
 
     async def recv_into(self, view: memoryview) -> int:
         """Some bytes into ``view`` (at least one); EOFError at the end of the stream."""
         n = await self.loop.sock_recv_into(self.sock, view)
         if n == 0:
             raise EOFError("the peer ended the connection")
-        self.since = time.monotonic()
+        if self.limit is None:
+            self.since = time.monotonic()
         return n
 
     async def recv_exact(self, n: int) -> bytes:
@@ -80,7 +88,8 @@ class Connection:
 
     async def send(self, data) -> None:
         await self.loop.sock_sendall(self.sock, data)
-        self.since = time.monotonic()
+        if self.limit is None:
+            self.since = time.monotonic()
 
 
 class BulkPush:
@@ -126,10 +135,20 @@ class BulkPush:
 class BulkServer:
     """Listens on ``host:port`` (0 picks one) and serves each connection's one call with ``servicer``."""
 
-    def __init__(self, servicer, *, host: str, port: int, tokens: IslandTokens | None, idle_seconds: float) -> None:
+    def __init__(
+        self,
+        servicer,
+        *,
+        host: str,
+        port: int,
+        tokens: IslandTokens | None,
+        idle_seconds: float,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self.servicer = servicer
         self.tokens = tokens
         self.idle_seconds = idle_seconds
+        self.max_connections = max_connections
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self._sock = socket.create_server((host, port), family=family, backlog=256)
         self._sock.setblocking(False)
@@ -157,6 +176,10 @@ class BulkServer:
             except OSError as err:  # out of descriptors, a connection reset before accept
                 log.warning("bulk port: accept failed: %s", err)
                 await asyncio.sleep(0.1)
+                continue
+            if len(self._calls) >= self.max_connections:
+                log.warning("bulk port: %d connections open; closing a new one", len(self._calls))
+                sock.close()
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -197,14 +220,15 @@ class BulkServer:
 
     async def _watch(self, conn: Connection, call: asyncio.Task) -> None:
         while True:
-            await asyncio.sleep(max(self.idle_seconds / 4, 0.05))
-            if conn.since is not None and time.monotonic() - conn.since > self.idle_seconds:
+            await asyncio.sleep(max(min(self.idle_seconds, PREAMBLE_SECONDS) / 4, 0.05))
+            limit = self.idle_seconds if conn.limit is None else conn.limit
+            if conn.since is not None and time.monotonic() - conn.since > limit:
                 conn.timed_out = True
                 call.cancel()
                 return
 
     async def _call(self, conn: Connection) -> None:
-        conn.expect()
+        conn.expect(limit=min(PREAMBLE_SECONDS, self.idle_seconds))
         magic, method, auth_len = bulk.PREAMBLE.unpack(await conn.recv_exact(bulk.PREAMBLE.size))
         if magic != bulk.MAGIC or method not in (bulk.PUSH, bulk.PULL) or auth_len > bulk.MAX_AUTH_BYTES:
             raise ValueError("not an atoll bulk call")

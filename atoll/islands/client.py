@@ -206,13 +206,15 @@ class CoordinatorClient:
     def _on_bulk(self, what: str, attempt: Callable[[BulkClient], T]) -> T | None:
         """``attempt`` on the bulk port, retried like any call; None when there is no bulk port (or
         it cannot be reached: it is then dropped until the next Join, and the caller uses gRPC)."""
-        if self.bulk is None:
+        bulk = self.bulk  # a re-join (the heartbeat thread) may replace it meanwhile
+        if bulk is None:
             return None
         try:
-            return self.call(what, lambda: attempt(self.bulk))
+            return self.call(what, lambda: attempt(bulk))
         except BulkUnreachable as err:
-            log.warning("%s: %s; pushing and pulling over gRPC from now on", what, err)
-            self.bulk = None
+            log.warning("%s: %s; pushing and pulling over gRPC until the next join", what, err)
+            if self.bulk is bulk:
+                self.bulk = None
             return None
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
@@ -229,11 +231,13 @@ class CoordinatorClient:
         """One attempt at a push whose data chunks the caller cuts (:func:`~atoll.protos.rpc.data_chunks`
         of its payloads): no retry. What :meth:`push` does below its retries and streaming."""
         total = sum(e.num_bytes for e in header.entries)
-        if self.bulk is not None:
+        bulk = self.bulk
+        if bulk is not None:
             try:
-                resp = self.bulk.push(header, (p for c in chunks for p in ([c.view] if c.parts is None else c.parts)))
+                resp = bulk.push(header, (p for c in chunks for p in ([c.view] if c.parts is None else c.parts)))
             except BulkUnreachable:
-                self.bulk = None
+                if self.bulk is bulk:
+                    self.bulk = None
             else:
                 self.bytes_sent += total + header.ByteSize()
                 return resp
