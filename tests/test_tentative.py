@@ -156,3 +156,48 @@ def test_the_update_streams_while_the_outer_step_makes_it(start_server, raw_isla
     assert got[0] >= first and got[1] >= last
     header, payloads = a.pull(0)  # the published update: the very bytes b was streamed
     assert header.round == 1 and [bytes(p) for _, p in payloads] == [data[0], data[1]]
+
+
+def test_a_blocked_island_loads_each_tensor_as_it_arrives(start_server, monkeypatch):
+    """A sync island has no progress to keep while it waits: each parameter takes its new θ as soon
+    as its entry is applied, while the coordinator still makes the next ones (it was all loaded at
+    the end, after the stream). The end state is the same θ_1 bit for bit."""
+    from conftest import inner_step
+    from small_island import H, batches, config, island
+
+    from atoll.coordinator import model as global_model
+
+    real_step = global_model.outer_step_
+    made_at: dict[str, float] = {}
+
+    def slow_step(*args, made=None, **kwargs):
+        def made_slowly(name, payload):
+            made(name, payload)
+            made_at[name] = time.monotonic()
+            time.sleep(0.5)
+
+        return real_step(*args, made=None if made is None else made_slowly, **kwargs)
+
+    monkeypatch.setattr(global_model, "outer_step_", slow_step)
+    srv = start_server(config())
+    model, opt, sync = island(srv.address)
+    sync.start()
+    names = srv.inspect(lambda st: list(st.model.specs))
+    seen: dict[str, torch.Tensor] = {}
+
+    def watch():
+        while len(made_at) < len(names):
+            time.sleep(0.01)
+        time.sleep(0.25)  # the last tensor is made: the step still has 0.25 s to go
+        seen.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    for b in batches(H):
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    watcher.join(30)
+    theta1 = srv.inspect(lambda st: {k: v.clone() for k, v in st.model.params.items()})
+    assert len(names) > 1 and seen
+    assert all(torch.equal(seen[k], theta1[k]) for k in names)  # loaded while the step still ran
+    assert all(torch.equal(v, theta1[k]) for k, v in model.state_dict().items())
+    sync.close()

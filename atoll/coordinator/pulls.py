@@ -63,17 +63,16 @@ class Pulls:
             checks.same_model(model.specs, checks.tensors(rec.tensors), model.buffers, checks.buffers_of(rec.tensors))
         regions = checks.regions(req.regions, model.specs)
         if req.have_round == ledger.round and not ledger.complete(c.total_rounds):
+            if (answer := self._streaming(req, regions)) is not None:
+                return answer  # the step or the save of the round it waits for is under way
             await wait_event(ledger.round_changed, wait)
             self.membership.touch(req.island_id, req.session_id)
         round_, params = ledger.round, model.params
         latest = dict(latest_round=round_, run_complete=ledger.complete(c.total_rounds))
         if req.have_round == round_:
-            sealed, producing = ledger.sealed, ledger.producing
-            if sealed is not None and sealed.round == round_ and sealed.payloads is not None and not sealed.failures:
-                entries = Downlink.entries_of(sealed.payloads, regions, model.specs)
-                return self._tentative(req.island_id, round_, entries, sealed.record["loss"])
-            if producing is not None and producing.round == round_ and all(r is None for _, r in regions):
-                return self._tentative(req.island_id, round_, producing.entries(regions), producing.loss)
+            if (answer := self._streaming(req, regions)) is not None:
+                return answer
+            sealed = ledger.sealed
             committed = req.island_id in self.accumulator.committed or (
                 sealed is not None and req.island_id in sealed.islands
             )
@@ -99,6 +98,17 @@ class Pulls:
             loss=ledger.loss_of(round_ - 1),
             **latest,
         )
+
+    def _streaming(self, req: PullRequest, regions) -> PullAnswer | None:
+        """A tentative answer for an island holding θ of the open round, if that round's update is
+        being made (whole tensors only) or saved for the first time; None otherwise."""
+        sealed, producing, r = self.ledger.sealed, self.ledger.producing, self.ledger.round
+        if sealed is not None and sealed.round == r and sealed.payloads is not None and not sealed.failures:
+            entries = Downlink.entries_of(sealed.payloads, regions, self.model.specs)
+            return self._tentative(req.island_id, r, entries, sealed.record["loss"])
+        if producing is not None and producing.round == r and all(region is None for _, region in regions):
+            return self._tentative(req.island_id, r, producing.entries(regions), producing.loss)
+        return None
 
     def _tentative(self, island_id: str, r: int, entries: list, loss: float | None) -> PullAnswer:
         """Round ``r``'s update, streamed while the outer step makes it or its first save is under way;
