@@ -1,6 +1,6 @@
-"""A round's update streams to the islands while its log record is being written, and they install it
-only once the stream confirms the round saved: the save's time overlaps the transfer, and nothing an
-island holds can be lost by a crash."""
+"""A round's update streams to the islands while the outer step makes it and its log record is being
+written, and their pulls return only once the stream confirms the round saved: the step's and the
+save's time overlap the transfer, and an island ends every pull at a θ the coordinator can rebuild."""
 
 from __future__ import annotations
 
@@ -119,9 +119,8 @@ def test_a_slow_save_ends_the_stream_unconfirmed_after_the_wait(
     assert header.kind == pb.UPDATE_KIND_FULL and header.round == srv.server.state.round
 
 
-def test_the_update_streams_while_the_outer_step_makes_it(start_server, raw_island, transport, tmp_path, monkeypatch):
-    """Each tensor of the update is sent as soon as the outer step has made it: the island has the
-    first one while the step still works on the second."""
+def _slow_outer_step(monkeypatch) -> dict[str, float]:
+    """The outer step takes 0.5 s after making each tensor's payload; returns when each was made."""
     from atoll.coordinator import model as global_model
 
     real_step = global_model.outer_step_
@@ -129,13 +128,20 @@ def test_the_update_streams_while_the_outer_step_makes_it(start_server, raw_isla
 
     def slow_step(*args, made=None, **kwargs):
         def made_slowly(name, payload):
+            made_at[name] = time.monotonic()  # before it can be sent
             made(name, payload)
-            made_at[name] = time.monotonic()
             time.sleep(0.5)  # the rest of this tensor's work, and the next tensor's
 
         return real_step(*args, made=None if made is None else made_slowly, **kwargs)
 
     monkeypatch.setattr(global_model, "outer_step_", slow_step)
+    return made_at
+
+
+def test_the_update_streams_while_the_outer_step_makes_it(start_server, raw_island, transport, tmp_path, monkeypatch):
+    """Each tensor of the update is sent as soon as the outer step has made it: the island has the
+    first one while the step still works on the second."""
+    made_at = _slow_outer_step(monkeypatch)
     srv, a, b = _round_zero(start_server, raw_island, transport, tmp_path)
     a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
     got: dict[int, float] = {}
@@ -165,20 +171,7 @@ def test_a_blocked_island_loads_each_tensor_as_it_arrives(start_server, monkeypa
     from conftest import inner_step
     from small_island import H, batches, config, island
 
-    from atoll.coordinator import model as global_model
-
-    real_step = global_model.outer_step_
-    made_at: dict[str, float] = {}
-
-    def slow_step(*args, made=None, **kwargs):
-        def made_slowly(name, payload):
-            made(name, payload)
-            made_at[name] = time.monotonic()
-            time.sleep(0.5)
-
-        return real_step(*args, made=None if made is None else made_slowly, **kwargs)
-
-    monkeypatch.setattr(global_model, "outer_step_", slow_step)
+    made_at = _slow_outer_step(monkeypatch)
     srv = start_server(config())
     model, opt, sync = island(srv.address)
     sync.start()

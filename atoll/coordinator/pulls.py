@@ -113,8 +113,9 @@ class Pulls:
     def _tentative(self, island_id: str, r: int, entries: list, loss: float | None) -> PullAnswer:
         """Round ``r``'s update, streamed while the outer step makes it or its first save is under way;
         the stream ends with the confirmation that it is saved and published
-        (:attr:`PullAnswer.durable`), and the island installs nothing before it. So the step's and the
-        save's time overlap the transfer, and still nothing an island holds can be lost by a crash.
+        (:attr:`PullAnswer.durable`), and an island's pull returns only after it (one that ends without it
+        is a broken update: the island pulls the full θ). So the step's and the save's time overlap
+        the transfer, and still an island ends every pull at a θ the coordinator can rebuild.
         Once a save has failed, pulls wait (NOT_READY) as before."""
         c, ledger = self._config(), self.ledger
 

@@ -130,6 +130,14 @@ class BulkClient:
             sock.close()
 
 
+def encoded(header: pb.PushHeader, encode: Callable[[int], object], i: int):
+    """Entry i's payload from ``encode``, of the size the header declares (ProtocolError if not)."""
+    payload, entry = encode(i), header.entries[i]
+    if len(payload) != entry.num_bytes:
+        raise ProtocolError(f"entry {entry.name}: {len(payload)} bytes encoded, header declares {entry.num_bytes}")
+    return payload
+
+
 def _answered(sock: socket.socket) -> bool:
     """The server has answered already (a refusal part way through the data): stop sending."""
     poller = select.poll()  # not select(): descriptors past 1024
@@ -163,14 +171,10 @@ def _send_encoded(sock: socket.socket, header: pb.PushHeader, encode: Callable[[
     sender = threading.Thread(target=send, name="atoll-bulk-send", daemon=True)
     sender.start()
     try:
-        for i, entry in enumerate(header.entries):
+        for i in range(len(header.entries)):
             if failed:
                 break  # the answer says why
-            payload = encode(i)
-            if len(payload) != entry.num_bytes:
-                raise ProtocolError(
-                    f"entry {entry.name}: {len(payload)} bytes encoded, header declares {entry.num_bytes}"
-                )
+            payload = encoded(header, encode, i)
             ready.put(payload)
             del payload
     except BaseException:

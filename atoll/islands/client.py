@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import grpc
 
-from atoll.islands.bulk import BulkClient, BulkUnreachable
+from atoll.islands.bulk import BulkClient, BulkUnreachable, encoded
 from atoll.islands.errors import PartialUpdate, ProtocolError
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
@@ -276,14 +276,10 @@ class CoordinatorClient:
 
             call = self._push_call.future(chunks(), timeout=self._timeout(total), metadata=self._metadata)
             try:
-                for i, entry in enumerate(header.entries):
+                for i in range(len(header.entries)):
                     if not _acquire(alive, call):
                         break  # answered before reading everything (a duplicate, a closed round)
-                    payload = payloads(i)
-                    if len(payload) != entry.num_bytes:
-                        raise ProtocolError(
-                            f"entry {entry.name}: {len(payload)} bytes encoded, header declares {entry.num_bytes}"
-                        )
+                    payload = encoded(header, payloads, i)
                     ready.put(payload)
                     del payload
                 ready.put(None)
