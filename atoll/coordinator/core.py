@@ -359,11 +359,8 @@ class RunState:
             await asyncio.to_thread(self.checkpoints.wait)  # the step changes what it may still write
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             summary, weight = acc.record(), acc.weight_total()
-            made = self.ledger.produce(r, self.model.update_sizes(), summary["loss"])  # pulls stream it as made
-            try:
+            with self.ledger.producing_step(r, self.model.update_sizes(), summary["loss"]) as made:
                 params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made)
-            finally:
-                self.ledger.produced()
             record = {
                 "round": r,
                 **summary,

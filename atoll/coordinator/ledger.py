@@ -8,6 +8,8 @@ pushes and pulls read it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -60,8 +62,8 @@ class Producing:
         self.payloads[name] = payload
         self._loop.call_soon_threadsafe(self._made[name].set)
 
-    def fail(self) -> None:
-        """The step ended: streams still waiting for a tensor it did not make end."""
+    def end(self) -> None:
+        """The step ended: streams still waiting for a tensor it did not make (it failed) end."""
         for event in self._made.values():
             event.set()
 
@@ -129,23 +131,25 @@ class Ledger:
     def seal(self, sealed: Sealed) -> None:
         """A round's θ is computed (it takes no more pushes and waits to be saved): the long-polls
         waiting for it stream its update now, tentatively (confirmed once it is saved)."""
-        self.sealed, self.producing = sealed, None
+        self.sealed = sealed
         if sealed.payloads is not None:
             self.wake()
 
-    def produce(self, round_: int, sizes: dict[str, int] | None, loss: float | None):
-        """The open round's outer step starts: the long-polls stream its update as it is made. Returns
-        the step's ``made(name, payload)`` (None when the codec cannot say its sizes beforehand)."""
+    @contextlib.contextmanager
+    def producing_step(
+        self, round_: int, sizes: dict[str, int] | None, loss: float | None
+    ) -> Iterator[Callable[[str, bytearray], None] | None]:
+        """While the open round's outer step runs: the long-polls stream its update as it is made.
+        Gives the step's ``made(name, payload)`` (None when the codec cannot say its sizes beforehand)."""
         if sizes is None:
-            return None
+            yield None
+            return
         self.producing = Producing(round_, sizes, loss)
         self.wake()
-        return self.producing.made
-
-    def produced(self) -> None:
-        """The step ended (sealed, or it failed: the streams waiting for a tensor end)."""
-        if self.producing is not None:
-            self.producing.fail()
+        try:
+            yield self.producing.made
+        finally:
+            self.producing.end()
             self.producing = None
 
     def wake(self) -> None:

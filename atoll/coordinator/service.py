@@ -330,15 +330,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         try:
             fill = getattr(it, "fill", None)  # the bulk port's stream writes straight into the entries
             if fill is not None:
-                try:
-                    await fill(assembler, lambda complete: self._take(plan, complete, payloads))
-                except StreamOverrun as err:
-                    raise invalid(str(err)) from None
+                await fill(assembler, lambda complete: self._take(plan, complete, payloads))
                 return self._finish(plan, assembler, payloads)
             return await self._read(plan, it, reservation, assembler, payloads)
-        except BaseException:
+        except BaseException as err:
             assembler.discard()  # a refused or broken stream: its bytes go now, not with its traceback
             payloads.clear()
+            if isinstance(err, StreamOverrun):  # more bytes than declared, on either transport
+                raise invalid(str(err)) from None
             raise
 
     async def _check(self, plan, complete: list) -> None:
@@ -362,10 +361,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 data = memoryview(chunk.data)
             else:
                 raise invalid("a push stream has one header, then data chunks")
-            try:
-                complete = assembler.feed(data)
-            except StreamOverrun as err:
-                raise invalid(str(err)) from None
+            complete = assembler.feed(data)
             if complete:
                 await self._take(plan, complete, payloads)
         return self._finish(plan, assembler, payloads)

@@ -203,14 +203,15 @@ class CoordinatorClient:
             self.bulk = BulkClient(host, resp.bulk_port, auth=self._auth, timeout=self.retry.rpc_timeout_seconds)
         return resp
 
-    def _on_bulk(self, what: str, attempt: Callable[[BulkClient], T]) -> T | None:
-        """``attempt`` on the bulk port, retried like any call; None when there is no bulk port (or
-        it cannot be reached: it is then dropped until the next Join, and the caller uses gRPC)."""
+    def _on_bulk(self, what: str, attempt: Callable[[BulkClient], T], *, retried: bool = True) -> T | None:
+        """``attempt`` on the bulk port, retried like any call (``retried``); None when there is no
+        bulk port (or it cannot be reached: it is then dropped until the next Join, and the caller
+        uses gRPC)."""
         bulk = self.bulk  # a re-join (the heartbeat thread) may replace it meanwhile
         if bulk is None:
             return None
         try:
-            return self.call(what, lambda: attempt(bulk))
+            return self.call(what, lambda: attempt(bulk)) if retried else attempt(bulk)
         except BulkUnreachable as err:
             log.warning("%s: %s; pushing and pulling over gRPC until the next join", what, err)
             if self.bulk is bulk:
@@ -231,16 +232,11 @@ class CoordinatorClient:
         """One attempt at a push whose data chunks the caller cuts (:func:`~atoll.protos.rpc.data_chunks`
         of its payloads): no retry. What :meth:`push` does below its retries and streaming."""
         total = sum(e.num_bytes for e in header.entries)
-        bulk = self.bulk
-        if bulk is not None:
-            try:
-                resp = bulk.push(header, (p for c in chunks for p in ([c.view] if c.parts is None else c.parts)))
-            except BulkUnreachable:
-                if self.bulk is bulk:
-                    self.bulk = None
-            else:
-                self.bytes_sent += total + header.ByteSize()
-                return resp
+        pieces = (p for c in chunks for p in ([c.view] if c.parts is None else c.parts))
+        resp = self._on_bulk("PushDelta", lambda port: port.push(header, pieces), retried=False)
+        if resp is not None:
+            self.bytes_sent += total + header.ByteSize()
+            return resp
         messages = itertools.chain([pb.PushChunk(header=header)], chunks)
         resp = self._push_call(messages, timeout=self._timeout(total), metadata=self._metadata)
         self.bytes_sent += total + header.ByteSize()
