@@ -164,33 +164,31 @@ def test_the_update_streams_while_the_outer_step_makes_it(start_server, raw_isla
     assert header.round == 1 and [bytes(p) for _, p in payloads] == [data[0], data[1]]
 
 
-def test_a_blocked_island_loads_each_tensor_as_it_arrives(start_server, monkeypatch):
-    """A sync island has no progress to keep while it waits: each parameter takes its new θ as soon
-    as its entry is applied, while the coordinator still makes the next ones (it was all loaded at
-    the end, after the stream). The end state is the same θ_1 bit for bit."""
+def test_an_island_whose_tentative_update_breaks_waits_for_the_round_again(start_server, monkeypatch):
+    """The round's first save fails while its update streams: the stream ends unconfirmed, the island
+    pulls the full θ, which is still θ_0 (the round was not published), and waits on for round 0
+    instead of training on from θ_0 with its push's work gone. It ends at θ_1, bit for bit the
+    coordinator's, having pushed once."""
     from conftest import inner_step
     from small_island import H, batches, config, island
 
-    made_at = _slow_outer_step(monkeypatch)
+    real = wal.append
+    failed = []
+
+    def append(*args, **kwargs):
+        if not failed:
+            failed.append(1)
+            time.sleep(0.5)  # the update is on its way meanwhile
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wal, "append", append)
     srv = start_server(config())
     model, opt, sync = island(srv.address)
     sync.start()
-    names = srv.inspect(lambda st: list(st.model.specs))
-    seen: dict[str, torch.Tensor] = {}
-
-    def watch():
-        while len(made_at) < len(names):
-            time.sleep(0.01)
-        time.sleep(0.25)  # the last tensor is made: the step still has 0.25 s to go
-        seen.update({k: v.detach().clone() for k, v in model.state_dict().items()})
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     for b in batches(H):
         sync.step(tokens=32, loss=inner_step(model, opt, b))
-    watcher.join(30)
     theta1 = srv.inspect(lambda st: {k: v.clone() for k, v in st.model.params.items()})
-    assert len(names) > 1 and seen
-    assert all(torch.equal(seen[k], theta1[k]) for k in names)  # loaded while the step still ran
+    assert failed and srv.server.state.round == 1 and sync.rounds_pushed == 1
     assert all(torch.equal(v, theta1[k]) for k, v in model.state_dict().items())
     sync.close()

@@ -80,8 +80,6 @@ class Flight:
     thread: threading.Thread | None = None
     ready: Callable[[], object] | None = None
     """Waited for before the first push (``before_push``'s answer: a checkpoint being written)."""
-    loaded: set[int] = field(default_factory=set)
-    """Links whose parameters took their update entry by entry as it arrived (nothing left to load)."""
 
     def source(self, link: int):
         """What to push for a link: its payloads, or an encoder that makes them one at a time."""
@@ -270,11 +268,10 @@ class Exchanges:
                 # In the background (overlap) updates are kept and applied by the training thread; on
                 # the training thread they are applied entry by entry as they arrive.
                 buffered = flight.thread is not None
-                load_now = not (buffered or flight.merge or dropped)  # no local progress to keep
                 flight.result = sessions[i].pull_until_ready(
                     header.round,
                     on_update=(lambda h, pl, i=i: flight.updates.append((i, h, pl))) if buffered else None,
-                    on_entry=None if buffered else routes.entry_applier(i, flight.loaded if load_now else None),
+                    on_entry=None if buffered else routes.entry_applier(i),
                     repush=None if dropped else (lambda i=i, h=header: (h, flight.source(i))),
                     cancel=routes.link.stopping,
                 )
@@ -298,8 +295,7 @@ class Exchanges:
         for i in flight.links:
             dropped = flight.outcomes.get(i) == pb.PUSH_OUTCOME_ROUND_CLOSED
             self.routes.apply_all(i, by_link.get(i, []))
-            if i not in flight.loaded:
-                self.routes.load_params(i, merge=flight.merge or dropped)
+            self.routes.load_params(i, merge=flight.merge or dropped)
             if dropped:  # what the push said it covers (also for a flight restored from a checkpoint)
                 h = headers[i]
                 self.schedule.links[i].carry(h.inner_steps, h.tokens, h.compute_seconds)

@@ -204,12 +204,8 @@ class Routes:
         """Payload bytes of the link's owned pseudo-gradients, known before encoding."""
         return [self.codec.encoded_size(s.sizes) for s in self.owned(index)]
 
-    def entry_applier(self, index: int, loaded: set[int] | None = None):
-        """``on_entry(header, i, payload)``: apply one pulled entry to its shard as soon as it arrives.
-        ``loaded``: also write the shard's new θ_start into its parameter at once (no local progress
-        to keep), and add ``index`` to the set; the load then overlaps the rest of the stream. The
-        parameter may so hold a θ whose round is not yet confirmed saved: an island that does this is
-        blocked in the pull, and if the stream breaks it pulls the full θ and loads that instead."""
+    def entry_applier(self, index: int):
+        """``on_entry(header, i, payload)``: apply one pulled entry to its shard as soon as it arrives."""
         by_key = {((s.name, (), ()) if s.is_full else s.key): s for s in self.link_shards[index]}
 
         def apply(header: pb.UpdateHeader, i: int, payload) -> None:
@@ -221,9 +217,6 @@ class Routes:
                 )
             codec_of(payload).frame(payload, s.sizes)  # WireFormatError before it changes anything
             self.states[s.key].apply(payload, header.kind == pb.UPDATE_KIND_FULL, verified=True)
-            if loaded is not None:
-                self.states[s.key].load_into_param(merge=False)
-                loaded.add(index)
 
         return apply
 

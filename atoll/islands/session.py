@@ -192,14 +192,17 @@ class Session:
         ``"NOT_READY"`` when the run completed with this island already holding its final θ.
 
         ``on_entry(header, i, payload)`` instead of ``on_update``: apply each entry as it arrives (one
-        entry held at a time); an update that breaks off half-applied is followed by the full θ.
-        ``repush()``: (header, payloads) of this island's push for ``have_round``, sent again when the
-        coordinator says it has none (it restarted). ``bootstrap()``: upload θ_0 when the claim passes
+        entry held at a time); an update that breaks off half-applied is followed by the full θ, and
+        when that is still θ of ``have_round`` (the coordinator lost the round: a tentative update that
+        was never saved) the long-poll goes on, re-pushing as below: θ_start is the round's start again
+        and the parameters were not touched, so the push is the same bytes. ``repush()``: (header,
+        payloads) of this island's push for ``have_round``, sent again when the coordinator says it has
+        none (it restarted). ``bootstrap()``: upload θ_0 when the claim passes
         to this island; True when the run's θ_0 is that upload and this rank holds all of it (returns
         ``"BOOTSTRAPPED"``: nothing to pull back). ``cancel``: give up between polls once set (the island
         is closing)."""
         started = warned = time.monotonic()
-        resyncs = 0
+        resyncs, lost = 0, None
         m = self.me
         while True:
             if cancel is not None and cancel.is_set():
@@ -219,7 +222,7 @@ class Session:
                 if resyncs > MAX_RESYNCS:
                     raise
                 log.warning("%s: an update broke off half-applied (%s); pulling the full θ", m.island_id, err)
-                have_round, repush = -1, None
+                lost, have_round = have_round, -1
                 continue
             except grpc.RpcError as err:
                 self._rejoin_or_raise(err)
@@ -254,6 +257,10 @@ class Session:
                 on_update(header, payloads)
             self.round = header.round
             self.latest_round = max(self.latest_round, header.latest_round)
+            if header.kind == pb.UPDATE_KIND_FULL and lost is not None and lost >= 0 and header.round == lost:
+                have_round, lost = lost, None  # the round is open again: wait for it (re-pushing if it lost ours)
+                continue
+            lost = None
             if header.round < header.latest_round:  # several rounds behind: next delta right away
                 have_round, repush = header.round, None
                 continue
