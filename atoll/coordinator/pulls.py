@@ -63,15 +63,19 @@ class Pulls:
             checks.same_model(model.specs, checks.tensors(rec.tensors), model.buffers, checks.buffers_of(rec.tensors))
         regions = checks.regions(req.regions, model.specs)
         if req.have_round == ledger.round and not ledger.complete(c.total_rounds):
-            if (answer := self._streaming(req, regions)) is not None:
+            deadline = time.monotonic() + wait
+            # Until the round it holds moves on, or its update can be streamed (a wake-up for a step
+            # streaming whole tensors is not one for a pull of regions), or the wait is over.
+            while (answer := self._streaming(req, regions)) is None and req.have_round == ledger.round:
+                if (left := deadline - time.monotonic()) <= 0:
+                    break
+                await wait_event(ledger.round_changed, left)
+            if answer is not None:
                 return answer  # the step or the save of the round it waits for is under way
-            await wait_event(ledger.round_changed, wait)
             self.membership.touch(req.island_id, req.session_id)
         round_, params = ledger.round, model.params
         latest = dict(latest_round=round_, run_complete=ledger.complete(c.total_rounds))
         if req.have_round == round_:
-            if (answer := self._streaming(req, regions)) is not None:
-                return answer
             sealed = ledger.sealed
             committed = req.island_id in self.accumulator.committed or (
                 sealed is not None and req.island_id in sealed.islands
