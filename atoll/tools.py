@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -86,16 +85,10 @@ def _state_dirs(state_dir: Path) -> list[Path]:
 
 
 def _load_live(state_dir: Path, upto: int | None):
-    """``persistence.load`` of a dir a live coordinator may be writing: a file it prunes between our
-    listing and our read fails one attempt, so a failure is only reported when it repeats."""
-    attempts = 3
-    for attempt in range(attempts):
-        try:
-            return persistence.load(state_dir, upto=upto)
-        except persistence.StateError as err:
-            if attempt == attempts - 1:
-                raise _fail(str(err)) from None
-            time.sleep(0.5)
+    try:
+        return persistence.load_live(state_dir, upto)
+    except persistence.StateError as err:
+        raise _fail(str(err)) from None
 
 
 def export(ns: argparse.Namespace) -> int:

@@ -215,7 +215,7 @@ def test_total_rounds_end_the_run_and_islands_stop_by_themselves(group, tmp_path
     late = group.start("late", island_flags(address, "i0", rounds=5))
     done = collect_events([late], until=lambda ev: any(e["event"] == "done" for e in ev), timeout=60)
     assert late.wait(30) == 0 and done[-1]["run_complete"] and not [e for e in done if e["event"] == "round"]
-    assert len(persistence.load(tmp_path / "state").history) == 3
+    assert len(persistence.load_live(tmp_path / "state").history) == 3
     coord.stop()
 
 

@@ -124,6 +124,27 @@ def test_a_log_cut_short_behind_its_optimizer_state_is_refused(logged, tmp_path,
     assert "newer than the log" in refused(capsys, state)
 
 
+def test_a_read_of_a_live_dir_retries_a_file_pruned_under_it_but_not_damage(logged, tmp_path, monkeypatch):
+    """``load_live`` (``atoll export``, tests reading a running coordinator's dir): a file the live
+    writer prunes between the listing and the read fails one attempt, which is retried; damage fails
+    every attempt and is reported."""
+    state = copy_of(logged, tmp_path)
+    real, calls = persistence.load, []
+
+    def pruned_once(state_dir, upto=None):
+        calls.append(upto)
+        if len(calls) == 1:
+            raise persistence.StateError("log/optimizer-00000004.safetensors: No such file or directory")
+        return real(state_dir, upto)
+
+    monkeypatch.setattr(persistence, "load", pruned_once)
+    assert persistence.load_live(state, pause=0).round == 4 and len(calls) == 2
+    monkeypatch.setattr(persistence, "load", real)
+    flip_a_bit(state / "log" / wal.record_name(1))
+    with pytest.raises(persistence.StateError, match="round-00000001"):
+        persistence.load_live(state, pause=0)
+
+
 def test_a_crash_before_the_background_write_keeps_theta_exact_and_says_what_it_lost(logged, tmp_path):
     """Killed between a publish and its background write: θ comes back exactly from the log, the
     optimizer state is the last one on disk, and the restore says so."""

@@ -214,6 +214,18 @@ def load(state_dir: Path, upto: int | None = None) -> Snapshot | None:
     return snap
 
 
+def load_live(state_dir: Path, upto: int | None = None, *, attempts: int = 3, pause: float = 0.5) -> Snapshot | None:
+    """:func:`load` of a dir a live coordinator may be writing: a file it prunes (a superseded log
+    record, an old snapshot) between our listing and our read fails one attempt, so the
+    :class:`StateError` is raised only when it repeats ``attempts`` times."""
+    for _ in range(attempts - 1):
+        try:
+            return load(state_dir, upto)
+        except StateError:
+            time.sleep(pause)
+    return load(state_dir, upto)
+
+
 def verify(path: Path) -> Snapshot:
     """Read one snapshot and check its integrity and consistency; StateError naming the problem."""
     name = Path(path).name
