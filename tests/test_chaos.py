@@ -82,15 +82,21 @@ def test_island_killed_mid_push_round_closes_at_quorum_and_it_rejoins(group, tmp
     assert hist[1]["states"]["D"] == "gone" or hist[1]["reason"].endswith("; D did not come"), hist[1]
     per_island = hist[0]["bytes_in"] // len(hist[0]["islands"])  # identity: every push the same size
     assert hist[1]["bytes_in"] == 3 * per_island
-    # D comes back under the same name: it receives exactly the θ the others hold.
+    # D comes back under the same name: it receives exactly the θ the others hold. An island whose
+    # push a round closed without (late: on 2 busy cores the grace window can pass it by) keeps that
+    # round's work in its θ (θ_new + its progress, for its next push), so θ after each round is
+    # compared among the islands whose push counted; they all hold one θ.
     d2 = island(group, address, "D", 2)
     events += collect_events([procs["A"], procs["B"], procs["C"], d2], until=all_done(4), timeout=200)
+    held = {}
+    for e in events:
+        if e["event"] == "round" and not e["dropped"]:
+            held.setdefault(e["round"], set()).add(e["digest"])
+    assert all(len(digests) == 1 for digests in held.values()), held
     joined = [e for e in events if e["event"] == "joined" and e["island"] == "D"][-1]
-    a = rounds_of(events, "A")
-    assert joined["digest"] == a[joined["round"] - 1]["digest"]
-    for r, e in rounds_of(events, "D").items():
-        if r >= joined["round"]:
-            assert e["digest"] == a[r]["digest"]
+    assert {joined["digest"]} == held[joined["round"] - 1]
+    counted = [e for r, e in rounds_of(events, "D").items() if r >= joined["round"] and not e["dropped"]]
+    assert counted and all({e["digest"]} == held[e["round"]] for e in counted), rounds_of(events, "D")
     coord.stop()
 
 
