@@ -141,3 +141,68 @@ def test_outer_step_in_place_matches_numpy(downlink):
         if downlink == "identity":
             assert not ef[k].any()
     np.testing.assert_allclose(opt.buffers["w"].numpy(), g["w"], atol=1e-6)
+
+
+class _Whole:
+    """A downlink codec made to read its input whole: the outer step's tensor-at-a-time path."""
+
+    chunked_input = False
+
+    def __init__(self, codec) -> None:
+        self._codec = codec
+
+    def __getattr__(self, name):
+        return getattr(self._codec, name)
+
+
+@pytest.mark.parametrize("downlink", ["identity", "int8", "int4", "bf16", "fp16"])
+def test_outer_step_made_chunk_by_chunk_is_bitwise_the_whole_tensor_one(downlink):
+    """A chunked codec gets each tensor's outer step a cache-sized chunk at a time (one pass over θ,
+    momentum and the error feedback instead of ten): θ_{r+1}, the payloads, the momentum and the
+    error feedback are the bits of the whole-tensor step, round after round, over tensors of several
+    chunks with a ragged end, a buffer, an empty tensor and a round of robust aggregation."""
+    from atoll.compression.base import CHUNK
+
+    shapes = {"big": (CHUNK // 1000 + 3, 1001), "w": (37, 5), "bn.running_mean": (300,), "empty": (0, 4)}
+    gen = torch.Generator().manual_seed(0)
+    theta0 = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    theta0["w"].view(-1)[:50] = -0.0  # where updates too small for their block's scale land: -0.0 + 0
+    codecs = {"chunks": get_codec(downlink), "whole": _Whole(get_codec(downlink))}
+    theta = {c: {k: v.clone() for k, v in theta0.items()} for c in codecs}
+    momentum = {
+        c: NesterovSGD({k: shapes[k] for k in ("big", "w", "empty")}, lr=0.7, momentum=0.9, nesterov=True)
+        for c in codecs
+    }
+    ef = {c: {k: torch.zeros(s) for k, s in shapes.items()} for c in codecs}
+    state = {c: {} for c in codecs}
+
+    def bits(tensors: dict) -> dict:
+        return {k: v.numpy().tobytes() for k, v in tensors.items()}
+
+    for r in range(3):
+        accum = {k: torch.randn(s, generator=gen) * 0.01 for k, s in shapes.items()}
+        accum["w"].view(-1)[:50] = torch.tensor([1e-9, -1e-9]).repeat(25)
+        robust = {k: torch.randn(s, generator=gen) * 0.01 for k, s in shapes.items()} if r == 1 else None
+        sent = {}
+        for c, codec in codecs.items():
+            acc = {k: v.clone() for k, v in accum.items()}
+            payloads = outer_step_(
+                acc,
+                theta[c],
+                weight_total=3.0,
+                optimizer=momentum[c],
+                buffers=frozenset({"bn.running_mean"}),
+                downlink=codec,
+                downlink_ef=ef[c],
+                downlink_state=state[c],
+                robust_grads=None if robust is None else dict(robust),
+            )
+            sent[c] = {k: bytes(p) for k, p in payloads.items()}
+            for k in shapes:  # exactly what an island adds to θ_r
+                assert torch.equal(acc[k], theta[c][k] + codec.decode(payloads[k], shapes[k]))
+            theta[c] = acc
+        assert sent["chunks"] == sent["whole"], r
+        assert bits(theta["chunks"]) == bits(theta["whole"]), r
+        assert bits(ef["chunks"]) == bits(ef["whole"]), r
+        assert bits(momentum["chunks"].buffers) == bits(momentum["whole"].buffers), r
+    assert any(e.abs().sum() > 0 for e in ef["chunks"].values()) == get_codec(downlink).lossy

@@ -31,7 +31,33 @@ def chunk_elems(device: torch.device) -> int:
     return CHUNK if device.type == "cpu" else DEVICE_CHUNK
 
 
-class Difference:
+class Chunks:
+    """A flat fp32 input that a chunked codec (:attr:`Codec.chunked_input`) reads through :func:`span`,
+    a chunk at a time, each chunk once and in order, never whole. Subclasses make each chunk.
+
+    One that :attr:`wants_decoded` is told, after each chunk is encoded, what decoding the payload
+    gives for it (:meth:`encoded`): the bits of ``decode(payload)``, from values the encoder has in
+    hand (a quantised chunk is still in cache), so no second pass over the payload is needed."""
+
+    wants_decoded = False
+    dtype = torch.float32
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self._numel = numel
+        self.device = device
+
+    def numel(self) -> int:
+        return self._numel
+
+    def span(self, start: int, length: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encoded(self, start: int, decoded: torch.Tensor) -> None:
+        """The chunk at ``start`` is encoded; ``decoded`` is what decoding gives for it (only called when
+        :attr:`wants_decoded`; valid during the call only)."""
+
+
+class Difference(Chunks):
     """``a - b`` (flat, fp32) computed a chunk at a time into one scratch buffer, never whole.
 
     Codecs that read their input in chunks (:attr:`Codec.chunked_input`) take it in place of a flat
@@ -43,18 +69,21 @@ class Difference:
     def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.shape != b.shape or a.device != b.device:
             raise ValueError(f"difference of {tuple(a.shape)}@{a.device} and {tuple(b.shape)}@{b.device}")
+        super().__init__(a.numel(), a.device)
         self.a = a.detach().reshape(-1)
         self.b = b.detach().reshape(-1)
-        self.device = a.device
-        self.dtype = torch.float32
         self._scratch = torch.empty(min(self.a.numel(), chunk_elems(a.device)), dtype=torch.float32, device=a.device)
-
-    def numel(self) -> int:
-        return self.a.numel()
 
     def span(self, start: int, length: int) -> torch.Tensor:
         out = self._scratch.narrow(0, 0, length)
         return torch.sub(self.a.narrow(0, start, length), self.b.narrow(0, start, length), out=out)
+
+
+def report(flat, start: int, decoded: Callable[[], torch.Tensor]) -> None:
+    """Tell a :class:`Chunks` input that wants it what its chunk at ``start`` decodes to (``decoded()``
+    is computed only then)."""
+    if isinstance(flat, Chunks) and flat.wants_decoded:
+        flat.encoded(start, decoded())
 
 
 def weighted(v: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -76,12 +105,12 @@ def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
 
 
 def span(x, start: int, length: int) -> torch.Tensor:
-    """Elements ``[start, start + length)`` (clipped) of a flat tensor or a :class:`Difference`.
+    """Elements ``[start, start + length)`` (clipped) of a flat tensor or a :class:`Chunks` input.
 
     ``narrow`` rather than Python slicing: the same view, without the device guard some builds run
     for ``__getitem__`` (it keeps the codecs runnable under FakeTensorMode on a CPU-only build)."""
     length = min(length, x.numel() - start)
-    return x.span(start, length) if isinstance(x, Difference) else x.narrow(0, start, length)
+    return x.span(start, length) if isinstance(x, Chunks) else x.narrow(0, start, length)
 
 
 Writer = Callable[[memoryview], None]
@@ -118,7 +147,7 @@ class Codec:
     @property
     def chunked_input(self) -> bool:
         """Whether ``_encode`` reads its input only through ``numel()`` and chunk slices (it then
-        accepts a :class:`Difference`)."""
+        accepts a :class:`Chunks` input: :meth:`encode_chunks`, a :class:`Difference`)."""
         return False
 
     @property
@@ -154,6 +183,15 @@ class Codec:
             raise TypeError(f"{self.name} encodes floating-point tensors, got {a.dtype} and {b.dtype}")
         dtype = torch.promote_types(a.dtype, b.dtype)
         return self._pack(Difference(a, b), tuple(a.shape), dtype, state, out)
+
+    def encode_chunks(
+        self, source: Chunks, shape: tuple[int, ...], state: dict | None = None, *, out: bytearray | None = None
+    ) -> bytearray:
+        """Encode ``source`` (fp32, ``shape``), made a chunk at a time as it is read (a
+        :attr:`chunked_input` codec only)."""
+        if not self.chunked_input:
+            raise TypeError(f"{self.spec} reads its input whole, not in chunks")
+        return self._pack(source, tuple(shape), torch.float32, state, out)
 
     def _pack(self, flat, shape: tuple[int, ...], dtype: torch.dtype, state: dict | None, out) -> bytearray:
         params, body_len, write = self._encode(flat, shape, {} if state is None else state)

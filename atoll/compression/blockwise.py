@@ -22,6 +22,7 @@ from atoll.compression.base import (
     expect_body,
     expect_params,
     read_tensor,
+    report,
     span,
     to_host,
     weighted,
@@ -77,7 +78,7 @@ def _step(block: int, device: torch.device) -> int:
 def encode_into(
     flat: torch.Tensor, body: memoryview, *, block: int, bits: int, scale_kind: int, global_scale: float
 ) -> None:
-    """Quantise ``flat`` (fp32, on any device; or a chunked :class:`~atoll.compression.base.Difference`)
+    """Quantise ``flat`` (fp32, on any device; or a :class:`~atoll.compression.base.Chunks` input)
     into the host ``body`` (laid out per ``body_len``): the arithmetic runs on ``flat``'s device, and
     each chunk's scales and codes are copied to the host once finished."""
     n = flat.numel()
@@ -124,6 +125,15 @@ def encode_into(
             to_host(codes_out[c0 : c0 + take].view(torch.int8).view(nb, block), q)
         else:
             to_host(codes_out[c0 : c0 + take], span(_pack_codes(q.to(torch.int8).view(-1), bits), 0, take))
+        report(flat, s, lambda q=q, a=a, eff=eff, m=m: _decoded(q, eff, a, m))
+
+
+def _decoded(q: torch.Tensor, eff: torch.Tensor, out: torch.Tensor, m: int) -> torch.Tensor:
+    """What :func:`decode_into` gives for a chunk's codes ``q`` (float, rounded) and scales ``eff``, into
+    ``out`` (a free scratch chunk of the same shape): code x scale, the first ``m`` values. A -0.0 code
+    (a small negative value rounded) is 0 in the payload, so it becomes +0.0 first."""
+    q.add_(0.0)
+    return span(torch.mul(q, eff.unsqueeze(1), out=out).view(-1), 0, m)
 
 
 def decode_into(

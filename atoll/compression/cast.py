@@ -14,6 +14,7 @@ from atoll.compression.base import (
     chunk_elems,
     expect_body,
     read_tensor,
+    report,
     span,
     to_host,
     weighted,
@@ -37,10 +38,11 @@ class _CastCodec(Codec):
         def write(body):
             dest = write_tensor(body, self.store, n)
             for s in range(0, n, step):
-                chunk = dest[s : s + step]
-                to_host(chunk, span(flat, s, step))  # cast on the device, copy the stored bytes
+                chunk, x = dest[s : s + step], span(flat, s, step)
+                to_host(chunk, x)  # cast on the device, copy the stored bytes
                 if self.store == torch.float16 and not all_finite(chunk):
                     raise OverflowError("value outside the fp16 range (|x| > 65504) or non-finite; use bf16")
+                report(flat, s, lambda x=x: x if self.store == torch.float32 else x.to(self.store).float())
 
         return b"", n * self.store.itemsize, write
 

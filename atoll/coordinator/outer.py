@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from atoll.compression.base import Chunks
 from atoll.memory import held_elsewhere
 
 
@@ -39,10 +40,13 @@ class NesterovSGD:
             raise ValueError("gradient tensors do not match the optimizer's tensors")
         return {name: self.step_(name, g.clone()) for name, g in grads.items()}
 
-    def step_(self, name: str, g: torch.Tensor) -> torch.Tensor:
+    def step_(self, name: str, g: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Advance ``name``'s momentum by ``g`` and turn ``g`` into the update, in place (the
-        coordinator then holds no second copy of the model); returns ``g``."""
+        coordinator then holds no second copy of the model); returns ``g``. ``g``: the whole
+        gradient, or the flat chunk of it from element ``start`` (element by element, the same bits)."""
         m = self.buffers[name]
+        if g.shape != m.shape:
+            m = m.view(-1).narrow(0, start, g.numel())
         m.mul_(self.momentum).add_(g)
         if self.nesterov:
             g.add_(m, alpha=self.momentum)
@@ -90,28 +94,73 @@ def outer_step_(
     what islands add to θ_r is exactly what was added here. ``spares``: last round's payloads, each
     reused as this round's buffer when nothing else holds it any more (see :func:`spare`).
     ``made(name, payload)``: called as each tensor's payload is final (pulls stream it meanwhile).
+
+    A codec that reads its input in chunks gets each tensor as an :class:`_Update`: every step above
+    runs a cache-sized chunk at a time as the codec reads it (one pass over each tensor instead of
+    ten), element by element the same arithmetic, so the same bits.
     """
     payloads = {}
     for name, acc in accum.items():
-        if robust_grads is not None:
-            acc.copy_(robust_grads.pop(name))
+        robust = robust_grads.pop(name) if robust_grads is not None else None
+
+        def prepare(a: torch.Tensor, start: int = 0, name=name, robust=robust) -> None:
+            """``a``, the flat chunk of ``acc`` from element ``start`` (or all of it), into u."""
+            if robust is not None:
+                a.copy_(robust.reshape(-1).narrow(0, start, a.numel()))
+            else:
+                a.div_(weight_total)
+            if name in buffers:
+                a.neg_()
+            else:
+                optimizer.step_(name, a, start)
+
+        out = spare(spares, name)
+        state = downlink_state.setdefault(name, {}) if downlink.lossy else None
+        if downlink.chunked_input:
+            update = _Update(acc, params[name], prepare, downlink_ef[name] if downlink.lossy else None)
+            payloads[name] = downlink.encode_chunks(update, tuple(acc.shape), state, out=out)
         else:
-            acc.div_(weight_total)
-        if name in buffers:
-            acc.neg_()
-        else:
-            optimizer.step_(name, acc)
-        if downlink.lossy:
-            acc.add_(downlink_ef[name])
-            payloads[name] = downlink.encode(acc, downlink_state.setdefault(name, {}), out=spare(spares, name))
-            if made is not None:
-                made(name, payloads[name])
-            downlink_ef[name].copy_(acc)
-            downlink.decode_into(payloads[name], acc)  # what islands add: decode(u + e), no temporary
-            downlink_ef[name].sub_(acc)
-        else:
-            payloads[name] = downlink.encode(acc, out=spare(spares, name))
-            if made is not None:
-                made(name, payloads[name])
-        acc.add_(params[name])
+            prepare(acc.view(-1))
+            if downlink.lossy:
+                acc.add_(downlink_ef[name])
+            payloads[name] = downlink.encode(acc, state, out=out)
+            if downlink.lossy:
+                downlink_ef[name].copy_(acc)
+                downlink.decode_into(payloads[name], acc)  # what islands add: decode(u + e), no temporary
+                downlink_ef[name].sub_(acc)
+            acc.add_(params[name])
+        if made is not None:
+            made(name, payloads[name])
     return payloads
+
+
+class _Update(Chunks):
+    """One tensor's outer step, made a chunk at a time as the downlink codec reads it: ``span`` turns
+    the accumulator's chunk into u (+ e), and once it is encoded, ``encoded`` keeps the new error
+    e = (u + e) − decode and writes θ_{r+1} = decode + θ_r there."""
+
+    wants_decoded = True
+
+    def __init__(self, acc: torch.Tensor, param: torch.Tensor, prepare, ef: torch.Tensor | None) -> None:
+        super().__init__(acc.numel(), acc.device)
+        self.acc, self.param = acc.view(-1), param.view(-1)
+        self.ef = None if ef is None else ef.view(-1)
+        self.prepare = prepare
+        self._next = 0
+
+    def span(self, start: int, length: int) -> torch.Tensor:
+        if start != self._next:  # each chunk is changed in place: read once, in order
+            raise AssertionError(f"chunk at {start} read out of order (expected {self._next})")
+        self._next = start + length
+        a = self.acc.narrow(0, start, length)
+        self.prepare(a, start)
+        if self.ef is not None:
+            a.add_(self.ef.narrow(0, start, length))
+        return a
+
+    def encoded(self, start: int, decoded: torch.Tensor) -> None:
+        n = decoded.numel()
+        a = self.acc.narrow(0, start, n)
+        if self.ef is not None:
+            torch.sub(a, decoded, out=self.ef.narrow(0, start, n))
+        torch.add(decoded, self.param.narrow(0, start, n), out=a)
