@@ -156,6 +156,9 @@ def decode_into(
     codes = read_tensor(body, torch.uint8, packed_len(n, bits), offset=nblocks * scale_bytes)
     device = out.device
     step = _step(block, device)
+    # The decoded chunk of an accumulating decode goes through one scratch buffer, not a fresh
+    # temporary per chunk (a fresh one costs allocator work and, above glibc's mmap threshold, page faults).
+    scratch = torch.empty(min(step, nblocks * block), device=device) if accumulate else None
     for s in range(0, n, step):
         m = min(step, n - s)
         nb = -(-m // block)
@@ -170,7 +173,8 @@ def decode_into(
         if nb * block == m:
             q2, t2 = q.view(nb, block), target.view(nb, block)
             if accumulate:
-                t2.add_(weighted(q2 * sc.unsqueeze(1), alpha))
+                d = torch.mul(q2, sc.unsqueeze(1), out=scratch.narrow(0, 0, m).view(nb, block))
+                t2.add_(d if alpha == 1.0 else d.mul_(alpha))  # rounded before the add: see weighted()
             else:
                 torch.mul(q2, sc.unsqueeze(1), out=t2)
         else:  # ragged last block
