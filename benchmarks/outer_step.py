@@ -1,0 +1,99 @@
+"""The coordinator's outer step, a chunk at a time against a tensor at a time, in one run.
+
+    python benchmarks/outer_step.py [--model gpt-125m] [--codecs int8 identity] [--repeat 5] [--threads 2]
+
+For each downlink codec: the same round's outer step (mean of the pushes, Nesterov, downlink error
+feedback, encode, θ_{r+1}) over the preset's tensors, made chunk by chunk as the codec reads it
+(``outer_step_`` with a codec that reads its input in chunks) and tensor by tensor (the same codec
+made to read its input whole), interleaved run by run so machine noise hits both; the median of
+``--repeat`` rounds after a warm-up each, their ratio, and whether the two gave the same bits.
+The process applies :func:`atoll.memory.tune_for_bulk_buffers` first, as the daemon does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from atoll.compression import get_codec
+from atoll.coordinator.outer import NesterovSGD, outer_step_
+from atoll.memory import tune_for_bulk_buffers
+from atoll.models import TinyGPT, preset
+
+VOCAB = {"tiny": 256, "gpt-small": 8192, "gpt-125m": 50257}
+
+
+class Whole:
+    """A codec made to read its input whole: the outer step's tensor-at-a-time path."""
+
+    chunked_input = False
+
+    def __init__(self, codec) -> None:
+        self._codec = codec
+
+    def __getattr__(self, name):
+        return getattr(self._codec, name)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-125m", choices=sorted(VOCAB))
+    p.add_argument("--codecs", nargs="+", default=["int8", "identity"])
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    a = p.parse_args()
+    tune_for_bulk_buffers()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    theta = {n: t.detach().clone() for n, t in TinyGPT(preset(a.model, vocab_size=VOCAB[a.model])).named_parameters()}
+    shapes = {n: tuple(t.shape) for n, t in theta.items()}
+    numel = sum(t.numel() for t in theta.values())
+    print(f"{a.model}: {len(shapes)} tensors, {numel:,} parameters, {torch.get_num_threads()} torch threads")
+    gen = torch.Generator().manual_seed(1)
+    sums = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()}
+    for spec in a.codecs:
+        paths = {"chunks": get_codec(spec), "whole": Whole(get_codec(spec))}
+        opts = {k: NesterovSGD(shapes, lr=0.7, momentum=0.9, nesterov=True) for k in paths}
+        state = {k: (opts[k], {n: torch.zeros(s) for n, s in shapes.items()}) for k in paths}
+        spares = {k: {} for k in paths}
+        times = {k: [] for k in paths}
+        made = {}
+        for r in range(a.repeat + 1):
+            for k in paths if r % 2 == 0 else reversed(list(paths)):
+                accum = {n: t.clone() for n, t in sums.items()}
+                opt, ef = state[k]
+                started = time.perf_counter()
+                payloads = outer_step_(
+                    accum,
+                    theta,
+                    weight_total=2.0,
+                    optimizer=opt,
+                    buffers=frozenset(),
+                    downlink=paths[k],
+                    downlink_ef=ef,
+                    downlink_state={},
+                    spares=spares[k],
+                )
+                if r:  # the first round of each faults its buffers in
+                    times[k].append(time.perf_counter() - started)
+                spares[k] = dict(payloads)
+                made[k] = (accum, payloads)
+            same = all(torch.equal(made["chunks"][0][n], made["whole"][0][n]) for n in shapes) and all(
+                bytes(made["chunks"][1][n]) == bytes(made["whole"][1][n]) for n in shapes
+            )
+            if not same:
+                raise SystemExit(f"{spec}: the two paths differ in round {r}")
+        chunks, whole = (statistics.median(times[k]) for k in ("chunks", "whole"))
+        print(
+            f"[{spec}] outer step a chunk at a time {chunks * 1e3:.0f} ms, a tensor at a time {whole * 1e3:.0f} ms: "
+            f"{chunks / whole:.2f}x (runs: {', '.join(f'{t * 1e3:.0f}' for t in times['chunks'])} against "
+            f"{', '.join(f'{t * 1e3:.0f}' for t in times['whole'])} ms); the same bits every round"
+        )
+
+
+if __name__ == "__main__":
+    main()
