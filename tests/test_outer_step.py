@@ -143,18 +143,6 @@ def test_outer_step_in_place_matches_numpy(downlink):
     np.testing.assert_allclose(opt.buffers["w"].numpy(), g["w"], atol=1e-6)
 
 
-class _Whole:
-    """A downlink codec made to read its input whole: the outer step's tensor-at-a-time path."""
-
-    chunked_input = False
-
-    def __init__(self, codec) -> None:
-        self._codec = codec
-
-    def __getattr__(self, name):
-        return getattr(self._codec, name)
-
-
 @pytest.mark.parametrize("downlink", ["identity", "int8", "int4", "bf16", "fp16"])
 def test_outer_step_made_chunk_by_chunk_is_bitwise_the_whole_tensor_one(downlink):
     """A chunked codec gets each tensor's outer step a cache-sized chunk at a time (one pass over θ,
@@ -162,12 +150,13 @@ def test_outer_step_made_chunk_by_chunk_is_bitwise_the_whole_tensor_one(downlink
     error feedback are the bits of the whole-tensor step, round after round, over tensors of several
     chunks with a ragged end, a buffer, an empty tensor and a round of robust aggregation."""
     from atoll.compression.base import CHUNK
+    from benchmarks.outer_step import Whole  # a codec made to read its input whole
 
     shapes = {"big": (CHUNK // 1000 + 3, 1001), "w": (37, 5), "bn.running_mean": (300,), "empty": (0, 4)}
     gen = torch.Generator().manual_seed(0)
     theta0 = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
     theta0["w"].view(-1)[:50] = -0.0  # where updates too small for their block's scale land: -0.0 + 0
-    codecs = {"chunks": get_codec(downlink), "whole": _Whole(get_codec(downlink))}
+    codecs = {"chunks": get_codec(downlink), "whole": Whole(get_codec(downlink))}
     theta = {c: {k: v.clone() for k, v in theta0.items()} for c in codecs}
     momentum = {
         c: NesterovSGD({k: shapes[k] for k in ("big", "w", "empty")}, lr=0.7, momentum=0.9, nesterov=True)
