@@ -101,12 +101,12 @@ def outer_step_(
     """
     payloads = {}
     for name, acc in accum.items():
-        robust = robust_grads.pop(name) if robust_grads is not None else None
+        robust = robust_grads.pop(name).reshape(-1) if robust_grads is not None else None
 
         def prepare(a: torch.Tensor, start: int = 0, name=name, robust=robust) -> None:
             """``a``, the flat chunk of ``acc`` from element ``start`` (or all of it), into u."""
             if robust is not None:
-                a.copy_(robust.reshape(-1).narrow(0, start, a.numel()))
+                a.copy_(robust.narrow(0, start, a.numel()))
             else:
                 a.div_(weight_total)
             if name in buffers:
