@@ -98,9 +98,11 @@ def test_momentum_is_persisted_and_pull_full_is_bitwise(start_server, raw_island
         assert torch.equal(full[k], delta_theta[k])
     from atoll.coordinator import persistence
 
+    # The optimizer state is written in the background after the publish: wait for that write (the
+    # pull returned at the publish; a CI run read the dir before it and found θ_0's zero momentum).
+    m = srv.inspect(lambda s: (s.checkpoints.wait(), {k: v.clone() for k, v in s.model.optimizer.buffers.items()})[1])
     snap = persistence.load(tmp_path / "state")
     assert snap.round == 1
-    m = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.optimizer.buffers.items()})
     for k in SHAPES:
         assert torch.equal(snap.params[k], full[k])
         assert torch.equal(snap.extra[f"momentum/{k}"], m[k])
