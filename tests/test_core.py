@@ -155,6 +155,44 @@ def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_
     assert persistence.load_live(tmp_path / "state").round == want
 
 
+def test_a_full_pull_during_a_publish_gets_the_theta_of_the_round_it_names(tmp_path, monkeypatch):
+    """A publish installs θ_{r+1}, zeroes the replaced θ for the next round's sum (in a worker thread),
+    then opens round r+1. A full-θ pull landing during that zeroing used to get θ_1 labelled round 0,
+    and its island added round 0's update on top of it (a tentative update broken by a failed save,
+    then this; caught in CI by test_tentative). It now waits for the round to open."""
+    import threading
+
+    s = run_state(tmp_path)
+    join(s, "a")
+    theta0 = rand(0)
+    asyncio.run(push(s, "a", theta0, kind=PushKind.INIT))
+    assert asyncio.run(push(s, "a", rand(1), tokens=1)).committed
+    real, zeroing, release = s.model.zeros, threading.Event(), threading.Event()
+
+    def slow_zeros(reuse=None):
+        zeroing.set()
+        release.wait(10)  # set 0.3 s after the pull went in
+        return real(reuse)
+
+    monkeypatch.setattr(s.model, "zeros", slow_zeros)
+
+    async def pull_while_zeroing():
+        closing = asyncio.ensure_future(s.close_round("test"))
+        while not zeroing.is_set():
+            await asyncio.sleep(0.01)
+        threading.Timer(0.3, release.set).start()
+        answer = await s.pull(PullRequest(run_id="t", island_id="a", session_id="a", have_round=-1))
+        await closing
+        return answer
+
+    answer = asyncio.run(pull_while_zeroing())
+    assert answer.kind is UpdateKind.FULL and s.round == 1
+    got = {e.name: IDENT.decode(b"".join(e.parts()), SHAPES[e.name]) for e in answer.entries}
+    want = theta0 if answer.round == 0 else s.model.params
+    assert all(torch.equal(got[n], want[n]) for n in SHAPES), answer.round
+    assert answer.round == 1  # it waited for the publish
+
+
 def test_a_round_closes_at_its_deadline_with_quorum_by_the_clock(tmp_path):
     clock = FakeClock()
     s = run_state(tmp_path, clock, quorum=1, round_deadline_seconds=30.0, lease_seconds=600.0)

@@ -73,6 +73,10 @@ class Pulls:
             if answer is not None:
                 return answer  # the step or the save of the round it waits for is under way
             self.membership.touch(req.island_id, req.session_id)
+        while (sealed := ledger.sealed) is not None and model.params is sealed.params:
+            # Mid-publish: θ_{r+1} is installed, round r+1 not yet open (the replaced θ is being zeroed
+            # for the next round's sum). Its advance wakes us; never θ_{r+1} labelled round r.
+            await wait_event(ledger.round_changed, 1.0)
         round_, params = ledger.round, model.params
         latest = dict(latest_round=round_, run_complete=ledger.complete(c.total_rounds))
         if req.have_round == round_:
