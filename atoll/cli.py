@@ -158,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve pushes and pulls as plain TCP streams on this port too, beside gRPC (islands learn it at "
         "Join and fall back to gRPC if it is unreachable; never with TLS); 0 picks a free one, -1: none (default: 0)",
     )
+    coord.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads of the outer step and the decoding; a coordinator sharing its cores with "
+        "islands should take fewer than the cores (0: torch's default, one per core)",
+    )
     coord.add_argument("--admin-host", default="127.0.0.1", help="admin HTTP address (non-loopback needs a token)")
     coord.add_argument("--admin-port", type=int, default=None, help="serve /healthz, /metrics, /api/status, / here")
     coord.add_argument("--admin-token", default=None, help="bearer token of the admin endpoints (enables POST control)")
@@ -237,6 +244,12 @@ def _coordinator(ns: argparse.Namespace) -> int:
         raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
     if ns.fragments < 0:
         raise ValueError(f"--fragments must be >= 0, got {ns.fragments}")
+    if ns.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {ns.threads}")
+    if ns.threads:
+        import torch
+
+        torch.set_num_threads(ns.threads)
     security = {
         "tls": TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None,
         "tokens": IslandTokens.load(ns.island_tokens) if ns.island_tokens else None,

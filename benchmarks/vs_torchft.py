@@ -16,6 +16,10 @@ Nesterov lr 0.7 / momentum 0.9.
   is ``sync.step()`` at the H-th step (push, the outer step on the coordinator, pull, apply). Codec
   ``identity``, or ``int8`` both ways (downlink with coordinator-side error feedback).
 
+Every process of both systems runs one torch thread (``torch.set_num_threads(1)`` in the workers,
+``--threads 1`` for the coordinator): three processes share the 2 cores of the dev machine, and
+more threads than cores stall each parallel op on a descheduled thread.
+
 Each system runs in its own network namespace (``unshare -rn``, when available), so the loopback
 counter counts only that run: over the whole run per round (θ_0's transfers included), and in the
 steady rounds (between the first and the last round's end, as worker 0 sees them: the other
@@ -25,7 +29,8 @@ accepted, which leave out θ_0's upload, plus pulls served), per round after θ_
 no boundaries, so a byte sent twice shows there exactly; and the loopback bytes over all the
 payload bytes, θ_0's upload included (framing, TCP). Runs are
 interleaved by pairs, the order alternating. Printed per pair:
-the median steady sync time (rounds after the first) of each system and their ratio, bytes on
+the median steady sync time (rounds after the first) of each system and their ratio, how far apart
+the two workers entered the sync (the earlier one waits for the other: that counts in its time), bytes on
 loopback per round (and over |θ|), each worker's peak RSS (and the coordinator's), and the largest
 difference between the two systems' final θ. The floors, measured in the same run: |θ| over one raw
 loopback TCP stream, and a 2-process gloo all-reduce of |θ| fp32.
@@ -144,18 +149,23 @@ def torchft_worker(a) -> None:
         connect_timeout=timedelta(seconds=60),
     )
     gen = torch.Generator().manual_seed(1000 + a.index)
-    syncs, marks = [], []
+    syncs, marks, spans = [], [], []
     with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu")):
         for step in range(1, a.rounds * a.sync_every + 1):
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-            started = time.perf_counter()
+            started, wall = time.perf_counter(), time.time()
             inner.step()  # at the H-th step: quorum, all-reduce of the pseudo-gradients, outer step
             if step % a.sync_every == 0:
                 syncs.append(time.perf_counter() - started)
+                spans.append([wall, time.time()])
                 marks.append(lo_bytes())
     manager.shutdown(wait=False)
-    print(json.dumps({"syncs": syncs, "marks": marks, "rss": peak_rss(), "theta": theta_summary(model, a.model)}))
+    print(
+        json.dumps(
+            {"syncs": syncs, "marks": marks, "spans": spans, "rss": peak_rss(), "theta": theta_summary(model, a.model)}
+        )
+    )
 
 
 def atoll_worker(a) -> None:
@@ -167,18 +177,23 @@ def atoll_worker(a) -> None:
     model = build(a.model)
     inner = torch.optim.SGD(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1000 + a.index)
-    syncs, marks = [], []
+    syncs, marks, spans = [], [], []
     link = CoordinatorLink(a.coordinator, run_id="vs", island_id=f"w{a.index}")
     with DiLoCo(model, link) as sync:
         for _ in range(a.rounds * a.sync_every):
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=gen) * 1e-3
             inner.step()
-            started = time.perf_counter()
+            started, wall = time.perf_counter(), time.time()
             if sync.step(tokens=1) is not None:  # push, outer step, pull, apply
                 syncs.append(time.perf_counter() - started)
+                spans.append([wall, time.time()])
                 marks.append(lo_bytes())
-    print(json.dumps({"syncs": syncs, "marks": marks, "rss": peak_rss(), "theta": theta_summary(model, a.model)}))
+    print(
+        json.dumps(
+            {"syncs": syncs, "marks": marks, "spans": spans, "rss": peak_rss(), "theta": theta_summary(model, a.model)}
+        )
+    )
 
 
 # ---- one system's run (inside its own network namespace) ------------------------------------------------
@@ -203,7 +218,7 @@ def run_system(a) -> None:
                  "--state-dir", str(Path(tmp) / "state"), "--port-file", str(port_file), "--run-id", "vs",
                  "--admin-port", "0", "--admin-port-file", str(Path(tmp) / "admin"),
                  "--sync-every", str(a.sync_every), "--outer-lr", "0.7", "--outer-momentum", "0.9",
-                 "--quorum", "2", "--lease-seconds", "120", *codec, "--log-level", "WARNING"],
+                 "--quorum", "2", "--lease-seconds", "120", *codec, "--threads", "1", "--log-level", "WARNING"],
                 stdout=subprocess.DEVNULL,
             )  # fmt: skip
             while not (port_file.exists() and (Path(tmp) / "admin").exists()):
@@ -336,6 +351,13 @@ def steady(run: dict) -> float:
     return statistics.median(per_round[1:] if len(per_round) > 1 else per_round)
 
 
+def start_gap(run: dict) -> float:
+    """The median over rounds after the first of how far apart the two workers entered the sync (a gap
+    counts in the earlier worker's sync time: it waits for the other's pseudo-gradient)."""
+    gaps = [abs(a[0] - b[0]) for a, b in zip(*(w["spans"] for w in run["workers"]), strict=True)]
+    return statistics.median(gaps[1:] if len(gaps) > 1 else gaps)
+
+
 def rss(run: dict, theta: int) -> str:
     """Each worker's peak RSS in MiB and over |θ|."""
     return ", ".join(f"{w['rss'] / 2**20:.0f} MiB ({w['rss'] / theta:.1f}|θ|)" for w in run["workers"])
@@ -395,7 +417,8 @@ def main() -> None:
             print(
                 f"[{codec}] pair {pair + 1} ({' then '.join(order)}): sync atoll {steady(at):.3f} s, torchft "
                 f"{steady(tf):.3f} s, ratio {ratio:.2f}x (floors: {steady(at) / floor['tcp_seconds']:.0f}x TCP, "
-                f"torchft {steady(tf) / floor['gloo_seconds']:.0f}x gloo); loopback bytes/round atoll "
+                f"torchft {steady(tf) / floor['gloo_seconds']:.0f}x gloo; the workers entered it {start_gap(at):.3f} "
+                f"and {start_gap(tf):.3f} s apart); loopback bytes/round atoll "
                 f"{at['lo_bytes'] / a.rounds / theta:.2f}|θ|, torchft {tf['lo_bytes'] / a.rounds / theta:.2f}|θ| "
                 f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x), steady rounds atoll "
                 f"{steady_bytes(at) / theta:.2f}|θ|, torchft {steady_bytes(tf) / theta:.2f}|θ|; atoll's payload "

@@ -184,3 +184,29 @@ def test_the_coordinator_exits_by_itself_once_the_run_is_complete(group, tmp_pat
     assert island.wait(30) == 0
     assert coord.wait(30) == 0
     assert "every island holds its final θ" in coord.log_tail()
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinators_torch_threads_are_a_flag_and_shown_in_its_status(group, tmp_path):
+    """A coordinator sharing its cores with islands (the demo, a benchmark, a small site) takes fewer
+    torch threads than the cores: on 2 cores with two islands, one thread cut the outer step of a
+    124M int8 round from ~0.55 s to ~0.43 s (benchmarks/RESULTS.md). A bad value is one line."""
+    import urllib.request
+
+    admin = tmp_path / "admin.port"
+    coord, _ = group.start_coordinator(
+        tmp_path / "state",
+        coordinator_flags(
+            sync_every=5, quorum=1, extra=["--threads", "1", "--admin-port", "0", "--admin-port-file", str(admin)]
+        ),
+    )
+    deadline = time.monotonic() + 30
+    while not admin.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin.read_text().strip()}/api/status", timeout=10) as resp:
+        assert json.load(resp)["torch_threads"] == 1
+    coord.stop()
+    cmd = [sys.executable, "-m", "atoll", "coordinator", "--state-dir", str(tmp_path / "s2"), "--threads", "-1"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--threads must be >= 0, got -1" in refused.stderr
+    assert "Traceback" not in refused.stderr

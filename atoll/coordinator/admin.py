@@ -23,6 +23,7 @@ import json
 import time
 from importlib import resources
 
+import torch
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -282,4 +283,5 @@ def status_json(server, started_at: float) -> dict:
         "inflight_budget_bytes": s.accumulator.budget.limit,
         "history": s.history[-100:],
         "uptime_seconds": time.time() - started_at,
+        "torch_threads": torch.get_num_threads(),
     }

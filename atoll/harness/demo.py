@@ -92,6 +92,8 @@ def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[lis
                 "300",
                 "--lease-seconds",
                 "60",
+                "--threads",
+                "1",  # it shares the machine's cores with the islands (one thread each)
             ],
         )
         islands = [
