@@ -11,6 +11,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -96,3 +98,121 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class StreamedFile:
+    """A file written while its bytes are still being made, then made whole-or-absent like
+    :func:`write_atomic`: its parts are appended (from any thread) and a writer thread takes them to
+    a temporary file beside ``path`` (O_DIRECT through one aligned bounce buffer where the filesystem
+    takes it), so by :meth:`finish` most bytes are already on the device. The first ``head_bytes``
+    (a multiple of ``DIRECT_BLOCK``) are left for a header that is known only at the end.
+
+    A part must not change until :meth:`finish` or :meth:`abandon` returns. Any write error is
+    raised by :meth:`finish`, which then leaves no file (nor does :meth:`abandon`)."""
+
+    def __init__(self, path: Path, head_bytes: int) -> None:
+        if head_bytes <= 0 or head_bytes % DIRECT_BLOCK:
+            raise ValueError(f"head_bytes must be a positive multiple of {DIRECT_BLOCK}, got {head_bytes}")
+        self.path, self.head_bytes = Path(path), head_bytes
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self.size = head_bytes
+        """Bytes of the file so far: the head, then every part appended."""
+        self._parts: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._fd, self._direct = _open_for_stream(self.tmp)
+        self._thread = threading.Thread(target=self._write, name="atoll-record", daemon=True)
+        self._thread.start()
+
+    def append(self, part) -> int:
+        """Queue ``part``'s bytes after those appended before; returns where they start in the file."""
+        at = self.size
+        self.size += memoryview(part).nbytes
+        self._parts.put(part)
+        return at
+
+    def finish(self, head: bytes) -> None:
+        """Write ``head`` (exactly ``head_bytes``) first, fsync, rename, fsync the directory."""
+        if len(head) != self.head_bytes:
+            self.abandon()
+            raise ValueError(f"a head of {len(head)} bytes for {self.head_bytes} reserved")
+        self._parts.put(None)
+        self._thread.join()
+        try:
+            if self._error is not None:
+                raise self._error
+            os.pwrite(self._fd, _aligned_copy(head) if self._direct else head, 0)
+            os.ftruncate(self._fd, self.size)  # O_DIRECT wrote the last block whole
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abandon()
+            raise
+        fsync_dir(self.path.parent)
+
+    def abandon(self) -> None:
+        """Stop and leave no file."""
+        if self._thread.is_alive():
+            self._error = self._error or RuntimeError("abandoned")
+            self._parts.put(None)
+            self._thread.join()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+    def _write(self) -> None:
+        """The writer thread: each part at its place, through the bounce buffer when O_DIRECT."""
+        at = self.head_bytes
+        bounce = mmap.mmap(-1, BOUNCE_BYTES) if self._direct else None
+        buf, filled = (np.frombuffer(bounce, dtype=np.uint8), 0) if bounce is not None else (None, 0)
+        while (part := self._parts.get()) is not None:
+            if self._error is not None:
+                continue  # drain: the file is abandoned
+            try:
+                if bounce is None:
+                    os.pwrite(self._fd, part, at)
+                    at += memoryview(part).nbytes
+                    continue
+                data = np.frombuffer(part, dtype=np.uint8)
+                while data.size:
+                    take = min(BOUNCE_BYTES - filled, data.size)
+                    buf[filled : filled + take] = data[:take]
+                    filled, data = filled + take, data[take:]
+                    if filled == BOUNCE_BYTES:
+                        _pwrite_all(self._fd, bounce, at)
+                        at, filled = at + BOUNCE_BYTES, 0
+            except BaseException as err:  # raised by finish()
+                self._error = err
+        if bounce is not None and filled and self._error is None:
+            try:
+                whole = -(-filled // DIRECT_BLOCK) * DIRECT_BLOCK
+                buf[filled:whole] = 0
+                _pwrite_all(self._fd, memoryview(bounce)[:whole], at)
+            except BaseException as err:
+                self._error = err
+
+
+def _open_for_stream(path: Path) -> tuple[int, bool]:
+    """(fd, O_DIRECT?) of a fresh temporary file."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if flag:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644), True
+        except OSError:
+            pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), False
+
+
+def _aligned_copy(data: bytes) -> mmap.mmap:
+    out = mmap.mmap(-1, len(data))  # page-aligned
+    out[:] = data
+    return out
+
+
+def _pwrite_all(fd: int, data, at: int) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view[: 1 << 30], at)
+        view, at = view[n:], at + n

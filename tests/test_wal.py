@@ -4,9 +4,12 @@ the newest snapshot plus the log replayed, bitwise; a damaged or gapped log is r
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -169,3 +172,69 @@ def test_a_rollback_sets_the_log_after_it_aside(tmp_path):
     assert wal.optimizer_files(state) == []
     snap = persistence.load(state)
     assert snap.round == 2 and len(snap.history) == 2
+
+
+# ---- the record written while the step makes the update -----------------------------------------
+def test_a_record_streamed_during_the_step_is_the_same_record_and_its_failures_fall_back(tmp_path, monkeypatch):
+    """Above ``STREAM_MIN_BYTES`` a round's record is written while the outer step makes its update,
+    so the save after the step is the header and an fsync. The records replay to the same θ and
+    optimizer state bitwise as records written whole; a header that outgrows its room, or a write
+    that fails, falls back to the whole write (the round is still durable) and leaves no stray file."""
+    whole = run(tmp_path / "whole", 3, snapshot_every=100)
+    monkeypatch.setattr(wal, "STREAM_MIN_BYTES", 0)
+    finished, real_finish = [], wal.RecordStream.finish
+
+    def finish(self, *args):
+        finished.append(real_finish(self, *args))
+        return finished[-1]
+
+    monkeypatch.setattr(wal.RecordStream, "finish", finish)
+    streamed = run(tmp_path / "streamed", 3, snapshot_every=100)
+    assert finished == [True, True, True]
+    for state in ("whole", "streamed"):
+        snap = persistence.load(tmp_path / state)
+        assert snap.round == 3 and snap.notes == []
+        got = (snap.params, snap.extra)
+        for mine, theirs in zip(got, streamed if state == "whole" else whole, strict=True):
+            assert set(mine) == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    for (r1, p1), (r2, p2) in zip(wal.records(tmp_path / "whole"), wal.records(tmp_path / "streamed"), strict=True):
+        a, b = wal.read(p1), wal.read(p2)
+        assert r1 == r2 and {k: bytes(v) for k, v in a.payloads.items()} == {k: bytes(v) for k, v in b.payloads.items()}
+        assert p2.stat().st_size > p1.stat().st_size  # the header's room, padded
+    # The writer thread fails (a full disk): written whole.
+    finished.clear()
+    real_pwrite = os.pwrite
+
+    def pwrite(fd, data, at):
+        if threading.current_thread().name == "atoll-record":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, at)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    run(tmp_path / "full", 2, snapshot_every=100)
+    assert finished == [False, False] and persistence.load(tmp_path / "full").round == 2
+    assert not [p for p in (tmp_path / "full" / wal.LOG).iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_streamed_record_whose_header_outgrows_its_room_is_written_whole(tmp_path):
+    from atoll.compression import get_codec
+
+    gen = torch.Generator().manual_seed(0)
+    payloads = {k: get_codec("int8").encode(torch.randn(s, generator=gen)) for k, s in SHAPES.items()}
+    data = sum(len(p) for p in payloads.values())
+    config = RunConfig(run_id="t", sync_every=1)
+    for history, streamed in (({"round": 0}, True), ({"round": 0, "notes": "n" * 5000}, False)):
+        state = tmp_path / str(streamed)
+        stream = wal.RecordStream(state, 0, head_hint=100)  # one 4 KiB block for the header
+        for k, p in payloads.items():
+            stream.add(k, p)
+        done: list[bool] = []
+        stream.finish = lambda *a, f=stream.finish, done=done: done.append(f(*a)) or done[-1]
+        wal.append(state, 0, payloads, history, {}, config, stream=stream)
+        assert done == [streamed]
+        [(r, path)] = wal.records(state)
+        rec = wal.read(path)
+        assert r == 0 and rec.history == history
+        assert {k: bytes(v) for k, v in rec.payloads.items()} == {k: bytes(v) for k, v in payloads.items()}
+        assert (path.stat().st_size - data == 4096) is streamed  # the header's room, or a header to measure
+        assert [p.name for p in (state / wal.LOG).iterdir()] == [path.name]

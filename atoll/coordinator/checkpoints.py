@@ -1,7 +1,8 @@
 """What the coordinator writes to its state dir, and when: the one owner of that sequence.
 
 - before θ_0 is published: its snapshot;
-- before a round is published: its log record (:func:`atoll.coordinator.wal.append`), small;
+- before a round is published: its log record (:func:`atoll.coordinator.wal.append`), small, most of
+  it written while the outer step makes the update (:meth:`Checkpoints.streaming`);
 - after a publish, in the background while the next round runs: the optimizer state of the new θ,
   or, every ``every`` rounds, a full snapshot; then the files no longer needed are pruned.
 
@@ -11,8 +12,10 @@ momentum and error feedback in place; θ itself is never changed in place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from atoll.coordinator import persistence, wal
@@ -31,6 +34,8 @@ class Checkpoints:
         self.failed: str | None = None
         """Why the last background write failed (None: it worked); the next publish writes a snapshot."""
         self._thread: threading.Thread | None = None
+        self._stream: wal.RecordStream | None = None
+        """The record of the round being stepped, written as its update is made."""
 
     def restored(self) -> None:
         """After a restore: the newest snapshot is the one on disk."""
@@ -41,7 +46,36 @@ class Checkpoints:
         persistence.save(self.state_dir, snap, keep=None)
 
     def log_round(self, round_: int, payloads: dict, record: dict, islands: dict, config: RunConfig) -> None:
-        wal.append(self.state_dir, round_, payloads, record, islands, config)
+        stream, self._stream = self._stream, None
+        try:
+            wal.append(self.state_dir, round_, payloads, record, islands, config, stream=stream)
+        finally:
+            if stream is not None:
+                stream.abandon()  # finished or not: nothing of it is left behind
+
+    @contextlib.contextmanager
+    def streaming(self, round_: int, made, head_hint: int | None) -> Iterator:
+        """While round ``round_``'s step runs: ``made`` that also sends each payload to the round's
+        record as it is made (:class:`wal.RecordStream`); the record is finished by :meth:`log_round`,
+        or abandoned if the step fails. ``head_hint`` None: ``made`` as it is (the record is written
+        whole)."""
+        if made is None or head_hint is None:
+            yield made
+            return
+        if self._stream is not None:
+            self._stream.abandon()
+        stream = self._stream = wal.RecordStream(self.state_dir, round_, head_hint)
+
+        def both(name: str, payload) -> None:
+            stream.add(name, payload)
+            made(name, payload)
+
+        try:
+            yield both
+        except BaseException:
+            stream.abandon()
+            self._stream = None
+            raise
 
     # ---- after a publish ------------------------------------------------------------------------
     def after_publish(self, snap: persistence.Snapshot, keep_from: int) -> None:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from atoll.coordinator import checks, grace, persistence
+from atoll.coordinator import checks, grace, persistence, wal
 from atoll.coordinator.accumulator import RoundAccumulator
 from atoll.coordinator.checkpoints import Checkpoints
 from atoll.coordinator.config import ConfigMismatch, RunConfig, apply_operational, reconcile
@@ -185,20 +185,9 @@ class RunState:
         self.membership.restore(snap.islands, snap.departed)
         self.downlink.restore(self.round)
         self.accumulator.reset(self.model.zeros())
-        self._size_budget(self.model.specs)
+        self.accumulator.size_budget(self.model.specs, self.name)
         log.info("%srestored run %s at round %d from %s", self.name, self.config.run_id, self.round, self.state_dir)
         return True
-
-    def _size_budget(self, specs: dict[str, tuple[int, ...]]) -> None:
-        short = self.accumulator.size_budget(specs)
-        if short is not None:
-            log.error(
-                "%s--max-inflight-bytes %d is below one fp32 push of this model (%d bytes): such pushes are "
-                "always refused; raise it (compressed pushes are smaller)",
-                self.name,
-                self.accumulator.budget.limit,
-                short,
-            )
 
     def close(self) -> None:
         """Wait for the background checkpoint being written (the server is stopping); let go of the dir."""
@@ -234,7 +223,7 @@ class RunState:
         if new:
             self.accumulator.drop_island(req.island_id)
         if not model.ready:
-            self._size_budget(specs)
+            self.accumulator.size_budget(specs, self.name)
         if was_departed:
             self._write_departed()
         bootstrap = not model.ready and self.ledger.sealed is None and self.membership.claim_bootstrap(req.island_id)
@@ -359,7 +348,12 @@ class RunState:
             await asyncio.to_thread(self.checkpoints.wait)  # the step changes what it may still write
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             summary, weight = acc.record(), acc.weight_total()
-            with self.ledger.producing_step(r, self.model.update_sizes(), summary["loss"]) as made:
+            sizes = self.model.update_sizes()
+            hint = wal.head_hint(sizes, self.membership.to_json()["islands"], self.history[-1:])
+            with (
+                self.ledger.producing_step(r, sizes, summary["loss"]) as made,
+                self.checkpoints.streaming(r, made, hint) as made,  # the record is written meanwhile
+            ):
                 params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made)
             record = {
                 "round": r,
@@ -408,7 +402,7 @@ class RunState:
             self.accumulator.reset(await asyncio.to_thread(self.model.zeros, old))
             del old
             if sealed.round == BOOTSTRAP:  # sized from θ_0 itself, not from what a join declared
-                self._size_budget(self.model.specs)
+                self.accumulator.size_budget(self.model.specs, self.name)
             self.ledger.advance(sealed, self.clock())
             self.waiting = ""  # the decider says what the new round waits for
             if self.run_complete:

@@ -155,15 +155,25 @@ def write_file(
     arrays = {k: _bytes_of(v) for k, v in tensors.items()}
     known = digests or {}
     crcs = {k: known.get(k) or f"{google_crc32c.value(a):08x}" for k, a in arrays.items()}
-    meta = {**metadata, "digests": json.dumps(crcs)}
+    head = header_bytes(tensors, metadata, crcs)
+    write_atomic(path, [head, *(memoryview(a) for a in arrays.values())], durable)
+
+
+def header_bytes(tensors: dict, metadata: dict[str, str], digests: dict[str, str], size: int = 0) -> bytes:
+    """The header of a file of ``tensors`` (their bytes laid out in this order right after it): the
+    length, then the JSON padded with spaces to a multiple of 8 bytes, or to exactly ``size`` bytes in
+    all (ValueError if it does not fit). ``digests``: every tensor's CRC-32C, in hex."""
+    meta = {**metadata, "digests": json.dumps(digests)}
     meta[META_DIGEST] = metadata_digest(meta)
     header: dict = {"__metadata__": meta}
     offset = 0
     for k, v in tensors.items():
-        n = arrays[k].nbytes
+        n = v.nbytes if isinstance(v, torch.Tensor) else memoryview(v).nbytes
         dtype, shape = (SAFETENSORS_DTYPES[v.dtype], list(v.shape)) if isinstance(v, torch.Tensor) else ("U8", [n])
         header[k] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    write_atomic(path, [struct.pack("<Q", len(head)) + head, *(memoryview(a) for a in arrays.values())], durable)
+    pad = -len(head) % 8 if not size else size - 8 - len(head)
+    if pad < 0:
+        raise ValueError(f"a header of {len(head) + 8} bytes does not fit in {size}")
+    return struct.pack("<Q", len(head) + pad) + head + b" " * pad

@@ -23,6 +23,7 @@ docs/design.md ("Durability: a write-ahead log").
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +34,16 @@ from safetensors import SafetensorError, safe_open
 from atoll.compression import codec_of
 from atoll.compression.wire import SEALED_DIGEST, WireFormatError
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.integrity import IntegrityError, check_file, write_file
+from atoll.coordinator.integrity import IntegrityError, check_file, header_bytes, write_file
+from atoll.files import DIRECT_BLOCK, StreamedFile
 
 LOG = "log"
 FORMAT = "atoll-log-1"
 RECORD = re.compile(r"round-(\d{8,})\.safetensors")
 OPTIMIZER = re.compile(r"optimizer-(\d{8,})\.safetensors")
 UPDATE = "update/"
+
+log = logging.getLogger("atoll.coordinator")
 
 
 class LogError(ValueError):
@@ -81,9 +85,20 @@ class Record:
     config: RunConfig
 
 
-def append(state_dir: Path, round_: int, payloads: dict, history: dict, islands: dict, config: RunConfig) -> None:
+def append(
+    state_dir: Path,
+    round_: int,
+    payloads: dict,
+    history: dict,
+    islands: dict,
+    config: RunConfig,
+    *,
+    stream: RecordStream | None = None,
+) -> None:
     """Make round ``round_`` durable (before θ_{round_+1} is published): its update (sealed atoll
-    payloads: each ends in its own crc32c), record, membership and config, fsynced."""
+    payloads: each ends in its own crc32c), record, membership and config, fsynced. ``stream``: the
+    record begun while the step made the update (:class:`RecordStream`), finished here if it holds
+    exactly these payloads and its header fits; else (and if it fails) the record is written whole."""
     d = Path(state_dir) / LOG
     d.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -95,7 +110,81 @@ def append(state_dir: Path, round_: int, payloads: dict, history: dict, islands:
     }
     sealed = f"{SEALED_DIGEST:08x}"  # each payload ends in its own crc32c: no second pass over it
     tensors = {UPDATE + k: p for k, p in payloads.items()}
-    write_file(d / record_name(round_), tensors, meta, digests=dict.fromkeys(tensors, sealed))
+    digests = dict.fromkeys(tensors, sealed)
+    if stream is not None and stream.finish(round_, tensors, meta, digests):
+        return
+    write_file(d / record_name(round_), tensors, meta, digests=digests)
+
+
+STREAM_MIN_BYTES = 16 << 20
+"""Updates at least this large have their record written while the step makes them (below, the
+whole write is short, and the room set aside for the header would be a large part of the file)."""
+
+
+def head_hint(sizes: dict[str, int] | None, islands: dict, history: list[dict]) -> int | None:
+    """Bytes to set aside for a record's header before its metadata is known (the entries, twice the
+    membership and the last history record ``history[-1:]``, 16 KiB for the config and the rest), or
+    None: the record is written whole (sizes unknown, or the update is small)."""
+    if sizes is None or sum(sizes.values()) < STREAM_MIN_BYTES:
+        return None
+    names = sum(len(UPDATE) + len(k) + 96 for k in sizes)
+    return names + 2 * len(json.dumps(islands)) + 2 * len(json.dumps(history)) + (16 << 10)
+
+
+class RecordStream:
+    """Round ``round_``'s record, begun before its update exists: each payload goes to the file as the
+    outer step makes it (:class:`~atoll.files.StreamedFile`: a writer thread, O_DIRECT), so making
+    the round durable after the step writes only the header and what is left. The header (history,
+    membership, config) is known only then; ``head_hint`` bytes plus room for the entries are set
+    aside for it, and a header that does not fit, like any write error, falls back to writing the
+    record whole."""
+
+    def __init__(self, state_dir: Path, round_: int, head_hint: int) -> None:
+        d = Path(state_dir) / LOG
+        d.mkdir(parents=True, exist_ok=True)
+        self.round = round_
+        self._head_hint = head_hint
+        self._file: StreamedFile | None = None
+        self._path = d / record_name(round_)
+        self._parts: list[tuple[str, object]] = []
+        self._broken = False
+
+    def add(self, name: str, payload) -> None:
+        """The next payload of the update (the step's thread), in the order the record lays them out.
+        It never fails the step: a file that cannot be opened is a record written whole."""
+        if self._broken:
+            return
+        try:
+            if self._file is None:
+                self._file = StreamedFile(self._path, -(-(self._head_hint + 8) // DIRECT_BLOCK) * DIRECT_BLOCK)
+        except OSError as err:
+            self._broken = True
+            log.info("round %d's record will be written whole (%s)", self.round, err)
+            return
+        self._parts.append((UPDATE + name, payload))
+        self._file.append(payload)
+
+    def finish(self, round_: int, tensors: dict, meta: dict, digests: dict) -> bool:
+        """Make it the record (True), or leave no file (False: write it whole)."""
+        f, self._file = self._file, None
+        if f is None:
+            return False
+        same = round_ == self.round and [(k, id(p)) for k, p in self._parts] == [(k, id(p)) for k, p in tensors.items()]
+        self._parts = []
+        try:
+            if not same:
+                raise ValueError("it holds other payloads")
+            f.finish(header_bytes(tensors, meta, digests, size=f.head_bytes))
+        except (OSError, ValueError) as err:
+            f.abandon()
+            log.info("round %d's record is written whole (%s)", round_, err)
+            return False
+        return True
+
+    def abandon(self) -> None:
+        f, self._file, self._parts = self._file, None, []
+        if f is not None:
+            f.abandon()
 
 
 def read(path: Path) -> Record:
