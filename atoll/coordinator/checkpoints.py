@@ -105,6 +105,14 @@ class Checkpoints:
             self.failed = str(err)
             log.error("the background checkpoint failed: %s (the log keeps every round; retried)", err)
 
+    def close(self) -> None:
+        """The server stops: the background write finishes, a record being streamed is dropped (its
+        round was never published)."""
+        self.wait()
+        if self._stream is not None:
+            self._stream.abandon()
+            self._stream = None
+
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()

@@ -191,7 +191,7 @@ class RunState:
 
     def close(self) -> None:
         """Wait for the background checkpoint being written (the server is stopping); let go of the dir."""
-        self.checkpoints.wait()
+        self.checkpoints.close()
         if self._dir_lock is not None:
             self._dir_lock.release()
             self._dir_lock = None
