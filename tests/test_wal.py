@@ -178,8 +178,8 @@ def test_a_rollback_sets_the_log_after_it_aside(tmp_path):
 def test_a_record_streamed_during_the_step_is_the_same_record_and_its_failures_fall_back(tmp_path, monkeypatch):
     """Above ``STREAM_MIN_BYTES`` a round's record is written while the outer step makes its update,
     so the save after the step is the header and an fsync. The records replay to the same θ and
-    optimizer state bitwise as records written whole; a header that outgrows its room, or a write
-    that fails, falls back to the whole write (the round is still durable) and leaves no stray file."""
+    optimizer state bitwise as records written whole; a write that fails falls back to the whole
+    write (the round is still durable) and leaves no stray file."""
     whole = run(tmp_path / "whole", 3, snapshot_every=100)
     monkeypatch.setattr(wal, "STREAM_MIN_BYTES", 0)
     finished, real_finish = [], wal.RecordStream.finish
@@ -217,6 +217,8 @@ def test_a_record_streamed_during_the_step_is_the_same_record_and_its_failures_f
 
 
 def test_a_streamed_record_whose_header_outgrows_its_room_is_written_whole(tmp_path):
+    """The header (history, membership, config) is known only after the step; one larger than the
+    room set aside for it makes the record be written whole, with no file of the stream left."""
     from atoll.compression import get_codec
 
     gen = torch.Generator().manual_seed(0)
