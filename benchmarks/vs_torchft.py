@@ -6,7 +6,10 @@
 
 The workload (issue 21): 2 workers, the preset's tensors, inner steps that set every gradient to seeded
 noise and take an SGD step (both systems do identical, cheap compute), H = ``--sync-every``, outer
-Nesterov lr 0.7 / momentum 0.9.
+Nesterov lr 0.7 / momentum 0.9. The noise is drawn into one buffer per parameter for the whole
+run (``noise_grads``): drawn afresh, the workload faulted in 2|θ| of new pages every step, whose
+system time on this VM was ~0.1 s in most steps and 0.8-1.4 s in some, and torchft's workers made
+half as many of those faults (their allocator reused what their sync freed).
 
 - torchft 0.2.0: a lighthouse, one Manager and one reconfigurable gloo process group per worker (a
   replica group of one rank), ``torchft.local_sgd.DiLoCo`` (pseudo-gradient all-reduce, the outer
@@ -69,13 +72,19 @@ def build(model: str):
     return TinyGPT(preset(model, vocab_size=VOCAB[model]))
 
 
-def noise_step(model, opt, gen) -> None:
-    """A stand-in inner step: every gradient set to seeded noise (1e-3), then the optimizer's step."""
+def noise_grads(model, gen, buffers: dict) -> None:
+    """Every gradient set to seeded noise (1e-3), drawn into one buffer per parameter that lives for
+    the whole run: the same values as ``torch.randn(...) * 1e-3`` afresh, without the workload
+    faulting in 2|θ| of new pages every step (on this VM such faults sometimes took 10x their usual
+    system time, and the allocator reused memory freed by one system's sync and not the other's)."""
     import torch
 
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-    opt.step()
+        buf = buffers.get(p)
+        if buf is None:
+            buf = buffers[p] = torch.empty(p.shape)
+        torch.randn(p.shape, generator=gen, out=buf)
+        p.grad = buf.mul_(1e-3)
 
 
 def peak_rss(pid: int | str = "self") -> int:
@@ -149,11 +158,10 @@ def torchft_worker(a) -> None:
         connect_timeout=timedelta(seconds=60),
     )
     gen = torch.Generator().manual_seed(1000 + a.index)
-    syncs, marks, spans = [], [], []
+    syncs, marks, spans, noise = [], [], [], {}
     with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu")):
         for step in range(1, a.rounds * a.sync_every + 1):
-            for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            noise_grads(model, gen, noise)
             started, wall = time.perf_counter(), time.time()
             inner.step()  # at the H-th step: quorum, all-reduce of the pseudo-gradients, outer step
             if step % a.sync_every == 0:
@@ -177,12 +185,11 @@ def atoll_worker(a) -> None:
     model = build(a.model)
     inner = torch.optim.SGD(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1000 + a.index)
-    syncs, marks, spans = [], [], []
+    syncs, marks, spans, noise = [], [], [], {}
     link = CoordinatorLink(a.coordinator, run_id="vs", island_id=f"w{a.index}")
     with DiLoCo(model, link) as sync:
         for _ in range(a.rounds * a.sync_every):
-            for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            noise_grads(model, gen, noise)
             inner.step()
             started, wall = time.perf_counter(), time.time()
             if sync.step(tokens=1) is not None:  # push, outer step, pull, apply
