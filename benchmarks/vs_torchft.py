@@ -2,14 +2,15 @@
 
     pip install -e '.[bench]'          # torchft, the peer: a benchmark extra, never a runtime dependency
     python benchmarks/vs_torchft.py [--model tiny|gpt-125m] [--pairs 3] [--rounds 4] [--sync-every 2]
-                                    [--codecs identity int8]
+                                    [--codecs identity int8] [--noise fresh|reused]
 
 The workload (issue 21): 2 workers, the preset's tensors, inner steps that set every gradient to seeded
 noise and take an SGD step (both systems do identical, cheap compute), H = ``--sync-every``, outer
-Nesterov lr 0.7 / momentum 0.9. The noise is drawn into one buffer per parameter for the whole
-run (``noise_grads``): drawn afresh, the workload faulted in 2|θ| of new pages every step, whose
-system time on this VM was ~0.1 s in most steps and 0.8-1.4 s in some, and torchft's workers made
-half as many of those faults (their allocator reused what their sync freed).
+Nesterov lr 0.7 / momentum 0.9. ``--noise reused`` draws the noise into one buffer per parameter
+for the whole run (the same values): drawn afresh (the default, the issue's workload), the workload
+faults in 2|θ| of new pages every step, whose system time on this VM was ~0.1 s in most steps and
+0.8-1.4 s in some, which then shows as the workers entering the sync far apart; torchft's workers
+made fewer of those faults (their allocator reused what their sync freed).
 
 - torchft 0.2.0: a lighthouse, one Manager and one reconfigurable gloo process group per worker (a
   replica group of one rank), ``torchft.local_sgd.DiLoCo`` (pseudo-gradient all-reduce, the outer
@@ -72,14 +73,16 @@ def build(model: str):
     return TinyGPT(preset(model, vocab_size=VOCAB[model]))
 
 
-def noise_grads(model, gen, buffers: dict) -> None:
-    """Every gradient set to seeded noise (1e-3), drawn into one buffer per parameter that lives for
-    the whole run: the same values as ``torch.randn(...) * 1e-3`` afresh, without the workload
-    faulting in 2|θ| of new pages every step (on this VM such faults sometimes took 10x their usual
-    system time, and the allocator reused memory freed by one system's sync and not the other's)."""
+def noise_grads(model, gen, buffers: dict | None) -> None:
+    """Every gradient set to seeded noise (1e-3): drawn afresh each step (``buffers`` None: the
+    issue's workload), or into one buffer per parameter kept for the whole run (the same values,
+    without the workload faulting in 2|θ| of new pages every step)."""
     import torch
 
     for p in model.parameters():
+        if buffers is None:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            continue
         buf = buffers.get(p)
         if buf is None:
             buf = buffers[p] = torch.empty(p.shape)
@@ -158,7 +161,7 @@ def torchft_worker(a) -> None:
         connect_timeout=timedelta(seconds=60),
     )
     gen = torch.Generator().manual_seed(1000 + a.index)
-    syncs, marks, spans, noise = [], [], [], {}
+    syncs, marks, spans, noise = [], [], [], ({} if a.noise == "reused" else None)
     with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu")):
         for step in range(1, a.rounds * a.sync_every + 1):
             noise_grads(model, gen, noise)
@@ -185,7 +188,7 @@ def atoll_worker(a) -> None:
     model = build(a.model)
     inner = torch.optim.SGD(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1000 + a.index)
-    syncs, marks, spans, noise = [], [], [], {}
+    syncs, marks, spans, noise = [], [], [], ({} if a.noise == "reused" else None)
     link = CoordinatorLink(a.coordinator, run_id="vs", island_id=f"w{a.index}")
     with DiLoCo(model, link) as sync:
         for _ in range(a.rounds * a.sync_every):
@@ -209,7 +212,7 @@ def run_system(a) -> None:
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     before = lo_bytes()
     me = [sys.executable, str(Path(__file__).resolve())]
-    common = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every)]
+    common = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every), "--noise", a.noise]
     coord = lighthouse = None
     with tempfile.TemporaryDirectory(prefix="vs-") as tmp:
         if a.system == "torchft":
@@ -377,6 +380,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--sync-every", type=int, default=2)
     p.add_argument("--codecs", nargs="+", default=["identity"], help="atoll's codec(s), each in its own pairs")
+    p.add_argument(
+        "--noise",
+        default="fresh",
+        choices=["fresh", "reused"],
+        help="the noise gradients drawn into new tensors every step (the issue's workload) or into buffers "
+        "kept for the run (no page faults of the workload's own)",
+    )
     p.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     p.add_argument("--system", default="", help=argparse.SUPPRESS)
     p.add_argument("--codec", default="identity", help=argparse.SUPPRESS)
@@ -400,7 +410,7 @@ def main() -> None:
         import torchft  # noqa: F401
     except ImportError:
         sys.exit("torchft is not installed: pip install -e '.[bench]'")
-    common = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every)]
+    common = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every), "--noise", a.noise]
     floor = isolated(["--role", "floors", "--model", a.model])
     theta = 4 * floor["numel"]
     print(
