@@ -60,22 +60,11 @@ def _write_direct(path: Path, parts: list) -> bool:
         return False
     try:
         size = sum(memoryview(part).nbytes for part in parts)
-        bounce_bytes = min(BOUNCE_BYTES, max(-(-size // DIRECT_BLOCK) * DIRECT_BLOCK, DIRECT_BLOCK))
-        bounce = mmap.mmap(-1, bounce_bytes)  # page-aligned; no larger than the file needs
-        buf, filled, total = np.frombuffer(bounce, dtype=np.uint8), 0, 0
+        bounce = _Bounce(fd, 0, min(BOUNCE_BYTES, max(_blocks(size), DIRECT_BLOCK)))  # no larger than needed
         for part in parts:
-            data = np.frombuffer(part, dtype=np.uint8)
-            while data.size:
-                take = min(bounce_bytes - filled, data.size)
-                buf[filled : filled + take] = data[:take]
-                filled, total, data = filled + take, total + take, data[take:]
-                if filled == bounce_bytes:
-                    _write_all(fd, bounce)
-                    filled = 0
-        if filled:
-            buf[filled : -(-filled // DIRECT_BLOCK) * DIRECT_BLOCK] = 0
-            _write_all(fd, memoryview(bounce)[: -(-filled // DIRECT_BLOCK) * DIRECT_BLOCK])
-        os.ftruncate(fd, total)
+            bounce.add(part)
+        bounce.close()
+        os.ftruncate(fd, size)
         os.fsync(fd)
         return True
     except OSError as err:
@@ -90,6 +79,39 @@ def _write_all(fd: int, data) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:
         view = view[os.write(fd, view[: 1 << 30]) :]
+
+
+def _blocks(n: int) -> int:
+    """``n`` rounded up to whole O_DIRECT blocks."""
+    return -(-n // DIRECT_BLOCK) * DIRECT_BLOCK
+
+
+class _Bounce:
+    """One page-aligned buffer of ``size`` bytes (a multiple of ``DIRECT_BLOCK``) through which bytes
+    go to an O_DIRECT ``fd`` from offset ``at`` on, in whole blocks; :meth:`close` writes the last,
+    partial one padded with zeros (the caller truncates the file to its size)."""
+
+    def __init__(self, fd: int, at: int, size: int = BOUNCE_BYTES) -> None:
+        self.fd, self.at, self.filled = fd, at, 0
+        self.mem = mmap.mmap(-1, size)  # page-aligned
+        self.buf = np.frombuffer(self.mem, dtype=np.uint8)
+
+    def add(self, part) -> None:
+        data = np.frombuffer(part, dtype=np.uint8)
+        while data.size:
+            take = min(self.buf.size - self.filled, data.size)
+            self.buf[self.filled : self.filled + take] = data[:take]
+            self.filled, data = self.filled + take, data[take:]
+            if self.filled == self.buf.size:
+                _pwrite_all(self.fd, self.mem, self.at)
+                self.at, self.filled = self.at + self.filled, 0
+
+    def close(self) -> None:
+        if self.filled:
+            whole = _blocks(self.filled)
+            self.buf[self.filled : whole] = 0
+            _pwrite_all(self.fd, memoryview(self.mem)[:whole], self.at)
+            self.at, self.filled = self.at + whole, 0
 
 
 def fsync_dir(path: Path) -> None:
@@ -123,12 +145,10 @@ class StreamedFile:
         self._thread = threading.Thread(target=self._write, name="atoll-record", daemon=True)
         self._thread.start()
 
-    def append(self, part) -> int:
-        """Queue ``part``'s bytes after those appended before; returns where they start in the file."""
-        at = self.size
+    def append(self, part) -> None:
+        """Queue ``part``'s bytes after those appended before."""
         self.size += memoryview(part).nbytes
         self._parts.put(part)
-        return at
 
     def finish(self, head: bytes) -> None:
         """Write ``head`` (exactly ``head_bytes``) first, fsync, rename, fsync the directory."""
@@ -165,31 +185,21 @@ class StreamedFile:
     def _write(self) -> None:
         """The writer thread: each part at its place, through the bounce buffer when O_DIRECT."""
         at = self.head_bytes
-        bounce = mmap.mmap(-1, BOUNCE_BYTES) if self._direct else None
-        buf, filled = (np.frombuffer(bounce, dtype=np.uint8), 0) if bounce is not None else (None, 0)
+        bounce = _Bounce(self._fd, at) if self._direct else None
         while (part := self._parts.get()) is not None:
             if self._error is not None:
                 continue  # drain: the file is abandoned
             try:
-                if bounce is None:
-                    os.pwrite(self._fd, part, at)
+                if bounce is not None:
+                    bounce.add(part)
+                else:
+                    _pwrite_all(self._fd, part, at)
                     at += memoryview(part).nbytes
-                    continue
-                data = np.frombuffer(part, dtype=np.uint8)
-                while data.size:
-                    take = min(BOUNCE_BYTES - filled, data.size)
-                    buf[filled : filled + take] = data[:take]
-                    filled, data = filled + take, data[take:]
-                    if filled == BOUNCE_BYTES:
-                        _pwrite_all(self._fd, bounce, at)
-                        at, filled = at + BOUNCE_BYTES, 0
             except BaseException as err:  # raised by finish()
                 self._error = err
-        if bounce is not None and filled and self._error is None:
+        if bounce is not None and self._error is None:
             try:
-                whole = -(-filled // DIRECT_BLOCK) * DIRECT_BLOCK
-                buf[filled:whole] = 0
-                _pwrite_all(self._fd, memoryview(bounce)[:whole], at)
+                bounce.close()
             except BaseException as err:
                 self._error = err
 
