@@ -519,3 +519,26 @@ def test_a_codec_that_adds_exactly_adds_bit_for_bit_what_decode_then_add_gives(s
     want = codec.decode(payload, (1000, 37)) + theta  # the coordinator: decode, then add θ
     got = codec.decode_add_(payload, theta.clone())
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("numel", [(1 << 20) + 3 * 256, 37_000])
+@pytest.mark.parametrize("alpha", [1.0, 3.7])
+def test_int8_decode_is_code_times_scale_and_a_weighted_add_rounds_the_product_first(numel, alpha):
+    """The int8 decode's bits, from the payload's own bytes in NumPy float32: code x block scale, and a
+    weighted decode-and-add is ``out + (decoded * alpha)`` with the product rounded on its own (two
+    chunks of whole blocks, and a ragged last block)."""
+    codec = get_codec("int8")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(numel, generator=gen) * 1e-2
+    x[:300] = 0.0  # zero codes, including a whole zero block (scale 0)
+    payload = codec.encode(x)
+    body = np.frombuffer(codec.frame(payload, (numel,)).body, dtype=np.uint8)
+    nblocks = -(-numel // 256)
+    scales = body[: 4 * nblocks].view(np.float32)
+    codes = body[4 * nblocks :].view(np.int8)
+    want = codes.astype(np.float32) * np.repeat(scales, 256)[:numel]
+    assert np.array_equal(codec.decode(payload, (numel,)).numpy().view(np.int32), want.view(np.int32))
+    out = torch.randn(numel, generator=gen)
+    expect = out.numpy() + want * np.float32(alpha)
+    got = codec.decode_add_(payload, out.clone(), alpha=alpha)
+    assert np.array_equal(got.numpy().view(np.int32), expect.view(np.int32))
