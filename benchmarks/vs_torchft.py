@@ -34,7 +34,10 @@ no boundaries, so a byte sent twice shows there exactly; and the loopback bytes 
 payload bytes, θ_0's upload included (framing, TCP). Runs are
 interleaved by pairs, the order alternating. Printed per pair:
 the median steady sync time (rounds after the first) of each system and their ratio, how far apart
-the two workers entered the sync (the earlier one waits for the other: that counts in its time), bytes on
+the two workers entered the sync (the earlier one waits for the other: that counts in its time), the CPU
+seconds a sync took (each worker's own during its sync, plus the service process's, the coordinator
+or the lighthouse, from the first worker's entry to the last one's exit, sampled every 20 ms; and
+all of it over 2 cores x that window: how busy the sync kept the machine), bytes on
 loopback per round (and over |θ|), each worker's peak RSS (and the coordinator's), and the largest
 difference between the two systems' final θ. The floors, measured in the same run: |θ| over one raw
 loopback TCP stream, and a 2-process gloo all-reduce of |θ| fp32.
@@ -43,6 +46,7 @@ loopback TCP stream, and a 2-process gloo all-reduce of |θ| fp32.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import shutil
@@ -96,6 +100,13 @@ def peak_rss(pid: int | str = "self") -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds of a process, all its threads, so far (10 ms resolution)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def theta_summary(model, name: str) -> list[list[float]]:
@@ -165,11 +176,11 @@ def torchft_worker(a) -> None:
     with DiLoCo(manager, [model], inner, outer, sync_every=a.sync_every, backup_device=torch.device("cpu")):
         for step in range(1, a.rounds * a.sync_every + 1):
             noise_grads(model, gen, noise)
-            started, wall = time.perf_counter(), time.time()
+            started, wall, cpu0 = time.perf_counter(), time.time(), cpu_seconds()
             inner.step()  # at the H-th step: quorum, all-reduce of the pseudo-gradients, outer step
             if step % a.sync_every == 0:
                 syncs.append(time.perf_counter() - started)
-                spans.append([wall, time.time()])
+                spans.append([wall, time.time(), cpu0, cpu_seconds()])
                 marks.append(lo_bytes())
     manager.shutdown(wait=False)
     print(
@@ -194,10 +205,10 @@ def atoll_worker(a) -> None:
         for _ in range(a.rounds * a.sync_every):
             noise_grads(model, gen, noise)
             inner.step()
-            started, wall = time.perf_counter(), time.time()
+            started, wall, cpu0 = time.perf_counter(), time.time(), cpu_seconds()
             if sync.step(tokens=1) is not None:  # push, outer step, pull, apply
                 syncs.append(time.perf_counter() - started)
-                spans.append([wall, time.time()])
+                spans.append([wall, time.time(), cpu0, cpu_seconds()])
                 marks.append(lo_bytes())
     print(
         json.dumps(
@@ -244,16 +255,22 @@ def run_system(a) -> None:
             )
             for i in range(2)
         ]
-        coord_rss = [0]
-        if coord is not None:  # the coordinator's peak RSS, read while it runs
+        coord_rss, service_cpu = [0], []
+        service = coord.pid if coord is not None else os.getpid()  # torchft's lighthouse runs in this process
 
-            def watch() -> None:
-                while coord.poll() is None and any(w.poll() is None for w in workers):
+        def watch() -> None:
+            """The coordinator's peak RSS, and the CPU time of the service process (the coordinator, or
+            the lighthouse) every 20 ms, to tell how much CPU each sync took on every side."""
+            while (coord is None or coord.poll() is None) and any(w.poll() is None for w in workers):
+                if coord is not None:
                     coord_rss[0] = max(coord_rss[0], peak_rss(coord.pid))
-                    time.sleep(0.2)
+                service_cpu.append([time.time(), cpu_seconds(service)])
+                time.sleep(0.02)
 
-            threading.Thread(target=watch, daemon=True).start()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         outs = [json.loads(w.communicate()[0].strip().splitlines()[-1]) for w in workers]
+        watcher.join()
         after = lo_bytes()
         payload = None
         if coord is not None:
@@ -267,7 +284,15 @@ def run_system(a) -> None:
         if lighthouse is not None:
             lighthouse.shutdown()
     print(
-        json.dumps({"workers": outs, "lo_bytes": after - before, "coordinator_rss": coord_rss[0], "payload": payload}),
+        json.dumps(
+            {
+                "workers": outs,
+                "lo_bytes": after - before,
+                "coordinator_rss": coord_rss[0],
+                "payload": payload,
+                "service_cpu": service_cpu,
+            }
+        ),
         flush=True,
     )
 
@@ -368,6 +393,34 @@ def start_gap(run: dict) -> float:
     return statistics.median(gaps[1:] if len(gaps) > 1 else gaps)
 
 
+def sync_cpu(run: dict) -> tuple[float, float, float]:
+    """The median over rounds after the first of the CPU seconds one sync took: (the workers' own,
+    within each one's sync; the service process's, from the first worker's entry to the last one's
+    exit; both over 2 cores x that window, the share of the machine the sync kept busy)."""
+    samples = run["service_cpu"]
+    times = [s[0] for s in samples]
+
+    def service_at(when: float) -> float:  # the service's CPU at a wall time, linearly interpolated
+        i = min(max(bisect.bisect_left(times, when), 1), len(samples) - 1)
+        (t0, c0), (t1, c1) = samples[i - 1], samples[i]
+        return c0 + (c1 - c0) * min(max((when - t0) / max(t1 - t0, 1e-9), 0.0), 1.0)
+
+    rows = []
+    for spans in list(zip(*(w["spans"] for w in run["workers"]), strict=True))[1:]:
+        start, end = min(s[0] for s in spans), max(s[1] for s in spans)
+        own = sum(s[3] - s[2] for s in spans)
+        service = service_at(end) - service_at(start)
+        rows.append((own, service, (own + service) / (2 * (end - start))))
+    if not rows or len(samples) < 2:
+        return float("nan"), float("nan"), float("nan")
+    return tuple(statistics.median(r[k] for r in rows) for k in range(3))
+
+
+def cpu(run: dict) -> str:
+    own, service, busy = sync_cpu(run)
+    return f"{own:.2f} s workers + {service:.2f} s service = {busy:.0%} of 2 cores"
+
+
 def rss(run: dict, theta: int) -> str:
     """Each worker's peak RSS in MiB and over |θ|."""
     return ", ".join(f"{w['rss'] / 2**20:.0f} MiB ({w['rss'] / theta:.1f}|θ|)" for w in run["workers"])
@@ -435,7 +488,8 @@ def main() -> None:
                 f"[{codec}] pair {pair + 1} ({' then '.join(order)}): sync atoll {steady(at):.3f} s, torchft "
                 f"{steady(tf):.3f} s, ratio {ratio:.2f}x (floors: {steady(at) / floor['tcp_seconds']:.0f}x TCP, "
                 f"torchft {steady(tf) / floor['gloo_seconds']:.0f}x gloo; the workers entered it {start_gap(at):.3f} "
-                f"and {start_gap(tf):.3f} s apart); loopback bytes/round atoll "
+                f"and {start_gap(tf):.3f} s apart; CPU in a sync: atoll {cpu(at)}, torchft {cpu(tf)}); "
+                "loopback bytes/round atoll "
                 f"{at['lo_bytes'] / a.rounds / theta:.2f}|θ|, torchft {tf['lo_bytes'] / a.rounds / theta:.2f}|θ| "
                 f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x), steady rounds atoll "
                 f"{steady_bytes(at) / theta:.2f}|θ|, torchft {steady_bytes(tf) / theta:.2f}|θ|; atoll's payload "
