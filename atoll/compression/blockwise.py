@@ -121,17 +121,24 @@ def encode_into(
             q.clamp_(-qmax, qmax)
         c0 = packed_len(s, bits)
         take = packed_len(s + m, bits) - c0
+        codes = None
         if bits == 8 and take == nb * block:
-            to_host(codes_out[c0 : c0 + take].view(torch.int8).view(nb, block), q)
+            codes = codes_out[c0 : c0 + take].view(torch.int8).view(nb, block)
+            to_host(codes, q)
         else:
             to_host(codes_out[c0 : c0 + take], span(_pack_codes(q.to(torch.int8).view(-1), bits), 0, take))
-        report(flat, s, lambda q=q, a=a, eff=eff, m=m: _decoded(q, eff, a, m))
+        host_codes = codes if device.type == "cpu" else None
+        report(flat, s, lambda q=q, a=a, eff=eff, m=m, c=host_codes: _decoded(q, eff, a, m, c))
 
 
-def _decoded(q: torch.Tensor, eff: torch.Tensor, out: torch.Tensor, m: int) -> torch.Tensor:
+def _decoded(q: torch.Tensor, eff: torch.Tensor, out: torch.Tensor, m: int, codes=None) -> torch.Tensor:
     """What :func:`decode_into` gives for a chunk's codes ``q`` (float, rounded) and scales ``eff``, into
     ``out`` (a free scratch chunk of the same shape): code x scale, the first ``m`` values. A -0.0 code
-    (a small negative value rounded) is 0 in the payload, so it becomes +0.0 first."""
+    (a small negative value rounded) is 0 in the payload, so it becomes +0.0 first. ``codes``: the
+    chunk's int8 codes where they are on the same device, cast into ``out`` and scaled there (the
+    same bits, one pass fewer: decode_into's way on the CPU)."""
+    if codes is not None:
+        return span(out.copy_(codes).mul_(eff.unsqueeze(1)).view(-1), 0, m)
     q.add_(0.0)
     return span(torch.mul(q, eff.unsqueeze(1), out=out).view(-1), 0, m)
 

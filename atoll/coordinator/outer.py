@@ -54,6 +54,35 @@ class NesterovSGD:
             g.copy_(m)
         return g.mul_(-self.lr)
 
+    @property
+    def fuses(self) -> bool:
+        """Whether :meth:`fused_` can run (torch's fused SGD kernel; no momentum, no buffer to advance)."""
+        return self.momentum != 0 and hasattr(torch, "_fused_sgd_")
+
+    def fused_(self, name: str, g: torch.Tensor, out: torch.Tensor, scale: float, start: int = 0) -> None:
+        """``out += u`` for the mean ``g / scale``, momentum advanced as :meth:`step_` does, in one pass
+        (torch's fused SGD kernel with ``out`` as its parameter and ``scale`` as its gradient scale)
+        instead of six; ``g`` is left holding the mean. The momentum gets the same bits as
+        :meth:`step_`'s; ``out`` may differ from ``step_``'s ``u`` added to it in the last bit (the
+        kernel rounds ``g + mu * m`` and ``out - lr * (...)`` its own way). ``g`` and ``out``: whole
+        tensors, or the flat chunks of them from element ``start``."""
+        m = self.buffers[name]
+        if g.shape != m.shape:
+            m = m.view(-1).narrow(0, start, g.numel())
+        torch._fused_sgd_(
+            [out],
+            [g],
+            [m],
+            weight_decay=0.0,
+            momentum=self.momentum,
+            lr=self.lr,
+            dampening=0.0,
+            nesterov=self.nesterov,
+            maximize=False,
+            is_first_step=False,  # m starts at zero: mu * 0 + g is g, as in step_
+            grad_scale=torch.tensor([scale], dtype=torch.float32, device=g.device),
+        )
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"momentum/{k}": v for k, v in self.buffers.items()}
 
@@ -116,9 +145,23 @@ def outer_step_(
 
         out = spare(spares, name)
         state = downlink_state.setdefault(name, {}) if downlink.lossy else None
+        # With error feedback, u + e is made in e's own storage by one fused pass (see NesterovSGD.fused_).
+        fused = None
+        if downlink.lossy and robust is None and name not in buffers and optimizer.fuses:
+
+            def fused(a: torch.Tensor, e: torch.Tensor, start: int = 0, name=name) -> None:
+                optimizer.fused_(name, a, e, weight_total, start)
+
         if downlink.chunked_input:
-            update = _Update(acc, params[name], prepare, downlink_ef[name] if downlink.lossy else None)
+            update = _Update(acc, params[name], prepare, downlink_ef[name] if downlink.lossy else None, fused)
             payloads[name] = downlink.encode_chunks(update, tuple(acc.shape), state, out=out)
+        elif fused is not None:
+            ef = downlink_ef[name]
+            fused(acc.view(-1), ef.view(-1))  # e <- u + e
+            payloads[name] = downlink.encode(ef, state, out=out)
+            downlink.decode_into(payloads[name], acc)  # what islands add: decode(u + e), no temporary
+            ef.sub_(acc)
+            acc.add_(params[name])
         else:
             prepare(acc.view(-1))
             if downlink.lossy:
@@ -137,15 +180,16 @@ def outer_step_(
 class _Update(Chunks):
     """One tensor's outer step, made a chunk at a time as the downlink codec reads it: ``span`` turns
     the accumulator's chunk into u (+ e), and once it is encoded, ``encoded`` keeps the new error
-    e = (u + e) − decode and writes θ_{r+1} = decode + θ_r there."""
+    e = (u + e) − decode and writes θ_{r+1} = decode + θ_r there. ``fused(a, e, start)``: makes
+    u + e in the error's own chunk in one pass (then ``prepare`` is not used)."""
 
     wants_decoded = True
 
-    def __init__(self, acc: torch.Tensor, param: torch.Tensor, prepare, ef: torch.Tensor | None) -> None:
+    def __init__(self, acc: torch.Tensor, param: torch.Tensor, prepare, ef: torch.Tensor | None, fused=None) -> None:
         super().__init__(acc.numel(), acc.device)
         self.acc, self.param = acc.view(-1), param.view(-1)
         self.ef = None if ef is None else ef.view(-1)
-        self.prepare = prepare
+        self.prepare, self.fused = prepare, fused
         self._next = 0
 
     def span(self, start: int, length: int) -> torch.Tensor:
@@ -153,6 +197,10 @@ class _Update(Chunks):
             raise AssertionError(f"chunk at {start} read out of order (expected {self._next})")
         self._next = start + length
         a = self.acc.narrow(0, start, length)
+        if self.fused is not None:
+            e = self.ef.narrow(0, start, length)
+            self.fused(a, e, start)
+            return e
         self.prepare(a, start)
         if self.ef is not None:
             a.add_(self.ef.narrow(0, start, length))
@@ -161,6 +209,10 @@ class _Update(Chunks):
     def encoded(self, start: int, decoded: torch.Tensor) -> None:
         n = decoded.numel()
         a = self.acc.narrow(0, start, n)
+        if self.fused is not None:  # the error's chunk held u + e (``decoded`` may be that chunk itself)
+            torch.add(decoded, self.param.narrow(0, start, n), out=a)
+            self.ef.narrow(0, start, n).sub_(decoded)
+            return
         if self.ef is not None:
             torch.sub(a, decoded, out=self.ef.narrow(0, start, n))
         torch.add(decoded, self.param.narrow(0, start, n), out=a)
