@@ -152,3 +152,38 @@ def test_accumulating_two_islands_regions_is_independent_of_arrival_order(spec):
     ab, ba = total((a, 3.0), (b, 7.0)), total((b, 7.0), (a, 3.0))
     for name in ("rows", "cols"):
         assert torch.equal(ab[name], ba[name]), name
+
+
+@pytest.mark.parametrize("spec", ["int8", "identity", "int4:scale=fp16"])
+def test_a_sum_over_old_values_counts_them_as_zero(spec):
+    """A round's sum reuses the θ a publish replaced without zeroing it: the first contribution to a
+    tensor is written (the bits adding it to zeros gives), a partial region zeroes its tensor first,
+    a dense add too, and a tensor nobody contributed to comes out of take() zeroed."""
+    codec = get_codec(spec)
+    gen = torch.Generator().manual_seed(5)
+    shapes = {"whole": (300, 7), "halves": (64, 48), "dense": (5,), "none": (3, 3)}
+    deltas = [{k: torch.randn(s, generator=gen) for k, s in shapes.items() if k != "none"} for _ in range(2)]
+
+    def ranks(delta: dict) -> list[StagedRank]:
+        out = []
+        for name, region in [("whole", Region((0, 0), (300, 7))), ("halves", Region((0, 0), (32, 48)))]:
+            payload = codec.encode(delta[name][region.slices()].contiguous(), {})
+            entry = EntryPlan(name, region, len(payload))
+            out.append(StagedRank(PushPlan("x", 0, False, len(out), 2, 1, None, spec, (entry,)), [payload]))
+        return out
+
+    def run(sums: dict, stale: set) -> dict:
+        acc = RoundAccumulator()
+        acc.reset(sums, stale)
+        for delta, weight in zip(deltas, (3.0, 0.7), strict=True):
+            acc.add(ranks(delta), codec, weight)
+            acc.add_dense(("x", 0), {"dense": delta["dense"]}, weight, mean=True)
+        return acc.take("mean", 0.0)[0]
+
+    want = run({k: torch.zeros(s) for k, s in shapes.items()}, set())
+    old = {k: torch.full(s, float("nan")) for k, s in shapes.items()}
+    got = run(old, set(shapes))
+    for name in shapes:
+        assert torch.equal(got[name], want[name]), name
+        assert got[name] is old[name]  # the storage it was given
+    assert not got["none"].any() and got["halves"][32:].abs().sum() == 0

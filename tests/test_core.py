@@ -156,8 +156,9 @@ def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_
 
 
 def test_a_full_pull_during_a_publish_gets_the_theta_of_the_round_it_names(tmp_path, monkeypatch):
-    """A publish installs θ_{r+1}, zeroes the replaced θ for the next round's sum (in a worker thread),
-    then opens round r+1. A full-θ pull landing during that zeroing used to get θ_1 labelled round 0,
+    """A publish installs θ_{r+1}, takes the replaced θ as the next round's sum (in a worker thread; it
+    zeroed it there until the sum learnt to count old values as zero), then opens round r+1. A
+    full-θ pull landing during that used to get θ_1 labelled round 0,
     and its island added round 0's update on top of it (a tentative update broken by a failed save,
     then this; caught in CI by test_tentative). It now waits for the round to open."""
     import threading
@@ -167,14 +168,14 @@ def test_a_full_pull_during_a_publish_gets_the_theta_of_the_round_it_names(tmp_p
     theta0 = rand(0)
     asyncio.run(push(s, "a", theta0, kind=PushKind.INIT))
     assert asyncio.run(push(s, "a", rand(1), tokens=1)).committed
-    real, zeroing, release = s.model.zeros, threading.Event(), threading.Event()
+    real, zeroing, release = s.model.sums, threading.Event(), threading.Event()
 
-    def slow_zeros(reuse=None):
+    def slow_sums(reuse=None):
         zeroing.set()
         release.wait(10)  # set 0.3 s after the pull went in
         return real(reuse)
 
-    monkeypatch.setattr(s.model, "zeros", slow_zeros)
+    monkeypatch.setattr(s.model, "sums", slow_sums)
 
     async def pull_while_zeroing():
         closing = asyncio.ensure_future(s.close_round("test"))

@@ -137,6 +137,9 @@ class Codec:
     name: ClassVar[str]
     codec_id: ClassVar[int]
     lossy: ClassVar[bool] = True
+    writes_weighted: ClassVar[bool] = False
+    """Whether ``_decode_into`` with ``accumulate`` False writes ``alpha * decode`` (else it ignores
+    ``alpha``), and its decode never gives -0.0 (so that equals ``0 + alpha * decode``)."""
     stateful: ClassVar[bool] = False
     """Whether ``encode`` reads or writes per-tensor ``state`` (then encoding twice is not the same)."""
     adds_exactly: ClassVar[bool] = False
@@ -264,6 +267,21 @@ class Codec:
         frame = self.frame(payload, tuple(out.shape), verified=verified)
         if frame.numel:
             self._decode_into(frame, out.view(-1), float(alpha), True)
+        return out
+
+    def write_weighted_(
+        self, payload, out: torch.Tensor, alpha: float = 1.0, *, verified: bool = False
+    ) -> torch.Tensor:
+        """``out = alpha * decode(payload)`` with the product rounded as :meth:`decode_add_` rounds it:
+        what adding into a zeroed ``out`` gives, without reading or zeroing ``out`` first (a codec
+        whose decode never gives -0.0, :attr:`writes_weighted`; any other zeroes ``out`` and adds)."""
+        if not self.writes_weighted:
+            out.zero_()
+            return self.decode_add_(payload, out, alpha, verified=verified)
+        self._check_out(out)
+        frame = self.frame(payload, tuple(out.shape), verified=verified)
+        if frame.numel:
+            self._decode_into(frame, out.view(-1), float(alpha), False)
         return out
 
     def add_decoded_(self, payload, out: torch.Tensor, *, verified: bool = False) -> torch.Tensor:

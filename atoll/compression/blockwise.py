@@ -155,7 +155,7 @@ def decode_into(
     scale_kind: int,
     global_scale: float,
 ) -> None:
-    """``out = decode`` or ``out += alpha * decode`` (fp32, length ``n``, on any device), one fused pass
+    """``out = alpha * decode`` or ``out += alpha * decode`` (fp32, length ``n``, on any device), one fused pass
     per chunk. Each chunk's scales and codes are copied to ``out``'s device and decoded there."""
     nblocks = -(-n // block)
     scale_bytes = 4 if scale_kind == SCALE_FP32 else 2
@@ -191,10 +191,12 @@ def decode_into(
                 torch.mul(q2, sc.unsqueeze(1), out=d)
             if accumulate:
                 t2.add_(d if alpha == 1.0 else d.mul_(alpha))  # rounded before the add: see weighted()
+            elif alpha != 1.0:
+                t2.mul_(alpha)
         else:  # ragged last block
             v = torch.nn.functional.pad(q.to(torch.float32), (0, nb * block - m)).view(nb, block).mul_(sc.unsqueeze(1))
-            v = span(v.view(-1), 0, m)
-            target.add_(weighted(v, alpha)) if accumulate else target.copy_(v)
+            v = weighted(span(v.view(-1), 0, m), alpha)
+            target.add_(v) if accumulate else target.copy_(v)
 
 
 def scales_finite(body: memoryview, n: int, *, block: int, scale_kind: int, global_scale: float) -> bool:
@@ -205,6 +207,7 @@ def scales_finite(body: memoryview, n: int, *, block: int, scale_kind: int, glob
 
 class BlockQuantCodec(Codec):
     adds_exactly = True  # code x scale, element by element
+    writes_weighted = True  # and a zero code decodes to +0.0 (scales are >= 0)
 
     bits: int
 

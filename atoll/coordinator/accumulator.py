@@ -60,6 +60,8 @@ class RoundAccumulator:
         self.too_stale: set[tuple[str, int]] = set()
         """(island, round) of the deltas that came too late to fold while this round was open (dropped)."""
         self._sums: dict[str, torch.Tensor] = {}
+        self._stale: set[str] = set()
+        """Tensors of the sum that hold old values and count as zero (see :meth:`reset`)."""
         self.buffers = BufferPool(lambda: self.budget.limit)
         """Push entry buffers reused round after round (no page faults), no more than the budget."""
 
@@ -118,7 +120,7 @@ class RoundAccumulator:
 
     def add(self, ranks: list[StagedRank], codec, weight: float) -> None:
         """``sum += weight · Δ`` for an island's ranks, decoded straight into the sum (worker thread)."""
-        accumulate(ranks, self._sums, codec, weight)
+        accumulate(ranks, self._sums, codec, weight, self._stale)
 
     def recycle(self, ranks: list[StagedRank]) -> None:
         """The ranks' payloads are in the sum and read no more: their buffers serve the next pushes."""
@@ -131,7 +133,7 @@ class RoundAccumulator:
         """A contribution already decoded densely: added (``mean``) or kept for robust aggregation."""
         if mean:
             for name, t in delta.items():
-                self._sums[name].add_(t, alpha=weight)
+                self._zeroed(name).add_(t, alpha=weight)
         else:
             self.dense[key] = (weight, delta)
 
@@ -161,9 +163,19 @@ class RoundAccumulator:
         return sum(r.plan.num_bytes for ranks in self.pending.values() for r in ranks.values())
 
     # ---- the close -------------------------------------------------------------------------------
-    def reset(self, zeros: dict[str, torch.Tensor]) -> None:
-        """A fresh sum for the open round (``zeros``: shaped like θ)."""
-        self._sums = zeros
+    def reset(self, sums: dict[str, torch.Tensor], stale: set[str] | None = None) -> None:
+        """A fresh sum for the open round (``sums``: shaped like θ). The tensors named in ``stale`` hold
+        old values (the θ a publish replaced) and count as zero: the first contribution to one is
+        written into it rather than added (:func:`~atoll.coordinator.staging.accumulate`), which
+        saves zeroing |θ| after every publish, and :meth:`take` zeroes those that got none."""
+        self._sums, self._stale = sums, set(stale or ())
+
+    def _zeroed(self, name: str) -> torch.Tensor:
+        """The sum's tensor ``name``, zeroed first if it still held old values."""
+        if name in self._stale:
+            self._stale.discard(name)
+            self._sums[name].zero_()
+        return self._sums[name]
 
     def take(self, aggregation: str, clip_norm: float) -> tuple[dict[str, torch.Tensor], dict | None]:
         """The round's sum for the outer step (it is θ_{r+1}'s storage from then on) and, for a robust
@@ -171,6 +183,8 @@ class RoundAccumulator:
         robust_grads = None
         if aggregation != "mean":
             robust_grads = robust.aggregate(aggregation, list(self.dense.values()), clip_norm=clip_norm)
+        for name in list(self._stale):  # no contribution this round: zero, not old values
+            self._zeroed(name)
         sums, self._sums = self._sums, {}
         return sums, robust_grads
 
@@ -209,4 +223,4 @@ class RoundAccumulator:
 
     def sum_of(self, name: str) -> torch.Tensor:
         """The open round's running sum of one tensor (for inspection)."""
-        return self._sums[name]
+        return self._zeroed(name)

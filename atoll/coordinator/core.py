@@ -184,7 +184,7 @@ class RunState:
         self.ledger.opened_at = self.clock()
         self.membership.restore(snap.islands, snap.departed)
         self.downlink.restore(self.round)
-        self.accumulator.reset(self.model.zeros())
+        self.accumulator.reset(*self.model.sums())
         self.accumulator.size_budget(self.model.specs, self.name)
         log.info("%srestored run %s at round %d from %s", self.name, self.config.run_id, self.round, self.state_dir)
         return True
@@ -399,7 +399,7 @@ class RunState:
             old = self.model.install(sealed.params)
             if sealed.payloads is not None:
                 self.downlink.publish(sealed.round + 1, sealed.payloads)
-            self.accumulator.reset(await asyncio.to_thread(self.model.zeros, old))
+            self.accumulator.reset(*await asyncio.to_thread(self.model.sums, old))  # the replaced θ, not zeroed
             del old
             if sealed.round == BOOTSTRAP:  # sized from θ_0 itself, not from what a join declared
                 self.accumulator.size_budget(self.model.specs, self.name)

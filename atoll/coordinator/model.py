@@ -94,18 +94,21 @@ class GlobalModel:
         out.update({f"downlink_ef/{k}": v for k, v in self.downlink_ef.items()})
         return out
 
-    def zeros(self, reuse: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """An fp32 accumulator shaped like θ. ``reuse``: tensors to zero and use instead of new ones
-        (the θ a publish replaced), each one that nothing else references any more (no pull streams
-        it): its pages are resident, where a new tensor's fault in as the first pushes are added."""
-        out = {}
+    def sums(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """Storage for a round's Σ w_i Δ_i, shaped like θ, and the names of its tensors that still hold
+        old values (the accumulator counts them as zero: :meth:`RoundAccumulator.reset`). ``reuse``:
+        tensors to take as they are instead of new zeroed ones (the θ a publish replaced), each one
+        that nothing else references any more (no pull streams it): its pages are resident, where a
+        new tensor's fault in as the first pushes are added, and it is not zeroed here."""
+        out, stale = {}, set()
         for name, shape in self.specs.items():
             t = reuse.pop(name, None) if reuse else None
             if t is not None and tuple(t.shape) == shape and t.dtype == torch.float32 and not held_elsewhere(t):
-                out[name] = t.zero_()
+                out[name] = t
+                stale.add(name)
             else:
                 out[name] = torch.zeros(shape, dtype=torch.float32)
-        return out
+        return out, stale
 
     def step(
         self,

@@ -150,12 +150,24 @@ def assemble(ranks: list[StagedRank], specs: dict[str, tuple[int, ...]], codec) 
     return out
 
 
-def accumulate(ranks: list[StagedRank], accum: dict[str, torch.Tensor], codec, weight: float) -> None:
+def accumulate(
+    ranks: list[StagedRank], accum: dict[str, torch.Tensor], codec, weight: float, stale: set[str] | None = None
+) -> None:
     """``accum += weight * Δ`` for an island's ranks, decoding straight into the accumulator. ``weight * Δ``
-    is rounded before the add, so two islands sum to the same bits in either arrival order."""
+    is rounded before the add, so two islands sum to the same bits in either arrival order. A tensor
+    named in ``stale`` holds old values that count as zero: an entry covering all of it is written
+    (``weight * Δ``, the bits ``0 + weight * Δ`` gives), else the tensor is zeroed first; its name
+    leaves ``stale`` either way."""
     for staged in ranks:
         for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
-            target = accum[entry.name][entry.region.slices()]
+            whole = accum[entry.name]
+            target = whole[entry.region.slices()]
+            if stale is not None and entry.name in stale:
+                stale.discard(entry.name)
+                if target.numel() == whole.numel() and target.is_contiguous():
+                    codec.write_weighted_(payload, target, alpha=weight, verified=True)
+                    continue
+                whole.zero_()
             if target.is_contiguous():  # every entry was checked as it arrived (its crc32c too)
                 codec.decode_add_(payload, target, alpha=weight, verified=True)
             else:
