@@ -56,7 +56,8 @@ class NesterovSGD:
 
     @property
     def fuses(self) -> bool:
-        """Whether :meth:`fused_` can run (torch's fused SGD kernel; no momentum, no buffer to advance)."""
+        """Whether :meth:`fused_` can stand in for :meth:`step_`: torch has the fused SGD kernel, and
+        there is momentum (with none the kernel leaves the buffer alone, where ``step_`` writes g)."""
         return self.momentum != 0 and hasattr(torch, "_fused_sgd_")
 
     def fused_(self, name: str, g: torch.Tensor, out: torch.Tensor, scale: float, start: int = 0) -> None:
