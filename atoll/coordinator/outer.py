@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from torch.optim.sgd import sgd
 
 from atoll.compression.base import Chunks
 from atoll.memory import held_elsewhere
@@ -56,32 +58,34 @@ class NesterovSGD:
 
     @property
     def fuses(self) -> bool:
-        """Whether :meth:`fused_` can stand in for :meth:`step_`: torch has the fused SGD kernel, and
-        there is momentum (with none the kernel leaves the buffer alone, where ``step_`` writes g)."""
-        return self.momentum != 0 and hasattr(torch, "_fused_sgd_")
+        """Whether :meth:`fused_` can stand in for :meth:`step_`: there is momentum (with none the
+        fused kernel leaves the buffer alone, where ``step_`` writes g into it)."""
+        return self.momentum != 0 and _fused_sgd_runs()
 
-    def fused_(self, name: str, g: torch.Tensor, out: torch.Tensor, scale: float, start: int = 0) -> None:
+    def fused_(self, name: str, g: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, start: int = 0) -> None:
         """``out += u`` for the mean ``g / scale``, momentum advanced as :meth:`step_` does, in one pass
-        (torch's fused SGD kernel with ``out`` as its parameter and ``scale`` as its gradient scale)
+        (torch's fused SGD, ``torch.optim.sgd.sgd(fused=True)``, with ``out`` as its parameter and
+        ``scale`` as its gradient scale)
         instead of six; ``g`` is left holding the mean. The momentum gets the same bits as
         :meth:`step_`'s; ``out`` may differ from ``step_``'s ``u`` added to it in the last bit (the
         kernel rounds ``g + mu * m`` and ``out - lr * (...)`` its own way). ``g`` and ``out``: whole
-        tensors, or the flat chunks of them from element ``start``."""
+        tensors, or the flat chunks of them from element ``start``; ``scale``: one fp32 value on their
+        device."""
         m = self.buffers[name]
         if g.shape != m.shape:
             m = m.view(-1).narrow(0, start, g.numel())
-        torch._fused_sgd_(
+        sgd(  # m is given (zero at first: mu * 0 + g is g, as in step_), so no "first step" copy
             [out],
             [g],
             [m],
+            fused=True,
+            grad_scale=scale,
             weight_decay=0.0,
             momentum=self.momentum,
             lr=self.lr,
             dampening=0.0,
             nesterov=self.nesterov,
             maximize=False,
-            is_first_step=False,  # m starts at zero: mu * 0 + g is g, as in step_
-            grad_scale=torch.tensor([scale], dtype=torch.float32, device=g.device),
         )
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -90,6 +94,18 @@ class NesterovSGD:
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         for name in self.buffers:
             self.buffers[name].copy_(tensors[f"momentum/{name}"])
+
+
+@functools.cache
+def _fused_sgd_runs() -> bool:
+    """Whether this torch has the CPU fused SGD kernel (torch 2.4 and later), tried once on 8 values."""
+    t = [torch.zeros(8) for _ in range(3)]
+    try:
+        sgd([t[0]], [t[1]], [t[2]], fused=True, weight_decay=0.0, momentum=0.9, lr=1.0, dampening=0.0,
+            nesterov=True, maximize=False)  # fmt: skip
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def spare(spares: dict[str, bytearray] | None, name: str) -> bytearray | None:
@@ -130,6 +146,7 @@ def outer_step_(
     ten), element by element the same arithmetic, so the same bits.
     """
     payloads = {}
+    total = torch.tensor([weight_total], dtype=torch.float32)  # the fused pass's gradient scale
     for name, acc in accum.items():
         robust = robust_grads.pop(name).reshape(-1) if robust_grads is not None else None
 
@@ -151,7 +168,7 @@ def outer_step_(
         if downlink.lossy and robust is None and name not in buffers and optimizer.fuses:
 
             def fused(a: torch.Tensor, e: torch.Tensor, start: int = 0, name=name) -> None:
-                optimizer.fused_(name, a, e, weight_total, start)
+                optimizer.fused_(name, a, e, total, start)
 
         if downlink.chunked_input:
             update = _Update(acc, params[name], prepare, downlink_ef[name] if downlink.lossy else None, fused)
