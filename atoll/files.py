@@ -51,16 +51,12 @@ def _write_direct(path: Path, parts: list) -> bool:
     """Write ``parts`` to ``path`` with O_DIRECT through one aligned buffer, then fsync. False, having
     written nothing that stays, where the filesystem refuses O_DIRECT (tmpfs); the caller then writes
     through the page cache."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
-    except OSError:
+    fd = _open_direct(path)
+    if fd is None:
         return False
     try:
         size = sum(memoryview(part).nbytes for part in parts)
-        bounce = _Bounce(fd, 0, min(BOUNCE_BYTES, max(_blocks(size), DIRECT_BLOCK)))  # no larger than needed
+        bounce = _Bounce(fd, 0, min(BOUNCE_BYTES, max(whole_blocks(size), DIRECT_BLOCK)))  # no larger than needed
         for part in parts:
             bounce.add(part)
         bounce.close()
@@ -81,9 +77,20 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view[: 1 << 30]) :]
 
 
-def _blocks(n: int) -> int:
+def whole_blocks(n: int) -> int:
     """``n`` rounded up to whole O_DIRECT blocks."""
     return -(-n // DIRECT_BLOCK) * DIRECT_BLOCK
+
+
+def _open_direct(path: Path) -> int | None:
+    """A fresh file at ``path`` opened for O_DIRECT writes, or None where there is no O_DIRECT."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+    except OSError:
+        return None
 
 
 class _Bounce:
@@ -108,7 +115,7 @@ class _Bounce:
 
     def close(self) -> None:
         if self.filled:
-            whole = _blocks(self.filled)
+            whole = whole_blocks(self.filled)
             self.buf[self.filled : whole] = 0
             _pwrite_all(self.fd, memoryview(self.mem)[:whole], self.at)
             self.at, self.filled = self.at + whole, 0
@@ -206,12 +213,9 @@ class StreamedFile:
 
 def _open_for_stream(path: Path) -> tuple[int, bool]:
     """(fd, O_DIRECT?) of a fresh temporary file."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if flag:
-        try:
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644), True
-        except OSError:
-            pass
+    fd = _open_direct(path)
+    if fd is not None:
+        return fd, True
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), False
 
 

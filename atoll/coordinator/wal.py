@@ -35,7 +35,7 @@ from atoll.compression import codec_of
 from atoll.compression.wire import SEALED_DIGEST, WireFormatError
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.integrity import IntegrityError, check_file, header_bytes, write_file
-from atoll.files import DIRECT_BLOCK, StreamedFile
+from atoll.files import StreamedFile, whole_blocks
 
 LOG = "log"
 FORMAT = "atoll-log-1"
@@ -156,7 +156,7 @@ class RecordStream:
             return
         try:
             if self._file is None:
-                self._file = StreamedFile(self._path, -(-(self._head_hint + 8) // DIRECT_BLOCK) * DIRECT_BLOCK)
+                self._file = StreamedFile(self._path, whole_blocks(self._head_hint + 8))
         except OSError as err:
             self._broken = True
             log.info("round %d's record will be written whole (%s)", self.round, err)
