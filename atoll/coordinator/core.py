@@ -349,7 +349,7 @@ class RunState:
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             summary, weight = acc.record(), acc.weight_total()
             sizes = self.model.update_sizes()
-            hint = wal.head_hint(sizes, self.membership.to_json()["islands"], self.history[-1:])
+            hint = wal.head_hint(sizes, lambda: self.membership.to_json()["islands"], self.history[-1:])
             with (
                 self.ledger.producing_step(r, sizes, summary["loss"]) as made,
                 self.checkpoints.streaming(r, made, hint) as made,  # the record is written meanwhile

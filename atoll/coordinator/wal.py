@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,14 +122,15 @@ STREAM_MIN_BYTES = 16 << 20
 whole write is short, and the room set aside for the header would be a large part of the file)."""
 
 
-def head_hint(sizes: dict[str, int] | None, islands: dict, history: list[dict]) -> int | None:
+def head_hint(sizes: dict[str, int] | None, islands: Callable[[], dict], history: list[dict]) -> int | None:
     """Bytes to set aside for a record's header before its metadata is known (the entries, twice the
-    membership and the last history record ``history[-1:]``, 16 KiB for the config and the rest), or
-    None: the record is written whole (sizes unknown, or the update is small)."""
+    membership ``islands()``, asked only then, and the last history record ``history[-1:]``, 16 KiB
+    for the config and the rest), or None: the record is written whole (sizes unknown, or the update
+    is small)."""
     if sizes is None or sum(sizes.values()) < STREAM_MIN_BYTES:
         return None
     names = sum(len(UPDATE) + len(k) + 96 for k in sizes)
-    return names + 2 * len(json.dumps(islands)) + 2 * len(json.dumps(history)) + (16 << 10)
+    return names + 2 * len(json.dumps(islands())) + 2 * len(json.dumps(history)) + (16 << 10)
 
 
 class RecordStream:
