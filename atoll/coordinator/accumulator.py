@@ -66,17 +66,17 @@ class RoundAccumulator:
         """Push entry buffers reused round after round (no page faults), no more than the budget."""
 
     # ---- the budget and the streams ------------------------------------------------------------
-    def size_budget(self, specs: dict[str, tuple[int, ...]], name: str = "") -> int | None:
+    def size_budget(self, specs: dict[str, tuple[int, ...]], name: str = "") -> None:
         """The default in-flight budget: two whole fp32 pushes of the model with their framing (at least
         256 MiB), so two islands' identity pushes are admitted at once; sized from a joining island's
-        declared model before θ_0 exists, so θ_0's own upload fits. Returns (and logs, prefixed by
-        ``name``) the bytes of one fp32 push when an explicit budget is below it (None otherwise)."""
+        declared model before θ_0 exists, so θ_0's own upload fits. An explicit budget below one fp32
+        push is logged (prefixed by ``name``): such pushes are always refused."""
         push_bytes = fp32_push_bytes(specs)
         if self._budget_from_model:
             self.budget.limit = max(self.budget.limit, MIN_INFLIGHT_BYTES, 2 * push_bytes)
-            return None
+            return
         if push_bytes <= self.budget.limit:
-            return None
+            return
         log.error(
             "%s--max-inflight-bytes %d is below one fp32 push of this model (%d bytes): such pushes are always "
             "refused; raise it (compressed pushes are smaller)",
@@ -84,7 +84,6 @@ class RoundAccumulator:
             self.budget.limit,
             push_bytes,
         )
-        return push_bytes
 
     def open_stream(self, island_id: str, rank: int, num_bytes: int) -> Reservation:
         """Admit a push stream for the ``num_bytes`` its header declares, or refuse it now, before its
