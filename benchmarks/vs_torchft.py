@@ -380,17 +380,20 @@ def steady_bytes(run: dict) -> float:
     return (marks[-1] - marks[0]) / max(len(marks) - 1, 1)
 
 
+def after_first(values: list) -> float:
+    """The median over the rounds after the first (the first, when it is the only one)."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
 def steady(run: dict) -> float:
     """The median over rounds after the first of the slower worker's sync time."""
-    per_round = [max(times) for times in zip(*(w["syncs"] for w in run["workers"]), strict=True)]
-    return statistics.median(per_round[1:] if len(per_round) > 1 else per_round)
+    return after_first([max(times) for times in zip(*(w["syncs"] for w in run["workers"]), strict=True)])
 
 
 def start_gap(run: dict) -> float:
     """The median over rounds after the first of how far apart the two workers entered the sync (a gap
     counts in the earlier worker's sync time: it waits for the other's pseudo-gradient)."""
-    gaps = [abs(a[0] - b[0]) for a, b in zip(*(w["spans"] for w in run["workers"]), strict=True)]
-    return statistics.median(gaps[1:] if len(gaps) > 1 else gaps)
+    return after_first([abs(a[0] - b[0]) for a, b in zip(*(w["spans"] for w in run["workers"]), strict=True)])
 
 
 def sync_cpu(run: dict) -> tuple[float, float, float]:
