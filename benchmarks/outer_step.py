@@ -1,6 +1,7 @@
 """The coordinator's outer step, a chunk at a time against a tensor at a time, in one run.
 
     python benchmarks/outer_step.py [--model gpt-125m] [--codecs int8 identity] [--repeat 5] [--threads 2]
+                                    [--finite-check]
 
 For each downlink codec: the same round's outer step (mean of the pushes, Nesterov, downlink error
 feedback, encode, θ_{r+1}) over the preset's tensors, made chunk by chunk as the codec reads it
@@ -8,6 +9,9 @@ feedback, encode, θ_{r+1}) over the preset's tensors, made chunk by chunk as th
 made to read its input whole), interleaved run by run so machine noise hits both; the median of
 ``--repeat`` rounds after a warm-up each, their ratio, and whether the two gave the same bits.
 The process applies :func:`atoll.memory.tune_for_bulk_buffers` first, as the daemon does.
+``--finite-check``: instead, the chunked step followed by the coordinator's check that θ_{r+1} is
+finite (:class:`~atoll.coordinator.outer.FiniteTheta`, as ``GlobalModel.step`` does it, the first
+round's measurement of θ left out), against the step alone: what the check costs.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 import torch
 
 from atoll.compression import get_codec
-from atoll.coordinator.outer import NesterovSGD, outer_step_
+from atoll.coordinator.outer import FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import tune_for_bulk_buffers
 from atoll.models import TinyGPT, preset
 
@@ -44,6 +48,7 @@ def main() -> None:
     p.add_argument("--codecs", nargs="+", default=["int8", "identity"])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--finite-check", action="store_true", help="the step with and without θ's finiteness check")
     a = p.parse_args()
     tune_for_bulk_buffers()
     if a.threads:
@@ -57,11 +62,14 @@ def main() -> None:
     sums = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()}
     for spec in a.codecs:
         paths = {"chunks": get_codec(spec), "whole": Whole(get_codec(spec))}
+        if a.finite_check:
+            paths = {"checked": get_codec(spec), "unchecked": get_codec(spec)}
         opts = {k: NesterovSGD(shapes, lr=0.7, momentum=0.9, nesterov=True) for k in paths}
         state = {k: (opts[k], {n: torch.zeros(s) for n, s in shapes.items()}) for k in paths}
         spares = {k: {} for k in paths}
         times = {k: [] for k in paths}
         made = {}
+        finite = FiniteTheta()
         for r in range(a.repeat + 1):
             for k in paths if r % 2 == 0 else reversed(list(paths)):
                 accum = {n: t.clone() for n, t in sums.items()}
@@ -78,20 +86,30 @@ def main() -> None:
                     downlink_state={},
                     spares=spares[k],
                 )
+                if k == "checked":
+                    for n, payload in payloads.items():
+                        finite.check(n, theta[n], accum[n], payload, paths[k])
                 if r:  # the first round of each faults its buffers in
                     times[k].append(time.perf_counter() - started)
                 spares[k] = dict(payloads)
                 made[k] = (accum, payloads)
-            same = all(torch.equal(made["chunks"][0][n], made["whole"][0][n]) for n in shapes) and all(
-                bytes(made["chunks"][1][n]) == bytes(made["whole"][1][n]) for n in shapes
+            first, second = paths
+            same = all(torch.equal(made[first][0][n], made[second][0][n]) for n in shapes) and all(
+                bytes(made[first][1][n]) == bytes(made[second][1][n]) for n in shapes
             )
             if not same:
                 raise SystemExit(f"{spec}: the two paths differ in round {r}")
-        chunks, whole = (statistics.median(times[k]) for k in ("chunks", "whole"))
+        one, two = (statistics.median(times[k]) for k in (first, second))
+        what = {
+            "chunks": "outer step a chunk at a time",
+            "whole": "a tensor at a time",
+            "checked": "outer step with θ's finiteness check",
+            "unchecked": "without it",
+        }
         print(
-            f"[{spec}] outer step a chunk at a time {chunks * 1e3:.0f} ms, a tensor at a time {whole * 1e3:.0f} ms: "
-            f"{chunks / whole:.2f}x (runs: {', '.join(f'{t * 1e3:.0f}' for t in times['chunks'])} against "
-            f"{', '.join(f'{t * 1e3:.0f}' for t in times['whole'])} ms); the same bits every round"
+            f"[{spec}] {what[first]} {one * 1e3:.0f} ms, {what[second]} {two * 1e3:.0f} ms: "
+            f"{one / two:.2f}x (runs: {', '.join(f'{t * 1e3:.0f}' for t in times[first])} against "
+            f"{', '.join(f'{t * 1e3:.0f}' for t in times[second])} ms); the same bits every round"
         )
 
 

@@ -69,6 +69,9 @@ class ServerThread:
         return self.server.address
 
     def stop(self) -> None:
+        """Stop the server and its loop (again: nothing)."""
+        if self.loop.is_closed():
+            return
         try:
             self.call(self.server.stop(grace=0.5))
         finally:

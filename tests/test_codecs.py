@@ -370,6 +370,36 @@ def test_non_finite_payloads_fail_validation():
         get_codec("fp16").encode(torch.tensor([1e5]))
 
 
+@pytest.mark.parametrize("spec", ALL_SPECS)
+@pytest.mark.parametrize("log_mag", [-6, 0, 6, 30])
+def test_validate_bounds_the_norm_of_what_a_payload_decodes_to(spec, log_mag):
+    """The bound validate returns is at least the decoded tensor's L2 norm (so at least every decoded
+    value's magnitude), for every codec, over magnitudes from 1e-6 to 1e30; within 10x of it while
+    the norm's squares fit fp32 (at 1e30 it may be +inf: finite, too large for the bound)."""
+    codec = get_codec(spec)
+    x = torch.randn(60, 50) * 10.0**log_mag
+    if "fp16" in spec and log_mag > 4 and "scale=fp16" not in spec:
+        pytest.skip("outside fp16's range")
+    payload = codec.encode(x)
+    bound = codec.validate(payload, (60, 50))
+    decoded = codec.decode(payload, (60, 50)).double()
+    norm = float(decoded.norm())
+    assert norm <= bound * (1 + 1e-5), (norm, bound)
+    assert float(decoded.abs().max()) <= bound * (1 + 1e-5)
+    if log_mag <= 6:
+        assert bound <= 10 * max(norm, float(x.double().norm()))
+
+
+@pytest.mark.parametrize("spec", ["identity", "bf16", "int8", "int4:scale=fp16", "topk:fraction=0.5"])
+def test_finite_values_too_large_for_the_bound_are_not_called_non_finite(spec):
+    """3e38 in every element is finite: validate does not refuse it as NaN/Inf; its bound is +inf or
+    above 1e38 (the caller refuses it as too large)."""
+    codec = get_codec(spec)
+    x = torch.full((40, 30), 3e38)
+    bound = codec.validate(codec.encode(x), (40, 30))
+    assert bound > 1e38
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_all_finite_fast_path_is_exact(dtype):
     """The one-pass sum check agrees with isfinite, including sums that overflow on finite data."""

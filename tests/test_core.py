@@ -28,6 +28,7 @@ from atoll.coordinator.messages import (
     UpdateKind,
 )
 from atoll.coordinator.rounds import Decision, decide
+from atoll.coordinator.staging import Received
 
 SHAPES = {"w": (3, 2), "b": (4,)}
 IDENT = get_codec("identity")
@@ -57,9 +58,10 @@ async def push(s: RunState, island: str, tensors: dict, round_: int = 0, kind=Pu
     reservation = s.open_stream(plan)
     try:
         reservation.add(sum(len(p) for p in payloads))
-        for i, p in enumerate(payloads):
-            s.check_entry(plan, i, memoryview(p))
-        return await s.commit_push(plan, [memoryview(p) for p in payloads], reservation)
+        received = Received()
+        views = [memoryview(p) for p in payloads]
+        received.add(views, [s.check_entry(plan, i, v) for i, v in enumerate(views)])
+        return await s.commit_push(plan, received, reservation)
     finally:
         s.close_stream(plan)
 

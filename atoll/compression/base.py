@@ -131,6 +131,25 @@ def all_finite(t: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t[s : s + CHUNK]).all()) for s in range(0, t.numel(), CHUNK))
 
 
+def norm_bound(t: torch.Tensor, scale: float = 1.0) -> float:
+    """``scale * ||t||_2`` in one pass without temporaries (fp32 accumulation: as fast as a sum, for
+    any float dtype): NaN when ``t`` holds a NaN or an infinity, +inf when only its finite values
+    overflow the computation."""
+    if t.numel() == 0:
+        return 0.0
+    n = float(torch.linalg.vector_norm(t, dtype=torch.float32)) * scale
+    if math.isfinite(n):
+        return n
+    return math.inf if all_finite(t) else math.nan
+
+
+def product_bound(a: float, b: float) -> float:
+    """``a * b`` for two norm bounds: NaN if either is, 0 if either is 0 (inf * 0 is not NaN here)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return 0.0 if a == 0 or b == 0 else a * b
+
+
 class Codec:
     """Base class: subclasses set ``name``/``codec_id`` and implement the underscored hooks."""
 
@@ -226,12 +245,20 @@ class Codec:
         self._check(frame)
         return frame
 
-    def validate(self, payload, expected_shape: tuple[int, ...]) -> Frame:
-        """Full structural check plus "decodes to finite values", without decoding densely."""
-        frame = self.frame(payload, expected_shape)
-        if not self._finite(frame):
+    def validate(self, payload, expected_shape: tuple[int, ...]) -> float:
+        """Full structural check plus "decodes to finite values", without decoding densely. Returns an
+        upper bound of the L2 norm of what the payload decodes to (:meth:`norm_bound`)."""
+        bound = self.norm_bound(payload, expected_shape)
+        if math.isnan(bound):
             raise WireFormatError("non-finite values (NaN/Inf) in the payload")
-        return frame
+        return bound
+
+    def norm_bound(self, payload, expected_shape: tuple[int, ...] | None = None, *, verified: bool = False) -> float:
+        """An upper bound of the L2 norm of what the payload decodes to, so of every decoded value's
+        magnitude too, from one pass over its stored values or only their scales (int8: 1/64 of the
+        values): NaN when it decodes to a NaN or an infinity, +inf when finite stored values are too
+        large for the bound itself. ``verified``: as for :meth:`frame`."""
+        return self._norm_bound(self.frame(payload, expected_shape, verified=verified))
 
     def decode(
         self,
@@ -306,7 +333,8 @@ class Codec:
         """Raise WireFormatError unless params and body sizes are consistent with the shape."""
         raise NotImplementedError
 
-    def _finite(self, frame: Frame) -> bool:
+    def _norm_bound(self, frame: Frame) -> float:
+        """An upper bound of ``||decode(payload)||_2`` (see :func:`norm_bound`: NaN for non-finite values)."""
         raise NotImplementedError
 
     def _decode_into(self, frame: Frame, out: torch.Tensor, alpha: float, accumulate: bool) -> None:

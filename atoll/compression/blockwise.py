@@ -17,10 +17,10 @@ import torch
 
 from atoll.compression.base import (
     Codec,
-    all_finite,
     chunk_elems,
     expect_body,
     expect_params,
+    norm_bound,
     read_tensor,
     report,
     span,
@@ -199,10 +199,16 @@ def decode_into(
             target.add_(v) if accumulate else target.copy_(v)
 
 
-def scales_finite(body: memoryview, n: int, *, block: int, scale_kind: int, global_scale: float) -> bool:
+def scales_bound(body: memoryview, n: int, *, block: int, bits: int, scale_kind: int, global_scale: float) -> float:
+    """An upper bound of the L2 norm of ``n`` values decoded from ``body``: each block's values are
+    at most ``qmax x scale`` in magnitude, so the norm is at most ``qmax x sqrt(block) x ||scales||``
+    (from the scales alone, 1/block of the values)."""
+    if not math.isfinite(global_scale):
+        return math.nan
     nblocks = -(-n // block)
     scales = read_tensor(body, torch.float32 if scale_kind == SCALE_FP32 else torch.float16, nblocks)
-    return all_finite(scales) and math.isfinite(global_scale)
+    factor = qmax_of(bits) * math.sqrt(block) * (abs(global_scale) if scale_kind == SCALE_FP16 else 1.0)
+    return norm_bound(scales, factor)
 
 
 class BlockQuantCodec(Codec):
@@ -253,9 +259,9 @@ class BlockQuantCodec(Codec):
         block, kind, _ = self._params(frame)
         expect_body(frame, body_len(frame.numel, block, self.bits, kind), self.name)
 
-    def _finite(self, frame):
+    def _norm_bound(self, frame):
         block, kind, g = self._params(frame)
-        return scales_finite(frame.body, frame.numel, block=block, scale_kind=kind, global_scale=g)
+        return scales_bound(frame.body, frame.numel, block=block, bits=self.bits, scale_kind=kind, global_scale=g)
 
     def _decode_into(self, frame, out, alpha, accumulate):
         block, kind, g = self._params(frame)

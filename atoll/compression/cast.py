@@ -13,6 +13,7 @@ from atoll.compression.base import (
     all_finite,
     chunk_elems,
     expect_body,
+    norm_bound,
     read_tensor,
     report,
     span,
@@ -57,9 +58,8 @@ class _CastCodec(Codec):
     def _values(self, frame) -> torch.Tensor:
         return read_tensor(frame.body, self.store, frame.numel)
 
-    def _finite(self, frame):
-        v = self._values(frame)
-        return all_finite(v)
+    def _norm_bound(self, frame):
+        return norm_bound(self._values(frame))
 
     def _decode_into(self, frame, out, alpha, accumulate):
         v = self._values(frame)

@@ -43,7 +43,7 @@ from atoll.compression.topk import (
     select_topk,
     sparse_body_len,
     sparse_count,
-    values_finite,
+    values_bound,
     write_sparse,
 )
 from atoll.compression.wire import WireFormatError
@@ -169,9 +169,9 @@ class DctTopKCodec(Codec):
         expect_body(frame, sparse_body_len(k, width, kind), self.name)
         check_indices(frame.body, k, width, pr * pc, self.name)
 
-    def _finite(self, frame):
+    def _norm_bound(self, frame):
         k, width, kind, _ = self._params(frame)
-        return values_finite(frame.body, k, width, kind)
+        return values_bound(frame.body, k, width, kind)  # the inverse DCT is orthonormal: the same norm
 
     def _decode_into(self, frame, out, alpha, accumulate):
         k, width, kind, (rows, cols, br, bc, pr, pc) = self._params(frame)

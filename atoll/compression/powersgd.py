@@ -15,9 +15,10 @@ import torch
 from atoll.compression.base import (
     Codec,
     add_product,
-    all_finite,
     expect_body,
     expect_params,
+    norm_bound,
+    product_bound,
     read_tensor,
     to_host,
     weighted,
@@ -108,16 +109,12 @@ class PowerSGDCodec(Codec):
         q = read_tensor(frame.body, torch.float32, cols * r, offset=4 * rows * r, device=device).view(cols, r)
         return p, q
 
-    def _finite(self, frame):
+    def _norm_bound(self, frame):
         mode, r, rows, cols = self._params(frame)
         if mode == RAW:
-            return all_finite(read_tensor(frame.body, torch.float32, frame.numel))
+            return norm_bound(read_tensor(frame.body, torch.float32, frame.numel))
         p, q = self._factors(frame, r, rows, cols)
-        if not (all_finite(p) and all_finite(q)):
-            return False
-        # |P Q^T|_max <= max row norm of P * max row norm of Q: rules out overflow to inf.
-        bound = float(p.norm(dim=1).max()) * float(q.norm(dim=1).max())
-        return bound < 1e38
+        return product_bound(norm_bound(p), norm_bound(q))  # ||P Q^T||_F <= ||P||_F ||Q||_F
 
     def _decode_into(self, frame, out, alpha, accumulate):
         mode, r, rows, cols = self._params(frame)

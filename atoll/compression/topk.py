@@ -20,9 +20,9 @@ from atoll.compression import blockwise
 from atoll.compression.base import (
     CHUNK,
     Codec,
-    all_finite,
     expect_body,
     expect_params,
+    norm_bound,
     read_tensor,
     to_host,
     weighted,
@@ -108,11 +108,12 @@ def read_values(body: memoryview, k: int, width: int, kind: int, device: torch.d
     return out
 
 
-def values_finite(body: memoryview, k: int, width: int, kind: int) -> bool:
+def values_bound(body: memoryview, k: int, width: int, kind: int) -> float:
+    """An upper bound of the L2 norm of the ``k`` values (see :meth:`Codec.validate`)."""
     rest = body[k * width :]
     if kind == VALUES_FP16:
-        return all_finite(read_tensor(rest, torch.float16, k))
-    return blockwise.scales_finite(rest, k, block=VALUE_BLOCK, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
+        return norm_bound(read_tensor(rest, torch.float16, k))
+    return blockwise.scales_bound(rest, k, block=VALUE_BLOCK, bits=8, scale_kind=blockwise.SCALE_FP32, global_scale=0.0)
 
 
 def select_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -178,8 +179,8 @@ class TopKCodec(Codec):
         expect_body(frame, sparse_body_len(k, width, kind), self.name)
         check_indices(frame.body, k, width, frame.numel, self.name)
 
-    def _finite(self, frame):
-        return values_finite(frame.body, *self._params(frame))
+    def _norm_bound(self, frame):
+        return values_bound(frame.body, *self._params(frame))
 
     def _decode_into(self, frame, out, alpha, accumulate):
         k, width, kind = self._params(frame)

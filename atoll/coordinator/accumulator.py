@@ -31,6 +31,9 @@ from atoll.protos.rpc import BufferPool
 log = logging.getLogger("atoll.coordinator")
 
 MIN_INFLIGHT_BYTES = 256 << 20
+SUM_LIMIT = 2.0**100
+"""The most Σ weight_i x (the largest value of Δ_i) a round's sum may reach: fp32 holds 2^128, so no
+add can overflow it, whatever the order (each |Δ_i| is also bounded: checks.MAX_TENSOR_NORM)."""
 REGION_SLACK = 64
 """Framing bytes allowed per tensor beyond one identity payload's (a rank's region has its own)."""
 
@@ -60,6 +63,8 @@ class RoundAccumulator:
         self.too_stale: set[tuple[str, int]] = set()
         """(island, round) of the deltas that came too late to fold while this round was open (dropped)."""
         self._sums: dict[str, torch.Tensor] = {}
+        self._bound = 0.0
+        """Σ weight x magnitude of the contributions admitted into the sum: no element can exceed it."""
         self._stale: set[str] = set()
         """Tensors of the sum that hold old values and count as zero (see :meth:`reset`)."""
         self.buffers = BufferPool(lambda: self.budget.limit)
@@ -117,6 +122,18 @@ class RoundAccumulator:
         del self.pending[key]
         return [ranks[r] for r in sorted(ranks)]
 
+    def admit(self, bound: float, what: str) -> None:
+        """Room in the round's sum for a contribution whose weighted values are at most ``bound`` in
+        magnitude, or DELTA_TOO_LARGE (nothing is added): the sum's elements stay below
+        :data:`SUM_LIMIT`, so the sum and the mean the outer step takes of it stay finite."""
+        if not self._bound + bound <= SUM_LIMIT:
+            raise refuse(
+                Reason.DELTA_TOO_LARGE,
+                f"{what}: its values times its weight (up to {bound:.3g}) would take the round's sum past "
+                f"{SUM_LIMIT:.3g} (refused before it was added)",
+            )
+        self._bound += bound
+
     def add(self, ranks: list[StagedRank], codec, weight: float) -> None:
         """``sum += weight · Δ`` for an island's ranks, decoded straight into the sum (worker thread)."""
         accumulate(ranks, self._sums, codec, weight, self._stale)
@@ -167,7 +184,7 @@ class RoundAccumulator:
         old values (the θ a publish replaced) and count as zero: the first contribution to one is
         written into it rather than added (:func:`~atoll.coordinator.staging.accumulate`), which
         saves zeroing |θ| after every publish, and :meth:`take` zeroes those that got none."""
-        self._sums, self._stale = sums, set(stale or ())
+        self._sums, self._stale, self._bound = sums, set(stale or ()), 0.0
 
     def _zeroed(self, name: str) -> torch.Tensor:
         """The sum's tensor ``name``, zeroed first if it still held old values."""

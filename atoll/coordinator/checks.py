@@ -19,6 +19,11 @@ MAX_ALIASES = 16
 MAX_REPORTED_SECONDS = 1e7
 PAYLOAD_SLACK = 65536
 """A payload may exceed 8 bytes per element by this much (headers, codec params)."""
+MAX_TENSOR_NORM = 2.0**40
+"""The largest L2 norm (1.1e12) a tensor of θ_0 or of a pseudo-gradient may decode to, by the bound its
+codec gives from the payload (:meth:`atoll.compression.base.Codec.validate`). Far above any model's:
+GPT-2's largest tensor has a norm near 100. It keeps every decoded value finite, and with the round's
+running bound (:data:`atoll.coordinator.accumulator.SUM_LIMIT`) the weighted sum and the outer step."""
 
 
 def run_id(config: RunConfig, given: str) -> None:
@@ -193,6 +198,18 @@ def push_header(h: PushHeader, num_ranks: int, specs: dict[str, tuple[int, ...]]
             raise invalid(f"tensor {e.name!r}: payload of {e.num_bytes} bytes outside 1..{bound}")
         entries.append(EntryPlan(e.name, region, e.num_bytes))
     return tuple(entries)
+
+
+def magnitude(name: str, bound: float, init: bool) -> None:
+    """A tensor's payload decodes to values whose norm is at most ``bound``: refused past
+    :data:`MAX_TENSOR_NORM` (DELTA_TOO_LARGE), before it can count."""
+    if not bound <= MAX_TENSOR_NORM:
+        what = "θ_0 tensor" if init else "tensor"
+        size = "overflows fp32" if math.isinf(bound) else f"is up to {bound:.3g}"
+        raise refuse(
+            Reason.DELTA_TOO_LARGE,
+            f"{what} {name!r}: its norm {size}, past the most a run takes ({MAX_TENSOR_NORM:.3g})",
+        )
 
 
 def coverage(specs: dict[str, tuple[int, ...]], ranks: list[StagedRank], what: str) -> None:

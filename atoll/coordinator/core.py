@@ -60,7 +60,7 @@ from atoll.coordinator.owners import Owners
 from atoll.coordinator.pulls import Pulls, wait_event
 from atoll.coordinator.pushes import Pushes
 from atoll.coordinator.rounds import RoundPolicy
-from atoll.coordinator.staging import PushPlan, Reservation, StagedRank, release
+from atoll.coordinator.staging import PushPlan, Received, Reservation, StagedRank, release
 from atoll.sharding import PARTITIONS
 
 log = logging.getLogger("atoll.coordinator")
@@ -292,9 +292,9 @@ class RunState:
     def close_stream(self, plan: PushPlan) -> None:
         self.accumulator.close_stream(plan.island_id, plan.rank)
 
-    def check_entry(self, plan: PushPlan, index: int, payload) -> None:
-        """Validate one entry of a push as it completes (worker thread; changes nothing)."""
-        self.pushes.check_entry(plan, index, payload)
+    def check_entry(self, plan: PushPlan, index: int, payload) -> float:
+        """Validate one entry of a push as it completes (worker thread; changes nothing); its norm bound."""
+        return self.pushes.check_entry(plan, index, payload)
 
     async def _past_seal(self, init: bool, round_: int, deadline: float) -> None:
         """A delta for a round that is sealed (its outer step computed, its save pending) takes nothing
@@ -303,7 +303,7 @@ class RunState:
         while not init and self.pushes.waits_for_publish(round_) and (left := deadline - time.monotonic()) > 0:
             await wait_event(self.ledger.round_changed, min(left, 1.0))
 
-    async def commit_push(self, plan: PushPlan, payloads: list, reservation: Reservation) -> PushResult:
+    async def commit_push(self, plan: PushPlan, received: Received, reservation: Reservation) -> PushResult:
         """Stage one rank's validated payloads; the island's contribution commits when all its ranks
         are in, and θ_0 is sealed and published. The reservation is released once the payloads are
         consumed or dropped."""
@@ -313,7 +313,7 @@ class RunState:
             async with self.lock:
                 if not plan.init and self.pushes.waits_for_publish(plan.round) and time.monotonic() < deadline:
                     continue  # another round was sealed meanwhile
-                staged = StagedRank(plan, payloads, reservation)
+                staged = StagedRank(plan, received.payloads, reservation, received.magnitude)
                 try:
                     if not plan.init:
                         return await self.pushes.commit_delta(staged)

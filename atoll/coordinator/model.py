@@ -13,7 +13,7 @@ import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.outer import NesterovSGD, outer_step_
+from atoll.coordinator.outer import FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import held_elsewhere
 
 
@@ -34,6 +34,8 @@ class GlobalModel:
         self._downlink_state: dict[str, dict] = {}
         self._spares: dict[str, bytearray] = {}
         """The last outer update's payloads: the next step's buffers once nobody reads them."""
+        self.finite = FiniteTheta()
+        """The proof that θ stays finite, checked at every step before the round is sealed."""
         self.configure(config)
 
     def configure(self, config: RunConfig) -> None:
@@ -73,6 +75,7 @@ class GlobalModel:
         self.optimizer = NesterovSGD(shapes, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
         self.downlink_ef = {k: torch.zeros(s) for k, s in self.specs.items()} if self.downlink.lossy else {}
         self._downlink_state = {}
+        self.finite.reset()
 
     def restore(self, params, extra: dict[str, torch.Tensor], buffers, layout_digest, aliases=None) -> None:
         """θ, momentum and downlink error feedback from a verified snapshot."""
@@ -120,7 +123,8 @@ class GlobalModel:
         """θ_{r+1} and the encoded outer update, from a round's Σ w_i Δ_i (``sums``, which becomes
         θ_{r+1}: no second copy of the model) or its robust aggregate; θ_r and the optimizer's
         momentum advance only here. ``made(name, payload)``: each tensor's payload as soon as it is
-        final. See :func:`atoll.coordinator.outer.outer_step_`."""
+        final. See :func:`atoll.coordinator.outer.outer_step_`. θ_{r+1} is checked finite
+        (:class:`~atoll.coordinator.outer.FiniteTheta`: NonFiniteTheta, and nothing is sealed)."""
         payloads = outer_step_(
             sums,
             self.params,
@@ -135,4 +139,6 @@ class GlobalModel:
             made=made,
         )
         self._spares = dict(payloads)
+        for name, payload in payloads.items():
+            self.finite.check(name, self.params[name], sums[name], payload, self.downlink)
         return sums, payloads

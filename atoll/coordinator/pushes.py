@@ -134,16 +134,20 @@ class Pushes:
             blocked_seconds=h.blocked_seconds,
         )
 
-    def check_entry(self, plan: PushPlan, index: int, payload) -> None:
-        """Validate one entry's payload (structure, bounds, finite values) without decoding it densely.
+    def check_entry(self, plan: PushPlan, index: int, payload) -> float:
+        """Validate one entry's payload (structure, finite values, a norm within the run's limit)
+        without decoding it densely; returns the bound of its norm (every value it decodes to is at
+        most that in magnitude).
 
         Runs in a worker thread; the payload stays encoded until the island's contribution commits."""
         entry = plan.entries[index]
         codec = get_codec("identity") if plan.init else self.model.uplink
         try:
-            codec.validate(payload, entry.region.sizes)
+            bound = codec.validate(payload, entry.region.sizes)
         except WireFormatError as err:
             raise refuse(Reason.BAD_PAYLOAD, f"tensor {entry.name!r}: {err}") from None
+        checks.magnitude(entry.name, bound, plan.init)
+        return bound
 
     # ---- committing ------------------------------------------------------------------------------
     async def commit_delta(self, staged: StagedRank) -> PushResult:
@@ -174,6 +178,7 @@ class Pushes:
             if late:
                 weight *= c.staleness_weight ** (ledger.round - plan.round)
             scale = step_scale(c, ranks[0].plan.inner_steps)
+            acc.admit(weight * scale * max(r.magnitude for r in ranks), f"island {plan.island_id!r}")
             if c.aggregation == "mean" and not c.max_delta_norm:
                 await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale)
                 acc.recycle(ranks)  # only once the add is done (a cancelled await leaves it running)

@@ -15,6 +15,7 @@ from atoll.coordinator.bulk import BulkServer
 from atoll.coordinator.closing import run_decider
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.core import RunState
+from atoll.coordinator.outer import NonFiniteTheta
 from atoll.coordinator.security import IslandTokens, TlsConfig, TokenInterceptor
 from atoll.coordinator.service import STREAM_IDLE_SECONDS, CoordinatorServicer, Counters, add_servicer
 from atoll.protos.rpc import SERVER_OPTIONS, SERVICE_NAME
@@ -73,6 +74,7 @@ class CoordinatorServer:
         self.host = host
         self.requested_port = port
         self.port: int | None = None
+        self.name = name
         self.state: RunState | None = None
         self.counters = Counters()
         self.failed: asyncio.Future | None = None
@@ -141,7 +143,10 @@ class CoordinatorServer:
         err = task.exception()
         if err is None:
             err = RuntimeError(f"background task {task.get_name()} returned")
-        log.error("background task %s died; the coordinator stops", task.get_name(), exc_info=err)
+        if isinstance(err, NonFiniteTheta):  # one line: it names the tensor, the state on disk is sound
+            log.error("%s%s; the coordinator stops (restarted, it resumes from its last round)", self.name, err)
+        else:
+            log.error("background task %s died; the coordinator stops", task.get_name(), exc_info=err)
         self.failed.set_exception(err)
 
     async def stop(self, grace: float | None = 1.0) -> None:

@@ -33,6 +33,7 @@ from atoll.coordinator.messages import (
     UpdateKind,
 )
 from atoll.coordinator.security import IslandTokens
+from atoll.coordinator.staging import Received
 from atoll.names import canonical_name
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
@@ -314,42 +315,40 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return plan, header.kind is PushKind.INIT  # nothing to read
         reservation = self.state.open_stream(plan)
         try:
-            payloads = await self._receive(plan, it, reservation)
-            return await self.state.commit_push(plan, payloads, reservation), plan.init
+            received = await self._receive(plan, it, reservation)
+            return await self.state.commit_push(plan, received, reservation), plan.init
         except BaseException:
             reservation.release()
             raise
         finally:
             self.state.close_stream(plan)
 
-    async def _receive(self, plan, it, reservation) -> list:
+    async def _receive(self, plan, it, reservation) -> Received:
         """Read a push's data chunks (its declared bytes are already held against the in-flight budget)
         and validate each entry as soon as it is complete; more bytes than declared are refused."""
         assembler = EntryAssembler([e.num_bytes for e in plan.entries], self.state.accumulator.buffers)
-        payloads = []
+        received = Received()
         try:
             fill = getattr(it, "fill", None)  # the bulk port's stream writes straight into the entries
             if fill is not None:
-                await fill(assembler, lambda complete: self._take(plan, complete, payloads))
-                return self._finish(plan, assembler, payloads)
-            return await self._read(plan, it, reservation, assembler, payloads)
+                await fill(assembler, lambda complete: self._take(plan, complete, received))
+                return self._finish(plan, assembler, received)
+            return await self._read(plan, it, reservation, assembler, received)
         except BaseException as err:
             assembler.discard()  # a refused or broken stream: its bytes go now, not with its traceback
-            payloads.clear()
+            received.payloads.clear()
             if isinstance(err, StreamOverrun):  # more bytes than declared, on either transport
                 raise invalid(str(err)) from None
             raise
 
-    async def _check(self, plan, complete: list) -> None:
-        """Validate the entries a chunk completed: small ones here (a thread hop costs more than their
-        checksum), larger ones together in one worker thread."""
+    async def _check(self, plan, complete: list) -> list[float]:
+        """Validate the entries a chunk completed (their norm bounds): small ones here (a thread hop
+        costs more than their checksum), larger ones together in one worker thread."""
         if sum(memoryview(p).nbytes for _, p in complete) < INLINE_CHECK_BYTES:
-            for index, payload in complete:
-                self.state.check_entry(plan, index, payload)
-        else:
-            await asyncio.to_thread(lambda: [self.state.check_entry(plan, i, p) for i, p in complete])
+            return [self.state.check_entry(plan, i, p) for i, p in complete]
+        return await asyncio.to_thread(lambda: [self.state.check_entry(plan, i, p) for i, p in complete])
 
-    async def _read(self, plan, it, reservation, assembler: EntryAssembler, payloads: list) -> list:
+    async def _read(self, plan, it, reservation, assembler: EntryAssembler, received: Received) -> Received:
         while True:
             try:
                 chunk = _parsed(await next_chunk(it, self.stream_idle_seconds))
@@ -363,19 +362,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise invalid("a push stream has one header, then data chunks")
             complete = assembler.feed(data)
             if complete:
-                await self._take(plan, complete, payloads)
-        return self._finish(plan, assembler, payloads)
+                await self._take(plan, complete, received)
+        return self._finish(plan, assembler, received)
 
-    async def _take(self, plan, complete: list, payloads: list) -> None:
-        await self._check(plan, complete)
-        payloads += [payload for _, payload in complete]
+    async def _take(self, plan, complete: list, received: Received) -> None:
+        received.add([payload for _, payload in complete], await self._check(plan, complete))
 
     @staticmethod
-    def _finish(plan, assembler: EntryAssembler, payloads: list) -> list:
-        payloads += [p for _, p in assembler.finish()]
+    def _finish(plan, assembler: EntryAssembler, received: Received) -> Received:
+        received.add([p for _, p in assembler.finish()], [])  # zero-byte entries only (none is accepted)
         if not assembler.done:
             raise invalid(f"push stream ended early: {assembler.index} of {len(plan.entries)} tensors complete")
-        return payloads
+        return received
 
     # ---- pulls -----------------------------------------------------------------------------
     async def PullUpdate(self, request, context):

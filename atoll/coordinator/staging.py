@@ -10,7 +10,7 @@ A push is classified once (:func:`classify`) against the open round; the accumul
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -91,11 +91,26 @@ class PushPlan:
 
 
 @dataclass
+class Received:
+    """One rank's push as its entries arrive, each validated: the payloads, and the most any of their
+    values decodes to in magnitude (the largest of the entries' norm bounds)."""
+
+    payloads: list = field(default_factory=list)
+    magnitude: float = 0.0
+
+    def add(self, payloads: list, bounds: list[float]) -> None:
+        self.payloads += payloads
+        self.magnitude = max([self.magnitude, *bounds])
+
+
+@dataclass
 class StagedRank:
     plan: PushPlan
     payloads: list
     """Validated, still-encoded payloads, one per entry."""
     reservation: Reservation | None = None
+    magnitude: float = 0.0
+    """The most any value of its payloads decodes to in magnitude (the largest entry's norm bound)."""
 
 
 @dataclass
