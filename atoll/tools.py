@@ -61,13 +61,14 @@ def format_status(s: dict) -> str:
             f"{i['island']:<24} {i['state']:<8} {i.get('num_ranks', '-'):>5} {i.get('rounds_committed', '-'):>6} "
             f"{_age(i.get('last_push_age_seconds')):>9} {goodput:>7}"
         )
+    lines += [f"warning: {w}" for w in s.get("warnings", [])]
     hist = s.get("history", [])[-5:]
     if hist:
         lines.append("")
         lines.append(f"{'round':>5} {'loss':>8} {'tokens':>12} {'tokens/s':>10} {'seconds':>8} {'islands':>7}")
         for h in hist:
             loss = "-" if h.get("loss") is None else f"{h['loss']:.4f}"
-            secs = h.get("seconds_open") or 0
+            secs = h.get("seconds_open") or 0  # null: not finite in the record (a warning says so)
             rate = f"{h['tokens'] / secs:,.0f}" if secs else "-"
             lines.append(f"{h['round']:>5} {loss:>8} {h['tokens']:>12,} {rate:>10} {secs:>8.1f} {len(h['islands']):>7}")
     return "\n".join(lines)

@@ -100,6 +100,10 @@ class Island:
     """Its push in flight: (base round, compute seconds)."""
     lease_expires: float = INF
     arrival: Arrival = field(default_factory=Arrival)
+    cycle: Arrival = field(default_factory=Arrival)
+    """The time between its pushes that count, as the coordinator sees it (a decoupled grace's cap)."""
+    counted_at: float | None = None
+    """When its last push counted."""
     epoch: int = 0
     """Bumped on a failure: events of its previous life are ignored."""
     in_flight: bool = False
@@ -124,8 +128,8 @@ class Sim:
         self.events: list = []
         self.seq = 0
         self.round, self.opened_at = 0, 0.0
-        self.committed: dict[int, tuple[float, float]] = {}
-        """island -> (commit time, its compute seconds) in the open round."""
+        self.committed: dict[int, tuple[float, float | None]] = {}
+        """island -> (commit time, its observed cycle, None before it has one) in the open round."""
         self.entering = 0.0
         """Compute of the open round's contributions (committed and folded): it enters θ at the close."""
         self.into_theta = 0.0
@@ -144,7 +148,7 @@ class Sim:
         self.watch: set[int] = set()
         """The missing islands at the last decide (whose arrivals can close the round)."""
         self.expected_last: int | None = None
-        self.min_compute = INF
+        self.min_cycle = INF
 
     # ---- the event queue ----------------------------------------------------------------------------
     def at(self, t: float, kind: str, i: int = -1) -> None:
@@ -202,11 +206,15 @@ class Sim:
         base, compute = isl.pushed
         fold = self.decoupled  # the sync policies are today's defaults before #22: late work dropped
         cls = classify(base, self.round, sealed=False, fold=fold, max_staleness=self.s.max_staleness)
+        if cls in (PushClass.NEW, PushClass.LATE):  # it counts: the coordinator sees its cycle
+            if isl.counted_at is not None:
+                isl.cycle.observe(t - isl.counted_at)
+            isl.counted_at = t
         if cls is PushClass.NEW:
-            self.committed[i] = (t, compute)
+            self.committed[i] = (t, isl.cycle.mean)
             self.entering += compute
             isl.arrival.observe(t - self.opened_at)
-            self.consider(t, arrived=i, compute=compute)
+            self.consider(t, arrived=i, cycle=INF if isl.cycle.mean is None else isl.cycle.mean)
             return  # its pull is answered when the round closes
         if cls is PushClass.LATE:
             self.folded += 1
@@ -268,14 +276,14 @@ class Sim:
                     committed_at=None if c is None else c[0],
                     expected=isl.arrival.expected(),
                     behind=isl.base < self.round,
-                    compute_seconds=None if c is None else c[1],
+                    cycle_seconds=None if c is None else c[1],
                 )
             )
         return RoundView(round=self.round, opened_at=self.opened_at, islands=tuple(views))
 
-    def consider(self, t: float, arrived: int | None = None, compute: float = INF, gone: int | None = None) -> None:
+    def consider(self, t: float, arrived: int | None = None, cycle: float = INF, gone: int | None = None) -> None:
         """Ask decide, when its answer can have changed (see the module's docstring): ``arrived`` committed
-        with ``compute`` seconds, or the lease of ``gone`` ran out."""
+        (its observed cycle ``cycle`` seconds), or the lease of ``gone`` ran out."""
         if len(self.committed) < self.rule.quorum:
             return
         out = arrived if arrived is not None else gone
@@ -283,7 +291,7 @@ class Sim:
             if out not in self.watch and arrived is None:
                 return  # not waited for anyway
             self.watch.discard(out)
-            lower_cap = self.rule.decoupled and compute < self.min_compute
+            lower_cap = self.rule.decoupled and cycle < self.min_cycle
             if self.watch and out != self.expected_last and not lower_cap:
                 return  # fewer islands missing, the same grace end: still WAIT
         v = self.view()
@@ -295,7 +303,7 @@ class Sim:
         self.watch = {int(x.island_id) for x in missing}
         known = [x for x in missing if x.expected is not None]
         self.expected_last = int(max(known, key=lambda x: x.expected).island_id) if known else None
-        self.min_compute = min((c for _, c in self.committed.values()), default=INF)
+        self.min_cycle = min((c for _, c in self.committed.values() if c is not None), default=INF)
         wake = next_wakeup(t, v, self.rule, leases=False)  # a lease running out is an event of its own
         if wake is not None and wake < self.wake_at:
             self.wake_at = wake
@@ -308,7 +316,7 @@ class Sim:
         self.round += 1
         waiting = [j for j in self.committed if self.islands[j].alive]
         self.opened_at, self.committed, self.wake_at = t, {}, INF
-        self.watch, self.expected_last, self.min_compute = set(), None, INF
+        self.watch, self.expected_last, self.min_cycle = set(), None, INF
         for j in waiting:
             self.at(t + self.islands[j].down, "pulled", j)
         for j, isl in enumerate(self.islands):

@@ -370,3 +370,31 @@ def test_tokens_per_step_counts_only_reports_that_give_both():
 
     assert tokens_per_step([(100, 5), (0, 3), (50, None), (30, 5)]) == 13.0
     assert tokens_per_step([(0, 3), (50, 0)]) is None and tokens_per_step([]) is None
+
+
+def test_a_decoupled_grace_follows_the_cycles_the_coordinator_sees_not_a_reported_compute(tmp_path):
+    """The cap of a decoupled round's grace was half the smallest compute_seconds an island reported:
+    a reporting 1e-6 s closed every round at its commit, and b's on-time push was folded at half
+    weight. The cap is now half the quorum's cycle as the coordinator sees it (the time between an
+    island's commits), with a floor: b, 0.8 s after a as in every round, commits to the round."""
+    clock = FakeClock()
+    s = run_state(
+        tmp_path, clock, quorum=1, outer_mode="decoupled", round_deadline_seconds=600.0, lease_seconds=1e6
+    )
+    join(s, "a")
+    join(s, "b")
+    asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
+    for r in range(4):
+        clock.now = s.ledger.opened_at + 1.0
+        asyncio.run(push(s, "a", rand(1), round_=r, compute_seconds=1e-6))
+        if r == 3:
+            break
+        clock.now += 0.8
+        asyncio.run(push(s, "b", rand(2), round_=r, compute_seconds=1.8))
+        decision, reason = decide(clock(), view(s), s.policy())
+        assert decision is Decision.CLOSE
+        asyncio.run(s.close_round(reason))
+    clock.now = s.ledger.opened_at + 1.5
+    assert decide(clock(), view(s), s.policy())[0] is Decision.WAIT  # before: closed at a's commit
+    clock.now = s.ledger.opened_at + 1.8
+    assert asyncio.run(push(s, "b", rand(2), round_=3, compute_seconds=1.8)).outcome is PushOutcome.COMMITTED

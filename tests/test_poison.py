@@ -104,3 +104,103 @@ async def _wait_failed(server) -> None:
     import asyncio
 
     await asyncio.wait({server.failed}, timeout=20)
+
+
+# ---- header fields ------------------------------------------------------------------------------
+def test_inner_steps_are_bounded_like_tokens_and_a_tokenless_weight_never_passes_the_bound(start_server, raw_island):
+    """inner_steps = 2^64-1 with tokens = 0 weighed steps x the others' tokens per step and took the
+    mean over, even under --max-tokens-per-round 2000: now refused (TOKENS_OUT_OF_RANGE). Within the
+    bound, a token-less island weighs at most the bound: θ moves by the 1000 : 2000 mean."""
+    config = exact_config(
+        run_id="t", sync_every=1, quorum=2, max_tokens_per_round=2000, outer_lr=1.0, outer_momentum=0.0
+    )
+    srv, a, b = bootstrapped(start_server, raw_island, config)
+    assert a.push(filled(0.01), round_=0, tokens=1000, inner_steps=1).committed  # 1000 tokens per step
+    with pytest.raises(grpc.RpcError) as info:
+        b.push(filled(-1.0), round_=0, tokens=0, inner_steps=2**64 - 1)
+    assert reason_of(info.value) is Reason.TOKENS_OUT_OF_RANGE and "inner_steps" in info.value.details()
+    assert b.push(filled(-1.0), round_=0, tokens=0, inner_steps=2000).committed  # 2000 x 1000, capped at 2000
+    header, _ = a.pull(0)
+    assert header.round == 1
+    mean = (1000 * 0.01 + 2000 * -1.0) / 3000
+    assert torch.allclose(theta(srv)["w"], torch.tensor(1.0 - mean), atol=1e-6)
+
+
+def test_a_push_for_a_round_the_island_never_held_does_not_count(start_server, raw_island):
+    """At round 2 a push for round -1 (or any round before the island joined) was folded, once per
+    round: one island counted five times. A round below 0 is a bad request; one before the island
+    joined answers ROUND_CLOSED and adds nothing; the island's own round still commits."""
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=1, max_staleness=4))
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    a.push(filled(1.0), round_=0, kind=pb.PUSH_KIND_INIT)
+    for r in range(2):
+        assert a.push(filled(0.01), round_=r, tokens=10).committed
+        assert a.pull(r)[0].round == r + 1
+    c = raw_island(srv.address, "c", SHAPES)
+    c.join()  # at round 2
+    for r in (-1, -4):
+        with pytest.raises(grpc.RpcError) as info:
+            c.push(filled(-1.0), round_=r, tokens=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "round" in info.value.details()
+    for r in (0, 1):
+        assert c.push(filled(-1.0), round_=r, tokens=10).outcome == pb.PUSH_OUTCOME_ROUND_CLOSED
+    assert srv.inspect(lambda s: (dict(s.accumulator.late), s.accumulator.committed_islands())) == ({}, [])
+    assert c.push(filled(0.01), round_=2, tokens=10).outcome == pb.PUSH_OUTCOME_COMMITTED
+
+
+def test_a_reported_loss_is_bounded_and_its_mean_cannot_overflow(start_server, raw_island):
+    """loss = 1e308 with 2000 tokens overflowed the round's weighted loss to inf: /api/status answered
+    500 and `atoll status` failed for as long as the record was in the history. Now such a loss is a
+    bad request, and the mean of large finite ones is computed without overflow."""
+    from conftest import http
+
+    config = exact_config(run_id="t", sync_every=1, quorum=2, max_tokens_per_round=2**62)
+    srv = start_server(config, admin_port=0)
+    a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
+    a.join()
+    b.join()
+    a.push(filled(1.0), round_=0, kind=pb.PUSH_KIND_INIT)
+    with pytest.raises(grpc.RpcError) as info:
+        a.push(filled(0.01), round_=0, tokens=2000, loss=1e308)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "loss" in info.value.details()
+    assert a.push(filled(0.01), round_=0, tokens=2**40, loss=1e29).committed
+    assert b.push(filled(0.01), round_=0, tokens=2**40, loss=3e29).committed
+    a.pull(0)
+    assert srv.inspect(lambda s: s.history[0]["loss"]) == pytest.approx(2e29)
+    code, body = http(srv.server.admin.address + "/api/status")
+    assert code == 200 and json_strict(body)["history"][0]["loss"] == pytest.approx(2e29)
+
+
+def test_a_non_finite_figure_never_takes_the_status_endpoints_down(start_server, raw_island, capsys):
+    """A figure that is not finite (a record written by an older coordinator, say) is shown as null with
+    a warning in /api/status (strict JSON, 200), left out of /metrics, and `atoll status` prints."""
+    from conftest import http
+
+    from atoll.cli import main
+
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=1), admin_port=0)
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    a.push(filled(1.0), round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push(filled(0.01), round_=0, tokens=5, loss=2.0)
+    a.pull(0)
+    srv.inspect(lambda s: s.history[0].update(loss=math.inf, seconds_open=math.nan))
+    base = srv.server.admin.address
+    code, body = http(base + "/api/status")
+    status = json_strict(body)
+    assert code == 200 and status["history"][0]["loss"] is None and status["history"][0]["seconds_open"] is None
+    assert any("history[0].loss" in w for w in status["warnings"])
+    code, text = http(base + "/metrics")
+    assert code == 200 and "\natoll_round_loss " not in text and "Inf" not in text and "NaN" not in text
+    assert main(["status", "--admin", base]) == 0
+    assert "round 1" in capsys.readouterr().out
+
+
+def json_strict(body: str):
+    import json
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(body, parse_constant=refuse)

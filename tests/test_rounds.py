@@ -159,13 +159,14 @@ def test_without_history_the_grace_is_the_deadline_and_a_fixed_window_or_off_are
 
 def test_a_decoupled_round_waits_neither_for_islands_behind_nor_past_the_quorums_slack():
     """Decoupled: an island still training on an older θ pushes for an older round (folded, never
-    committed here), so it is not waited for; and the grace ends at half the smallest compute per round
-    of the committed islands after the quorum, before they are due to push again (they never wait, but
-    a round kept open makes their next pushes later)."""
+    committed here), so it is not waited for; and the grace ends at half the shortest cycle of the
+    committed islands (the time between their pushes, on the coordinator's clock) after the quorum,
+    before they are due to push again (they never wait, but a round kept open makes their next pushes
+    later)."""
     policy = RoundPolicy(quorum=2, deadline_seconds=600.0, grace="auto", decoupled=True)
     islands = (
-        IslandView(island_id="a", lease_expires_at=1e9, committed=True, committed_at=10.0, compute_seconds=12.0),
-        IslandView(island_id="b", lease_expires_at=1e9, committed=True, committed_at=11.0, compute_seconds=8.0),
+        IslandView(island_id="a", lease_expires_at=1e9, committed=True, committed_at=10.0, cycle_seconds=12.0),
+        IslandView(island_id="b", lease_expires_at=1e9, committed=True, committed_at=11.0, cycle_seconds=8.0),
         IslandView(island_id="slow", lease_expires_at=1e9, committed=False, behind=True),
     )
     v = RoundView(round=7, opened_at=0.0, islands=islands)
@@ -179,5 +180,5 @@ def test_a_decoupled_round_waits_neither_for_islands_behind_nor_past_the_quorums
     assert decide(14.9, v, policy)[0] is Decision.WAIT and next_wakeup(11.0, v, policy) == 15.0
     decision, reason = decide(15.0, v, policy)
     assert decision is Decision.CLOSE
-    assert reason == "round 7: grace 4.0s after quorum (half the quorum's compute per round); new did not come"
+    assert reason == "round 7: grace 4.0s after quorum (half the quorum's cycle); new did not come"
     assert decide(15.0, v, sync)[0] is Decision.WAIT  # sync: no history, wait until the deadline

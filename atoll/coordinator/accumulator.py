@@ -43,6 +43,13 @@ def fp32_push_bytes(specs: dict[str, tuple[int, ...]]) -> int:
     return sum(identity_size(s) + REGION_SLACK for s in specs.values())
 
 
+def mean_of(pairs: list[tuple[float, float]]) -> float | None:
+    """The weighted mean of (weight, value) pairs, the weights normalised first: no product can overflow
+    (a value is bounded, ``checks.MAX_REPORTED_LOSS``, and so is the mean). None when there are none."""
+    total = sum(w for w, _ in pairs)
+    return sum(w / total * v for w, v in pairs) if pairs else None
+
+
 class RoundAccumulator:
     def __init__(self, max_inflight_bytes: int = 0) -> None:
         """``max_inflight_bytes``: push bytes held at once (0: sized from the model, see :meth:`size_budget`)."""
@@ -226,7 +233,7 @@ class RoundAccumulator:
             "steps_by_island": by_island("inner_steps"),
             "compute_seconds_by_island": by_island("compute_seconds"),
             "bytes_by_island": by_island("num_bytes"),
-            "loss": sum(t * v for t, v in losses) / sum(t for t, _ in losses) if losses else None,
+            "loss": mean_of(losses),
             "bytes_in": sum(x.num_bytes for _, x in entered),
         }
 

@@ -20,6 +20,8 @@ import functools
 import hmac
 import ipaddress
 import json
+import logging
+import math
 import time
 from importlib import resources
 
@@ -33,6 +35,8 @@ from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch
 from atoll.coordinator.goodput import run_goodput
 from atoll.coordinator.membership import IslandState
 from atoll.coordinator.service import Counters
+
+log = logging.getLogger("atoll.coordinator")
 
 STATES = (
     IslandState.JOINING,
@@ -51,12 +55,18 @@ def health_problem(server) -> str | None:
 
 
 class _StateCollector:
-    """Reads the run state at scrape time (no global registry, no duplicated bookkeeping)."""
+    """Reads the run state at scrape time (no global registry, no duplicated bookkeeping). A figure that
+    is not finite is left out (a scrape never shows +Inf or NaN for a run's figure)."""
 
     def __init__(self, server) -> None:
         self.server = server
 
     def collect(self):
+        for family in self._families():
+            family.samples = [x for x in family.samples if math.isfinite(x.value)]
+            yield family
+
+    def _families(self):
         s, counters = self.server.state, self.server.counters
         yield GaugeMetricFamily("atoll_round", "The open round (rounds below it are complete)", value=s.round)
         yield CounterMetricFamily("atoll_rounds_completed", "Rounds closed by the outer step", value=len(s.history))
@@ -126,6 +136,28 @@ class _StateCollector:
         )
 
 
+def finite_json(data, where: str = "") -> tuple[object, list[tuple[str, float]]]:
+    """``data`` (dicts, lists, scalars) with every float that is not finite replaced by None, and where
+    each was (``history[3].loss``): strict JSON whatever a record holds."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return None, [(where, data)]
+    bad: list[tuple[str, float]] = []
+    if isinstance(data, dict):
+        out = {}
+        for k, v in data.items():
+            out[k], found = finite_json(v, f"{where}.{k}" if where else str(k))
+            bad += found
+        return out, bad
+    if isinstance(data, (list, tuple)):
+        out = []
+        for i, v in enumerate(data):
+            value, found = finite_json(v, f"{where}[{i}]")
+            out.append(value)
+            bad += found
+        return out, bad
+    return data, bad
+
+
 def json_response(data) -> web.Response:
     """Strict JSON (no NaN or Infinity, which JSON parsers, the dashboard's included, refuse)."""
     return web.json_response(data, dumps=functools.partial(json.dumps, allow_nan=False))
@@ -152,6 +184,7 @@ class AdminServer:
         self.registry.register(_StateCollector(server))
         self._runner: web.AppRunner | None = None
         self.started_at = time.time()
+        self._warned: set[str] = set()
 
     @property
     def state(self):
@@ -210,7 +243,13 @@ class AdminServer:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def status(self, request: web.Request) -> web.Response:
-        return json_response(status_json(self.server, self.started_at))
+        status, bad = finite_json(status_json(self.server, self.started_at))
+        status["warnings"] = [f"{where} was not finite ({value}): shown as null" for where, value in bad]
+        for where, value in bad:
+            if where not in self._warned:  # once per figure, not at every poll of the dashboard
+                self._warned.add(where)
+                log.warning("/api/status: %s is not finite (%s); shown as null", where, value)
+        return json_response(status)
 
     async def evict(self, request: web.Request) -> web.Response:
         island = request.match_info["island"]

@@ -17,6 +17,9 @@ MAX_ID_LEN = 128
 MAX_RANKS = 65536
 MAX_ALIASES = 16
 MAX_REPORTED_SECONDS = 1e7
+MAX_REPORTED_LOSS = 1e30
+"""The largest magnitude of a loss an island may report (it is only shown, never used in the math): any
+weighted mean of such values stays finite, and so do the status endpoints."""
 PAYLOAD_SLACK = 65536
 """A payload may exceed 8 bytes per element by this much (headers, codec params)."""
 MAX_TENSOR_NORM = 2.0**40
@@ -163,14 +166,25 @@ def codec(config: RunConfig, given: str) -> None:
         )
 
 
-def tokens(config: RunConfig, claimed: int) -> None:
+def tokens(config: RunConfig, claimed: int, inner_steps: int) -> None:
+    """The tokens a push claims, and its inner steps (each step takes at least a token), within the
+    run's bound per round: either weighs the island's delta in the mean."""
     bound = config.token_bound
-    if claimed > bound:
-        raise refuse(
-            Reason.TOKENS_OUT_OF_RANGE,
-            f"the push claims {claimed} tokens, more than the run allows per round ({bound}: "
-            + ("--max-tokens-per-round)" if config.max_tokens_per_round else "H x 2^24; set --max-tokens-per-round)"),
-        )
+    which = "--max-tokens-per-round" if config.max_tokens_per_round else "H x 2^24; set --max-tokens-per-round"
+    for what, n in (("tokens", claimed), ("inner_steps", inner_steps)):
+        if n > bound:
+            raise refuse(
+                Reason.TOKENS_OUT_OF_RANGE,
+                f"the push claims {n} {what}, more than the run allows per round ({bound}: {which})",
+            )
+
+
+def delta_round(round_: int, joined_round: int) -> bool:
+    """Whether a delta for ``round_`` can be the island's: a round below 0 is a bad request; one before
+    the island joined (it never held that θ) is False (not folded: the island is told the round closed)."""
+    if round_ < 0:
+        raise invalid(f"round {round_} is below 0")
+    return round_ >= joined_round
 
 
 def push_header(h: PushHeader, num_ranks: int, specs: dict[str, tuple[int, ...]]) -> tuple[EntryPlan, ...]:
@@ -179,8 +193,8 @@ def push_header(h: PushHeader, num_ranks: int, specs: dict[str, tuple[int, ...]]
         raise invalid(f"island {h.island_id!r} joined with {num_ranks} ranks, push says {h.num_ranks}")
     if not 0 <= h.rank < num_ranks:
         raise invalid(f"rank {h.rank} outside 0..{num_ranks - 1}")
-    if h.loss is not None and not math.isfinite(h.loss):
-        raise invalid("reported loss is not finite")
+    if h.loss is not None and not (math.isfinite(h.loss) and abs(h.loss) <= MAX_REPORTED_LOSS):
+        raise invalid(f"reported loss {h.loss} is not finite, or past +-{MAX_REPORTED_LOSS:g}")
     for what, seconds in (("compute_seconds", h.compute_seconds), ("blocked_seconds", h.blocked_seconds)):
         if not (math.isfinite(seconds) and 0 <= seconds <= MAX_REPORTED_SECONDS):
             raise invalid(f"{what} {seconds} outside 0..{MAX_REPORTED_SECONDS:g}")

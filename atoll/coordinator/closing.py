@@ -80,7 +80,7 @@ def view(s: RunState) -> RoundView:
             committed_at=None if c is None else c.at,
             expected=i.arrival.expected(),
             behind=0 <= i.holds_round < s.round,
-            compute_seconds=None if c is None else c.compute_seconds,
+            cycle_seconds=i.cycle.mean,
         )
 
     islands = tuple(island(i) for i in s.membership.islands.values())

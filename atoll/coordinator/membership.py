@@ -52,6 +52,9 @@ class IslandRecord:
     """Clock time of its last committed push."""
     arrival: Arrival = field(default_factory=Arrival)
     """When in a round its push commits (the grace window waits for it that long)."""
+    cycle: Arrival = field(default_factory=Arrival)
+    """The time between its pushes that count (committed or folded), as the coordinator's clock sees
+    it: a decoupled round's grace is bounded by the quorum's (never by what an island reports)."""
     goodput: Goodput | None = None
     """Its compute into θ and its time while joined (set at the join)."""
     expiry_logged: bool = field(default=False, repr=False)
@@ -198,6 +201,7 @@ class Membership:
                     "rounds_committed": i.rounds_committed,
                     "last_committed_round": i.last_committed_round,
                     "arrival": i.arrival.to_json(),
+                    "cycle": i.cycle.to_json(),
                 }
                 for i in self.islands.values()
             },
@@ -219,5 +223,6 @@ class Membership:
                 int(rec["rounds_committed"]),
                 last_committed_round=int(rec.get("last_committed_round", -1)),
                 arrival=Arrival.from_json(rec.get("arrival")),
+                cycle=Arrival.from_json(rec.get("cycle")),
                 goodput=Goodput(joined_at=now),
             )

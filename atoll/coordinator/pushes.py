@@ -99,6 +99,7 @@ class Pushes:
             if ledger.complete(c.total_rounds):
                 return PushResult(PushOutcome.RUN_COMPLETE, ledger.round, committed=False)
             checks.codec(c, h.codec)
+            held = checks.delta_round(h.round, rec.joined_round)
             cls = self.classify(h.round)
             if cls is PushClass.FUTURE:
                 raise refuse(
@@ -107,12 +108,14 @@ class Pushes:
                 )
             if cls in (PushClass.CLOSED, PushClass.LATE) and ledger.committed_before(h.island_id, h.round):
                 return PushResult(PushOutcome.DUPLICATE, ledger.round, committed=True)  # it counted already
+            if not held:
+                return self._never_held(h.island_id, h.round, rec.joined_round)
             if cls is PushClass.CLOSED:
                 return self._too_stale(h.island_id, h.round)
             if self.accumulator.is_duplicate(h.island_id, h.round, h.rank, cls):
                 done = self.accumulator.is_done(h.island_id, h.round, cls)
                 return PushResult(PushOutcome.DUPLICATE, ledger.round, committed=done)
-            checks.tokens(c, h.tokens)
+            checks.tokens(c, h.tokens, h.inner_steps)
             specs = self.model.specs
         else:
             raise invalid("unknown push kind")
@@ -193,6 +196,8 @@ class Pushes:
             first.tokens, first.loss, num_bytes, weight, first.inner_steps, first.compute_seconds, at=now
         )
         acc.commit(plan.island_id, plan.round, record, late)
+        if rec.last_push_at is not None:
+            rec.cycle.observe(now - rec.last_push_at)
         rec.last_push_at = now
         if rec.goodput is not None:
             rec.goodput.entered(first.compute_seconds, first.blocked_seconds, first.tokens)
@@ -233,11 +238,24 @@ class Pushes:
             )
         return PushResult(PushOutcome.ROUND_CLOSED, self.ledger.round, committed=False)
 
+    def _never_held(self, island_id: str, round_: int, joined_round: int) -> PushResult:
+        """A delta for a round before the island joined: it never held that θ, so it counts nowhere
+        (a delta folded once per such round would let one island count many times)."""
+        log.warning(
+            "%sisland %s pushed a delta for round %d, before it joined (round %d): not counted",
+            self.name,
+            island_id,
+            round_,
+            joined_round,
+        )
+        return PushResult(PushOutcome.ROUND_CLOSED, self.ledger.round, committed=False)
+
     def _weight(self, plan: PushPlan) -> float:
         """An island's weight in the mean: the tokens it reports. One that reports none (its step()
         calls lack tokens=) but took inner steps weighs its steps times the tokens per step of the
         islands that do report them (the last closed round's, else this round's so far), or its steps
-        alone when nobody reports tokens; it was weighed 1 token, a fraction of any other island."""
+        alone when nobody reports tokens, never more than the run's token bound; it was weighed 1
+        token, a fraction of any other island."""
         if plan.tokens or not plan.inner_steps:
             return float(max(plan.tokens, 1))
         per_step = self.ledger.tokens_per_step() or self.accumulator.tokens_per_step() or 1.0
@@ -250,7 +268,7 @@ class Pushes:
             plan.inner_steps,
             per_step,
         )
-        return plan.inner_steps * per_step
+        return min(plan.inner_steps * per_step, float(self._config().token_bound))
 
     async def _add_dense(
         self, key: tuple[str, int], ranks: list[StagedRank], weight: float, c: RunConfig, scale: float

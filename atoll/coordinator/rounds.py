@@ -29,14 +29,19 @@ class RoundPolicy:
     decoupled: bool = False
     """Decoupled outer loop: an island training on an older θ is not waited for (its push will be
     folded, never committed to this round), and a grace window ends at ``DECOUPLED_SLACK`` of the
-    smallest compute per round of the committed islands after the quorum."""
+    shortest cycle of the committed islands after the quorum (at least ``DECOUPLED_FLOOR_SECONDS``)."""
 
 
 DECOUPLED_SLACK = 0.5
-"""Decoupled: the share of the quorum islands' compute per round that a round waits past its quorum.
-They do not wait meanwhile, but a round kept open makes their next pushes later (a longer round); the
-round closes well before they are due again (Decoupled DiLoCo bounds its grace window by the slack
-that overlap leaves the quorum's learners)."""
+"""Decoupled: the share of the quorum islands' cycle (the time between their pushes that count, on the
+coordinator's clock) that a round waits past its quorum. They do not wait meanwhile, but a round kept
+open makes their next pushes later (a longer round); the round closes well before they are due again
+(Decoupled DiLoCo bounds its grace window by the slack that overlap leaves the quorum's learners). The
+coordinator's own observations, never a figure an island reports: an island reporting a compute of
+1e-6 s closed every round at its commit, and the others' on-time pushes were folded late."""
+DECOUPLED_FLOOR_SECONDS = 1.0
+"""The least a decoupled round's grace lasts past its quorum (when the grace is not off): rounds that
+close sooner make the quorum's observed cycle shorter, which would shorten the grace again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,8 +55,8 @@ class IslandView:
     """When in a round it is expected to commit, seconds after the round opened (None: no history)."""
     behind: bool = False
     """It holds an older θ than the open round's: its next push is for an older round."""
-    compute_seconds: float | None = None
-    """The compute seconds its push of this round reported (None: not committed, or none reported)."""
+    cycle_seconds: float | None = None
+    """The time between its pushes that count, smoothed, on the coordinator's clock (None: not known)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,11 +113,11 @@ def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | N
     quorum_at = times[policy.quorum - 1]
     missing = {i.island_id: i.expected for i in waited_for(now, state, policy)}
     until, why = grace_until(policy.grace, state.opened_at, quorum_at, missing)
-    computes = [i.compute_seconds for i in state.islands if i.committed and i.compute_seconds]
-    if policy.decoupled and policy.grace != OFF and missing and computes:
-        cap = quorum_at + DECOUPLED_SLACK * min(computes)
+    cycles = [i.cycle_seconds for i in state.islands if i.committed and i.cycle_seconds is not None]
+    if policy.decoupled and policy.grace != OFF and missing and cycles:
+        cap = quorum_at + max(DECOUPLED_SLACK * min(cycles), DECOUPLED_FLOOR_SECONDS)
         if until is None or cap < until:
-            return cap, f"grace {cap - quorum_at:.1f}s after quorum (half the quorum's compute per round)"
+            return cap, f"grace {cap - quorum_at:.1f}s after quorum (half the quorum's cycle)"
     return until, why
 
 
