@@ -125,6 +125,11 @@ def rollback(ns: argparse.Namespace) -> int:
             raise _fail(f"{ns.state_dir} holds no snapshots")
         for round_, path, problem in listed:
             print(f"round {round_:<6} {path.name}  {'ok' if problem is None else 'DAMAGED: ' + problem}")
+        try:  # the newest snapshot with the log after it, as a restart would load it
+            snap = persistence.load(ns.state_dir)
+            print(f"restores round {snap.round} (the newest snapshot and the log after it)")
+        except persistence.StateError as err:
+            print(f"does not restore: {err}")
         return 0
     lock = persistence.StateLock(ns.state_dir).acquire("rolling it back")
     try:

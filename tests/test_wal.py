@@ -127,6 +127,31 @@ def test_a_log_cut_short_behind_its_optimizer_state_is_refused(logged, tmp_path,
     assert "newer than the log" in refused(capsys, state)
 
 
+@pytest.mark.parametrize("how", ["removed", "replaced by a file", "its newest records removed"])
+def test_a_missing_log_is_refused_never_a_silent_rollback(logged, tmp_path, capsys, how):
+    """Four rounds published and no snapshot after θ_0's: `rm -r STATE_DIR/log` (or log/ replaced by a
+    file) started the run at round 0 with θ_0 and no warning, `atoll export` wrote round 0 and `atoll
+    rollback` listed the dir as fine. The dir records the newest round it published (head.json), so a
+    restore that reaches less is refused with one line, by the coordinator and by export, and the
+    listing says so."""
+    state = copy_of(logged, tmp_path)
+    if how == "its newest records removed":
+        for r in (2, 3):
+            (state / "log" / wal.record_name(r)).unlink()
+        (state / "log" / wal.optimizer_name(4)).unlink()
+    else:
+        shutil.rmtree(state / "log")
+        if how == "replaced by a file":
+            (state / "log").write_text("not a log")
+    last = refused(capsys, state)
+    assert "round 4" in last and "log" in last and "rollback" in last, last
+    assert cli.main(["export", "--state-dir", str(state), "--out", str(tmp_path / "theta.safetensors")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "round 4" in err[0] and not (tmp_path / "theta.safetensors").exists()
+    assert cli.main(["rollback", "--state-dir", str(state)]) == 0
+    assert "round 4" in capsys.readouterr().out
+
+
 def test_a_read_of_a_live_dir_retries_a_file_pruned_under_it_but_not_damage(logged, tmp_path, monkeypatch):
     """``load_live`` (``atoll export``, tests reading a running coordinator's dir): a file the live
     writer prunes between the listing and the read fails one attempt, which is retried; damage fails
@@ -170,7 +195,7 @@ def test_a_rollback_sets_the_log_after_it_aside(tmp_path):
     assert done.returncode == 0, done.stderr
     assert [r for r, _ in wal.records(state)] == [0, 1]  # the updates to θ_1, θ_2: kept for catch-ups
     assert wal.optimizer_files(state) == []
-    snap = persistence.load(state)
+    snap = persistence.load(state)  # the round it published is set back too: the rollback is explicit
     assert snap.round == 2 and len(snap.history) == 2
 
 

@@ -3,8 +3,9 @@
 - before θ_0 is published: its snapshot;
 - before a round is published: its log record (:func:`atoll.coordinator.wal.append`), small, most of
   it written while the outer step makes the update (:meth:`Checkpoints.streaming`);
-- after a publish, in the background while the next round runs: the optimizer state of the new θ,
-  or, every ``every`` rounds, a full snapshot; then the files no longer needed are pruned.
+- after a publish, in the background while the next round runs: the round now published
+  (:func:`persistence.write_head`), the optimizer state of the new θ, or, every ``every`` rounds, a
+  full snapshot; then the files no longer needed are pruned.
 
 The next outer step waits (:meth:`Checkpoints.wait`) for the background write, since it changes
 momentum and error feedback in place; θ itself is never changed in place.
@@ -88,6 +89,7 @@ class Checkpoints:
         newest = self.snapshot_round
 
         def write() -> None:
+            persistence.write_head(self.state_dir, snap.round)
             if full:
                 persistence.save(self.state_dir, snap, keep=self.keep)
             else:

@@ -11,7 +11,9 @@ newest one, or a damaged log, is refused, never silently replaced by older state
 back explicitly (:func:`rollback`, ``atoll rollback``).
 
 ``membership.json`` holds the islands that left or were evicted (written at once, so a restart does
-not bring them back).
+not bring them back). ``head.json`` holds the newest round published (written in the background after
+each publish, so it never runs ahead of the log): a restore that reaches less (the log removed, or its
+newest records) is refused, never a silent rollback.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ SUFFIX = ".safetensors"
 UPDATES = "updates"
 """Where older coordinators kept outer updates (now the log's records)."""
 MEMBERSHIP = "membership.json"
+HEAD = "head.json"
 DISCARDED = "discarded"
 LEGACY = ("state.safetensors", ".state.safetensors.tmp")
 
@@ -166,7 +169,7 @@ def _holds_atoll_files(state_dir: Path) -> list[str]:
     if not d.is_dir():
         return []
     names = [p.name for p in d.iterdir()]
-    ours = (SNAPSHOT_PREFIX, f".{SNAPSHOT_PREFIX}", wal.LOG, UPDATES, MEMBERSHIP, *LEGACY)
+    ours = (SNAPSHOT_PREFIX, f".{SNAPSHOT_PREFIX}", wal.LOG, UPDATES, MEMBERSHIP, HEAD, *LEGACY)
     return sorted(n for n in names if n.startswith(ours))
 
 
@@ -176,7 +179,9 @@ def load(state_dir: Path, upto: int | None = None) -> Snapshot | None:
     (StateError when neither a snapshot nor the log reaches it).
 
     Raises :class:`StateError` when the newest snapshot is damaged or inconsistent, or the dir holds
-    atoll files but no snapshot: a run is never restarted silently from scratch or from the past."""
+    atoll files but no snapshot, or the snapshot and the log reach back less far than the round the
+    dir records as published: a run is never restarted silently from scratch or from the past."""
+    head = read_head(state_dir) if upto is None else None  # before the log is listed: it never runs ahead
     paths = [p for p in snapshot_paths(state_dir) if upto is None or read_round(p) <= upto]
     if not paths and upto is not None:
         raise StateError(f"no snapshot of round {upto} or before in {state_dir}")
@@ -208,6 +213,15 @@ def load(state_dir: Path, upto: int | None = None) -> Snapshot | None:
     if upto is not None and snap.round != upto:
         last = f"the log after {paths[-1].name} ends at round {snap.round}"
         raise StateError(f"round {upto} is not kept in {state_dir}: {last}")
+    if head is not None and snap.round < head:
+        raise StateError(
+            f"{state_dir} published round {head} ({HEAD}), but {paths[-1].name} and the log after it reach only "
+            f"round {snap.round}: log records are missing (log/ removed?); put them back, or roll back "
+            f"explicitly with `atoll rollback --state-dir {state_dir} --round {read_round(paths[-1])}`"
+        )
+    log_dir = Path(state_dir) / wal.LOG
+    if log_dir.exists() and not log_dir.is_dir():
+        raise StateError(f"{log_dir} is not a directory (it holds the write-ahead log); move it away")
     departed = read_departed(state_dir)
     if departed is not None:  # written at every leave/evict/re-join: newer than any snapshot
         snap.departed = departed
@@ -306,8 +320,27 @@ def rollback(state_dir: Path, round_: int) -> Path:
     for p in newer:
         aside.mkdir(parents=True, exist_ok=True)
         shutil.move(str(p), aside / p.name)
+    write_head(state_dir, round_)  # the rollback is explicit: the run now stands at round_
     fsync_dir(state_dir)
     return target
+
+
+# ---- the newest round published ---------------------------------------------------------------
+def write_head(state_dir: Path, round_: int) -> None:
+    """Record that round ``round_`` is published (θ_round_ may be held by islands): durable."""
+    write_atomic(Path(state_dir) / HEAD, [json.dumps({"format": FORMAT, "round": round_}).encode()])
+
+
+def read_head(state_dir: Path) -> int | None:
+    """The newest round the dir records as published; None when it records none (a dir of an older
+    coordinator, or a run before its first round)."""
+    path = Path(state_dir) / HEAD
+    try:
+        return int(json.loads(path.read_text())["round"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as err:
+        raise StateError(f"{path.name}: unreadable ({err}); it records the newest round published") from None
 
 
 # ---- departures -----------------------------------------------------------------------------
