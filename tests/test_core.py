@@ -378,9 +378,7 @@ def test_a_decoupled_grace_follows_the_cycles_the_coordinator_sees_not_a_reporte
     weight. The cap is now half the quorum's cycle as the coordinator sees it (the time between an
     island's commits), with a floor: b, 0.8 s after a as in every round, commits to the round."""
     clock = FakeClock()
-    s = run_state(
-        tmp_path, clock, quorum=1, outer_mode="decoupled", round_deadline_seconds=600.0, lease_seconds=1e6
-    )
+    s = run_state(tmp_path, clock, quorum=1, outer_mode="decoupled", round_deadline_seconds=600.0, lease_seconds=1e6)
     join(s, "a")
     join(s, "b")
     asyncio.run(push(s, "a", rand(0), kind=PushKind.INIT))
