@@ -183,3 +183,42 @@ def test_a_second_coordinator_or_a_rollback_on_a_live_state_dir_is_refused_namin
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("atoll rollback: error: ") and f"in use by process {os.getpid()}" in err, err
     assert srv.inspect(lambda s: s.round) == 0  # the live coordinator was not disturbed
+
+
+def test_the_state_dir_lock_cannot_be_deleted_from_under_a_live_coordinator(start_server, tmp_path):
+    """Deleting STATE_DIR/.lock while a coordinator ran let a second one start on the same dir: the
+    lock is now held on the state dir itself."""
+    import os
+
+    state = tmp_path / "live"
+    srv = start_server(state_dir=state)
+    (state / persistence.LOCK).unlink()
+    second = ServerThread(exact_config(run_id="t", sync_every=1), state)
+    with pytest.raises(persistence.StateError, match="in use by"):
+        second.start()
+    with pytest.raises(persistence.StateError, match="in use by"):
+        persistence.StateLock(state).acquire("rolling it back")
+    assert srv.inspect(lambda s: s.round) == 0
+    srv.stop()
+    persistence.StateLock(state).acquire("rolling it back").release()  # the holder let go: free again
+    assert os.path.isdir(state)
+
+
+@pytest.mark.parametrize("which", ["--port", "--bulk-port", "--admin-port"])
+def test_a_second_coordinator_on_a_served_port_fails_at_once_naming_it(start_server, tmp_path, which):
+    """A second `atoll coordinator` on the port a running one serves (another state dir, the same run
+    id) started without complaint (gRPC's SO_REUSEPORT), and islands divided between the two, each
+    building its own θ_0. It now fails at once with one line naming the port; so for the bulk and the
+    admin ports."""
+    import subprocess
+    import sys
+
+    srv = start_server(state_dir=tmp_path / "first", admin_port=0)
+    port = {"--port": srv.server.port, "--bulk-port": srv.server.bulk.port, "--admin-port": srv.server.admin.port}
+    cmd = [sys.executable, "-m", "atoll", "coordinator", "--state-dir", str(tmp_path / "second"), "--run-id", "t"]
+    flags = {"--port": "0", "--bulk-port": "0", "--admin-port": "0", which: str(port[which])}
+    done = subprocess.run(cmd + [x for kv in flags.items() for x in kv], capture_output=True, text=True, timeout=30)
+    lines = [x for x in done.stderr.strip().splitlines() if " INFO " not in x]
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert len(lines) == 1 and str(port[which]) in lines[0] and "in use" in lines[0], done.stderr
+    assert srv.inspect(lambda s: s.round) == 0  # the first one goes on

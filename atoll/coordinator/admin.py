@@ -35,6 +35,7 @@ from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch
 from atoll.coordinator.goodput import run_goodput
 from atoll.coordinator.membership import IslandState
 from atoll.coordinator.service import Counters
+from atoll.errors import PortInUse
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -221,7 +222,13 @@ class AdminServer:
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.requested_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as err:
+            await self.stop()
+            raise PortInUse(
+                f"--admin-port {self.requested_port} on {self.host} cannot be bound: {err.strerror or err}"
+            ) from None
         self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:

@@ -19,6 +19,7 @@ import time
 
 from atoll.coordinator.security import UNAUTHENTICATED, IslandTokens
 from atoll.coordinator.service import tolerant
+from atoll.errors import PortInUse
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.raw import RawData, deserialize_push_chunk
@@ -152,7 +153,10 @@ class BulkServer:
         self.idle_seconds = idle_seconds
         self.max_connections = max_connections
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        self._sock = socket.create_server((host, port), family=family, backlog=256)
+        try:
+            self._sock = socket.create_server((host, port), family=family, backlog=256)
+        except OSError as err:
+            raise PortInUse(f"--bulk-port {port} on {host} cannot be bound: {err.strerror or err}") from None
         self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
         self._accepting: asyncio.Task | None = None

@@ -100,9 +100,10 @@ def read_round(path: Path) -> int:
 
 
 class StateLock:
-    """One writer per state dir: an exclusive ``flock`` on ``STATE_DIR/.lock``, which the kernel
-    releases when the process dies (a SIGKILLed coordinator leaves no stale lock). ``acquire`` raises
-    StateError naming the holder's pid."""
+    """One writer per state dir: an exclusive ``flock`` on the state dir itself, which the kernel
+    releases when the process dies (a SIGKILLed coordinator leaves no stale lock) and which no file
+    operation can remove from under its holder (a lock on ``STATE_DIR/.lock`` was gone once the file
+    was deleted). ``.lock`` only says who holds it: ``acquire`` raises StateError naming that pid."""
 
     def __init__(self, state_dir: Path) -> None:
         self.path = Path(state_dir) / LOCK
@@ -110,19 +111,20 @@ class StateLock:
 
     def acquire(self, what: str) -> StateLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            try:
+                holder = "process " + (self.path.read_text(errors="replace").strip() or "unknown")
+            except OSError:
+                holder = f"another process ({LOCK}, which names it, was removed)"
             raise StateError(
-                f"{self.path.parent} is in use by process {holder} (a coordinator or an atoll tool); "
-                f"stop it before {what}"
+                f"{self.path.parent} is in use by {holder} (a coordinator or an atoll tool); stop it before {what}"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+        self.path.write_text(f"{os.getpid()}\n")
         return self
 
     def release(self) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,9 +20,25 @@ from atoll.coordinator.core import RunState
 from atoll.coordinator.outer import NonFiniteTheta
 from atoll.coordinator.security import IslandTokens, TlsConfig, TokenInterceptor
 from atoll.coordinator.service import STREAM_IDLE_SECONDS, CoordinatorServicer, Counters, add_servicer
+from atoll.errors import PortInUse
 from atoll.protos.rpc import SERVER_OPTIONS, SERVICE_NAME
 
 log = logging.getLogger("atoll.coordinator")
+
+
+def ensure_free(host: str, port: int, what: str) -> None:
+    """PortInUse naming ``what`` and the port when something listens there already: one bind of it
+    without SO_REUSEPORT (which a second coordinator's gRPC would otherwise set, and share the port
+    with the first, islands dividing between the two)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise PortInUse(f"{what} {port} on {host} is in use (another coordinator serves it?)") from None
+        raise PortInUse(f"{what} {port} on {host} cannot be bound: {err.strerror or err}") from None
 
 
 class CoordinatorServer:
@@ -89,10 +107,18 @@ class CoordinatorServer:
         return f"{self.host}:{self.port}"
 
     async def start(self) -> None:
-        """Restore the run (refusing a state dir that does not verify), then serve."""
+        """Restore the run (refusing a state dir that does not verify), then serve. PortInUse (one
+        line) when a port it was told to bind is served already, before anything listens."""
+        admin_host, admin_port, admin_token = self.admin_args
+        for what, host, port in (
+            ("--port", self.host, self.requested_port),
+            ("--bulk-port", self.host, self.requested_bulk_port),
+            ("--admin-port", admin_host, admin_port),
+        ):
+            if port:
+                ensure_free(host, port, what)
         self.state = RunState(self.config, self.state_dir, **self.state_options)
         self.state.restore()
-        admin_host, admin_port, admin_token = self.admin_args
         if admin_port is not None:  # built first: a bad admin config fails before anything listens
             from atoll.coordinator.admin import AdminServer
 
@@ -104,12 +130,15 @@ class CoordinatorServer:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
         bind = f"{self.host}:{self.requested_port}"
-        if self.tls is not None:
-            self.port = self._server.add_secure_port(bind, self.tls.server_credentials())
-        else:
-            self.port = self._server.add_insecure_port(bind)
+        try:
+            if self.tls is not None:
+                self.port = self._server.add_secure_port(bind, self.tls.server_credentials())
+            else:
+                self.port = self._server.add_insecure_port(bind)
+        except RuntimeError:  # taken since the check above
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind {self.host}:{self.requested_port}")
+            raise PortInUse(f"--port {self.requested_port} on {self.host} cannot be bound (in use by another process?)")
         if self.requested_bulk_port is not None:
             self.bulk = BulkServer(
                 servicer,

@@ -39,6 +39,9 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # One server per port: with SO_REUSEPORT (gRPC's default) a second coordinator on a served port
+    # started without complaint and the kernel divided the islands between the two.
+    ("grpc.so_reuseport", 0),
 ]
 CLIENT_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
