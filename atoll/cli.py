@@ -242,6 +242,13 @@ def _coordinator(ns: argparse.Namespace) -> int:
     config = _config_from(RunConfig, ns)
     if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
         raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+    for flag, port, low in (
+        ("--port", ns.port, 0),
+        ("--bulk-port", ns.bulk_port, -1),
+        ("--admin-port", ns.admin_port, 0),
+    ):
+        if port is not None and not low <= port <= 65535:
+            raise ValueError(f"{flag} must be in {low}..65535, got {port}")
     if ns.fragments < 0:
         raise ValueError(f"--fragments must be >= 0, got {ns.fragments}")
     if ns.threads < 0:

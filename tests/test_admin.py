@@ -158,7 +158,7 @@ def test_status_json_is_valid_with_a_closed_round(start_server, raw_island):
 
 def test_config_values_the_protocol_cannot_carry_and_deep_json_get_a_4xx_and_change_nothing(start_server, caplog):
     """(Before: quorum 2^31 answered 200 and broke every later Join; NaN turned the delta bound off;
-    a deeply nested body answered 500 with a server traceback.)"""
+    a deeply nested body, or one that is not UTF-8, answered 500 with a server traceback.)"""
     srv = start_server(admin_port=0, admin_token="tok")
     url = srv.server.admin.address + "/api/config"
     for body in ({"quorum": 2147483648}, {"quorum": 1e30}, {"total_rounds": 2**63}, {"max_tokens_per_round": 2**64}):
@@ -168,6 +168,8 @@ def test_config_values_the_protocol_cannot_carry_and_deep_json_get_a_4xx_and_cha
     code, text = http(url, token="tok", data=b'{"max_delta_norm": NaN}')
     assert code == 400 and "max_delta_norm must be in" in text
     assert http(url, token="tok", data=b"[" * 100_000 + b"]" * 100_000)[0] == 400
+    code, text = http(url, token="tok", data=b'{"quorum": "\xff\xfe"}')  # not UTF-8 (before: 500)
+    assert code == 400 and "JSON" in text
     assert not [r for r in caplog.records if r.exc_info], "a server traceback was logged"
     config = srv.inspect(lambda s: s.config)
     assert (config.quorum, config.max_delta_norm, config.total_rounds) == (1, 0.0, 0)

@@ -210,3 +210,14 @@ def test_the_coordinators_torch_threads_are_a_flag_and_shown_in_its_status(group
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "--threads must be >= 0, got -1" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--bulk-port", "70000"), ("--bulk-port", "-2"), ("--port", "65536"), ("--admin-port", "-1")]
+)
+def test_a_port_out_of_range_is_one_line(flag, value):
+    """(Before: --bulk-port 70000 died with a traceback from the socket layer.)"""
+    cmd = [sys.executable, "-m", "atoll", "coordinator", "--state-dir", "unused", flag, value]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"{flag} must be in" in refused.stderr and value in refused.stderr

@@ -270,7 +270,7 @@ class AdminServer:
     async def set_config(self, request: web.Request) -> web.Response:
         try:
             values = await request.json()
-        except (json.JSONDecodeError, RecursionError):  # RecursionError: absurdly deep nesting
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly deep nesting
             raise web.HTTPBadRequest(text="the body must be a JSON object of operational fields\n") from None
         if not isinstance(values, dict):
             raise web.HTTPBadRequest(text="the body must be a JSON object of operational fields\n")
