@@ -149,7 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
         "at least 256 MiB)",
     )
     coord.add_argument(
-        "--stream-idle-seconds", type=float, default=120.0, help="abort a push stream silent this long (default: 120)"
+        "--max-pull-bytes",
+        type=int,
+        default=0,
+        help="memory the pulls being answered may hold at once (their copies of θ's regions, updates read from "
+        "the log, what their transport buffers); past it a pull gets RESOURCE_EXHAUSTED before its data "
+        "flows and retries (default 0: two fp32 copies of the model, at least 256 MiB)",
+    )
+    coord.add_argument(
+        "--stream-idle-seconds",
+        type=float,
+        default=120.0,
+        help="end a push stream silent this long, or a pull stream whose peer takes nothing for this long "
+        "(default: 120)",
     )
     coord.add_argument(
         "--bulk-port",
@@ -277,6 +289,7 @@ def _coordinator(ns: argparse.Namespace) -> int:
             "keep_snapshots": ns.keep_snapshots,
             "snapshot_every": ns.snapshot_every,
             "max_inflight_bytes": ns.max_inflight_bytes,
+            "max_pull_bytes": ns.max_pull_bytes,
             "stream_idle_seconds": ns.stream_idle_seconds,
             "bulk_port": None if ns.bulk_port < 0 else ns.bulk_port,
             "given": _given(RunConfig, ns),

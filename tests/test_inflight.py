@@ -201,3 +201,92 @@ def test_coordinator_memory_does_not_grow_with_rounds_or_the_catch_up_window(gro
     assert peak < 8 * theta, f"coordinator peak {peak / theta:.1f}x |θ| above its start; by round {by_round}"
     grown = max(at[r] for r in range(6, 13)) - at[6]  # after warm-up, a plateau: nothing accumulates
     assert grown < 3 * theta, f"RSS grew {grown / theta:.1f}x |θ| from round 6 to 12: {by_round}"
+
+
+class StuckPull:
+    """A pull of the whole of ``w`` as a region (the coordinator makes a copy of it) that reads
+    nothing of its answer: over gRPC, or a raw bulk-port connection that sends its call and no more."""
+
+    def __init__(self, address: str, island: str, bulk_port: int = 0) -> None:
+        req = pb.PullRequest(run_id="t", island_id=island, have_round=-1)
+        req.regions.add(name="w", offsets=[0, 0], sizes=[2048, 2048])
+        self.sock = self.channel = None
+        if bulk_port:
+            import socket
+
+            from atoll.protos import bulk
+
+            self.sock = socket.create_connection(("127.0.0.1", bulk_port))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel holds little
+            self.sock.sendall(bulk.preamble(bulk.PULL, "", req.SerializeToString()))
+        else:
+            self.channel = grpc.insecure_channel(address)
+            self.call = self.channel.unary_stream("/atoll.v1.Coordinator/PullUpdate")(
+                req.SerializeToString(), timeout=60
+            )
+
+    def outcome(self) -> grpc.StatusCode | None:
+        """Reads the answer now: the status it ends with (None: it ended well)."""
+        try:
+            for _ in self.call:
+                pass
+        except grpc.RpcError as err:
+            return err.code()
+        return None
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        if self.channel is not None:
+            self.call.cancel()
+            self.channel.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["grpc", "bulk"])
+def test_pulls_that_never_read_hold_no_more_than_the_pull_budget_and_an_idle_one_ends(
+    group, tmp_path, raw_island, transport
+):
+    """40 pulls of a 16 MiB region whose answer is never read grew the coordinator by ~677 MiB over
+    gRPC (held until the client closed: no idle limit) and ~611 MiB on the bulk port. A pull is now
+    admitted at its header for the memory it will hold (its copies, and what the transport buffers)
+    under --max-pull-bytes, or refused there (PULL_BUDGET, retried by islands), and a stream that
+    takes nothing for --stream-idle-seconds ends on either transport, giving its memory back."""
+    coord, address = group.start_coordinator(
+        tmp_path / "state",
+        [
+            *("--run-id", "t", "--sync-every", "1", "--quorum", "1", *IDENTITY_FLAGS),
+            *("--max-pull-bytes", str(64 * MIB), "--stream-idle-seconds", "3"),
+            *("--admin-port", "0", "--admin-port-file", str(tmp_path / "admin")),
+        ],
+    )
+    admin = f"http://127.0.0.1:{(tmp_path / 'admin').read_text().strip()}"
+    a = raw_island(address, "a", SHAPES)
+    joined = a.join()
+    bulk_port = joined.bulk_port if transport == "bulk" else 0
+    a.push({"w": torch.randn(2048, 2048)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    time.sleep(1.0)
+    before = rss_bytes(coord.pid)
+    pulls = [StuckPull(address, "a", bulk_port) for _ in range(40)]
+    try:
+        deadline = time.monotonic() + 20
+        while metric(admin, "atoll_pulls_busy_total") < 37 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        grown = rss_bytes(coord.pid) - before
+        held = metric(admin, "atoll_pull_bytes")
+        assert metric(admin, "atoll_pulls_busy_total") >= 37  # 3 fit the 64 MiB budget
+        assert 0 < held <= 64 * MIB
+        assert grown < 128 * MIB, f"40 stuck pulls grew the coordinator by {grown / MIB:.0f} MiB"
+        if transport == "grpc":
+            refused = [p.outcome() for p in pulls[-5:]]
+            assert grpc.StatusCode.RESOURCE_EXHAUSTED in refused, refused
+        deadline = time.monotonic() + 20  # the idle limit ends the admitted ones
+        while metric(admin, "atoll_pull_bytes") > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric(admin, "atoll_pull_bytes") == 0
+    finally:
+        for p in pulls:
+            p.close()
+    header, payloads = a.client.pull(pb.PullRequest(run_id="t", island_id="a", have_round=-1))
+    assert header.kind == pb.UPDATE_KIND_FULL and len(payloads) == 1

@@ -135,6 +135,11 @@ class _StateCollector:
             "Push bytes held now: declared by admitted streams, or staged",
             value=s.accumulator.budget.used,
         )
+        yield GaugeMetricFamily(
+            "atoll_pull_bytes",
+            "Memory the pulls being answered hold now (copies, updates read from the log, transport buffers)",
+            value=s.downlink.budget.used,
+        )
 
 
 def finite_json(data, where: str = "") -> tuple[object, list[tuple[str, float]]]:
@@ -327,6 +332,8 @@ def status_json(server, started_at: float) -> dict:
         "inflight_bytes": s.accumulator.budget.used,
         "inflight_peak_bytes": s.accumulator.budget.peak,
         "inflight_budget_bytes": s.accumulator.budget.limit,
+        "pull_bytes": s.downlink.budget.used,
+        "pull_budget_bytes": s.downlink.budget.limit,
         "history": s.history[-100:],
         "uptime_seconds": time.time() - started_at,
         "torch_threads": torch.get_num_threads(),

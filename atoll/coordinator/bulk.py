@@ -253,13 +253,15 @@ class BulkServer:
             conn.expect(False)
             await conn.send(bulk.frame(bulk.OK, response.SerializeToString()))
             return
-        async for chunk in self.servicer.PullUpdate(tolerant(pb.PullRequest.FromString)(message), context):
-            if isinstance(chunk, RawData):
-                for part in [chunk.view] if chunk.parts is None else chunk.parts:
-                    conn.expect()
-                    await conn.send(part)
-                    conn.expect(False)  # the next entry may take a while to serialise: not idleness
-            elif chunk.WhichOneof("kind") == "header":
-                await conn.send(bulk.frame(bulk.OK, chunk.header.SerializeToString()))
-            else:  # a tentative update's round is saved and published
-                await conn.send(bulk.frame(bulk.OK, chunk.durable.SerializeToString()))
+        chunks = self.servicer.pull_chunks(tolerant(pb.PullRequest.FromString)(message), context)
+        async with contextlib.aclosing(chunks):  # its memory goes back as soon as the call ends
+            async for chunk in chunks:
+                if isinstance(chunk, RawData):
+                    for part in [chunk.view] if chunk.parts is None else chunk.parts:
+                        conn.expect()
+                        await conn.send(part)
+                        conn.expect(False)  # the next entry may take a while to serialise: not idleness
+                elif chunk.WhichOneof("kind") == "header":
+                    await conn.send(bulk.frame(bulk.OK, chunk.header.SerializeToString()))
+                else:  # a tentative update's round is saved and published
+                    await conn.send(bulk.frame(bulk.OK, chunk.durable.SerializeToString()))

@@ -81,12 +81,14 @@ class RunState:
         keep_snapshots: int = 2,
         snapshot_every: int = 8,
         max_inflight_bytes: int = 0,
+        max_pull_bytes: int = 0,
         given: frozenset[str] | None = None,
         name: str = "",
     ) -> None:
         """``shard``: (index, count) of this coordinator; ``partition``: "hash" or "layers" (see
         :mod:`atoll.sharding`). ``max_inflight_bytes``: push bytes admitted at once (0: two whole fp32
-        pushes of the model with their framing, at least 256 MiB). ``given``: the config fields the
+        pushes of the model with their framing, at least 256 MiB). ``max_pull_bytes``: the memory pulls
+        hold at once (0: two fp32 copies of the model, at least 256 MiB). ``given``: the config fields the
         operator set (None: all); on a restart the stored run's math must match them and its
         operational fields take them. ``snapshot_every``: rounds between the full snapshots written
         in the background (each round is durable by its log record before it is published).
@@ -105,7 +107,7 @@ class RunState:
         self.accumulator = RoundAccumulator(max_inflight_bytes)
         self.model = GlobalModel(config)
         self.ledger = Ledger(clock())
-        self.downlink = Downlink(self.state_dir)
+        self.downlink = Downlink(self.state_dir, max_pull_bytes=max_pull_bytes)
         self.checkpoints = Checkpoints(self.state_dir, every=snapshot_every, keep=keep_snapshots)
         owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
         self.pushes = Pushes(owners, clock=clock, name=name)
@@ -186,6 +188,7 @@ class RunState:
         self.downlink.restore(self.round)
         self.accumulator.reset(*self.model.sums())
         self.accumulator.size_budget(self.model.specs, self.name)
+        self.downlink.size_budget(self.model.specs)
         log.info("%srestored run %s at round %d from %s", self.name, self.config.run_id, self.round, self.state_dir)
         return True
 
@@ -403,6 +406,7 @@ class RunState:
             del old
             if sealed.round == BOOTSTRAP:  # sized from θ_0 itself, not from what a join declared
                 self.accumulator.size_budget(self.model.specs, self.name)
+                self.downlink.size_budget(self.model.specs)
             self.ledger.advance(sealed, self.clock())
             self.waiting = ""  # the decider says what the new round waits for
             if self.run_complete:

@@ -7,10 +7,16 @@
   asks; one that is missing or damaged only means a full θ for an island that far behind.
 - A full θ (an island joining, or too far behind) and any region of a tensor are encoded one entry
   at a time while the answer streams: no copy of θ is cached.
+
+What a pull holds while it streams (the copies it makes, an update read from the log, and what its
+transport buffers while the peer reads) is reserved from the pull budget when its answer is made,
+before any of its data flows, or the pull is refused (PULL_BUDGET; islands retry): a peer that never
+reads its answer holds no more than that, until the stream's idle limit ends it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -19,12 +25,18 @@ import torch
 from atoll.compression import codec_of, get_codec, wire
 from atoll.compression.wire import payload_size
 from atoll.coordinator import wal
+from atoll.coordinator.errors import Reason
 from atoll.coordinator.messages import PayloadEntry
 from atoll.coordinator.regions import Region
+from atoll.coordinator.staging import InflightBudget, Reservation
 
 IDENTITY_ID = get_codec("identity").codec_id
 UPDATES_KEPT = 8
 """Outer updates kept: an island up to this many rounds behind catches up by exact deltas."""
+MIN_PULL_BYTES = 256 << 20
+TRANSPORT_BYTES = 4 << 20
+"""What a pull's transport holds while its peer reads, counted with every answer that carries data:
+gRPC buffered ~5 messages of 1 MiB per stream whose client stopped reading (HTTP/2 flow control)."""
 
 Regions = list[tuple[str, Region | None]]
 
@@ -43,14 +55,49 @@ def _identity_of(tensor: torch.Tensor, region: Region | None):
     return lambda: get_codec("identity").encode(tensor[region.slices()].contiguous())
 
 
+def region_copy(shape: tuple[int, ...], region: Region) -> int:
+    """Bytes a region of an update takes to send: the tensor decoded whole, then the region's payload."""
+    return identity_size(shape) + identity_size(region.sizes)
+
+
 class Downlink:
-    def __init__(self, state_dir: Path, window: int = UPDATES_KEPT) -> None:
+    def __init__(self, state_dir: Path, window: int = UPDATES_KEPT, max_pull_bytes: int = 0) -> None:
+        """``max_pull_bytes``: the memory pulls may hold at once (0: two whole fp32 copies of the model,
+        at least 256 MiB, see :meth:`size_budget`)."""
         self.state_dir = Path(state_dir)
         self.window = window
+        self.budget = InflightBudget(max_pull_bytes or MIN_PULL_BYTES, Reason.PULL_BUDGET, "pull memory")
+        self._budget_from_model = not max_pull_bytes
         self.latest_round: int | None = None
         """θ_latest_round = θ_(latest_round - 1) + decode(latest)."""
         self.latest: dict | None = {}
         """The latest update's payloads, or None once only the log has them."""
+
+    def size_budget(self, specs: dict[str, tuple[int, ...]]) -> None:
+        """The default pull budget: two whole fp32 copies of the model (at least 256 MiB)."""
+        if self._budget_from_model:
+            self.budget.limit = max(MIN_PULL_BYTES, 2 * sum(identity_size(s) for s in specs.values()))
+
+    def reserve(self, entries: list[PayloadEntry]) -> Reservation:
+        """Room for an answer of ``entries`` (made one at a time: the largest one's copies, and the
+        transport's share), or PULL_BUDGET before any of its data flows."""
+        return self._reserve(max((e.held for e in entries), default=0))
+
+    def reserve_delta(self, round_: int, regions: Regions, specs: dict[str, tuple[int, ...]]) -> Reservation:
+        """Room for the update that produced θ_round, before it is read from the log (a record read for
+        one pull is held until it ends): its regions' copies, the record when it is not in memory, and
+        the transport's share; or PULL_BUDGET."""
+        copies = max((region_copy(specs[n], r) for n, r in regions if r is not None), default=0)
+        record = 0
+        if round_ != self.latest_round or self.latest is None:
+            with contextlib.suppress(OSError):  # not kept: delta_entries says so
+                record = (self.state_dir / wal.LOG / wal.record_name(round_ - 1)).stat().st_size
+        return self._reserve(copies + record)
+
+    def _reserve(self, num_bytes: int) -> Reservation:
+        reservation = Reservation(self.budget)
+        reservation.add(num_bytes + TRANSPORT_BYTES)
+        return reservation
 
     def publish(self, round_: int, payloads: dict) -> None:
         """The new latest update (its log record is written): served from memory."""
@@ -98,7 +145,9 @@ class Downlink:
                 whole = codec_of(payload).decode(payload, shape)
                 return get_codec("identity").encode(whole[region.slices()].contiguous())
 
-            out.append(PayloadEntry(name, region, identity_size(region.sizes), sliced))
+            out.append(
+                PayloadEntry(name, region, identity_size(region.sizes), sliced, held=region_copy(specs[name], region))
+            )
         return out
 
     @staticmethod
@@ -110,6 +159,7 @@ class Downlink:
                 region,
                 identity_size(tuple(params[name].shape) if region is None else region.sizes),
                 _identity_of(params[name], region),
+                held=0 if region is None else identity_size(region.sizes),  # a region is a copy
             )
             for name, region in regions
         ]

@@ -148,6 +148,8 @@ class PayloadEntry:
     data: bytes | bytearray | memoryview | Callable[[], object]
     made: Callable[[], Awaitable[object]] | None = None
     """Awaited for the payload instead of ``data``: it is still being made (the outer step streams it)."""
+    held: int = 0
+    """Bytes its payload allocates when it is made (a copy of a region; 0: memory the coordinator holds)."""
 
     def payload(self):
         return self.data() if callable(self.data) else self.data
@@ -173,3 +175,11 @@ class PullAnswer:
     durable: Callable[[], Awaitable[bool]] | None = None
     """A tentative update (its round still being saved): awaited after the entries are sent; True once
     the round is saved and published, False if it was not within the wait."""
+    reservation: object | None = None
+    """Its share of the pull budget (a ``staging.Reservation``), held until the stream ends: :meth:`done`."""
+
+    def done(self) -> None:
+        """The answer was streamed (or its stream broke): its memory goes back to the pull budget."""
+        if self.reservation is not None:
+            self.reservation.release()
+            self.reservation = None

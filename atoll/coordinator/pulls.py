@@ -87,7 +87,12 @@ class Pulls:
             return PullAnswer(UpdateKind.NOT_READY, round_, committed=committed, waiting=self.waiting(), **latest)
         if self.downlink.can_catch_up(req.have_round, round_):
             nxt = req.have_round + 1  # one round at a time; a lagging island pulls again until latest
-            entries = self.downlink.delta_entries(nxt, regions, model.specs)
+            reservation = self.downlink.reserve_delta(nxt, regions, model.specs)  # before it is read
+            try:
+                entries = self.downlink.delta_entries(nxt, regions, model.specs)
+            except BaseException:
+                reservation.release()
+                raise
             self.membership.holds(req.island_id, nxt)
             self.release_if_held()
             return PullAnswer(
@@ -96,14 +101,18 @@ class Pulls:
                 codec=c.downlink_codec,
                 entries=entries,
                 loss=ledger.loss_of(nxt - 1),
+                reservation=reservation,
                 **latest,
             )
+        entries = Downlink.full_entries(params, regions)
+        reservation = self.downlink.reserve(entries)
         self.membership.holds(req.island_id, round_)
         return PullAnswer(
             UpdateKind.FULL,
             round_,
-            entries=Downlink.full_entries(params, regions),
+            entries=entries,
             loss=ledger.loss_of(round_ - 1),
+            reservation=reservation,
             **latest,
         )
 
@@ -148,6 +157,7 @@ class Pulls:
             latest_round=r + 1,
             run_complete=bool(c.total_rounds) and r + 1 >= c.total_rounds,
             durable=durable,
+            reservation=self.downlink.reserve(entries),
         )
 
     def release_if_held(self) -> None:

@@ -59,6 +59,7 @@ class CoordinatorServer:
         keep_snapshots: int = 2,
         snapshot_every: int = 8,
         max_inflight_bytes: int = 0,
+        max_pull_bytes: int = 0,
         stream_idle_seconds: float = STREAM_IDLE_SECONDS,
         bulk_port: int | None = 0,
         given: Iterable[str] | None = None,
@@ -81,6 +82,7 @@ class CoordinatorServer:
             keep_snapshots=keep_snapshots,
             snapshot_every=snapshot_every,
             max_inflight_bytes=max_inflight_bytes,
+            max_pull_bytes=max_pull_bytes,
             given=None if given is None else frozenset(given),
             name=name,
         )

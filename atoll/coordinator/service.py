@@ -8,6 +8,7 @@ request bytes answer INVALID_ARGUMENT (they never reach the core).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ from atoll.protos.status import error_status
 log = logging.getLogger("atoll.coordinator")
 
 STREAM_IDLE_SECONDS = 120.0
-"""A push stream that sends nothing for this long is aborted (its bytes released)."""
+"""A push stream that sends nothing for this long, or a pull stream whose peer takes nothing for this
+long, is aborted (its memory released)."""
 INLINE_CHECK_BYTES = 256 << 10
 """Entries a chunk completes are checked on the event loop below this many bytes, in a worker thread above."""
 PUSH_OUTCOMES = {o: getattr(pb, f"PUSH_OUTCOME_{o.name}") for o in PushOutcome}
@@ -66,6 +68,8 @@ class Counters:
         "joins_refused": "Joins refused (wrong run, model, codec, shard, a second process, eviction, bad request)",
         "pushes_busy": "Pushes refused at their header, before their data flowed: in-flight budget spent or a "
         "stream of the same island and rank open (the island retries)",
+        "pulls_busy": "Pulls refused before their data flowed: the pull memory budget was spent (the island retries)",
+        "pulls_idle": "Pull streams ended because their peer took nothing for the idle limit",
         "bulk_calls": "Pushes and pulls that came on the bulk port (the others came over gRPC)",
     }
     bytes_in: int = 0
@@ -75,6 +79,8 @@ class Counters:
     pushes_late_dropped: int = 0
     pushes_refused: int = 0
     pushes_busy: int = 0
+    pulls_busy: int = 0
+    pulls_idle: int = 0
     joins_refused: int = 0
     bulk_calls: int = 0
 
@@ -177,7 +183,8 @@ def push_response(r: PushResult) -> pb.PushResponse:
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: RequestError):
-    level = logging.INFO if err.reason in (Reason.NOT_JOINED, Reason.INFLIGHT_BUDGET) else logging.WARNING
+    busy = (Reason.NOT_JOINED, Reason.INFLIGHT_BUDGET, Reason.PULL_BUDGET, Reason.STREAM_IDLE)
+    level = logging.INFO if err.reason in busy else logging.WARNING
     log.log(level, "refused (%s): %s", err.reason.name, err.message)
     await context.abort_with_status(error_status(grpc.StatusCode[err.code], err.reason, err.message))
 
@@ -376,14 +383,44 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return received
 
     # ---- pulls -----------------------------------------------------------------------------
-    async def PullUpdate(self, request, context):
+    async def PullUpdate(self, request, context) -> None:
+        """gRPC: the pull's messages, each written within the idle limit. A peer that takes nothing for
+        that long gets its answer's memory back at once (the copies, the pull budget) and its stream
+        ends STREAM_IDLE. gRPC sends that status only once the peer reads again or goes (its deadline,
+        its connection): until then the stream keeps what gRPC core buffered (~5 MiB). (A handler that
+        yields cannot be ended from outside: cancelled, it kept its whole answer.)"""
+        async with contextlib.aclosing(self.pull_chunks(request, context)) as chunks:
+            async for chunk in chunks:
+                write = asyncio.ensure_future(context.write(chunk))
+                done, _ = await asyncio.wait({write}, timeout=self.stream_idle_seconds)
+                if not done:
+                    write.cancel()
+                    self.counters.pulls_idle += 1
+                    await chunks.aclose()  # its memory goes back now, not when the peer reads again
+                    idle = f"the pull stream's peer took nothing for {self.stream_idle_seconds:g}s"
+                    await _abort(context, refuse(Reason.STREAM_IDLE, idle))
+                write.result()
+
+    async def pull_chunks(self, request, context):
+        """A pull's answer as messages: its header, its entries' data, and for a tentative update its
+        confirmation; a refusal through ``context`` (both transports: gRPC, the bulk port). The answer's
+        share of the pull budget is held until the generator ends."""
         try:
             request = _parsed(request)
             self._check_identity(context, request.island_id)
             answer = await self.state.pull(pull_request(request))
         except RequestError as err:
+            self.counters.pulls_busy += err.reason is Reason.PULL_BUDGET
             await _abort(context, err)
             return
+        try:
+            async with contextlib.aclosing(self._answer(answer, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            answer.done()
+
+    async def _answer(self, answer, context):
         header = pb.UpdateHeader(
             kind=UPDATE_KINDS[answer.kind],
             round=answer.round,

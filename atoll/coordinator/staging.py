@@ -20,20 +20,22 @@ from atoll.coordinator.regions import Region
 
 
 class InflightBudget:
-    """Bytes of push payloads the coordinator holds room for: declared by admitted streams (reserved at
-    their header), or staged for an island's other ranks. A reservation past ``limit`` is refused
-    (INFLIGHT_BUDGET) before the push's data flows: the island retries later."""
+    """Bytes of memory the coordinator holds room for. The pushes': payloads declared by admitted streams
+    (reserved at their header), or staged for an island's other ranks; the pulls': what their answers
+    hold while they stream. A reservation past ``limit`` is refused (``reason``: INFLIGHT_BUDGET, or
+    PULL_BUDGET) before the transfer's data flows: the island retries later."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, reason: Reason = Reason.INFLIGHT_BUDGET, what: str = "in-flight push") -> None:
         self.limit = limit
         self.used = 0
         self.peak = 0
+        self.reason, self.what = reason, what
 
     def reserve(self, num_bytes: int) -> None:
         if self.used + num_bytes > self.limit:
             raise refuse(
-                Reason.INFLIGHT_BUDGET,
-                f"in-flight push budget spent ({self.used + num_bytes} > {self.limit} bytes); retry shortly",
+                self.reason,
+                f"{self.what} budget spent ({self.used + num_bytes} > {self.limit} bytes); retry shortly",
             )
         self.used += num_bytes
         self.peak = max(self.peak, self.used)

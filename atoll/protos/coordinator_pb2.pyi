@@ -39,6 +39,7 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_PERMISSION_DENIED: _ClassVar[Reason]
     REASON_STREAM_IDLE: _ClassVar[Reason]
     REASON_NOT_DURABLE: _ClassVar[Reason]
+    REASON_PULL_BUDGET: _ClassVar[Reason]
 
 class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -94,6 +95,7 @@ REASON_UNAUTHENTICATED: Reason
 REASON_PERMISSION_DENIED: Reason
 REASON_STREAM_IDLE: Reason
 REASON_NOT_DURABLE: Reason
+REASON_PULL_BUDGET: Reason
 TENSOR_KIND_PARAMETER: TensorKind
 TENSOR_KIND_BUFFER: TensorKind
 PUSH_KIND_UNSPECIFIED: PushKind
@@ -198,20 +200,22 @@ class JoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_ranks: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., partition: _Optional[str] = ..., layout_digest: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("config", "round", "bootstrap", "codec", "run_complete", "bulk_port")
+    __slots__ = ("config", "round", "bootstrap", "codec", "run_complete", "bulk_port", "checks_tokens")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     config: RunConfigProto
     round: int
     bootstrap: bool
     codec: str
     run_complete: bool
     bulk_port: int
-    def __init__(self, config: _Optional[_Union[RunConfigProto, _Mapping]] = ..., round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., codec: _Optional[str] = ..., run_complete: _Optional[bool] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    checks_tokens: bool
+    def __init__(self, config: _Optional[_Union[RunConfigProto, _Mapping]] = ..., round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., codec: _Optional[str] = ..., run_complete: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., checks_tokens: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("run_id", "island_id", "round", "session_id")

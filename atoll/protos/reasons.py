@@ -46,6 +46,7 @@ _TABLE: dict[str, tuple[str, bool]] = {
     "PERMISSION_DENIED": ("PERMISSION_DENIED", True),
     "STREAM_IDLE": ("ABORTED", False),
     "NOT_DURABLE": ("UNAVAILABLE", False),
+    "PULL_BUDGET": ("RESOURCE_EXHAUSTED", False),
 }
 
 CODE: dict[Reason, str] = {Reason[name]: code for name, (code, _) in _TABLE.items()}
