@@ -242,3 +242,45 @@ def test_island_checkpoint_in_a_users_own_loop_resumes_bitwise(start_server, tmp
     assert run(srv.address, tmp_path / "ck", 3 * H, crash_at=H + 2) == (None, False)
     got, resumed = run(srv.address, tmp_path / "ck", 3 * H)
     assert resumed and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "decoupled"])
+def test_an_island_restarted_into_a_finished_run_ends_holding_its_final_theta(start_server, tmp_path, mode):
+    """Restarted from its checkpoint of its last push after the run completed, an island (overlapping,
+    or in a decoupled run) re-pushed, took an inner step before the exchange was applied, and ended one
+    step past the run's final θ. It now applies it at start() and takes no step: it holds θ bitwise."""
+    srv = start_server(config(total_rounds=2, outer_mode="decoupled" if mode == "decoupled" else "sync"))
+    options = {"overlap_steps": 2} if mode == "overlap" else {}
+    saved = {}
+    model, opt, sync = island(srv.address, before_push=lambda s: saved.update(state(model, opt, s)), **options)
+    sync.start()
+    data = batches(H)
+    while not sync.run_complete:
+        for b in data:
+            sync.step(tokens=32, loss=inner_step(model, opt, b))
+        sync.drain()  # the exchange in flight (overlapping, decoupled) applied before the next round
+    sync.close()
+    assert srv.inspect(lambda s: s.run_complete) and saved["diloco"]["flights"]
+    final = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+
+    model, opt, sync = island(srv.address, **options)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    sync.load_state_dict(saved["diloco"])
+    sync.start()
+    try:
+        assert sync.run_complete and sync.inner_steps == saved["step"]
+        got = theta(model)
+        assert all(torch.equal(got[n], final[n]) for n in final)
+    finally:
+        sync.close()
+
+
+def state(model, opt, sync: DiLoCo) -> dict:
+    """What atoll island --checkpoint-dir saves at each push."""
+    return dict(
+        step=sync.inner_steps,
+        model=copy.deepcopy(model.state_dict()),
+        opt=copy.deepcopy(opt.state_dict()),
+        diloco=copy.deepcopy(sync.state_dict()),
+    )

@@ -65,7 +65,8 @@ def resume(
     sd: dict, routes: Routes, exchanges: Exchanges, joined: list[pb.JoinResponse], run_complete: Callable[[], bool]
 ) -> list[RoundStats]:
     """start() after load_state_dict(): outer state back, flights re-pushed, catch up if behind.
-    Returns the stats of the exchanges it finished (a plain one that was in flight)."""
+    Returns the stats of the exchanges it finished (a plain one that was in flight, or any, when the
+    run is complete: the island then ends holding its final θ, no inner step taken)."""
     keys = {key_str(k): k for k in routes.states}
     if set(keys) != set(sd["shards"]):
         raise ValueError("the saved DiLoCo state is of another model layout (its shards differ)")
@@ -78,9 +79,11 @@ def resume(
         s.round = int(link_sd["round"])
         s.run_complete = s.run_complete or bool(link_sd["run_complete"])
     in_flight, finished = set(), []
+    over = all(resp.run_complete for resp in joined)  # nothing more to train: no step before it is applied
     for fsd in sd["flights"]:
         flight = restore_flight(fsd, routes.sessions)
         in_flight.update(flight.links)
+        flight.merge = flight.merge and not over  # the run's final θ itself, no progress kept on top
         exchanges.launch(flight)
         if not flight.merge:
             finished.append(exchanges.finish(flight, run_complete))
