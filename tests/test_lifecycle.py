@@ -334,3 +334,62 @@ def test_a_silent_bootstrapper_passes_the_claim_to_a_waiting_island(start_server
     with pytest.raises(grpc.RpcError) as info:  # the rogue, back, is now refused
         rogue.join()
     assert reason_of(info.value) is Reason.MODEL_MISMATCH
+
+
+def test_island_rounds_follow_the_runs_count_not_only_its_pushes():
+    """`atoll island --rounds N` pushes at most N times and stops once it holds θ of the round it started
+    at plus N. An island that lost a round (its update broke at a coordinator restart and it pulled a
+    later θ) counted its pushes only: it pushed one round more than its peers, after they had left."""
+    from types import SimpleNamespace
+
+    from atoll.workload.island import rounds_left
+
+    peer = SimpleNamespace(round=0, rounds_pushed=0)
+    lost = SimpleNamespace(round=0, rounds_pushed=0)
+    for r in range(3):  # both push rounds 0, 1, 2; the lost one jumps from θ_1 to θ_3 after round 1
+        assert rounds_left(peer, 3, 0, 3) == 3 - r
+        peer.round, peer.rounds_pushed = r + 1, r + 1
+    assert rounds_left(peer, 3, 0, 3) == 0
+    lost.round, lost.rounds_pushed = 1, 1
+    assert rounds_left(lost, 3, 0, 3) == 2
+    lost.round, lost.rounds_pushed = 3, 2  # its push of round 1 went with the lost round: it pulled θ_3
+    assert rounds_left(lost, 3, 0, 3) == 0  # before: one push left, for round 3, which nobody else pushed
+    overlapping = SimpleNamespace(round=2, rounds_pushed=3)  # its third push is out, not applied yet
+    assert rounds_left(overlapping, 3, 0, 3) == 0
+
+
+def test_an_islands_last_round_does_not_wait_for_a_quorum_that_is_gone(start_server):
+    """Quorum 2: b leaves after round 0, a's last round can never close. Told it is its last, a's wait
+    ends with QuorumGone (saying why) instead of lasting until islands come back."""
+    from atoll.islands import QuorumGone
+
+    srv = start_server(config(quorum=2, lease_seconds=60.0))
+    a_model, a_opt, a = island(srv.address, island_id="a", pull_wait_seconds=0.5)
+    b_model, b_opt, b = island(srv.address, island_id="b", pull_wait_seconds=0.5)
+    a.start()
+    b.start()
+    try:
+        data = batches(2 * H)
+        threads = []
+        for sync, model, opt in ((a, a_model, a_opt), (b, b_model, b_opt)):
+
+            def one_round(sync=sync, model=model, opt=opt):
+                for batch in data[:H]:
+                    sync.step(tokens=32, loss=inner_step(model, opt, batch))
+
+            threads.append(threading.Thread(target=one_round))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert a.round == b.round == 1
+        b.close()
+        a.last_round()
+        started = time.monotonic()
+        with pytest.raises(QuorumGone, match="round 1 can never close"):
+            for batch in data[H:]:
+                a.step(tokens=32, loss=inner_step(a_model, a_opt, batch))
+        assert time.monotonic() - started < 10
+    finally:
+        a.close()
+        b.close()

@@ -111,7 +111,9 @@ class RunState:
         self.checkpoints = Checkpoints(self.state_dir, every=snapshot_every, keep=keep_snapshots)
         owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
         self.pushes = Pushes(owners, clock=clock, name=name)
-        self.pulls = Pulls(owners, downlink=self.downlink, waiting=lambda: self.waiting)
+        self.pulls = Pulls(
+            owners, downlink=self.downlink, waiting=lambda: self.waiting, stalled=lambda: self.stall is not None
+        )
         self.problem: str | None = None
         """Why the coordinator is unhealthy (a save failing), None when it is well."""
         self.stall: str | None = None

@@ -172,6 +172,8 @@ class PullAnswer:
     bootstrap: bool = False
     run_complete: bool = False
     waiting: str = ""
+    stalled: bool = False
+    """NOT_READY: the open round cannot close as things stand (the quorum is gone)."""
     durable: Callable[[], Awaitable[bool]] | None = None
     """A tentative update (its round still being saved): awaited after the entries are sent; True once
     the round is saved and published, False if it was not within the wait."""

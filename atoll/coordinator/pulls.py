@@ -37,13 +37,16 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
 
 
 class Pulls:
-    def __init__(self, owners: Owners, *, downlink: Downlink, waiting: Callable[[], str]) -> None:
-        """``waiting()``: what the open round waits for, for people (the decider's last reason)."""
+    def __init__(
+        self, owners: Owners, *, downlink: Downlink, waiting: Callable[[], str], stalled: Callable[[], bool]
+    ) -> None:
+        """``waiting()``: what the open round waits for, for people (the decider's last reason);
+        ``stalled()``: whether it can never close as things stand (the decider's stall)."""
         self._config = owners.config
         self.membership, self.accumulator = owners.membership, owners.accumulator
         self.model, self.ledger = owners.model, owners.ledger
         self.downlink = downlink
-        self.waiting = waiting
+        self.waiting, self.stalled = waiting, stalled
 
     async def pull(self, req: PullRequest) -> PullAnswer:
         c, ledger, model = self._config(), self.ledger, self.model
@@ -84,7 +87,8 @@ class Pulls:
             committed = req.island_id in self.accumulator.committed or (
                 sealed is not None and req.island_id in sealed.islands
             )
-            return PullAnswer(UpdateKind.NOT_READY, round_, committed=committed, waiting=self.waiting(), **latest)
+            waiting = dict(waiting=self.waiting(), stalled=self.stalled())
+            return PullAnswer(UpdateKind.NOT_READY, round_, committed=committed, **waiting, **latest)
         if self.downlink.can_catch_up(req.have_round, round_):
             nxt = req.have_round + 1  # one round at a time; a lagging island pulls again until latest
             reservation = self.downlink.reserve_delta(nxt, regions, model.specs)  # before it is read

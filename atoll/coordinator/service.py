@@ -430,6 +430,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             bootstrap=answer.bootstrap,
             run_complete=answer.run_complete,
             waiting=answer.waiting,
+            stalled=answer.stalled,
             tentative=answer.durable is not None,
         )
         if answer.loss is not None:

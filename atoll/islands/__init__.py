@@ -10,7 +10,7 @@
 
 from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands.diloco import DiLoCo
-from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, Preempted
+from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, Preempted, QuorumGone
 from atoll.islands.flight import RoundStats
 from atoll.islands.link import CoordinatorLink, Transport
 from atoll.islands.options import DiLoCoOptions
@@ -25,6 +25,7 @@ __all__ = [
     "DiLoCoOptions",
     "IslandCheckpoint",
     "Preempted",
+    "QuorumGone",
     "RetryPolicy",
     "RoundStats",
     "Transport",

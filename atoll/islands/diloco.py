@@ -309,6 +309,14 @@ class DiLoCo:
         self.drain()
         return self._finish(self._begin(list(range(len(self._routes.sessions)))))
 
+    def last_round(self) -> None:
+        """The exchange this island starts next is its last (``atoll island --rounds``): should the
+        coordinator report that its round can never close (fewer islands committed or live than the
+        quorum: the others left), the wait for its outer step raises
+        :class:`~atoll.islands.errors.QuorumGone` instead of lasting until islands come back."""
+        for s in self._sessions():
+            s.last = True
+
     def drain(self) -> list[RoundStats]:
         """Wait for the exchanges in flight and apply them (at the end of training)."""
         return [self._finish(f) for f in self._exchanges.in_flight()]

@@ -26,6 +26,12 @@ class PartialUpdate(ConnectionError):
     full θ (the applied part cannot be taken back)."""
 
 
+class QuorumGone(RuntimeError):
+    """The island's last round can never close: the coordinator reports fewer islands committed or live
+    than the quorum (the others left or went silent). Raised instead of waiting for islands to return
+    only after :meth:`DiLoCo.last_round`; the message says what would unblock the round."""
+
+
 class Preempted(SystemExit):
     """SIGTERM arrived (Slurm preemption, Kubernetes pod deletion, ``kill``): :class:`DiLoCo` stopped at
     the end of an inner step, or abandoned the exchange it was waiting on, so the island can save a

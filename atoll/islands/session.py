@@ -20,7 +20,7 @@ import grpc
 
 from atoll.compression import WireFormatError
 from atoll.islands.client import RETRYABLE, CoordinatorClient
-from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, PartialUpdate
+from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, PartialUpdate, QuorumGone
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import FATAL, Reason
 from atoll.protos.status import reason_of
@@ -76,6 +76,8 @@ class Session:
         self.latest_round = -1
         """The coordinator's open round as last heard (heartbeats, pulls): how far the run is ahead."""
         self.joined: pb.JoinResponse | None = None
+        self.last = False
+        """This island's next exchange is its last: a round that can never close raises QuorumGone."""
 
     @property
     def address(self) -> str:
@@ -236,6 +238,11 @@ class Session:
                     continue
                 if header.run_complete and header.round == have_round:
                     return "NOT_READY", None
+                if header.stalled and self.last:
+                    raise QuorumGone(
+                        f"{m.island_id}: round {header.round} can never close as things stand "
+                        f"({header.waiting or 'the quorum is gone'})"
+                    )
                 if repush is not None and not header.committed and header.round == have_round:
                     # The coordinator lost our push (it restarted): idempotent, so send it again.
                     log.info("%s: coordinator has no push from us for round %d; re-pushing", m.island_id, have_round)

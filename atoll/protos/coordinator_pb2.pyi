@@ -322,7 +322,7 @@ class PullRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., regions: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("kind", "round", "codec", "entries", "committed", "loss", "latest_round", "bootstrap", "run_complete", "waiting", "tentative")
+    __slots__ = ("kind", "round", "codec", "entries", "committed", "loss", "latest_round", "bootstrap", "run_complete", "waiting", "tentative", "stalled")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +334,7 @@ class UpdateHeader(_message.Message):
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     TENTATIVE_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     kind: UpdateKind
     round: int
     codec: str
@@ -345,7 +346,8 @@ class UpdateHeader(_message.Message):
     run_complete: bool
     waiting: str
     tentative: bool
-    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., round: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., committed: _Optional[bool] = ..., loss: _Optional[float] = ..., latest_round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., run_complete: _Optional[bool] = ..., waiting: _Optional[str] = ..., tentative: _Optional[bool] = ...) -> None: ...
+    stalled: bool
+    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., round: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., committed: _Optional[bool] = ..., loss: _Optional[float] = ..., latest_round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., run_complete: _Optional[bool] = ..., waiting: _Optional[str] = ..., tentative: _Optional[bool] = ..., stalled: _Optional[bool] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data", "durable")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import sys
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from atoll.data import CharDataset
 from atoll.data.tokens import TokenDataset
 from atoll.islands import ClientTls, CoordinatorClient, CoordinatorLink, DiLoCo, RetryPolicy
-from atoll.islands.errors import Preempted
+from atoll.islands.errors import Preempted, QuorumGone
 from atoll.memory import tune_for_bulk_buffers
 from atoll.models import PRESETS, TinyGPT, preset
 from atoll.workload.hooks import IslandHooks
@@ -39,7 +40,10 @@ class IslandArgs:
     run_id: str = "atoll"
     """The run to join (must match the coordinator's --run-id)."""
     rounds: int = 0
-    """Rounds this process trains before it leaves (0: until the run is complete)."""
+    """Rounds of the run this process trains before it leaves, from the round it starts at (0: until the
+    run is complete): it stops once it holds θ of that round plus N, or after N pushes, whichever comes
+    first (a round it missed, catching up, counts), and its last round never waits for a quorum that
+    is gone."""
     codec: str = ""
     """Codec to insist on: a name takes the run's parameters, a spec must match them exactly (empty: the run's)."""
     data: str = ""
@@ -296,6 +300,9 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         done = {"round": sync.round, "run_complete": False, "preempted": True, "step": sync.inner_steps}
         if ckpt is not None:
             ckpt.save(sync)
+    except QuorumGone as err:  # its last round: the others left, nothing will close it
+        logging.getLogger("atoll.island").warning("%s; leaving without its outer step", err)
+        done = {"round": sync.round, "run_complete": False, "quorum_gone": True}
     finally:
         sync.close()
         if ckpt is not None:
@@ -360,8 +367,13 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, re
             checkpoint_seconds=ckpt.seconds if ckpt is not None else 0.0,
         )
 
-    pushed_before = sync.rounds_pushed
-    while not sync.run_complete and (not args.rounds or sync.rounds_pushed - pushed_before < args.rounds):
+    pushed_before, until_round = sync.rounds_pushed, sync.round + args.rounds
+    while not sync.run_complete:
+        left = rounds_left(sync, args.rounds, pushed_before, until_round) if args.rounds else None
+        if left == 0:
+            break
+        if left == 1:
+            sync.last_round()  # the exchange it starts next is its last
         hooks.before_round(sync.round, first_step=sync.round_steps == 0)
         step_started = time.perf_counter()
         x, y = data.batch(gen, args.batch_size)  # the island's global batch; each dp rank takes its slice
@@ -387,6 +399,16 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, re
             report(stats)
     for stats in sync.drain():  # overlap: the last exchanges, applied with no further steps
         report(stats)
+
+
+def rounds_left(sync, rounds: int, pushed_before: int, until_round: int) -> int:
+    """Rounds ``atoll island --rounds N`` has left to push: no more than N pushes in all (those since
+    ``pushed_before``), and none once it holds θ of ``until_round`` (the round it started at plus N: a
+    round it missed, catching up, counts). Counting pushes alone, an island that lost a round to a
+    coordinator restart pulled a later θ, pushed one round more than its peers and then waited for a
+    quorum that had left."""
+    by_pushes = rounds - (sync.rounds_pushed - pushed_before)
+    return max(0, min(by_pushes, until_round - sync.round))
 
 
 def _dump_delta(dump_dir: Path, island_id: str, rank: int, sync: DiLoCo) -> None:
