@@ -173,3 +173,21 @@ def test_config_values_the_protocol_cannot_carry_and_deep_json_get_a_4xx_and_cha
     assert not [r for r in caplog.records if r.exc_info], "a server traceback was logged"
     config = srv.inspect(lambda s: s.config)
     assert (config.quorum, config.max_delta_norm, config.total_rounds) == (1, 0.0, 0)
+
+
+def test_an_island_at_the_admin_port_is_one_line_per_peer_not_a_traceback_per_retry(start_server, caplog):
+    """An island pointed at the admin HTTP port filled the coordinator's log with an aiohttp traceback
+    per retry (its gRPC Join every second or two). Now: one line per peer and minute, in our words."""
+    import socket
+
+    from atoll.islands.probe import PREFACE
+
+    srv = start_server(admin_port=0)
+    caplog.set_level(logging.DEBUG)
+    for _ in range(5):  # what a gRPC client sends first
+        with socket.create_connection(("127.0.0.1", srv.server.admin.port), timeout=5) as sock:
+            sock.sendall(PREFACE)
+            assert sock.recv(64).startswith(b"HTTP/1")
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    said = [r.getMessage() for r in caplog.records if "not HTTP/1.x" in r.getMessage()]
+    assert len(said) == 1 and "127.0.0.1" in said[0] and "--port" in said[0], said

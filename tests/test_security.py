@@ -2,6 +2,7 @@
 
 import datetime
 import ipaddress
+import time
 
 import grpc
 import pytest
@@ -14,9 +15,12 @@ from cryptography.x509.oid import NameOID
 
 from atoll.coordinator.security import IslandTokens, TlsConfig
 from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy
+from atoll.islands.errors import CoordinatorRefused, WrongEndpoint
 from atoll.protos import coordinator_pb2 as pb
 
 FAST = RetryPolicy(give_up_seconds=1, rpc_timeout_seconds=3, initial_backoff_seconds=0.1)
+SLOW = RetryPolicy(give_up_seconds=60, rpc_timeout_seconds=3, initial_backoff_seconds=0.1)
+"""An island's patience: a setup mistake must be said long before it runs out."""
 
 
 def _cert(subject, issuer_key, issuer_name, key, *, ca=False, san=None):
@@ -64,6 +68,12 @@ def pki(tmp_path_factory):
     cli_key = ec.generate_private_key(ec.SECP256R1())
     cli = _cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "island-a")]), ca_key, ca_name, cli_key)
     write("client", cli, cli_key)
+    other_key = ec.generate_private_key(ec.SECP256R1())  # another CA, and an island certificate it signed
+    other_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "another CA")])
+    write("other-ca", _cert(other_name, other_key, other_name, other_key, ca=True), other_key)
+    stray_key = ec.generate_private_key(ec.SECP256R1())
+    stray = _cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "island-x")]), other_key, other_name, stray_key)
+    write("other-client", stray, stray_key)
     return d
 
 
@@ -79,20 +89,22 @@ def test_tls_server(start_server, pki):
     joined = join(ok)
     assert joined.bootstrap
     assert joined.bulk_port == 0 and srv.server.bulk is None and ok.bulk is None  # no plaintext side door
-    plain = CoordinatorClient(srv.address, retry=FAST)
-    with pytest.raises(grpc.RpcError) as info:
+    plain = CoordinatorClient(srv.address, retry=SLOW)
+    started = time.monotonic()
+    with pytest.raises(WrongEndpoint, match="serves TLS: give the island its CA"):
         join(plain, "b")
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started < 5  # (before: UNAVAILABLE "Socket closed" after the whole timeout)
     ok.close()
     plain.close()
 
 
 def test_mutual_tls_requires_a_client_certificate(start_server, pki):
     srv = start_server(tls=TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem"))
-    no_cert = CoordinatorClient(srv.address, retry=FAST, tls=ClientTls(ca=str(pki / "ca.pem")))
-    with pytest.raises(grpc.RpcError) as info:
+    no_cert = CoordinatorClient(srv.address, retry=SLOW, tls=ClientTls(ca=str(pki / "ca.pem")))
+    started = time.monotonic()
+    with pytest.raises(WrongEndpoint, match="requires a client certificate"):
         join(no_cert)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started < 5
     with_cert = CoordinatorClient(
         srv.address,
         retry=FAST,
@@ -102,6 +114,45 @@ def test_mutual_tls_requires_a_client_certificate(start_server, pki):
     assert srv.inspect(lambda s: sorted(s.membership.islands)) == ["a"]
     no_cert.close()
     with_cert.close()
+
+
+def test_tls_mistakes_and_the_admin_port_are_said_within_seconds_not_retried(start_server, pki, tmp_path):
+    """A server certificate from another CA, a client certificate the coordinator does not trust, TLS
+    against a plaintext coordinator, and the admin HTTP port for the gRPC one: each looked like an
+    outage ("unreachable ... Socket closed") for the whole connect timeout. The first Join now says
+    what is wrong, within seconds, as a refusal (WrongEndpoint, a CoordinatorRefused)."""
+    mtls = start_server(tls=TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem"))
+    plain = start_server(state_dir=tmp_path / "plain", admin_port=0)
+    cases = [
+        (mtls.address, ClientTls(ca=str(pki / "other-ca.pem")), "does not verify with the island's CA"),
+        (
+            mtls.address,
+            ClientTls(ca=str(pki / "ca.pem"), cert=str(pki / "other-client.pem"), key=str(pki / "other-client.key")),
+            "does not accept the island's certificate",
+        ),
+        (plain.address, ClientTls(ca=str(pki / "ca.pem")), "does not speak TLS"),
+        (f"127.0.0.1:{plain.server.admin.port}", None, "HTTP/1.x server, not the coordinator's gRPC port"),
+    ]
+    for address, tls, said in cases:
+        client = CoordinatorClient(address, retry=SLOW, tls=tls)
+        started = time.monotonic()
+        with pytest.raises(CoordinatorRefused, match=said):
+            join(client)
+        assert time.monotonic() - started < 5, said
+        client.close()
+    down = CoordinatorClient(f"127.0.0.1:{free_port()}", retry=FAST)  # nothing listens: an outage, retried
+    with pytest.raises(grpc.RpcError) as info:
+        join(down)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    down.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_island_tokens(start_server):
@@ -147,3 +198,51 @@ def test_token_file_validation(tmp_path):
         p.write_text(bad)
         with pytest.raises(ValueError):
             IslandTokens.load(p)
+
+
+def test_the_coordinator_says_failed_handshakes_in_its_own_words_once_a_minute(pki, tmp_path):
+    """An island without a client certificate, or in plaintext, made the coordinator print raw gRPC
+    core lines ("Handshake failed ... PEER_DID_NOT_RETURN_A_CERTIFICATE", "WRONG_VERSION_NUMBER") every
+    1-2 s. Now one WARNING per cause and minute, in the coordinator's words."""
+    import signal
+    import subprocess
+    import sys
+
+    port_file = tmp_path / "port"
+    cmd = [sys.executable, "-m", "atoll", "coordinator", "--state-dir", str(tmp_path / "state"), "--run-id", "t"]
+    cmd += ["--port-file", str(port_file), "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key")]
+    cmd += ["--tls-client-ca", str(pki / "ca.pem")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        address = f"127.0.0.1:{port_file.read_text().strip()}"
+        for tls in (None, ClientTls(ca=str(pki / "ca.pem"))) * 3:
+            client = CoordinatorClient(address, retry=SLOW, tls=tls)
+            with pytest.raises(WrongEndpoint):
+                join(client)
+            client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "ssl_transport_security" not in err and "Handshake failed" not in err, err
+    said = [line for line in err.splitlines() if "TLS handshake refused" in line]
+    assert len(said) == 2, said
+    assert any("plaintext" in line for line in said) and any("no client certificate" in line for line in said)
+
+
+def test_a_token_sent_to_a_coordinator_that_checks_none_is_warned_about_once_on_both_sides(start_server, caplog):
+    """(Before: accepted silently; the island's operator believed it was protected.)"""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    srv = start_server()
+    client = CoordinatorClient(srv.address, retry=FAST, token="s3cret")
+    for _ in range(2):
+        assert not join(client).checks_tokens
+    client.close()
+    words = [r.getMessage() for r in caplog.records]
+    assert sum("checks none (no --island-tokens)" in w and "island a" in w for w in words) == 1, words
+    assert sum("checks no island tokens" in w for w in words) == 1, words

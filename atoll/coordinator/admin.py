@@ -27,6 +27,7 @@ from importlib import resources
 
 import torch
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -164,6 +165,33 @@ def finite_json(data, where: str = "") -> tuple[object, list[tuple[str, float]]]
     return data, bad
 
 
+class NotHttp(logging.Filter):
+    """aiohttp logs a traceback at ERROR for every request that is not HTTP/1.x: an island pointed at the
+    admin port retries its gRPC Join every second or two, each a traceback. This filter on aiohttp's
+    server logger drops those records and says it once a minute per peer, in the coordinator's words."""
+
+    def __init__(self, port_of, every: float = 60.0) -> None:
+        super().__init__()
+        self.port_of, self.every = port_of, every
+        self._said: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        peer = str(record.args[0]) if isinstance(record.args, tuple) and record.args else "a peer"
+        now = time.monotonic()
+        if now - self._said.get(peer, -math.inf) >= self.every:
+            self._said[peer] = now
+            log.warning(
+                "admin port %s: %s sent what is not HTTP/1.x (an island pointed at the admin port instead of the "
+                "coordinator's gRPC --port?); said once a minute per peer",
+                self.port_of(),
+                peer,
+            )
+        return False
+
+
 def json_response(data) -> web.Response:
     """Strict JSON (no NaN or Infinity, which JSON parsers, the dashboard's included, refuse)."""
     return web.json_response(data, dumps=functools.partial(json.dumps, allow_nan=False))
@@ -191,6 +219,7 @@ class AdminServer:
         self._runner: web.AppRunner | None = None
         self.started_at = time.time()
         self._warned: set[str] = set()
+        self._not_http = NotHttp(lambda: self.port)
 
     @property
     def state(self):
@@ -224,6 +253,7 @@ class AdminServer:
         return await handler(request)
 
     async def start(self) -> None:
+        logging.getLogger("aiohttp.server").addFilter(self._not_http)
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.requested_port)
@@ -240,6 +270,7 @@ class AdminServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        logging.getLogger("aiohttp.server").removeFilter(self._not_http)
 
     async def dashboard(self, request: web.Request) -> web.Response:
         page = resources.files("atoll.coordinator").joinpath("static/dashboard.html").read_text(encoding="utf-8")

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
+from atoll.coordinator.corelog import CoreLog
 from atoll.coordinator.server import CoordinatorServer
 from atoll.files import write_atomic
 from atoll.memory import tune_for_bulk_buffers
@@ -83,9 +84,12 @@ async def serve(
                 **kwargs,
             )
         )
+    core_log = CoreLog() if security.get("tls") is not None else None  # its handshake lines, in our words
     try:
         for server in servers:
             await server.start()
+        if core_log is not None:
+            core_log.start()
         # Everything allocated so far (torch, grpc, the restored state) lives as long as the
         # daemon: move it out of the collector's reach so a full collection triggered by the
         # per-chunk garbage of a push does not walk it each time (perf: ~12% of ingest CPU).
@@ -115,6 +119,8 @@ async def serve(
         for server in servers:
             if server.port is not None:
                 await server.stop(grace=2.0)
+        if core_log is not None:
+            core_log.stop()
 
 
 async def _stop_when_finished(servers: list[CoordinatorServer], stop: asyncio.Event) -> None:

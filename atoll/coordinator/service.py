@@ -229,10 +229,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.stream_idle_seconds = stream_idle_seconds
         self.bulk_port = 0
         """The bulk port Join advertises (0: none; set by the server once it listens)."""
+        self._unchecked: set[str] = set()
+        """Islands that sent a token this coordinator does not check (each warned about once)."""
 
     def _check_identity(self, context, island_id: str) -> None:
         """With island tokens configured, an island may only act for itself."""
         if self.tokens is None:
+            if island_id not in self._unchecked and dict(context.invocation_metadata() or ()).get("authorization"):
+                self._unchecked.add(island_id)
+                log.warning(
+                    "island %s sends a bearer token, but this coordinator checks none (no --island-tokens): "
+                    "anyone may act as any island",
+                    island_id,
+                )
             return
         holder = self.tokens.island_for(context.invocation_metadata())
         if holder is None:
@@ -261,6 +270,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 codec=a.codec,
                 run_complete=a.run_complete,
                 bulk_port=self.bulk_port,
+                checks_tokens=self.tokens is not None,
             )
 
         return await self._unary(join, request, context, refused="joins_refused")

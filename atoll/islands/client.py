@@ -23,7 +23,8 @@ from typing import TypeVar
 import grpc
 
 from atoll.islands.bulk import BulkClient, BulkUnreachable, encoded
-from atoll.islands.errors import PartialUpdate, ProtocolError
+from atoll.islands.errors import PartialUpdate, ProtocolError, WrongEndpoint
+from atoll.islands.probe import diagnose
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 from atoll.protos.bulk import BulkError
@@ -136,7 +137,8 @@ class CoordinatorClient:
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._push_call, self._pull_call = bulk_calls(self._channel)
         self._auth = f"Bearer {token}" if token else ""
-        self._tls = tls is not None
+        self._said_unchecked = False
+        self.tls = tls
         self.bulk: BulkClient | None = None
         """The coordinator's bulk port, once a Join advertised one (never over TLS): pushes and
         pulls go there, and back to gRPC if it cannot be reached."""
@@ -148,8 +150,11 @@ class CoordinatorClient:
     def close(self) -> None:
         self._channel.close()
 
-    def call(self, what: str, fn: Callable[[], T], *, give_up_seconds: float | None = None) -> T:
-        """Run ``fn`` (one attempt of an RPC), retrying while the coordinator is unreachable or busy."""
+    def call(self, what: str, fn: Callable[[], T], *, give_up_seconds: float | None = None, probe: bool = False) -> T:
+        """Run ``fn`` (one attempt of an RPC), retrying while the coordinator is unreachable or busy.
+        ``probe``: at the first UNAVAILABLE, find out whether the island's setup is the cause (TLS
+        against plaintext, a client certificate, the admin port: :mod:`atoll.islands.probe`) and raise
+        WrongEndpoint saying so, rather than retrying what cannot work."""
         give_up = self.retry.give_up_seconds if give_up_seconds is None else give_up_seconds
         started = time.monotonic()
         warned_at = None
@@ -159,6 +164,11 @@ class CoordinatorClient:
                 return fn()
             except grpc.RpcError as err:
                 code = err.code() if hasattr(err, "code") else None
+                if probe and code == grpc.StatusCode.UNAVAILABLE:
+                    probe = False  # once: a coordinator that is down is retried as before
+                    problem = diagnose(*parse_address(self.address), self.tls)
+                    if problem is not None:
+                        raise WrongEndpoint(problem) from None
                 waited = time.monotonic() - started
                 if code not in RETRYABLE or waited >= give_up:
                     if code in RETRYABLE:
@@ -196,9 +206,17 @@ class CoordinatorClient:
             "Join",
             lambda: self._stub.Join(req, timeout=self._timeout(), metadata=self._metadata),
             give_up_seconds=give_up_seconds,
+            probe=True,
         )
+        if self._auth and not resp.checks_tokens and not self._said_unchecked:
+            self._said_unchecked = True
+            log.warning(
+                "the coordinator at %s checks no island tokens (it runs without --island-tokens): the token this "
+                "island sends protects nothing",
+                self.address,
+            )
         self.bulk = None
-        if resp.bulk_port and not self._tls:
+        if resp.bulk_port and self.tls is None:
             host = parse_address(self.address)[0]
             self.bulk = BulkClient(host, resp.bulk_port, auth=self._auth, timeout=self.retry.rpc_timeout_seconds)
         return resp
