@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import logging
+import os
 import sys
 import textwrap
 from importlib.metadata import PackageNotFoundError, version
@@ -302,6 +303,11 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
     the harness's entry point passes its fault hooks)."""
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
+    if ns.command == "island" and any(a == "--sync-every" or a.startswith("--sync-every=") for a in unknown):
+        parser.subcommands["island"].error(
+            "--sync-every is the run's: the coordinator decides H (atoll coordinator --sync-every) and islands "
+            "learn it when they join; an island may sync on a time budget instead (--sync-every-seconds)"
+        )
     if unknown:  # the subcommand's usage, not the top-level one
         parser.subcommands[ns.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -330,6 +336,9 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
     except KeyboardInterrupt:
         print(f"atoll {ns.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `atoll status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 141  # as a process killed by SIGPIPE, the shell's convention
     except ValueError as err:
         parser.error(str(err))
     return 2

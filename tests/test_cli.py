@@ -221,3 +221,23 @@ def test_a_port_out_of_range_is_one_line(flag, value):
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert f"{flag} must be in" in refused.stderr and value in refused.stderr
+
+
+def test_sync_every_on_an_island_says_the_run_decides_h(capsys):
+    from atoll.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["island", "--coordinator", "x:1", "--island-id", "a", "--sync-every", "5"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "the coordinator decides H (atoll coordinator --sync-every)" in err, err
+
+
+def test_atoll_status_into_a_pipe_closed_early_is_no_traceback(start_server):
+    """`atoll status | head -1` raised BrokenPipeError with a traceback."""
+    srv = start_server(admin_port=0)
+    cmd = [sys.executable, "-m", "atoll", "status", "--admin", srv.server.admin.address]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader went away before the first line
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -393,3 +393,16 @@ def test_an_islands_last_round_does_not_wait_for_a_quorum_that_is_gone(start_ser
     finally:
         a.close()
         b.close()
+
+
+def test_a_run_that_ends_as_configured_is_logged_at_info_not_warning(start_server, raw_island, caplog):
+    """(Before: "run t is complete after 1 rounds" at WARNING.)"""
+    caplog.set_level(logging.INFO)
+    srv = start_server(exact_config(run_id="t", sync_every=1, total_rounds=1))
+    a = raw_island(srv.address, "a", {"w": (2, 2)})
+    a.join()
+    a.push({"w": torch.ones(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({"w": torch.ones(2, 2)}, round_=0, tokens=1)
+    a.pull(0)
+    ended = [r for r in caplog.records if "is complete after 1 rounds" in r.getMessage()]
+    assert len(ended) == 1 and ended[0].levelno == logging.INFO

@@ -423,8 +423,8 @@ class RunState:
                 record["publish_seconds"] = time.perf_counter() - published
                 snap = self.snapshot(self.model.params, self.round, list(self.history))
                 self.checkpoints.after_publish(snap, keep_from=self.downlink.keep_from(self.round) - 1)
-            if self.run_complete:
-                log.warning("%srun %s is complete after %d rounds", self.name, self.config.run_id, self.round)
+            if self.run_complete:  # the run ending as configured: news, not a warning
+                log.info("%srun %s is complete after %d rounds", self.name, self.config.run_id, self.round)
         return True
 
     def _durable_write(self, sealed: Sealed) -> Callable[[], None]:

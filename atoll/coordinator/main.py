@@ -126,7 +126,7 @@ async def serve(
 async def _stop_when_finished(servers: list[CoordinatorServer], stop: asyncio.Event) -> None:
     while not all(s.state.finished() for s in servers):
         await asyncio.sleep(0.5)
-    log.warning("the run is complete and every island holds its final θ: the coordinator exits")
+    log.info("the run is complete and every island holds its final θ: the coordinator exits")
     stop.set()
 
 

@@ -92,7 +92,8 @@ class IslandArgs:
     dump_dir: str = ""
     """If set, every rank writes the Δ shards it pushed in round 0 here (for tests)."""
     sync_every_seconds: float = 0.0
-    """If > 0, sync on this time budget (seconds) instead of the run's H steps."""
+    """If > 0, sync on this time budget (seconds) instead of every H steps. H itself is the run's: the
+    coordinator decides it (atoll coordinator --sync-every)."""
     heartbeat_seconds: float = 5.0
     """Seconds between lease renewals."""
     overlap_steps: int = 0
