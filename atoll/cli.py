@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _coordinator(ns: argparse.Namespace) -> int:
     from atoll.coordinator.config import RunConfig
     from atoll.coordinator.main import main as coordinator_main
-    from atoll.coordinator.security import IslandTokens, TlsConfig
+    from atoll.coordinator.transport.security import IslandTokens, TlsConfig
     from atoll.sharding import parse_shard
 
     config = _config_from(RunConfig, ns)
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
         parser.subcommands[ns.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from atoll.coordinator.config import ConfigMismatch
-    from atoll.coordinator.persistence import StateError
+    from atoll.coordinator.disk.snapshots import StateError
     from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable
 
     try:

@@ -8,7 +8,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from atoll.coordinator import persistence
+from atoll.coordinator.disk import snapshots
+from atoll.coordinator.disk.lock import StateLock
 from atoll.errors import UserError
 
 
@@ -87,8 +88,8 @@ def _state_dirs(state_dir: Path) -> list[Path]:
 
 def _load_live(state_dir: Path, upto: int | None):
     try:
-        return persistence.load_live(state_dir, upto)
-    except persistence.StateError as err:
+        return snapshots.load_live(state_dir, upto)
+    except snapshots.StateError as err:
         raise _fail(str(err)) from None
 
 
@@ -120,21 +121,21 @@ def export(ns: argparse.Namespace) -> int:
 
 def rollback(ns: argparse.Namespace) -> int:
     if ns.round is None:
-        listed = persistence.list_snapshots(ns.state_dir)
+        listed = snapshots.list_snapshots(ns.state_dir)
         if not listed:
             raise _fail(f"{ns.state_dir} holds no snapshots")
         for round_, path, problem in listed:
             print(f"round {round_:<6} {path.name}  {'ok' if problem is None else 'DAMAGED: ' + problem}")
         try:  # the newest snapshot with the log after it, as a restart would load it
-            snap = persistence.load(ns.state_dir)
+            snap = snapshots.load(ns.state_dir)
             print(f"restores round {snap.round} (the newest snapshot and the log after it)")
-        except persistence.StateError as err:
+        except snapshots.StateError as err:
             print(f"does not restore: {err}")
         return 0
-    lock = persistence.StateLock(ns.state_dir).acquire("rolling it back")
+    lock = StateLock(ns.state_dir).acquire("rolling it back")
     try:
-        target = persistence.rollback(ns.state_dir, ns.round)
+        target = snapshots.rollback(ns.state_dir, ns.round)
     finally:
         lock.release()
-    print(f"rolled back: {target.name} is now the newest snapshot (newer ones moved to {persistence.DISCARDED}/)")
+    print(f"rolled back: {target.name} is now the newest snapshot (newer ones moved to {snapshots.DISCARDED}/)")
     return 0

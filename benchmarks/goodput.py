@@ -157,9 +157,9 @@ def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
             for p in procs.values():
                 p.kill()
         coord.stop()
-    from atoll.coordinator import persistence
+    from atoll.coordinator.disk import snapshots
 
-    history = persistence.load(work / "state").history  # the whole run's (/api/status has the last 100)
+    history = snapshots.load(work / "state").history  # the whole run's (/api/status has the last 100)
     tokens_by_round, total = {}, 0
     for h in history:
         total += h["tokens"]
@@ -186,7 +186,7 @@ def evaluate_theta(state_dir: Path) -> list[tuple[float, int, float]]:
     """The held-out loss of the coordinator's θ after every round (every snapshot is kept), with the
     wall seconds since round 0 opened (the rounds' open, save and publish times summed) and the tokens
     that had entered θ: [(seconds, tokens, eval loss)], θ_0 first."""
-    from atoll.coordinator import persistence
+    from atoll.coordinator.disk import snapshots
     from atoll.models import PRESETS
     from atoll.workload.island import IslandArgs, build_model, evaluate, load_data
 
@@ -195,8 +195,8 @@ def evaluate_theta(state_dir: Path) -> list[tuple[float, int, float]]:
     model = build_model(args, data.vocab_size)
     params = {n for n, _ in model.named_parameters()}
     out = []
-    for path in persistence.snapshot_paths(state_dir):
-        snap = persistence.verify(path)
+    for path in snapshots.snapshot_paths(state_dir):
+        snap = snapshots.verify(path)
         missing, unexpected = model.load_state_dict(snap.params, strict=False)
         if unexpected or params & set(missing):
             raise RuntimeError(f"the run's θ does not fit the model: missing {missing}, unexpected {unexpected}")

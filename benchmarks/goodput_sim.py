@@ -1,7 +1,7 @@
 """Goodput at scale: a discrete-event simulation of islands on a virtual clock, driving the coordinator's
-own decision functions (:func:`atoll.coordinator.rounds.decide` and ``next_wakeup``: quorum, grace
-window, deadline; :class:`atoll.coordinator.grace.Arrival`: each island's arrival statistics;
-:func:`atoll.coordinator.staging.classify`: fold or drop by staleness).
+own decision functions (:func:`atoll.coordinator.policy.rounds.decide` and ``next_wakeup``: quorum, grace
+window, deadline; :class:`atoll.coordinator.policy.grace.Arrival`: each island's arrival statistics;
+:func:`atoll.coordinator.state.plans.classify`: fold or drop by staleness).
 
     python benchmarks/goodput_sim.py [--islands 16 256 4096] [--mtbf-hours 24 6 1] [--hours 12]
 
@@ -46,8 +46,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atoll.coordinator.grace import Arrival  # noqa: E402
-from atoll.coordinator.rounds import (  # noqa: E402
+from atoll.coordinator.policy.grace import Arrival  # noqa: E402
+from atoll.coordinator.policy.rounds import (  # noqa: E402
     Decision,
     IslandView,
     RoundPolicy,
@@ -56,7 +56,7 @@ from atoll.coordinator.rounds import (  # noqa: E402
     next_wakeup,
     waited_for,
 )
-from atoll.coordinator.staging import PushClass, classify  # noqa: E402
+from atoll.coordinator.policy.weighting import PushClass, classify  # noqa: E402
 
 PUBLISHED = {"decoupled": 0.88, "elastic data-parallel": 0.58}
 """Decoupled DiLoCo's reported goodput under heavy simulated failures (arXiv 2604.21428)."""

@@ -119,7 +119,7 @@ def _bare_grpc_sink(port_queue) -> None:
 
     import grpc
 
-    from atoll.coordinator.service import GRPC_OPTIONS
+    from atoll.coordinator.transport.service import GRPC_OPTIONS
 
     tune_for_bulk_buffers(huge_pages=False)  # as the coordinator does
 
@@ -148,7 +148,7 @@ def bare_grpc_seconds(num_conns: int, payload: bytes, rounds: int) -> float:
 
     import grpc
 
-    from atoll.coordinator.service import GRPC_OPTIONS
+    from atoll.coordinator.transport.service import GRPC_OPTIONS
     from atoll.islands.client import CHUNK_BYTES
 
     ctx = multiprocessing.get_context("spawn")
@@ -229,9 +229,9 @@ def run(islands: int, numel: int, rounds: int, work: Path) -> dict:
         for c in clients:
             c.close()
         coord.stop()
-    from atoll.coordinator import persistence
+    from atoll.coordinator.disk import snapshots
 
-    hist = persistence.load(work / "state").history
+    hist = snapshots.load(work / "state").history
     return {
         "payload": len(payload),
         "push_seconds": push_seconds,

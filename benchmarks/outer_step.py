@@ -10,7 +10,7 @@ made to read its input whole), interleaved run by run so machine noise hits both
 ``--repeat`` rounds after a warm-up each, their ratio, and whether the two gave the same bits.
 The process applies :func:`atoll.memory.tune_for_bulk_buffers` first, as the daemon does.
 ``--finite-check``: instead, the chunked step followed by the coordinator's check that θ_{r+1} is
-finite (:class:`~atoll.coordinator.outer.FiniteTheta`, as ``GlobalModel.step`` does it, the first
+finite (:class:`~atoll.coordinator.state.outer.FiniteTheta`, as ``GlobalModel.step`` does it, the first
 round's measurement of θ left out), against the step alone: what the check costs.
 """
 
@@ -23,7 +23,7 @@ import time
 import torch
 
 from atoll.compression import get_codec
-from atoll.coordinator.outer import FiniteTheta, NesterovSGD, outer_step_
+from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import tune_for_bulk_buffers
 from atoll.models import TinyGPT, preset
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atoll.coordinator import persistence  # noqa: E402
+from atoll.coordinator.disk import snapshots  # noqa: E402
 from atoll.harness import ProcessGroup  # noqa: E402
 from atoll.workload.island import param_digest  # noqa: E402
 
@@ -97,7 +97,7 @@ def run(work: Path, args, kill: bool, sig: int = signal.SIGKILL) -> dict:
         coord.stop()
         if codes != [0, 0]:
             raise RuntimeError(f"islands exited {codes}")
-    snap = persistence.load(work / "state")
+    snap = snapshots.load(work / "state")
     out.update(digest=param_digest(snap.params), round=snap.round, history=snap.history)
     return out
 

@@ -9,18 +9,12 @@ import pytest
 import torch
 
 from atoll.compression import get_codec
-from atoll.coordinator.accumulator import RoundAccumulator
 from atoll.coordinator.errors import Reason, RequestError
-from atoll.coordinator.regions import Region
-from atoll.coordinator.staging import (
-    EntryPlan,
-    InflightBudget,
-    PushClass,
-    PushPlan,
-    Reservation,
-    StagedRank,
-    classify,
-)
+from atoll.coordinator.policy.weighting import PushClass, classify
+from atoll.coordinator.state.accumulator import RoundAccumulator
+from atoll.coordinator.state.budget import InflightBudget, Reservation
+from atoll.coordinator.state.plans import EntryPlan, PushPlan, StagedRank
+from atoll.coordinator.state.regions import Region
 
 
 def plan(island="a", round_=0, rank=0, num_ranks=2, nbytes=10):
@@ -103,7 +97,7 @@ def test_the_default_budget_admits_two_whole_fp32_pushes_of_a_model_of_many_tens
     """The 124M measurement: 196 tensors, 124,439,808 parameters; the default was exactly 2 × 4 bytes
     per parameter, and two identity pushes with their framing are 4,376 bytes more."""
     from atoll.compression import get_codec
-    from atoll.coordinator.accumulator import fp32_push_bytes
+    from atoll.coordinator.state.accumulator import fp32_push_bytes
 
     specs = {f"h.{i}.w": (768, 768) for i in range(160)} | {f"h.{i}.b": (768,) for i in range(36)}
     specs["wte"] = (50257, 768)
@@ -122,8 +116,9 @@ def test_accumulating_two_islands_regions_is_independent_of_arrival_order(spec):
     """Pushes are decoded into the accumulator as they arrive. For regions that are contiguous (row
     blocks) and for those that are not (column blocks, as a tensor-parallel rank holds), two islands
     sum to bitwise the same accumulator in either order: runs repeat across processes."""
-    from atoll.coordinator.regions import Region
-    from atoll.coordinator.staging import EntryPlan, PushPlan, StagedRank, accumulate
+    from atoll.coordinator.state.accumulator import accumulate
+    from atoll.coordinator.state.plans import EntryPlan, PushPlan, StagedRank
+    from atoll.coordinator.state.regions import Region
 
     codec = get_codec(spec)
     gen = torch.Generator().manual_seed(5)

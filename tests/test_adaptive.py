@@ -4,7 +4,7 @@ delta is weighted by the tokens it actually processed."""
 import pytest
 from conftest import collect_events
 
-from atoll.coordinator import persistence
+from atoll.coordinator.disk import snapshots
 from atoll.harness.faults import Fault, island_faults_json
 
 
@@ -43,6 +43,6 @@ def test_time_budget_island_does_fewer_steps_and_weighs_its_tokens(group, tmp_pa
         assert h["inner_steps"] == 40
         assert 1 <= t["inner_steps"] < 40  # the slow island stopped at its 1 s budget
         assert t["tokens"] == t["inner_steps"] * 16 * 64 and h["tokens"] == 40 * 16 * 64
-    hist = persistence.load(tmp_path / "state").history
+    hist = snapshots.load(tmp_path / "state").history
     for r, record in enumerate(hist):  # the coordinator weighted by the tokens each island reported
         assert record["tokens"] == rounds[("H", r)]["tokens"] + rounds[("T", r)]["tokens"]

@@ -202,7 +202,7 @@ def test_error_feedback_decay_is_validated_and_sent_to_islands():
     for bad in (0.0, -1.0, 1.01, float("nan")):
         with pytest.raises(ValueError, match="error_feedback_decay"):
             RunConfig(error_feedback_decay=bad)
-    from atoll.coordinator.service import config_proto
+    from atoll.coordinator.transport.service import config_proto
 
     assert config_proto(RunConfig(error_feedback_decay=0.5)).error_feedback_decay == 0.5
     assert RunConfig.from_json(RunConfig(error_feedback_decay=0.25).to_json()).error_feedback_decay == 0.25
@@ -236,7 +236,7 @@ def test_unparseable_request_bytes_answer_invalid_argument(start_server):
 def test_unknown_method_without_a_token_is_unimplemented_without_a_traceback(start_server, tmp_path, caplog):
     """With --island-tokens, an unknown method called without a token. (Before: UNKNOWN, and a
     server traceback logged per call.)"""
-    from atoll.coordinator.security import IslandTokens
+    from atoll.coordinator.transport.security import IslandTokens
 
     srv = start_server(tokens=IslandTokens({"a": "tok-a"}))
     caplog.set_level(logging.DEBUG)

@@ -33,7 +33,7 @@ def test_the_pool_reuses_large_buffers_up_to_its_limit():
 
 def test_the_coordinators_pool_keeps_no_more_than_the_budget_says_now():
     """Its limit is the in-flight budget as it stands, raised when a joining island declares its model."""
-    from atoll.coordinator.accumulator import RoundAccumulator
+    from atoll.coordinator.state.accumulator import RoundAccumulator
 
     acc = RoundAccumulator()  # the budget sized from the model
     buffers = [np.empty(BIG, dtype=np.uint8) for _ in range(3)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import exact_config
 
-from atoll.coordinator.security import IslandTokens
+from atoll.coordinator.transport.security import IslandTokens
 from atoll.islands.bulk import BulkClient
 from atoll.islands.client import CoordinatorClient, PartialUpdate, RetryPolicy
 from atoll.protos import bulk

@@ -6,7 +6,7 @@ import time
 import pytest
 from conftest import collect_events
 
-from atoll.coordinator import persistence
+from atoll.coordinator.disk import snapshots
 from atoll.harness.faults import ChaosDriver, Fault, island_faults_json
 from atoll.harness.wan import ProxyThread
 
@@ -71,7 +71,7 @@ def test_island_killed_mid_push_round_closes_at_quorum_and_it_rejoins(group, tmp
     events = collect_events([procs["D"]], until=lambda ev: False, timeout=120)  # until D dies
     assert procs["D"].wait(10) == 137
     events += collect_events([procs["A"]], until=lambda ev: 2 in rounds_of(ev, "A"), timeout=120)
-    hist = persistence.load_live(tmp_path / "state").history  # the coordinator is still running
+    hist = snapshots.load_live(tmp_path / "state").history  # the coordinator is still running
     # Round 0 closes once quorum has committed and no *joined* island is missing, so an island
     # that starts slowly (2 cores, 5 processes importing torch at once) can miss it: a CI run saw
     # round 0 close with B, C, D before A had joined. Round 1 has waited for A either way.
@@ -112,7 +112,7 @@ def test_straggler_rounds_close_at_deadline_and_fold_applies_late_deltas_once(gr
     for p in procs.values():
         p.stop()
     coord.stop()
-    hist = persistence.load(tmp_path / "state").history
+    hist = snapshots.load(tmp_path / "state").history
     closed_by_deadline = [h for h in hist if "deadline" in h["reason"]]
     assert closed_by_deadline, [h["reason"] for h in hist]
     late = [tuple(x) for h in hist for x in h["late"]]
@@ -139,12 +139,12 @@ def test_coordinator_sigkill_during_a_round_loses_no_completed_round(group, tmp_
     time.sleep(0.15)  # inside round 4: islands are training or pushing
     coord.signal(signal.SIGKILL)
     coord.wait(10)
-    before = persistence.load(state)
+    before = snapshots.load(state)
     coord2, _ = group.start_coordinator(state, flags, name="coordinator-2", port=port)
     events += collect_events(procs, until=all_done(2), timeout=200)
     assert [p.wait(30) for p in procs] == [0, 0]
     coord2.stop()
-    after = persistence.load(state)
+    after = snapshots.load(state)
     assert [h["round"] for h in after.history] == list(range(10))
     assert after.history[: len(before.history)] == before.history
     a, b = rounds_of(events, "A"), rounds_of(events, "B")
@@ -187,7 +187,7 @@ def test_30s_network_cut_island_resumes_by_itself(group, tmp_path):
     # C skipped the rounds it was cut off for: it came back by pulling the current θ.
     gaps = [b - a for a, b in zip(sorted(c_rounds), sorted(c_rounds)[1:], strict=False)]
     assert max(gaps) > 3, sorted(c_rounds)
-    hist = persistence.load(tmp_path / "state").history
+    hist = snapshots.load(tmp_path / "state").history
     # While cut off, the others went on without C for several rounds...
     assert sum(1 for h in hist if "C" not in h["islands"]) >= 3
     assert any(h["states"].get("C") == "gone" for h in hist)
@@ -221,7 +221,7 @@ def _quality_run(group, tmp_path, name, dropout: bool) -> float:
     for p in procs.values():
         p.kill()
     coord.stop()
-    hist = persistence.load(tmp_path / name).history
+    hist = snapshots.load(tmp_path / name).history
     missing = sum(1 for h in hist if "D" not in h["islands"])
     assert (missing >= 3) if dropout else (missing == 0), [h["islands"] for h in hist]
     return rounds_of(events, "A")[11]["eval_loss"]

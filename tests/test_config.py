@@ -61,7 +61,7 @@ def test_a_setting_outside_its_range_is_refused_naming_the_field_and_range(field
 
 def test_every_value_in_range_fits_the_wire_message():
     from atoll.coordinator.config import RANGES
-    from atoll.coordinator.service import config_proto
+    from atoll.coordinator.transport.service import config_proto
 
     for name, (low, high, low_in, high_in) in RANGES.items():
         for value in (low if low_in else None, high if high_in else None):
@@ -74,13 +74,13 @@ def test_a_snapshot_holding_an_out_of_range_setting_is_refused(tmp_path):
 
     import torch
 
-    from atoll.coordinator import persistence
+    from atoll.coordinator.disk import snapshots
 
     bad = RunConfig()
     object.__setattr__(bad, "quorum", 2**31)  # as if written by an older build or by hand
     params = {"w": torch.zeros(2)}
-    snap = persistence.Snapshot(bad, 0, params, {"momentum/w": torch.zeros(2)})
-    persistence.save(tmp_path, snap)
-    with pytest.raises(persistence.StateError, match="quorum must be in"):
-        persistence.load(tmp_path)
+    snap = snapshots.Snapshot(bad, 0, params, {"momentum/w": torch.zeros(2)})
+    snapshots.save(tmp_path, snap)
+    with pytest.raises(snapshots.StateError, match="quorum must be in"):
+        snapshots.load(tmp_path)
     assert dataclasses.asdict(bad)["quorum"] == 2**31

@@ -11,10 +11,8 @@ import torch
 from conftest import FakeClock
 
 from atoll.compression import get_codec
-from atoll.coordinator import persistence, wal
-from atoll.coordinator.closing import view
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.core import RunState
+from atoll.coordinator.disk import snapshots, wal
 from atoll.coordinator.messages import EntryDecl as Entry
 from atoll.coordinator.messages import (
     IslandCall,
@@ -27,8 +25,10 @@ from atoll.coordinator.messages import (
     TensorDecl,
     UpdateKind,
 )
-from atoll.coordinator.rounds import Decision, decide
-from atoll.coordinator.staging import Received
+from atoll.coordinator.policy.rounds import Decision, decide
+from atoll.coordinator.run.decider import view
+from atoll.coordinator.run.run_state import RunState
+from atoll.coordinator.state.plans import Received
 
 SHAPES = {"w": (3, 2), "b": (4,)}
 IDENT = get_codec("identity")
@@ -81,7 +81,7 @@ def test_theta0_and_a_round_take_the_one_path_and_match_a_numpy_reference(tmp_pa
     theta0, da, db = rand(0), rand(1), rand(2)
     got = asyncio.run(push(s, "a", theta0, kind=PushKind.INIT))
     assert got.outcome is PushOutcome.COMMITTED and s.round == 0 and s.model.ready
-    assert persistence.load(tmp_path / "state").round == 0  # saved before it was published
+    assert snapshots.load(tmp_path / "state").round == 0  # saved before it was published
     answer = pull(s, "b", -1)
     assert answer.kind is UpdateKind.FULL and answer.round == 0
     assert [r.committed for r in (asyncio.run(push(s, "a", da, tokens=3)), asyncio.run(push(s, "b", db, tokens=1)))]
@@ -94,7 +94,7 @@ def test_theta0_and_a_round_take_the_one_path_and_match_a_numpy_reference(tmp_pa
         g = (3 * da[n].numpy() + db[n].numpy()) / 4
         want = theta0[n].numpy() - 0.7 * (g + 0.9 * g)
         np.testing.assert_allclose(s.model.params[n].numpy(), want, rtol=1e-6, atol=1e-6)
-    snap = persistence.load_live(tmp_path / "state")  # the background writer of round 1 may be pruning
+    snap = snapshots.load_live(tmp_path / "state")  # the background writer of round 1 may be pruning
     assert snap.round == 1 and snap.history[0]["islands"] == ["a", "b"] and snap.history[0]["tokens"] == 4
     assert all(torch.equal(snap.params[n], s.model.params[n]) for n in SHAPES)
     delta = pull(s, "a", 0)
@@ -126,7 +126,7 @@ def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_
     """θ_0's durable write is its snapshot, a round's its log record."""
     s = run_state(tmp_path)
     join(s, "a")
-    module, name = (persistence, "save") if at == "theta0" else (wal, "append")
+    module, name = (snapshots, "save") if at == "theta0" else (wal, "append")
     real_save, broken = getattr(module, name), [True]
 
     def save(*a, **kw):
@@ -145,7 +145,7 @@ def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_
     want = 0 if at == "theta0" else 1
     assert s.ledger.sealed is not None and s.round == 0 and "No space left" in s.problem
     if at == "theta0":
-        assert persistence.load(tmp_path / "state") is None and not s.model.ready
+        assert snapshots.load(tmp_path / "state") is None and not s.model.ready
         assert "θ_0 is being saved" in pull(s, "a", -1).waiting
     else:
         answer = pull(s, "a", 0)
@@ -154,7 +154,7 @@ def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_
     broken[0] = False
     assert asyncio.run(s.try_publish()) is True
     assert s.ledger.sealed is None and s.problem is None and s.round == want and s.model.ready
-    assert persistence.load_live(tmp_path / "state").round == want
+    assert snapshots.load_live(tmp_path / "state").round == want
 
 
 def test_a_full_pull_during_a_publish_gets_the_theta_of_the_round_it_names(tmp_path, monkeypatch):
@@ -323,7 +323,7 @@ def test_goodput_counts_the_compute_whose_tokens_entered_theta_over_the_time_joi
     """A hand-made trace: a computes 8 s of every 10 s round and each push enters θ; b computes 8 s too,
     but its round-1 push arrives after the round closed and is dropped (late_policy drop), so
     those 8 s do not count; c left after one round, and its share still counts for the run."""
-    from atoll.coordinator.goodput import run_goodput
+    from atoll.coordinator.policy.goodput import run_goodput
 
     clock = FakeClock(0.0)
     s = run_state(
@@ -366,7 +366,7 @@ def test_an_island_reports_its_compute_and_blocked_seconds_with_each_push():
 
 
 def test_tokens_per_step_counts_only_reports_that_give_both():
-    from atoll.coordinator.goodput import tokens_per_step
+    from atoll.coordinator.policy.goodput import tokens_per_step
 
     assert tokens_per_step([(100, 5), (0, 3), (50, None), (30, 5)]) == 13.0
     assert tokens_per_step([(0, 3), (50, 0)]) is None and tokens_per_step([]) is None

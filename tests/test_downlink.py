@@ -7,9 +7,9 @@ import torch
 from conftest import exact_config
 
 from atoll.compression import codec_of, get_codec
-from atoll.coordinator import wal
-from atoll.coordinator.downlink import Downlink, identity_size
-from atoll.coordinator.regions import Region
+from atoll.coordinator.disk import wal
+from atoll.coordinator.state.downlink import Downlink, identity_size
+from atoll.coordinator.state.regions import Region
 
 
 # ---- downlink -----------------------------------------------------------------------------------

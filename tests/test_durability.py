@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import IDENTITY_FLAGS, ServerThread, exact_config, http
 
-from atoll.coordinator import persistence, wal
+from atoll.coordinator.disk import lock, snapshots, wal
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (4, 3), "b": (5,)}
@@ -64,7 +64,7 @@ def test_failed_save_keeps_the_round_unpublished_reports_it_and_recovers(start_s
     header, _ = a.pull(0, wait_seconds=20)
     assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1
     assert http(base + "/healthz")[0] == 200
-    assert persistence.load_live(srv.server.state_dir).round == 1  # its background writer may be pruning
+    assert snapshots.load_live(srv.server.state_dir).round == 1  # its background writer may be pruning
 
 
 @pytest.mark.timeout(120)
@@ -134,7 +134,7 @@ def test_a_dead_background_task_ends_the_daemon_with_a_non_zero_exit(tmp_path):
     import sys
 
     script = (
-        "import sys, atoll.coordinator.closing as c\n"
+        "import sys, atoll.coordinator.run.decider as c\n"
         "def broken(*a, **k):\n"
         "    raise RuntimeError('a bug in decide')\n"
         "c.decide = broken\n"
@@ -176,7 +176,7 @@ def test_a_second_coordinator_or_a_rollback_on_a_live_state_dir_is_refused_namin
     state = tmp_path / "live"
     srv = start_server(state_dir=state)
     second = ServerThread(exact_config(run_id="t", sync_every=1), state)
-    with pytest.raises(persistence.StateError, match=rf"in use by process {os.getpid()}"):
+    with pytest.raises(snapshots.StateError, match=rf"in use by process {os.getpid()}"):
         second.start()
     assert second.loop.is_closed()  # a server that failed to start leaves no loop behind
     assert cli.main(["rollback", "--state-dir", str(state), "--round", "0"]) == 1
@@ -192,15 +192,15 @@ def test_the_state_dir_lock_cannot_be_deleted_from_under_a_live_coordinator(star
 
     state = tmp_path / "live"
     srv = start_server(state_dir=state)
-    (state / persistence.LOCK).unlink()
+    (state / lock.LOCK).unlink()
     second = ServerThread(exact_config(run_id="t", sync_every=1), state)
-    with pytest.raises(persistence.StateError, match="in use by"):
+    with pytest.raises(snapshots.StateError, match="in use by"):
         second.start()
-    with pytest.raises(persistence.StateError, match="in use by"):
-        persistence.StateLock(state).acquire("rolling it back")
+    with pytest.raises(snapshots.StateError, match="in use by"):
+        lock.StateLock(state).acquire("rolling it back")
     assert srv.inspect(lambda s: s.round) == 0
     srv.stop()
-    persistence.StateLock(state).acquire("rolling it back").release()  # the holder let go: free again
+    lock.StateLock(state).acquire("rolling it back").release()  # the holder let go: free again
     assert os.path.isdir(state)
 
 

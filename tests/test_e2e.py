@@ -6,7 +6,7 @@ import time
 import pytest
 from conftest import collect_events, coordinator_flags, island_flags
 
-from atoll.coordinator import persistence
+from atoll.coordinator.disk import snapshots
 
 
 def rounds_by_island(events):
@@ -44,7 +44,7 @@ def test_two_islands_train_and_hold_identical_parameters(group, tmp_path):
     global_losses = [e["global_loss"] for e in rounds_by_island(events)["island-0"]]
     assert global_losses[-1] < global_losses[0]
     coord.stop()
-    snap = persistence.load(tmp_path / "state")
+    snap = snapshots.load(tmp_path / "state")
     assert snap.round == 5
     assert [h["round"] for h in snap.history] == list(range(5))
     assert all(h["islands"] == ["island-0", "island-1"] for h in snap.history)
@@ -71,7 +71,7 @@ def test_coordinator_sigkill_between_rounds_resumes(group, tmp_path):
     events = collect_events(islands, until=both_finished(2), timeout=240)
     coord.signal(signal.SIGKILL)
     coord.wait(10)
-    persisted = persistence.load(state).round
+    persisted = snapshots.load(state).round
     assert persisted >= 3  # round 2 closed (both islands applied it), so it is on disk
     time.sleep(1.0)  # islands keep training and retrying while the coordinator is down
     coord2, address2 = group.start_coordinator(state, flags, name="coordinator-restarted", port=port)
@@ -81,7 +81,7 @@ def test_coordinator_sigkill_between_rounds_resumes(group, tmp_path):
     start, final = check_identical_and_learning(events, 2, rounds)
     assert final < 0.8 * start
     coord2.stop()
-    snap = persistence.load(state)
+    snap = snapshots.load(state)
     assert snap.round == rounds
     # No completed round lost or repeated across the restart.
     assert [h["round"] for h in snap.history] == list(range(rounds))

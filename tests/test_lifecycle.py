@@ -29,9 +29,9 @@ from conftest import (
 )
 from small_island import H, batches, config, island
 
-from atoll.coordinator import persistence
-from atoll.coordinator.membership import IslandState, island_state
-from atoll.coordinator.pulls import wait_event
+from atoll.coordinator.disk import snapshots
+from atoll.coordinator.run.pulls import wait_event
+from atoll.coordinator.state.membership import IslandState, island_state
 from atoll.islands import CoordinatorRefused
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason
@@ -215,7 +215,7 @@ def test_total_rounds_end_the_run_and_islands_stop_by_themselves(group, tmp_path
     late = group.start("late", island_flags(address, "i0", rounds=5))
     done = collect_events([late], until=lambda ev: any(e["event"] == "done" for e in ev), timeout=60)
     assert late.wait(30) == 0 and done[-1]["run_complete"] and not [e for e in done if e["event"] == "round"]
-    assert len(persistence.load_live(tmp_path / "state").history) == 3
+    assert len(snapshots.load_live(tmp_path / "state").history) == 3
     coord.stop()
 
 
@@ -288,7 +288,7 @@ def test_a_restart_applies_operational_flags_refuses_math_ones_and_forgets_who_l
     a.push({"w": torch.randn(3, 2)}, round_=1, tokens=1)
     assert a.pull(1)[0].round == 2  # b left: with quorum 1 the round closes on a alone
     coord.stop()  # before reading its dir: a live one prunes what its background writer superseded
-    snap = persistence.load(state)
+    snap = snapshots.load(state)
     assert snap.config.quorum == 1 and snap.history[-1]["islands"] == ["a"] and "b" not in snap.islands
 
 

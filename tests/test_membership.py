@@ -6,7 +6,7 @@ import pytest
 from conftest import FakeClock
 
 from atoll.coordinator.errors import Reason, RequestError
-from atoll.coordinator.membership import IslandState, Membership, island_state
+from atoll.coordinator.state.membership import IslandState, Membership, island_state
 
 
 def membership(lease: float = 10.0) -> tuple[Membership, FakeClock]:

@@ -8,7 +8,7 @@ import torch
 from conftest import IDENTITY_FLAGS, collect_events
 from safetensors import safe_open
 
-from atoll.coordinator import persistence
+from atoll.coordinator.disk import snapshots
 from atoll.data import CharDataset
 from atoll.models import GPTConfig, TinyGPT
 from atoll.workload.island import param_digest
@@ -107,7 +107,7 @@ def test_fsdp_tp_and_single_rank_islands_in_one_run(group, tmp_path):
         if e["event"] == "round":
             rounds.setdefault(e["round"], {})[e["island"]] = e
     assert sorted(rounds) == list(range(ROUNDS))
-    snap = persistence.load(tmp_path / "state")
+    snap = snapshots.load(tmp_path / "state")
     # After every outer step all three islands hold the same θ; after the last it is the coordinator's.
     for r, by_island in rounds.items():
         assert len(by_island) == 3 and len({e["digest"] for e in by_island.values()}) == 1, r
@@ -175,4 +175,4 @@ def test_2d_mesh_island_matches_a_single_rank_island(group, tmp_path):
     for r in by_round.values():
         assert r["D-2d"]["digest"] == r["B-single"]["digest"]
         assert abs(r["D-2d"]["loss"] - r["B-single"]["loss"]) < 1e-4
-    assert by_round[1]["D-2d"]["digest"] == param_digest(persistence.load(tmp_path / "state").params)
+    assert by_round[1]["D-2d"]["digest"] == param_digest(snapshots.load(tmp_path / "state").params)

@@ -8,7 +8,7 @@ import torch
 from conftest import exact_config
 
 from atoll.compression import get_codec
-from atoll.coordinator.outer import NesterovSGD, outer_step_
+from atoll.coordinator.state.outer import NesterovSGD, outer_step_
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (3, 5), "b": (7,), "emb": (4, 2, 3)}
@@ -96,12 +96,12 @@ def test_momentum_is_persisted_and_pull_full_is_bitwise(start_server, raw_island
     full = decode_update(full_header, full_payloads, None)
     for k in SHAPES:
         assert torch.equal(full[k], delta_theta[k])
-    from atoll.coordinator import persistence
+    from atoll.coordinator.disk import snapshots
 
     # The optimizer state is written in the background after the publish: wait for that write (the
     # pull returned at the publish; a CI run read the dir before it and found θ_0's zero momentum).
-    m = srv.inspect(lambda s: (s.checkpoints.wait(), {k: v.clone() for k, v in s.model.optimizer.buffers.items()})[1])
-    snap = persistence.load(tmp_path / "state")
+    m = srv.inspect(lambda s: (s.writer.wait(), {k: v.clone() for k, v in s.model.optimizer.buffers.items()})[1])
+    snap = snapshots.load(tmp_path / "state")
     assert snap.round == 1
     for k in SHAPES:
         assert torch.equal(snap.params[k], full[k])

@@ -6,14 +6,14 @@ import pytest
 import torch
 from conftest import exact_config
 
-from atoll.coordinator import persistence
+from atoll.coordinator.disk import lock, snapshots
 
 
 # ---- persistence --------------------------------------------------------------------------------
-def snap(round_: int) -> persistence.Snapshot:
+def snap(round_: int) -> snapshots.Snapshot:
     params = {"w": torch.full((3, 2), float(round_))}
     history = [{"round": i} for i in range(round_)]
-    return persistence.Snapshot(
+    return snapshots.Snapshot(
         exact_config(run_id="p"),
         round_,
         params,
@@ -25,22 +25,22 @@ def snap(round_: int) -> persistence.Snapshot:
 
 def test_snapshots_are_kept_verified_and_rolled_back(tmp_path):
     for r in range(4):
-        persistence.save(tmp_path, snap(r), keep=2)
-    assert [persistence.read_round(p) for p in persistence.snapshot_paths(tmp_path)] == [2, 3]
-    assert persistence.load(tmp_path).round == 3
-    persistence.rollback(tmp_path, 2)
-    assert persistence.load(tmp_path).round == 2 and len(list((tmp_path / "discarded").rglob("*.safetensors"))) == 1
-    with pytest.raises(persistence.StateError, match="kept rounds: 2"):
-        persistence.rollback(tmp_path, 0)
+        snapshots.save(tmp_path, snap(r), keep=2)
+    assert [snapshots.read_round(p) for p in snapshots.snapshot_paths(tmp_path)] == [2, 3]
+    assert snapshots.load(tmp_path).round == 3
+    snapshots.rollback(tmp_path, 2)
+    assert snapshots.load(tmp_path).round == 2 and len(list((tmp_path / "discarded").rglob("*.safetensors"))) == 1
+    with pytest.raises(snapshots.StateError, match="kept rounds: 2"):
+        snapshots.rollback(tmp_path, 0)
 
 
 def test_an_empty_or_foreign_dir_is_a_fresh_run_but_a_dir_of_atoll_leftovers_is_not(tmp_path):
-    assert persistence.load(tmp_path / "nope") is None
+    assert snapshots.load(tmp_path / "nope") is None
     (tmp_path / "notes.txt").write_text("unrelated")
-    assert persistence.load(tmp_path) is None
-    (tmp_path / persistence.MEMBERSHIP).write_text("{}")
-    with pytest.raises(persistence.StateError, match="no valid snapshot"):
-        persistence.load(tmp_path)
+    assert snapshots.load(tmp_path) is None
+    (tmp_path / snapshots.MEMBERSHIP).write_text("{}")
+    with pytest.raises(snapshots.StateError, match="no valid snapshot"):
+        snapshots.load(tmp_path)
 
 
 # ---- hardening: metadata, declared sizes, stray files, one writer --------------------------------
@@ -68,8 +68,8 @@ def test_rewritten_metadata_is_refused_like_a_flipped_bit(tmp_path):
     unchanged, started, exported and listed as "ok".)"""
     import json
 
-    path = persistence.save(tmp_path, snap(1))
-    persistence.verify(path)
+    path = snapshots.save(tmp_path, snap(1))
+    snapshots.verify(path)
 
     def tamper(config):
         c = json.loads(config)
@@ -77,9 +77,9 @@ def test_rewritten_metadata_is_refused_like_a_flipped_bit(tmp_path):
         return json.dumps(c, sort_keys=True)
 
     rewrite_metadata(path, config=tamper)
-    with pytest.raises(persistence.StateError, match="metadata fails its checksum"):
-        persistence.load(tmp_path)
-    assert "metadata fails its checksum" in persistence.list_snapshots(tmp_path)[0][2]
+    with pytest.raises(snapshots.StateError, match="metadata fails its checksum"):
+        snapshots.load(tmp_path)
+    assert "metadata fails its checksum" in snapshots.list_snapshots(tmp_path)[0][2]
 
 
 def test_a_snapshot_declaring_a_huge_tensor_is_refused_before_it_is_read(tmp_path):
@@ -93,7 +93,7 @@ def test_a_snapshot_declaring_a_huge_tensor_is_refused_before_it_is_read(tmp_pat
     import sys
 
     numel = 1 << 28
-    path = persistence.save(tmp_path, snap(0))
+    path = snapshots.save(tmp_path, snap(0))
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
@@ -103,7 +103,7 @@ def test_a_snapshot_declaring_a_huge_tensor_is_refused_before_it_is_read(tmp_pat
     digests = json.loads(meta["digests"])
     digests["param/big"] = "12345678"
     meta["digests"] = json.dumps(digests, sort_keys=True)
-    from atoll.coordinator.integrity import META_DIGEST, metadata_digest
+    from atoll.coordinator.disk.verified import META_DIGEST, metadata_digest
 
     meta[META_DIGEST] = metadata_digest(meta)
     body = json.dumps(header).encode()
@@ -125,29 +125,29 @@ def test_a_snapshot_declaring_a_huge_tensor_is_refused_before_it_is_read(tmp_pat
 
 
 def test_a_stray_snapshot_name_is_refused_naming_the_file(tmp_path):
-    persistence.save(tmp_path, snap(1))
+    snapshots.save(tmp_path, snap(1))
     (tmp_path / "snapshot-zzz.safetensors").write_bytes(b"x")
-    with pytest.raises(persistence.StateError, match=r"holds snapshot-zzz\.safetensors, which is not a snapshot"):
-        persistence.load(tmp_path)
+    with pytest.raises(snapshots.StateError, match=r"holds snapshot-zzz\.safetensors, which is not a snapshot"):
+        snapshots.load(tmp_path)
 
 
 def test_one_writer_per_state_dir_and_the_lock_goes_with_its_holder(tmp_path):
     import os
 
-    first = persistence.StateLock(tmp_path).acquire("starting a coordinator on it")
-    with pytest.raises(persistence.StateError, match=rf"in use by process {os.getpid()} .*stop it before rolling"):
-        persistence.StateLock(tmp_path).acquire("rolling it back")
+    first = lock.StateLock(tmp_path).acquire("starting a coordinator on it")
+    with pytest.raises(snapshots.StateError, match=rf"in use by process {os.getpid()} .*stop it before rolling"):
+        lock.StateLock(tmp_path).acquire("rolling it back")
     first.release()
-    persistence.StateLock(tmp_path).acquire("rolling it back").release()
+    lock.StateLock(tmp_path).acquire("rolling it back").release()
 
 
 def test_a_format_2_snapshot_without_a_metadata_checksum_still_loads(tmp_path):
     """Snapshots written before the metadata checksum existed (format 2) are read; new ones carry it."""
-    from atoll.coordinator.integrity import META_DIGEST
+    from atoll.coordinator.disk.verified import META_DIGEST
 
-    path = persistence.save(tmp_path, snap(2))
+    path = snapshots.save(tmp_path, snap(2))
     rewrite_metadata(path, format=lambda _: "atoll-state-2", **{META_DIGEST: None})
-    assert persistence.load(tmp_path).round == 2
-    rewrite_metadata(path, format=lambda _: persistence.FORMAT)
-    with pytest.raises(persistence.StateError, match="metadata has no checksum"):
-        persistence.load(tmp_path)
+    assert snapshots.load(tmp_path).round == 2
+    rewrite_metadata(path, format=lambda _: snapshots.FORMAT)
+    with pytest.raises(snapshots.StateError, match="metadata has no checksum"):
+        snapshots.load(tmp_path)

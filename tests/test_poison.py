@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import exact_config
 
-from atoll.coordinator import RunConfig, checks
-from atoll.coordinator.persistence import load
+from atoll.coordinator import RunConfig
+from atoll.coordinator.disk.snapshots import load
+from atoll.coordinator.run import checks
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason
 from atoll.protos.status import reason_of
@@ -84,7 +85,7 @@ def test_theta_is_checked_finite_before_it_is_sealed(start_server, raw_island, t
     found non-finite before it is sealed, nothing of it is saved or published, the coordinator stops
     (its supervisor restarts it) and a restart finds the last good round."""
     monkeypatch.setattr(checks, "MAX_TENSOR_NORM", math.inf)
-    from atoll.coordinator import accumulator
+    from atoll.coordinator.state import accumulator
 
     monkeypatch.setattr(accumulator, "SUM_LIMIT", math.inf)
     config = exact_config(run_id="t", sync_every=1, quorum=2)

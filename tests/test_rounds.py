@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from atoll.coordinator.membership import island_state
-from atoll.coordinator.rounds import Decision, IslandView, RoundPolicy, RoundView, decide, next_wakeup, stall
+from atoll.coordinator.policy.rounds import Decision, IslandView, RoundPolicy, RoundView, decide, next_wakeup, stall
+from atoll.coordinator.state.membership import island_state
 
 POLICY = RoundPolicy(quorum=2, deadline_seconds=10.0)
 
@@ -48,7 +48,7 @@ def test_no_commits_waits():
 
 
 def test_island_states():
-    from atoll.coordinator.membership import IslandRecord
+    from atoll.coordinator.state.membership import IslandRecord
 
     rec = IslandRecord("a", 1, lease_expires_at=10.0, joined_round=3)
     assert island_state(rec, 1.0, 3) == "joining"
@@ -77,7 +77,7 @@ def test_stall_says_what_would_unblock_the_round():
 def test_a_waiting_round_is_logged_when_it_changes_and_reminded_every_30_seconds():
     """(Before: "round 817: 1 committed, waiting for site-a (585.4s to deadline)" every second, about
     600 lines per waiting round, since the countdown changed the text.)"""
-    from atoll.coordinator.closing import Reminder, waiting_key
+    from atoll.coordinator.run.decider import Reminder, waiting_key
 
     policy = RoundPolicy(quorum=1, deadline_seconds=600.0)
     r, logged = Reminder(every=30.0), []
@@ -103,7 +103,7 @@ def test_a_stall_is_warned_about_once_it_lasted_a_lease_and_its_end_is_said():
     joining, and at every normal end, while islands left.)"""
     import logging
 
-    from atoll.coordinator.closing import StallReport
+    from atoll.coordinator.run.decider import StallReport
 
     r = StallReport()
     assert r.update(0.0, "stuck", grace=30.0) is None  # at start: the other island is on its way
@@ -116,7 +116,7 @@ def test_a_stall_is_warned_about_once_it_lasted_a_lease_and_its_end_is_said():
 
 # ---- the grace window after quorum (issue: decoupled outer loop, item 1) --------------------------
 def test_arrivals_are_tracked_as_a_smoothed_mean_and_deviation():
-    from atoll.coordinator.grace import Arrival
+    from atoll.coordinator.policy.grace import Arrival
 
     a = Arrival()
     assert a.expected() is None

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from atoll.coordinator.security import IslandTokens, TlsConfig
+from atoll.coordinator.transport.security import IslandTokens, TlsConfig
 from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands.errors import CoordinatorRefused, WrongEndpoint
 from atoll.protos import coordinator_pb2 as pb

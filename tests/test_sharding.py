@@ -3,7 +3,7 @@
 import pytest
 from conftest import collect_events
 
-from atoll.coordinator import persistence
+from atoll.coordinator.disk import snapshots
 from atoll.sharding import parse_shard, shard_of
 from atoll.workload.island import param_digest
 
@@ -41,7 +41,7 @@ def run(group, tmp_path, name, num_shards):
     assert [p.wait(30) for p in islands] == [0, 0]
     for c in coords:
         c.stop()
-    snaps = [persistence.load(tmp_path / f"{name}-state{i}") for i in range(num_shards)]
+    snaps = [snapshots.load(tmp_path / f"{name}-state{i}") for i in range(num_shards)]
     return events, snaps
 
 

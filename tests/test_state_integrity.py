@@ -21,7 +21,7 @@ import torch
 from conftest import exact_config
 
 from atoll import cli
-from atoll.coordinator import persistence
+from atoll.coordinator.disk import snapshots
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (64, 32), "b": (32,)}
@@ -179,7 +179,7 @@ def test_state_of_another_run_is_refused(made_state, tmp_path, capsys):
 
 def test_keeps_k_snapshots_and_rolls_back_explicitly(made_state, tmp_path, capsys):
     state = copy_of(made_state, tmp_path)
-    rounds = [persistence.read_round(p) for p in persistence.snapshot_paths(state)]
+    rounds = [snapshots.read_round(p) for p in snapshots.snapshot_paths(state)]
     assert rounds == [2, 3]  # --keep-snapshots defaults to 2
     flip_bit(state)
     assert "rollback" in refused_in_process(capsys, state)
@@ -193,13 +193,13 @@ def test_keeps_k_snapshots_and_rolls_back_explicitly(made_state, tmp_path, capsy
         text=True,
     )
     assert done.returncode == 0, done.stderr
-    snap = persistence.load(state)
+    snap = snapshots.load(state)
     assert snap.round == 2 and len(snap.history) == 2
     assert (state / "discarded").is_dir()  # the damaged snapshot is kept aside, not deleted
 
 
 def test_a_verified_snapshot_loads_bitwise(made_state):
-    snap = persistence.load(made_state)
+    snap = snapshots.load(made_state)
     assert snap.round == 3 and [h["round"] for h in snap.history] == [0, 1, 2]
     assert {k: tuple(v.shape) for k, v in snap.params.items()} == SHAPES
     assert all(torch.isfinite(v).all() for v in snap.params.values())

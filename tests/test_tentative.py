@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import exact_config
 
-from atoll.coordinator import pulls, wal
+from atoll.coordinator.disk import wal
+from atoll.coordinator.run import pulls
 from atoll.islands.client import PartialUpdate
 from atoll.protos import coordinator_pb2 as pb
 
@@ -121,7 +122,7 @@ def test_a_slow_save_ends_the_stream_unconfirmed_after_the_wait(
 
 def _slow_outer_step(monkeypatch) -> dict[str, float]:
     """The outer step takes 0.5 s after making each tensor's payload; returns when each was made."""
-    from atoll.coordinator import model as global_model
+    from atoll.coordinator.state import model as global_model
 
     real_step = global_model.outer_step_
     made_at: dict[str, float] = {}

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from atoll import cli
-from atoll.coordinator import RunConfig, persistence, wal
+from atoll.coordinator import RunConfig
+from atoll.coordinator.disk import snapshots, wal
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (256, 64), "b": (64,)}
@@ -63,13 +64,13 @@ def copy_of(logged, tmp_path):
 
 def test_a_round_is_made_durable_by_its_small_log_record_and_replays_bitwise(logged):
     state, (params, extra) = logged
-    assert [persistence.read_round(p) for p in persistence.snapshot_paths(state)] == [0]  # θ_0's only
+    assert [snapshots.read_round(p) for p in snapshots.snapshot_paths(state)] == [0]  # θ_0's only
     assert [r for r, _ in wal.records(state)] == [0, 1, 2, 3]
     assert [r for r, _ in wal.optimizer_files(state)] == [4]
     # What each round wrote before its publish: the int8 update and metadata, ~|θ|/4.
     sizes = [p.stat().st_size for _, p in wal.records(state)]
     assert all(FP32_BYTES / 4 < s < FP32_BYTES / 4 + 8192 for s in sizes), (sizes, FP32_BYTES)
-    snap = persistence.load(state)
+    snap = snapshots.load(state)
     assert snap.round == 4 and [h["round"] for h in snap.history] == [0, 1, 2, 3] and snap.notes == []
     assert set(snap.params) == set(params) and all(torch.equal(snap.params[k], params[k]) for k in params)
     assert set(snap.extra) == set(extra) and all(torch.equal(snap.extra[k], extra[k]) for k in extra)
@@ -80,9 +81,9 @@ def test_a_round_is_made_durable_by_its_small_log_record_and_replays_bitwise(log
 def test_snapshots_come_every_k_rounds_and_the_log_is_pruned_behind_them(tmp_path):
     state = tmp_path / "state"
     params, extra = run(state, 5, snapshot_every=2)
-    assert [persistence.read_round(p) for p in persistence.snapshot_paths(state)] == [2, 4]
+    assert [snapshots.read_round(p) for p in snapshots.snapshot_paths(state)] == [2, 4]
     assert [r for r, _ in wal.optimizer_files(state)] == [5]
-    snap = persistence.load(state)  # snapshot 4 + round 4's record + optimizer-5
+    snap = snapshots.load(state)  # snapshot 4 + round 4's record + optimizer-5
     assert snap.round == 5 and all(torch.equal(snap.params[k], params[k]) for k in params)
     assert all(torch.equal(snap.extra[k], extra[k]) for k in extra)
 
@@ -157,20 +158,20 @@ def test_a_read_of_a_live_dir_retries_a_file_pruned_under_it_but_not_damage(logg
     writer prunes between the listing and the read fails one attempt, which is retried; damage fails
     every attempt and is reported."""
     state = copy_of(logged, tmp_path)
-    real, calls = persistence.load, []
+    real, calls = snapshots.load, []
 
     def pruned_once(state_dir, upto=None):
         calls.append(upto)
         if len(calls) == 1:
-            raise persistence.StateError("log/optimizer-00000004.safetensors: No such file or directory")
+            raise snapshots.StateError("log/optimizer-00000004.safetensors: No such file or directory")
         return real(state_dir, upto)
 
-    monkeypatch.setattr(persistence, "load", pruned_once)
-    assert persistence.load_live(state, pause=0).round == 4 and len(calls) == 2
-    monkeypatch.setattr(persistence, "load", real)
+    monkeypatch.setattr(snapshots, "load", pruned_once)
+    assert snapshots.load_live(state, pause=0).round == 4 and len(calls) == 2
+    monkeypatch.setattr(snapshots, "load", real)
     flip_a_bit(state / "log" / wal.record_name(1))
-    with pytest.raises(persistence.StateError, match="round-00000001"):
-        persistence.load_live(state, pause=0)
+    with pytest.raises(snapshots.StateError, match="round-00000001"):
+        snapshots.load_live(state, pause=0)
 
 
 def test_a_crash_before_the_background_write_keeps_theta_exact_and_says_what_it_lost(logged, tmp_path):
@@ -179,7 +180,7 @@ def test_a_crash_before_the_background_write_keeps_theta_exact_and_says_what_it_
     state = copy_of(logged, tmp_path)
     params, _ = logged[1]
     (state / "log" / wal.optimizer_name(4)).unlink()
-    snap = persistence.load(state)
+    snap = snapshots.load(state)
     assert snap.round == 4 and all(torch.equal(snap.params[k], params[k]) for k in params)
     assert len(snap.notes) == 1 and "round 0's momentum" in snap.notes[0]
 
@@ -195,7 +196,7 @@ def test_a_rollback_sets_the_log_after_it_aside(tmp_path):
     assert done.returncode == 0, done.stderr
     assert [r for r, _ in wal.records(state)] == [0, 1]  # the updates to θ_1, θ_2: kept for catch-ups
     assert wal.optimizer_files(state) == []
-    snap = persistence.load(state)  # the round it published is set back too: the rollback is explicit
+    snap = snapshots.load(state)  # the round it published is set back too: the rollback is explicit
     assert snap.round == 2 and len(snap.history) == 2
 
 
@@ -217,7 +218,7 @@ def test_a_record_streamed_during_the_step_is_the_same_record_and_its_failures_f
     streamed = run(tmp_path / "streamed", 3, snapshot_every=100)
     assert finished == [True, True, True]
     for state in ("whole", "streamed"):
-        snap = persistence.load(tmp_path / state)
+        snap = snapshots.load(tmp_path / state)
         assert snap.round == 3 and snap.notes == []
         got = (snap.params, snap.extra)
         for mine, theirs in zip(got, streamed if state == "whole" else whole, strict=True):
@@ -237,7 +238,7 @@ def test_a_record_streamed_during_the_step_is_the_same_record_and_its_failures_f
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     run(tmp_path / "full", 2, snapshot_every=100)
-    assert finished == [False, False] and persistence.load(tmp_path / "full").round == 2
+    assert finished == [False, False] and snapshots.load(tmp_path / "full").round == 2
     assert not [p for p in (tmp_path / "full" / wal.LOG).iterdir() if p.name.endswith(".tmp")]
 
 

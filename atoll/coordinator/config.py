@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from atoll.compression import get_codec
-from atoll.coordinator import grace
+from atoll.coordinator.policy import grace
 
 OUTER_MODES = ("sync", "decoupled")
 TOKENS_PER_STEP_BOUND = 1 << 24

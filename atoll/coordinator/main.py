@@ -9,8 +9,8 @@ import signal
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.corelog import CoreLog
-from atoll.coordinator.server import CoordinatorServer
+from atoll.coordinator.transport.corelog import CoreLog
+from atoll.coordinator.transport.server import CoordinatorServer
 from atoll.files import write_atomic
 from atoll.memory import tune_for_bulk_buffers
 

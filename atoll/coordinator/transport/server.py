@@ -13,13 +13,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from atoll.coordinator.bulk import BulkServer
-from atoll.coordinator.closing import run_decider
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.core import RunState
-from atoll.coordinator.outer import NonFiniteTheta
-from atoll.coordinator.security import IslandTokens, TlsConfig, TokenInterceptor
-from atoll.coordinator.service import STREAM_IDLE_SECONDS, CoordinatorServicer, Counters, add_servicer
+from atoll.coordinator.run.decider import run_decider
+from atoll.coordinator.run.run_state import RunState
+from atoll.coordinator.state.outer import NonFiniteTheta
+from atoll.coordinator.transport.bulk_port import BulkServer
+from atoll.coordinator.transport.counters import Counters
+from atoll.coordinator.transport.security import IslandTokens, TlsConfig, TokenInterceptor
+from atoll.coordinator.transport.service import STREAM_IDLE_SECONDS, CoordinatorServicer, add_servicer
 from atoll.errors import PortInUse
 from atoll.protos.rpc import SERVER_OPTIONS, SERVICE_NAME
 
@@ -122,7 +123,7 @@ class CoordinatorServer:
         self.state = RunState(self.config, self.state_dir, **self.state_options)
         self.state.restore()
         if admin_port is not None:  # built first: a bad admin config fails before anything listens
-            from atoll.coordinator.admin import AdminServer
+            from atoll.coordinator.transport.admin import AdminServer
 
             self.admin = AdminServer(self, host=admin_host, port=admin_port, token=admin_token)
         interceptors = [TokenInterceptor(self.tokens)] if self.tokens else []

@@ -9,8 +9,8 @@ from atoll.compression import available_codecs, codec_name, get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.errors import Reason, RequestError, invalid, refuse
 from atoll.coordinator.messages import BUFFER, JoinRequest, PushHeader, TensorDecl
-from atoll.coordinator.regions import Region, check_coverage
-from atoll.coordinator.staging import EntryPlan, StagedRank
+from atoll.coordinator.state.plans import EntryPlan, StagedRank
+from atoll.coordinator.state.regions import Region, check_coverage
 from atoll.sharding import shard_of
 
 MAX_ID_LEN = 128
@@ -26,7 +26,7 @@ MAX_TENSOR_NORM = 2.0**40
 """The largest L2 norm (1.1e12) a tensor of θ_0 or of a pseudo-gradient may decode to, by the bound its
 codec gives from the payload (:meth:`atoll.compression.base.Codec.validate`). Far above any model's:
 GPT-2's largest tensor has a norm near 100. It keeps every decoded value finite, and with the round's
-running bound (:data:`atoll.coordinator.accumulator.SUM_LIMIT`) the weighted sum and the outer step."""
+running bound (:data:`atoll.coordinator.state.accumulator.SUM_LIMIT`) the weighted sum and the outer step."""
 
 
 def run_id(config: RunConfig, given: str) -> None:

@@ -3,17 +3,17 @@
 Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`messages`, refusals
 :class:`~atoll.coordinator.errors.RequestError`. Who owns what:
 
-- :class:`~atoll.coordinator.membership.Membership`: islands, leases, sessions, departures, the
+- :class:`~atoll.coordinator.state.membership.Membership`: islands, leases, sessions, departures, the
   bootstrap claim;
-- :class:`~atoll.coordinator.accumulator.RoundAccumulator`: staged pushes, committed contributions,
+- :class:`~atoll.coordinator.state.accumulator.RoundAccumulator`: staged pushes, committed contributions,
   the round's sum, the in-flight budget, open streams;
-- :class:`~atoll.coordinator.model.GlobalModel`: θ, specs, buffers, outer optimizer, downlink EF;
-- :class:`~atoll.coordinator.ledger.Ledger`: the open round, history, the sealed round, wake-ups;
-- :class:`~atoll.coordinator.downlink.Downlink`: the latest encoded update and the kept ones.
+- :class:`~atoll.coordinator.state.model.GlobalModel`: θ, specs, buffers, outer optimizer, downlink EF;
+- :class:`~atoll.coordinator.state.ledger.Ledger`: the open round, history, the sealed round, wake-ups;
+- :class:`~atoll.coordinator.state.downlink.Downlink`: the latest encoded update and the kept ones.
 
 :mod:`pushes` and :mod:`pulls` act on those; :mod:`closing` is the decider task. θ_0 and every
 round take ONE path: :meth:`RunState.seal` -> :meth:`RunState.try_publish` (make it durable, then
-publish): θ_0 as a snapshot, a round as its log record (:mod:`atoll.coordinator.wal`); the optimizer
+publish): θ_0 as a snapshot, a round as its log record (:mod:`atoll.coordinator.disk.wal`); the optimizer
 state and the snapshots every ``snapshot_every`` rounds are written after the publish, in the
 background. Waiting pulls get a round's update while its step makes it and its record is written,
 and their confirmation once it is published (:meth:`Pulls._tentative`).
@@ -35,15 +35,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from atoll.coordinator import checks, grace, persistence, wal
-from atoll.coordinator.accumulator import RoundAccumulator
-from atoll.coordinator.checkpoints import Checkpoints
 from atoll.coordinator.config import ConfigMismatch, RunConfig, apply_operational, reconcile
-from atoll.coordinator.downlink import Downlink
+from atoll.coordinator.disk import snapshots, wal
+from atoll.coordinator.disk.lock import StateLock
+from atoll.coordinator.disk.writer import StateWriter
 from atoll.coordinator.errors import Reason, refuse
-from atoll.coordinator.goodput import run_goodput
-from atoll.coordinator.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger, Sealed
-from atoll.coordinator.membership import Membership, island_state
 from atoll.coordinator.messages import (
     IslandCall,
     JoinAnswer,
@@ -55,12 +51,20 @@ from atoll.coordinator.messages import (
     PushOutcome,
     PushResult,
 )
-from atoll.coordinator.model import GlobalModel
-from atoll.coordinator.owners import Owners
-from atoll.coordinator.pulls import Pulls, wait_event
-from atoll.coordinator.pushes import Pushes
-from atoll.coordinator.rounds import RoundPolicy
-from atoll.coordinator.staging import PushPlan, Received, Reservation, StagedRank, release
+from atoll.coordinator.policy import grace
+from atoll.coordinator.policy.goodput import run_goodput
+from atoll.coordinator.policy.rounds import RoundPolicy
+from atoll.coordinator.run import checks
+from atoll.coordinator.run.owners import Owners
+from atoll.coordinator.run.pulls import Pulls, wait_event
+from atoll.coordinator.run.pushes import Pushes
+from atoll.coordinator.state.accumulator import RoundAccumulator
+from atoll.coordinator.state.budget import Reservation
+from atoll.coordinator.state.downlink import Downlink
+from atoll.coordinator.state.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger, Sealed
+from atoll.coordinator.state.membership import Membership, island_state
+from atoll.coordinator.state.model import GlobalModel
+from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
 from atoll.sharding import PARTITIONS
 
 log = logging.getLogger("atoll.coordinator")
@@ -108,7 +112,7 @@ class RunState:
         self.model = GlobalModel(config)
         self.ledger = Ledger(clock())
         self.downlink = Downlink(self.state_dir, max_pull_bytes=max_pull_bytes)
-        self.checkpoints = Checkpoints(self.state_dir, every=snapshot_every, keep=keep_snapshots)
+        self.writer = StateWriter(self.state_dir, every=snapshot_every, keep=keep_snapshots)
         owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
         self.pushes = Pushes(owners, clock=clock, name=name)
         self.pulls = Pulls(
@@ -121,7 +125,7 @@ class RunState:
         self.waiting = ""
         """What the open round waits for (the decider's last reason), for people."""
         self.lock = asyncio.Lock()
-        self._dir_lock: persistence.StateLock | None = None
+        self._dir_lock: StateLock | None = None
 
     # ---- what the run is -----------------------------------------------------------------------
     @property
@@ -161,7 +165,7 @@ class RunState:
         """Load the newest verified snapshot and the log after it; True if there was one. StateError /
         ConfigMismatch (one line each) when the state dir cannot be trusted or does not fit the config."""
         if self._dir_lock is None:  # one writer per state dir, from here until close()
-            self._dir_lock = persistence.StateLock(self.state_dir).acquire("starting a coordinator on it")
+            self._dir_lock = StateLock(self.state_dir).acquire("starting a coordinator on it")
         try:
             return self._restore()
         except BaseException:
@@ -169,7 +173,7 @@ class RunState:
             raise
 
     def _restore(self) -> bool:
-        snap = persistence.load(self.state_dir)
+        snap = snapshots.load(self.state_dir)
         if snap is None:
             return False
         if (snap.shard, snap.partition) != (self.shard, self.partition):
@@ -183,7 +187,7 @@ class RunState:
             log.warning("%srestored run %s: %s", self.name, self.config.run_id, line)
         self.model.configure(self.config)
         self.model.restore(snap.params, snap.extra, snap.buffers, snap.layout_digest, snap.aliases)
-        self.checkpoints.restored()
+        self.writer.restored()
         self.ledger.round, self.ledger.history = snap.round, snap.history
         self.ledger.opened_at = self.clock()
         self.membership.restore(snap.islands, snap.departed)
@@ -196,7 +200,7 @@ class RunState:
 
     def close(self) -> None:
         """Wait for the background checkpoint being written (the server is stopping); let go of the dir."""
-        self.checkpoints.close()
+        self.writer.close()
         if self._dir_lock is not None:
             self._dir_lock.release()
             self._dir_lock = None
@@ -283,7 +287,7 @@ class RunState:
 
     def _write_departed(self) -> None:
         if self.model.ready:  # before θ_0 there is no run to protect
-            persistence.write_departed(self.state_dir, self.membership.departed)
+            snapshots.write_departed(self.state_dir, self.membership.departed)
 
     # ---- pushes and pulls ------------------------------------------------------------------------
     async def plan_push(self, h: PushHeader) -> PushPlan | PushResult:
@@ -350,14 +354,14 @@ class RunState:
             started = time.perf_counter()
             r, c = self.round, self.config
             self.downlink.release_latest()  # its room goes to θ_{r+1}
-            await asyncio.to_thread(self.checkpoints.wait)  # the step changes what it may still write
+            await asyncio.to_thread(self.writer.wait)  # the step changes what it may still write
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             summary, weight = acc.record(), acc.weight_total()
             sizes = self.model.update_sizes()
             hint = wal.head_hint(sizes, lambda: self.membership.to_json()["islands"], self.history[-1:])
             with (
                 self.ledger.producing_step(r, sizes, summary["loss"]) as made,
-                self.checkpoints.streaming(r, made, hint) as made,  # the record is written meanwhile
+                self.writer.streaming(r, made, hint) as made,  # the record is written meanwhile
             ):
                 params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made)
             record = {
@@ -422,7 +426,7 @@ class RunState:
                          record["reason"], loss, *took)  # fmt: skip
                 record["publish_seconds"] = time.perf_counter() - published
                 snap = self.snapshot(self.model.params, self.round, list(self.history))
-                self.checkpoints.after_publish(snap, keep_from=self.downlink.keep_from(self.round) - 1)
+                self.writer.after_publish(snap, keep_from=self.downlink.keep_from(self.round) - 1)
             if self.run_complete:  # the run ending as configured: news, not a warning
                 log.info("%srun %s is complete after %d rounds", self.name, self.config.run_id, self.round)
         return True
@@ -432,13 +436,13 @@ class RunState:
         θ_0's snapshot, or a round's log record (update, history record, membership, config)."""
         if sealed.record is None:
             snap = self.snapshot(sealed.params, sealed.round + 1, self.history)
-            return lambda: self.checkpoints.bootstrap(snap)
+            return lambda: self.writer.bootstrap(snap)
         r, islands, config = sealed.round, self.membership.to_json()["islands"], self.config
-        return lambda: self.checkpoints.log_round(r, sealed.payloads, sealed.record, islands, config)
+        return lambda: self.writer.log_round(r, sealed.payloads, sealed.record, islands, config)
 
-    def snapshot(self, params, round_: int, history: list[dict]) -> persistence.Snapshot:
+    def snapshot(self, params, round_: int, history: list[dict]) -> snapshots.Snapshot:
         members = self.membership.to_json()
-        return persistence.Snapshot(
+        return snapshots.Snapshot(
             self.config,
             round_,
             params,

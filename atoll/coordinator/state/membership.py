@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atoll.coordinator.errors import Reason, refuse
-from atoll.coordinator.goodput import Goodput
-from atoll.coordinator.grace import Arrival
 from atoll.coordinator.messages import TensorDecl
+from atoll.coordinator.policy.goodput import Goodput
+from atoll.coordinator.policy.grace import Arrival
 
 log = logging.getLogger("atoll.coordinator")
 

@@ -12,10 +12,10 @@ import math
 import time
 from collections.abc import Callable
 
-from atoll.coordinator import checks
-from atoll.coordinator.downlink import Downlink
 from atoll.coordinator.messages import PullAnswer, PullRequest, UpdateKind
-from atoll.coordinator.owners import Owners
+from atoll.coordinator.run import checks
+from atoll.coordinator.run.owners import Owners
+from atoll.coordinator.state.downlink import Downlink
 from atoll.protos.rpc import DURABLE_WAIT_SECONDS
 
 MAX_WAIT_SECONDS = 60.0

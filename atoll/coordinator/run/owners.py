@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from atoll.coordinator.accumulator import RoundAccumulator
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.ledger import Ledger
-from atoll.coordinator.membership import Membership
-from atoll.coordinator.model import GlobalModel
+from atoll.coordinator.state.accumulator import RoundAccumulator
+from atoll.coordinator.state.ledger import Ledger
+from atoll.coordinator.state.membership import Membership
+from atoll.coordinator.state.model import GlobalModel
 
 
 @dataclass(frozen=True)
 class Owners:
-    """Built once by :class:`~atoll.coordinator.core.RunState`; :mod:`pushes` and :mod:`pulls` act
+    """Built once by :class:`~atoll.coordinator.run.run_state.RunState`; :mod:`pushes` and :mod:`pulls` act
     on these and hold no state of their own."""
 
     config: Callable[[], RunConfig]

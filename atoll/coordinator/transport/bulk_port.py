@@ -17,8 +17,8 @@ import logging
 import socket
 import time
 
-from atoll.coordinator.security import UNAUTHENTICATED, IslandTokens
-from atoll.coordinator.service import tolerant
+from atoll.coordinator.transport.security import UNAUTHENTICATED, IslandTokens
+from atoll.coordinator.transport.service import tolerant
 from atoll.errors import PortInUse
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb

@@ -13,7 +13,7 @@ import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.outer import FiniteTheta, NesterovSGD, outer_step_
+from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import held_elsewhere
 
 
@@ -123,8 +123,8 @@ class GlobalModel:
         """θ_{r+1} and the encoded outer update, from a round's Σ w_i Δ_i (``sums``, which becomes
         θ_{r+1}: no second copy of the model) or its robust aggregate; θ_r and the optimizer's
         momentum advance only here. ``made(name, payload)``: each tensor's payload as soon as it is
-        final. See :func:`atoll.coordinator.outer.outer_step_`. θ_{r+1} is checked finite
-        (:class:`~atoll.coordinator.outer.FiniteTheta`: NonFiniteTheta, and nothing is sealed)."""
+        final. See :func:`atoll.coordinator.state.outer.outer_step_`. θ_{r+1} is checked finite
+        (:class:`~atoll.coordinator.state.outer.FiniteTheta`: NonFiniteTheta, and nothing is sealed)."""
         payloads = outer_step_(
             sums,
             self.params,

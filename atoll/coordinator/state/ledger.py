@@ -15,8 +15,8 @@ from functools import partial
 
 import torch
 
-from atoll.coordinator.goodput import tokens_per_step
 from atoll.coordinator.messages import PayloadEntry
+from atoll.coordinator.policy.goodput import tokens_per_step
 
 SAVE_RETRY_SECONDS = (0.5, 30.0)
 """First wait after a failed save, and the cap of its doubling."""

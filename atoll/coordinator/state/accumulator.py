@@ -13,19 +13,14 @@ import logging
 
 import torch
 
-from atoll.coordinator import robust
-from atoll.coordinator.downlink import identity_size
+from atoll.compression.base import weighted
 from atoll.coordinator.errors import Reason, refuse
-from atoll.coordinator.goodput import tokens_per_step
-from atoll.coordinator.staging import (
-    Committed,
-    InflightBudget,
-    PushClass,
-    Reservation,
-    StagedRank,
-    accumulate,
-    release,
-)
+from atoll.coordinator.policy.goodput import tokens_per_step
+from atoll.coordinator.policy.weighting import PushClass
+from atoll.coordinator.state import robust
+from atoll.coordinator.state.budget import InflightBudget, Reservation
+from atoll.coordinator.state.downlink import identity_size
+from atoll.coordinator.state.plans import Committed, StagedRank, release
 from atoll.protos.rpc import BufferPool
 
 log = logging.getLogger("atoll.coordinator")
@@ -189,7 +184,7 @@ class RoundAccumulator:
     def reset(self, sums: dict[str, torch.Tensor], stale: set[str] | None = None) -> None:
         """A fresh sum for the open round (``sums``: shaped like θ). The tensors named in ``stale`` hold
         old values (the θ a publish replaced) and count as zero: the first contribution to one is
-        written into it rather than added (:func:`~atoll.coordinator.staging.accumulate`), which
+        written into it rather than added (:func:`~atoll.coordinator.state.plans.accumulate`), which
         saves zeroing |θ| after every publish, and :meth:`take` zeroes those that got none."""
         self._sums, self._stale, self._bound = sums, set(stale or ()), 0.0
 
@@ -247,3 +242,37 @@ class RoundAccumulator:
     def sum_of(self, name: str) -> torch.Tensor:
         """The open round's running sum of one tensor (for inspection)."""
         return self._zeroed(name)
+
+
+def assemble(ranks: list[StagedRank], specs: dict[str, tuple[int, ...]], codec) -> dict[str, torch.Tensor]:
+    """An island's whole delta, decoded densely (for the norm bound and robust aggregation)."""
+    out = {k: torch.zeros(s, dtype=torch.float32) for k, s in specs.items()}
+    for staged in ranks:
+        for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
+            out[entry.name][entry.region.slices()] = codec.decode(payload, entry.region.sizes)
+    return out
+
+
+def accumulate(
+    ranks: list[StagedRank], accum: dict[str, torch.Tensor], codec, weight: float, stale: set[str] | None = None
+) -> None:
+    """``accum += weight * Δ`` for an island's ranks, decoding straight into the accumulator. ``weight * Δ``
+    is rounded before the add, so two islands sum to the same bits in either arrival order. A tensor
+    named in ``stale`` holds old values that count as zero: an entry covering all of it is written
+    (``weight * Δ``, the bits ``0 + weight * Δ`` gives), else the tensor is zeroed first; its name
+    leaves ``stale`` either way."""
+    for staged in ranks:
+        for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
+            whole = accum[entry.name]
+            target = whole[entry.region.slices()]
+            if stale is not None and entry.name in stale:
+                stale.discard(entry.name)
+                if target.numel() == whole.numel() and target.is_contiguous():
+                    codec.write_weighted_(payload, target, alpha=weight, verified=True)
+                    continue
+                whole.zero_()
+            if target.is_contiguous():  # every entry was checked as it arrived (its crc32c too)
+                codec.decode_add_(payload, target, alpha=weight, verified=True)
+            else:
+                got = codec.decode(payload, entry.region.sizes, verified=True)
+                target.add_(weighted(got, weight))  # no fused w·Δ + acc

@@ -15,21 +15,17 @@ from collections.abc import Callable
 import torch
 
 from atoll.compression import WireFormatError, get_codec
-from atoll.coordinator import checks, robust
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.errors import Reason, invalid, refuse
-from atoll.coordinator.ledger import BOOTSTRAP
 from atoll.coordinator.messages import PushHeader, PushKind, PushOutcome, PushResult
-from atoll.coordinator.owners import Owners
-from atoll.coordinator.staging import (
-    Committed,
-    PushClass,
-    PushPlan,
-    StagedRank,
-    assemble,
-    classify,
-    release,
-)
+from atoll.coordinator.policy import weighting
+from atoll.coordinator.policy.weighting import PushClass, classify
+from atoll.coordinator.run import checks
+from atoll.coordinator.run.owners import Owners
+from atoll.coordinator.state import robust
+from atoll.coordinator.state.accumulator import assemble
+from atoll.coordinator.state.ledger import BOOTSTRAP
+from atoll.coordinator.state.plans import Committed, PushPlan, StagedRank, release
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -37,16 +33,6 @@ Theta0 = tuple[
     dict[str, torch.Tensor], dict[str, tuple[int, ...]], frozenset[str], str | None, dict[str, tuple[str, ...]]
 ]
 """θ_0 as the bootstrap island sent it: (params, specs, buffers, layout digest, tied-weight aliases)."""
-
-
-def step_scale(c: RunConfig, inner_steps: int) -> float:
-    """Decoupled: a delta of n > H inner steps (its island trained on while its exchange was out, or
-    carried a dropped push) enters the mean scaled by H/n, an estimate of the H-step update, while
-    its weight stays its tokens. At full size it both outweighs and outsizes the H-step deltas beside
-    it, and the outer step overshoots (benchmarks/RESULTS.md). 1 in sync mode, and for n <= H."""
-    if c.outer_mode != "decoupled" or inner_steps <= c.sync_every:
-        return 1.0
-    return c.sync_every / inner_steps
 
 
 class Pushes:
@@ -177,10 +163,8 @@ class Pushes:
         late = cls is PushClass.LATE
         try:
             checks.coverage(self.model.specs, ranks, f"island {plan.island_id!r} discarded for round {ledger.round}")
-            weight = self._weight(plan)
-            if late:
-                weight *= c.staleness_weight ** (ledger.round - plan.round)
-            scale = step_scale(c, ranks[0].plan.inner_steps)
+            weight = self._weight(plan, ledger.round - plan.round if late else 0)
+            scale = weighting.step_scale(c.outer_mode == "decoupled", c.sync_every, ranks[0].plan.inner_steps)
             acc.admit(weight * scale * max(r.magnitude for r in ranks), f"island {plan.island_id!r}")
             if c.aggregation == "mean" and not c.max_delta_norm:
                 await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale)
@@ -250,25 +234,24 @@ class Pushes:
         )
         return PushResult(PushOutcome.ROUND_CLOSED, self.ledger.round, committed=False)
 
-    def _weight(self, plan: PushPlan) -> float:
-        """An island's weight in the mean: the tokens it reports. One that reports none (its step()
-        calls lack tokens=) but took inner steps weighs its steps times the tokens per step of the
-        islands that do report them (the last closed round's, else this round's so far), or its steps
-        alone when nobody reports tokens, never more than the run's token bound; it was weighed 1
-        token, a fraction of any other island."""
-        if plan.tokens or not plan.inner_steps:
-            return float(max(plan.tokens, 1))
-        per_step = self.ledger.tokens_per_step() or self.accumulator.tokens_per_step() or 1.0
-        log.warning(
-            "%sisland %s reported no tokens for its %d inner steps: weighed as %d steps x %.4g tokens per step "
-            "(pass tokens= to step())",
-            self.name,
-            plan.island_id,
-            plan.inner_steps,
-            plan.inner_steps,
-            per_step,
-        )
-        return min(plan.inner_steps * per_step, float(self._config().token_bound))
+    def _weight(self, plan: PushPlan, late_by: int) -> float:
+        """The island's weight in the round's mean (:func:`~atoll.coordinator.policy.weighting.weight`),
+        from the tokens per step of the islands that report them (the last closed round's, else this
+        round's so far); a token-less island is warned about, since it was once weighed 1 token."""
+        c = self._config()
+        per_step = self.ledger.tokens_per_step() or self.accumulator.tokens_per_step()
+        w = weighting.weight(plan.tokens, plan.inner_steps, per_step, c.token_bound, c.staleness_weight, late_by)
+        if not plan.tokens and plan.inner_steps:
+            log.warning(
+                "%sisland %s reported no tokens for its %d inner steps: weighed as %d steps x %.4g tokens per step "
+                "(pass tokens= to step())",
+                self.name,
+                plan.island_id,
+                plan.inner_steps,
+                plan.inner_steps,
+                per_step or 1.0,
+            )
+        return w
 
     async def _add_dense(
         self, key: tuple[str, int], ranks: list[StagedRank], weight: float, c: RunConfig, scale: float

@@ -11,13 +11,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from dataclasses import dataclass
-from typing import ClassVar
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from atoll.coordinator.core import RunState
 from atoll.coordinator.errors import Reason, RequestError, invalid, refuse
 from atoll.coordinator.messages import (
     BUFFER,
@@ -33,8 +30,10 @@ from atoll.coordinator.messages import (
     TensorDecl,
     UpdateKind,
 )
-from atoll.coordinator.security import IslandTokens
-from atoll.coordinator.staging import Received
+from atoll.coordinator.run.run_state import RunState
+from atoll.coordinator.state.plans import Received
+from atoll.coordinator.transport.counters import Counters
+from atoll.coordinator.transport.security import IslandTokens
 from atoll.names import canonical_name
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
@@ -54,38 +53,6 @@ PUSH_OUTCOMES = {o: getattr(pb, f"PUSH_OUTCOME_{o.name}") for o in PushOutcome}
 UPDATE_KINDS = {k: getattr(pb, f"UPDATE_KIND_{k.name}") for k in UpdateKind}
 PUSH_KINDS = {pb.PUSH_KIND_DELTA: PushKind.DELTA, pb.PUSH_KIND_INIT: PushKind.INIT}
 TENSOR_KINDS = {pb.TENSOR_KIND_PARAMETER: PARAMETER, pb.TENSOR_KIND_BUFFER: BUFFER}
-
-
-@dataclass
-class Counters:
-    HELP: ClassVar[dict[str, str]] = {
-        "bytes_in": "Payload bytes received in accepted pushes",
-        "bytes_out": "Payload bytes sent in pulls",
-        "pushes_committed": "Islands' contributions committed to their round",
-        "pushes_late_folded": "Late pushes folded into a later round",
-        "pushes_late_dropped": "Pushes for a round that had closed (dropped)",
-        "pushes_refused": "Pushes refused for bad input",
-        "joins_refused": "Joins refused (wrong run, model, codec, shard, a second process, eviction, bad request)",
-        "pushes_busy": "Pushes refused at their header, before their data flowed: in-flight budget spent or a "
-        "stream of the same island and rank open (the island retries)",
-        "pulls_busy": "Pulls refused before their data flowed: the pull memory budget was spent (the island retries)",
-        "pulls_idle": "Pull streams ended because their peer took nothing for the idle limit",
-        "bulk_calls": "Pushes and pulls that came on the bulk port (the others came over gRPC)",
-    }
-    bytes_in: int = 0
-    bytes_out: int = 0
-    pushes_committed: int = 0
-    pushes_late_folded: int = 0
-    pushes_late_dropped: int = 0
-    pushes_refused: int = 0
-    pushes_busy: int = 0
-    pulls_busy: int = 0
-    pulls_idle: int = 0
-    joins_refused: int = 0
-    bulk_calls: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 class Malformed:
@@ -192,7 +159,7 @@ async def _abort(context: grpc.aio.ServicerContext, err: RequestError):
 async def next_chunk(it, timeout: float):
     """The next message of a request stream, or STREAM_IDLE after ``timeout`` seconds of silence.
 
-    Not ``asyncio.wait_for`` (see :func:`atoll.coordinator.pulls.wait_event`)."""
+    Not ``asyncio.wait_for`` (see :func:`atoll.coordinator.run.pulls.wait_event`)."""
     task = asyncio.ensure_future(it.__anext__())
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)

@@ -1,6 +1,6 @@
 """The decider: the background task that closes rounds.
 
-It evaluates :func:`~atoll.coordinator.rounds.decide` on every change and at deadlines, and asks the
+It evaluates :func:`~atoll.coordinator.policy.rounds.decide` on every change and at deadlines, and asks the
 run to close a round (:meth:`RunState.close_round`) or to retry the save of a sealed one
 (:meth:`RunState.try_publish`: a failed save is retried with capped backoff, so rounds resume by
 themselves once there is space). It logs what the round waits for and when it cannot close at all.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from atoll.coordinator.core import RunState
-from atoll.coordinator.pulls import wait_event
-from atoll.coordinator.rounds import Decision, IslandView, RoundView, decide, next_wakeup, stall
+from atoll.coordinator.policy.rounds import Decision, IslandView, RoundView, decide, next_wakeup, stall
+from atoll.coordinator.run.pulls import wait_event
+from atoll.coordinator.run.run_state import RunState
 
 log = logging.getLogger("atoll.coordinator")
 

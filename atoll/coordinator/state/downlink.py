@@ -2,7 +2,7 @@
 
 - The latest outer update stays in memory, encoded (every island pulls it right after a round),
   until the next round's outer step needs the room. It is already on disk: a round's update is its
-  log record (:mod:`atoll.coordinator.wal`), written before the round is published.
+  log record (:mod:`atoll.coordinator.disk.wal`), written before the round is published.
 - Older ones, up to ``window`` rounds back, are read from the log when an island that fell behind
   asks; one that is missing or damaged only means a full θ for an island that far behind.
 - A full θ (an island joining, or too far behind) and any region of a tensor are encoded one entry
@@ -24,11 +24,11 @@ import torch
 
 from atoll.compression import codec_of, get_codec, wire
 from atoll.compression.wire import payload_size
-from atoll.coordinator import wal
+from atoll.coordinator.disk import wal
 from atoll.coordinator.errors import Reason
 from atoll.coordinator.messages import PayloadEntry
-from atoll.coordinator.regions import Region
-from atoll.coordinator.staging import InflightBudget, Reservation
+from atoll.coordinator.state.budget import InflightBudget, Reservation
+from atoll.coordinator.state.regions import Region
 
 IDENTITY_ID = get_codec("identity").codec_id
 UPDATES_KEPT = 8

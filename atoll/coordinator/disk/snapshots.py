@@ -4,7 +4,7 @@
 downlink error feedback, plus (metadata) the round, run config, membership, history and a
 CRC-32C per tensor. It is written to a temporary file, fsynced, renamed and the directory
 fsynced: a crash leaves the previous snapshot or the new one, never a mix. θ_0's is written before
-θ_0 is published; later ones in the background every few rounds (:mod:`atoll.coordinator.wal`),
+θ_0 is published; later ones in the background every few rounds (:mod:`atoll.coordinator.disk.wal`),
 while each round is made durable by its log record before it is published. :func:`load` is the
 newest snapshot plus the log replayed after it. The newest ``keep`` snapshots stay; a damaged
 newest one, or a damaged log, is refused, never silently replaced by older state: an operator rolls
@@ -18,9 +18,7 @@ newest records) is refused, never a silent rollback.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import shutil
 import time
@@ -30,16 +28,15 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from atoll.coordinator import wal
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.integrity import META_DIGEST, IntegrityError, check_file, write_file
+from atoll.coordinator.disk import wal
+from atoll.coordinator.disk.verified import META_DIGEST, IntegrityError, check_file, write_file
 from atoll.files import fsync_dir, write_atomic
 
 FORMAT = "atoll-state-3"
 """Format 3 adds the metadata's own checksum; format 2 snapshots (without it) still load."""
 FORMATS = ("atoll-state-2", FORMAT)
 SNAPSHOT_NAME = re.compile(r"snapshot-(\d{8,})\.safetensors")
-LOCK = ".lock"
 SNAPSHOT_PREFIX = "snapshot-"
 SUFFIX = ".safetensors"
 UPDATES = "updates"
@@ -97,40 +94,6 @@ def snapshot_paths(state_dir: Path) -> list[Path]:
 
 def read_round(path: Path) -> int:
     return int(SNAPSHOT_NAME.fullmatch(Path(path).name).group(1))
-
-
-class StateLock:
-    """One writer per state dir: an exclusive ``flock`` on the state dir itself, which the kernel
-    releases when the process dies (a SIGKILLed coordinator leaves no stale lock) and which no file
-    operation can remove from under its holder (a lock on ``STATE_DIR/.lock`` was gone once the file
-    was deleted). ``.lock`` only says who holds it: ``acquire`` raises StateError naming that pid."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.path = Path(state_dir) / LOCK
-        self._fd: int | None = None
-
-    def acquire(self, what: str) -> StateLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            try:
-                holder = "process " + (self.path.read_text(errors="replace").strip() or "unknown")
-            except OSError:
-                holder = f"another process ({LOCK}, which names it, was removed)"
-            raise StateError(
-                f"{self.path.parent} is in use by {holder} (a coordinator or an atoll tool); stop it before {what}"
-            ) from None
-        self._fd = fd
-        self.path.write_text(f"{os.getpid()}\n")
-        return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
 
 
 def save(state_dir: Path, snap: Snapshot, *, keep: int | None = 2) -> Path:

@@ -7,7 +7,7 @@ directory fsync) *before* θ_{r+1} is published, so anything an island may hold 
 θ_{r+1} = θ_r + decode(update_r), the very arithmetic the coordinator and the islands did.
 
 The rest of the state is written after the publish, in the background
-(:class:`~atoll.coordinator.checkpoints.Checkpoints`):
+(:class:`~atoll.coordinator.disk.writer.StateWriter`):
 
 - ``log/optimizer-<R>.safetensors``: the outer optimizer's momentum and the downlink error feedback
   of θ_R, every round (the next outer step waits for it before it changes them);
@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from atoll.compression import codec_of
 from atoll.compression.wire import SEALED_DIGEST, WireFormatError
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.integrity import IntegrityError, check_file, header_bytes, write_file
+from atoll.coordinator.disk.verified import IntegrityError, check_file, header_bytes, write_file
 from atoll.files import StreamedFile, whole_blocks
 
 LOG = "log"
@@ -223,7 +223,7 @@ def load_update(state_dir: Path, theta_round: int) -> dict[str, memoryview] | No
 
 # ---- replay ---------------------------------------------------------------------------------
 def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
-    """Advance ``snap`` (a verified :class:`~atoll.coordinator.persistence.Snapshot`, changed in
+    """Advance ``snap`` (a verified :class:`~atoll.coordinator.disk.snapshots.Snapshot`, changed in
     place) by every logged round after it (up to θ_upto); returns warnings for the operator. LogError
     when a record is damaged or missing between others, or names other tensors than θ's."""
     notes: list[str] = []

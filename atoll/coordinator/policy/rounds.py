@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from atoll.coordinator.grace import OFF, grace_until
+from atoll.coordinator.policy.grace import OFF, grace_until
 
 
 class Decision(enum.Enum):
@@ -25,7 +25,7 @@ class RoundPolicy:
     """Seconds after the round opened when stragglers stop being waited for (the hard cap)."""
     grace: float | str = OFF
     """After quorum: wait for the missing live islands until their expected arrival ("auto"), a
-    fixed number of seconds, or until the deadline ("off"). See :mod:`atoll.coordinator.grace`."""
+    fixed number of seconds, or until the deadline ("off"). See :mod:`atoll.coordinator.policy.grace`."""
     decoupled: bool = False
     """Decoupled outer loop: an island training on an older θ is not waited for (its push will be
     folded, never committed to this round), and a grace window ends at ``DECOUPLED_SLACK`` of the

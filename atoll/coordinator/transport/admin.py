@@ -33,9 +33,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch
-from atoll.coordinator.goodput import run_goodput
-from atoll.coordinator.membership import IslandState
-from atoll.coordinator.service import Counters
+from atoll.coordinator.policy.goodput import run_goodput
+from atoll.coordinator.state.membership import IslandState
+from atoll.coordinator.transport.counters import Counters
 from atoll.errors import PortInUse
 
 log = logging.getLogger("atoll.coordinator")
@@ -208,7 +208,7 @@ def _is_loopback(host: str) -> bool:
 
 class AdminServer:
     def __init__(self, server, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
-        """``server``: the :class:`~atoll.coordinator.server.CoordinatorServer` (its state and counters)."""
+        """``server``: the :class:`~atoll.coordinator.transport.server.CoordinatorServer` (its state and counters)."""
         if not _is_loopback(host) and not token:
             raise ValueError(f"admin HTTP on non-loopback address {host!r} needs a token (--admin-token)")
         self.server = server

@@ -1,13 +1,13 @@
 """What the coordinator writes to its state dir, and when: the one owner of that sequence.
 
 - before θ_0 is published: its snapshot;
-- before a round is published: its log record (:func:`atoll.coordinator.wal.append`), small, most of
-  it written while the outer step makes the update (:meth:`Checkpoints.streaming`);
+- before a round is published: its log record (:func:`atoll.coordinator.disk.wal.append`), small, most of
+  it written while the outer step makes the update (:meth:`StateWriter.streaming`);
 - after a publish, in the background while the next round runs: the round now published
-  (:func:`persistence.write_head`), the optimizer state of the new θ, or, every ``every`` rounds, a
+  (:func:`snapshots.write_head`), the optimizer state of the new θ, or, every ``every`` rounds, a
   full snapshot; then the files no longer needed are pruned.
 
-The next outer step waits (:meth:`Checkpoints.wait`) for the background write, since it changes
+The next outer step waits (:meth:`StateWriter.wait`) for the background write, since it changes
 momentum and error feedback in place; θ itself is never changed in place.
 """
 
@@ -19,13 +19,13 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from atoll.coordinator import persistence, wal
 from atoll.coordinator.config import RunConfig
+from atoll.coordinator.disk import snapshots, wal
 
 log = logging.getLogger("atoll.coordinator")
 
 
-class Checkpoints:
+class StateWriter:
     def __init__(self, state_dir: Path, *, every: int, keep: int) -> None:
         if every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {every}")
@@ -40,11 +40,11 @@ class Checkpoints:
 
     def restored(self) -> None:
         """After a restore: the newest snapshot is the one on disk."""
-        self.snapshot_round = persistence.read_round(persistence.snapshot_paths(self.state_dir)[-1])
+        self.snapshot_round = snapshots.read_round(snapshots.snapshot_paths(self.state_dir)[-1])
 
     # ---- before a publish (a worker thread; raises when the write fails) ------------------------
-    def bootstrap(self, snap: persistence.Snapshot) -> None:
-        persistence.save(self.state_dir, snap, keep=None)
+    def bootstrap(self, snap: snapshots.Snapshot) -> None:
+        snapshots.save(self.state_dir, snap, keep=None)
 
     def log_round(self, round_: int, payloads: dict, record: dict, islands: dict, config: RunConfig) -> None:
         stream, self._stream = self._stream, None
@@ -79,7 +79,7 @@ class Checkpoints:
             raise
 
     # ---- after a publish ------------------------------------------------------------------------
-    def after_publish(self, snap: persistence.Snapshot, keep_from: int) -> None:
+    def after_publish(self, snap: snapshots.Snapshot, keep_from: int) -> None:
         """Write ``snap``'s optimizer state, or all of it when a snapshot is due, in the background;
         keep log records from ``keep_from`` on (catch-ups read them)."""
         self.wait()
@@ -89,9 +89,9 @@ class Checkpoints:
         newest = self.snapshot_round
 
         def write() -> None:
-            persistence.write_head(self.state_dir, snap.round)
+            snapshots.write_head(self.state_dir, snap.round)
             if full:
-                persistence.save(self.state_dir, snap, keep=self.keep)
+                snapshots.save(self.state_dir, snap, keep=self.keep)
             else:
                 wal.write_optimizer(self.state_dir, snap.round, snap.extra)
             wal.prune(self.state_dir, snapshot_round=newest, keep_from=keep_from)

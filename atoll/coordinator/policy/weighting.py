@@ -1,0 +1,67 @@
+"""Where a push stands against the open round, and how much a contribution weighs in the round's mean:
+the one place for the rules (tokens, a token-less island's steps, staleness, step count).
+
+Round r's outer gradient is Σ w_i s_i Δ_i / Σ w_i over the contributions that entered it:
+
+- w_i, the weight: the tokens the delta covers (:func:`weight`); an island that reports none but took
+  inner steps weighs its steps times the others' tokens per step, never more than the run's token
+  bound; a delta k rounds late (:func:`classify`: LATE) weighs ``staleness_weight ** k`` times that;
+- s_i, the step scale (:func:`step_scale`): decoupled runs enter a delta of n > H inner steps as
+  (H/n)·Δ_i, an estimate of the H-step update (sync runs: 1).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class PushClass(enum.Enum):
+    NEW = "new"
+    LATE = "late"
+    """For a closed round, folded into the open one (late policy "fold", not too stale)."""
+    DUPLICATE = "duplicate"
+    CLOSED = "closed"
+    """For a closed round that is not folded: dropped."""
+    FUTURE = "future"
+
+
+def classify(push_round: int, open_round: int, *, sealed: bool, fold: bool, max_staleness: int) -> PushClass:
+    """Where a push for ``push_round`` stands. ``sealed``: the open round's outer step is computed
+    and waits to be saved (it takes nothing more; the next round is not open yet)."""
+    if push_round > open_round:
+        return PushClass.FUTURE
+    if sealed:
+        return PushClass.CLOSED
+    if push_round == open_round:
+        return PushClass.NEW
+    if fold and open_round - push_round <= max_staleness:
+        return PushClass.LATE
+    return PushClass.CLOSED
+
+
+def weight(
+    tokens: int,
+    inner_steps: int,
+    tokens_per_step: float | None,
+    token_bound: int,
+    staleness_weight: float,
+    late_by: int,
+) -> float:
+    """A contribution's weight in the round's mean: its ``tokens`` (at least 1); a token-less one that
+    took ``inner_steps`` weighs them times ``tokens_per_step`` of the islands that report both (1 when
+    none does), capped at ``token_bound``; ``late_by`` rounds late, times ``staleness_weight ** late_by``."""
+    if tokens or not inner_steps:
+        w = float(max(tokens, 1))
+    else:
+        w = min(inner_steps * (tokens_per_step or 1.0), float(token_bound))
+    return w * staleness_weight**late_by if late_by else w
+
+
+def step_scale(decoupled: bool, sync_every: int, inner_steps: int) -> float:
+    """Decoupled: a delta of n > H inner steps (its island trained on while its exchange was out, or
+    carried a dropped push) enters the mean scaled by H/n, an estimate of the H-step update, while its
+    weight stays its tokens. At full size it both outweighed and outsized the H-step deltas beside it,
+    and the outer step overshot (benchmarks/RESULTS.md). 1 in sync mode, and for n <= H."""
+    if not decoupled or inner_steps <= sync_every:
+        return 1.0
+    return sync_every / inner_steps

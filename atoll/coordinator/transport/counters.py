@@ -1,0 +1,40 @@
+"""What the transports count: bytes in and out, and every refusal by kind. Written by the gRPC service
+and the bulk port (which calls it), read by the admin server's /metrics and /api/status."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass
+class Counters:
+    HELP: ClassVar[dict[str, str]] = {
+        "bytes_in": "Payload bytes received in accepted pushes",
+        "bytes_out": "Payload bytes sent in pulls",
+        "pushes_committed": "Islands' contributions committed to their round",
+        "pushes_late_folded": "Late pushes folded into a later round",
+        "pushes_late_dropped": "Pushes for a round that had closed (dropped)",
+        "pushes_refused": "Pushes refused for bad input",
+        "joins_refused": "Joins refused (wrong run, model, codec, shard, a second process, eviction, bad request)",
+        "pushes_busy": "Pushes refused at their header, before their data flowed: in-flight budget spent or a "
+        "stream of the same island and rank open (the island retries)",
+        "pulls_busy": "Pulls refused before their data flowed: the pull memory budget was spent (the island retries)",
+        "pulls_idle": "Pull streams ended because their peer took nothing for the idle limit",
+        "bulk_calls": "Pushes and pulls that came on the bulk port (the others came over gRPC)",
+    }
+    bytes_in: int = 0
+    bytes_out: int = 0
+    pushes_committed: int = 0
+    pushes_late_folded: int = 0
+    pushes_late_dropped: int = 0
+    pushes_refused: int = 0
+    pushes_busy: int = 0
+    pulls_busy: int = 0
+    pulls_idle: int = 0
+    joins_refused: int = 0
+    bulk_calls: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
