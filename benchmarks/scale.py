@@ -48,7 +48,7 @@ def island_main(args) -> None:
     import torch
 
     from atoll.islands import CoordinatorLink, DiLoCo
-    from atoll.islands.client import CoordinatorClient, RetryPolicy
+    from atoll.islands.transport.client import CoordinatorClient, RetryPolicy
     from atoll.memory import tune_for_bulk_buffers
     from atoll.models import TinyGPT, preset
 
@@ -63,23 +63,8 @@ def island_main(args) -> None:
         """The real client; it times the last push, and the transfer of the last update pulled (from
         its header to its last byte: not the long-poll wait before it)."""
 
-        def __init__(self, *a, **kw) -> None:
-            super().__init__(*a, **kw)
-            inner = self._pull_call
-
-            def timed(req, **kw):
-                def chunks():
-                    first, count = None, 0
-                    for chunk in inner(req, **kw):
-                        first = first or time.perf_counter()
-                        count += 1
-                        yield chunk
-                    if count > 1:
-                        times["pull"] = time.perf_counter() - first
-
-                return chunks()
-
-            self._pull_call = timed
+        def open_pull(self, req):
+            return TimedPull(super().open_pull(req))
 
         def push(self, header, payloads):
             started = time.perf_counter()
@@ -87,6 +72,25 @@ def island_main(args) -> None:
                 return super().push(header, payloads)
             finally:
                 times["push"] = time.perf_counter() - started
+
+    class TimedPull:
+        """A pull stream that times its transfer: from its header to its end."""
+
+        def __init__(self, stream) -> None:
+            self.stream, self.first, self.entries = stream, None, 0
+
+        def header(self):
+            header = self.stream.header()
+            self.first, self.entries = time.perf_counter(), len(header.entries)
+            return header
+
+        def __getattr__(self, name):  # read_into, confirmation, end: the stream's own
+            return getattr(self.stream, name)
+
+        def close(self) -> None:
+            self.stream.close()
+            if self.entries:
+                times["pull"] = time.perf_counter() - self.first
 
     before = status_memory(os.getpid())["VmRSS"]
     shard_bytes = 4 * sum(p.numel() for p in model.parameters())

@@ -12,7 +12,7 @@ import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator import CoordinatorServer, RunConfig
-from atoll.islands.client import CoordinatorClient, RetryPolicy
+from atoll.islands.transport.client import CoordinatorClient, RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 
 

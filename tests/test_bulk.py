@@ -13,8 +13,9 @@ import torch
 from conftest import exact_config
 
 from atoll.coordinator.transport.security import IslandTokens
-from atoll.islands.bulk import BulkClient
-from atoll.islands.client import CoordinatorClient, PartialUpdate, RetryPolicy
+from atoll.islands.transport.client import BulkPort, CoordinatorClient, PartialUpdate, RetryPolicy
+from atoll.islands.transport.streams import TcpPush
+from atoll.islands.transport.transfer import write_push
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason
@@ -89,7 +90,8 @@ def test_a_refusal_part_way_reaches_the_client_and_stops_its_data(start_server, 
 
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
-        a.client.bulk.push(h, pieces())
+        port = a.client.bulk
+        write_push(TcpPush(port.host, port.port, h, auth="", timeout=5), h, pieces())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "crc32" in info.value.details()
     assert len(sent) < 64 and time.monotonic() - started < 10
 
@@ -103,11 +105,10 @@ def test_island_tokens_hold_on_the_bulk_port(start_server, raw_island, tmp_path)
     port = a.join().bulk_port
     refused = [("", "UNAUTHENTICATED"), ("Bearer wrong", "UNAUTHENTICATED"), ("Bearer tb", "PERMISSION_DENIED")]
     for auth, code in refused:
-        client = BulkClient("127.0.0.1", port, auth=auth, timeout=5)
         h = pb.PushHeader(run_id="t", island_id="a", round=0, kind=pb.PUSH_KIND_INIT, num_ranks=1, codec="identity")
         h.entries.add(name="w", num_bytes=8)
         with pytest.raises(grpc.RpcError) as info:
-            client.push(h, [bytes(8)])
+            write_push(TcpPush("127.0.0.1", port, h, auth=auth, timeout=5), h, [bytes(8)])
         assert info.value.code().name == code, auth
     a.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)  # its own token
     assert srv.server.state.model.ready
@@ -183,7 +184,7 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc(start_server, raw_island):
     closed = socket.create_server(("127.0.0.1", 0))
     dead_port = closed.getsockname()[1]
     closed.close()
-    a.client.bulk = BulkClient("127.0.0.1", dead_port, auth="", timeout=5)
+    a.client.bulk = BulkPort("127.0.0.1", dead_port)
     out = a.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
     assert out.outcome == pb.PUSH_OUTCOME_COMMITTED
     assert a.client.bulk is None and srv.server.counters.bulk_calls == 0
@@ -210,7 +211,7 @@ def test_a_pull_that_breaks_after_an_applied_entry_is_a_partial_update():
     t.start()
     client = CoordinatorClient("127.0.0.1:1", retry=RetryPolicy(give_up_seconds=5, rpc_timeout_seconds=5))
     try:
-        client.bulk = BulkClient("127.0.0.1", server.getsockname()[1], auth="", timeout=5)
+        client.bulk = BulkPort("127.0.0.1", server.getsockname()[1])
         applied = []
         with pytest.raises(PartialUpdate, match="after 1 entries"):
             client.pull(pb.PullRequest(have_round=0), on_entry=lambda h, i, p: applied.append(bytes(p)))

@@ -21,9 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from atoll.compression import ErrorFeedback, get_codec
 from atoll.coordinator import RunConfig
-from atoll.islands.client import RetryPolicy
 from atoll.islands.exchange import Placement, ShardState
 from atoll.islands.shards import local_shards
+from atoll.islands.transport.client import RetryPolicy
 
 CUDA = torch.device("cuda", 0)
 

@@ -23,7 +23,7 @@ from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorLink, CoordinatorRefused, DiLoCo
 from atoll.islands import diloco as diloco_module
 from atoll.islands import session as session_module
-from atoll.islands.client import RetryPolicy
+from atoll.islands.transport.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason
 

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 import grpc
 
 from atoll.islands.link import Transport
+from atoll.islands.transport.transfer import write_push
 from atoll.protos import coordinator_pb2 as pb
-from atoll.protos.rpc import data_chunks
 from atoll.workload.hooks import IslandHooks
 
 ISLAND_KINDS = ("slow", "stall", "kill_mid_push", "exit")
@@ -112,17 +112,20 @@ class DyingTransport:
             payloads = [payloads(i) for i in range(len(header.entries))]
         half = sum(len(p) for p in payloads) // 2
 
-        def chunks():
+        def pieces():
             sent = 0
-            for chunk in data_chunks(payloads, chunk_bytes=16384):  # small chunks: die close to half
-                if sent >= half:
-                    time.sleep(0.2)  # let the server take in what was sent
-                    os._exit(KILLED)
-                sent += chunk.nbytes
-                yield chunk
+            for payload in payloads:
+                view = memoryview(payload).cast("B")
+                for start in range(0, view.nbytes, 16384):  # small pieces: it dies close to half
+                    if sent >= half:
+                        time.sleep(0.2)  # let the server take in what was sent
+                        os._exit(KILLED)
+                    piece = view[start : start + 16384]
+                    sent += piece.nbytes
+                    yield piece
 
-        try:
-            return self.client.push_chunks(header, chunks())
+        try:  # one attempt
+            return write_push(self.client.open_push(header), header, pieces())
         except grpc.RpcError:
             os._exit(KILLED)
 

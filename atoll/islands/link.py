@@ -10,7 +10,7 @@ pseudo-gradients: :class:`~atoll.islands.diloco.DiLoCo` is the algorithm and use
         ...
 
 The transport is a seam: ``connect(address)`` returns anything shaped like :class:`Transport`
-(the real :class:`~atoll.islands.client.CoordinatorClient` by default); the harness injects faults
+(the real :class:`~atoll.islands.transport.client.CoordinatorClient` by default); the harness injects faults
 by wrapping the real client there.
 """
 
@@ -25,15 +25,15 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from atoll.islands.client import ClientTls, CoordinatorClient, RetryPolicy, parse_addresses
 from atoll.islands.session import Identity, Session
+from atoll.islands.transport.client import ClientTls, CoordinatorClient, RetryPolicy, parse_addresses
 from atoll.protos import coordinator_pb2 as pb
 
 log = logging.getLogger("atoll.island")
 
 
 class Transport(Protocol):
-    """One coordinator shard's RPCs, as :class:`~atoll.islands.client.CoordinatorClient` does them."""
+    """One coordinator shard's RPCs, as :class:`~atoll.islands.transport.client.CoordinatorClient` does them."""
 
     address: str
     retry: RetryPolicy
@@ -77,7 +77,7 @@ class CoordinatorLink:
         within seconds of the first failure, then every 30 s). ``heartbeat_seconds``: between lease
         renewals. ``pull_wait_seconds``: how long one long-poll for the outer step waits at the
         coordinator. ``connect(address)``: the transport of one shard (default: a
-        :class:`~atoll.islands.client.CoordinatorClient` with ``retry``, ``token`` and ``tls``).
+        :class:`~atoll.islands.transport.client.CoordinatorClient` with ``retry``, ``token`` and ``tls``).
 
         The constructor does no network I/O; :meth:`join` does."""
         self.addresses = parse_addresses(coordinator)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import grpc
 
 from atoll.compression import WireFormatError
-from atoll.islands.client import RETRYABLE, CoordinatorClient
 from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, PartialUpdate, QuorumGone
+from atoll.islands.transport.client import RETRYABLE, CoordinatorClient
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import FATAL, Reason
 from atoll.protos.status import reason_of

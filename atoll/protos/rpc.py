@@ -77,7 +77,7 @@ def server_handlers(servicer, parse: Callable[[Callable], Callable] = lambda f: 
     }
 
 
-def bulk_calls(channel: grpc.Channel) -> tuple[grpc.StreamUnaryMultiCallable, grpc.UnaryStreamMultiCallable]:
+def tensor_calls(channel: grpc.Channel) -> tuple[grpc.StreamUnaryMultiCallable, grpc.UnaryStreamMultiCallable]:
     """The client's PushDelta and PullUpdate calls, their chunks on the raw path (wire-compatible with
     the generated stub's)."""
     push = channel.stream_unary(

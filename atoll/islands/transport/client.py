@@ -1,0 +1,309 @@
+"""The island's client of one coordinator (shard), with deadlines and retries on every call.
+
+The control calls (Join, Heartbeat, Leave) go over gRPC; a push or a pull goes over the coordinator's
+bulk port when its Join advertised one (and back to gRPC if it cannot be reached), else over gRPC:
+either way one writer and one reader (:mod:`atoll.islands.transport.transfer`) over a stream of the
+transport's (:mod:`atoll.islands.transport.streams`).
+
+Every RPC is retried with capped exponential backoff while the coordinator is unreachable or
+busy (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED), for at most
+``RetryPolicy.give_up_seconds``; pushes are idempotent per (island, round, rank) on the server,
+so retrying them is safe. A coordinator that stays unreachable is reported at WARNING (which
+Python prints to stderr without any logging setup) within seconds, and again periodically.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from atoll.islands.errors import PartialUpdate, ProtocolError, WrongEndpoint
+from atoll.islands.transport.probe import diagnose
+from atoll.islands.transport.streams import BulkUnreachable, GrpcPull, GrpcPush, TcpPull, TcpPush
+from atoll.islands.transport.transfer import read_update, write_push
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos import coordinator_pb2_grpc as pb_grpc
+from atoll.protos.rpc import CLIENT_OPTIONS, DURABLE_WAIT_SECONDS, BufferPool, tensor_calls
+
+log = logging.getLogger("atoll.island")
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+T = TypeVar("T")
+_ADDRESS = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.-]+)):(?P<port>[0-9]{1,5})$")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[ipv6]:port`` -> (host, port); ValueError saying what is wrong otherwise."""
+    a = address.strip()
+    if "://" in a:
+        raise ValueError(f"coordinator address {address!r}: give host:port, without a scheme ({a.split('://')[0]}://)")
+    m = _ADDRESS.match(a)
+    if m is None:
+        if a and ":" not in a:
+            raise ValueError(f"coordinator address {address!r} has no port: give host:port, e.g. {a}:7070")
+        raise ValueError(f"coordinator address {address!r} is not host:port (e.g. coord.example:7070, [::1]:7070)")
+    port = int(m.group("port"))
+    if not 0 < port < 65536:
+        raise ValueError(f"coordinator address {address!r}: port {port} is outside 1..65535")
+    return m.group("v6") or m.group("host"), port
+
+
+def parse_addresses(coordinator: str) -> list[str]:
+    """A coordinator, or its shards comma-separated, each validated (ValueError)."""
+    addresses = [a.strip() for a in coordinator.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("coordinator must be host:port, or a comma-separated list of its shards")
+    for a in addresses:
+        parse_address(a)
+    return addresses
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    initial_backoff_seconds: float = 0.2
+    """First wait after a failed attempt."""
+    max_backoff_seconds: float = 5.0
+    """Cap on the wait between attempts."""
+    give_up_seconds: float = 600.0
+    """Stop retrying (and raise) once the coordinator has been unreachable this long."""
+    rpc_timeout_seconds: float = 60.0
+    """Deadline of one unary attempt (streams get this plus their transfer allowance)."""
+    warn_after_seconds: float = 3.0
+    """Report an unreachable coordinator at WARNING once it has failed this long, then every 30 s."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_backoff_seconds <= self.max_backoff_seconds:
+            raise ValueError("need 0 < initial_backoff_seconds <= max_backoff_seconds")
+        if self.give_up_seconds <= 0 or self.rpc_timeout_seconds <= 0:
+            raise ValueError("give_up_seconds and rpc_timeout_seconds must be > 0")
+
+
+@dataclass(frozen=True)
+class BulkPort:
+    """Where the coordinator's bulk port is (its Join advertised it): pushes and pulls go there."""
+
+    host: str
+    port: int
+
+
+WARN_EVERY_SECONDS = 30.0
+PULL_BUFFER_BYTES = 512 << 20
+"""Entry buffers an island keeps for its next pulls (one entry is held at a time: the largest few)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientTls:
+    ca: str
+    """PEM file of the CA that signed the coordinator's certificate."""
+    cert: str | None = None
+    """PEM certificate of this island (mutual TLS)."""
+    key: str | None = None
+    """PEM private key of this island (mutual TLS)."""
+    server_name: str | None = None
+    """Expected name in the coordinator's certificate, if not the address's host."""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path):
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca),
+            private_key=read(self.key) if self.key else None,
+            certificate_chain=read(self.cert) if self.cert else None,
+        )
+
+
+class CoordinatorClient:
+    def __init__(
+        self, address: str, *, retry: RetryPolicy | None = None, token: str | None = None, tls: ClientTls | None = None
+    ) -> None:
+        parse_address(address)
+        self.address = address
+        self.retry = retry or RetryPolicy()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        if tls is not None:
+            name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+            self._channel = grpc.secure_channel(address, tls.credentials(), options=CLIENT_OPTIONS + name)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._push_call, self._pull_call = tensor_calls(self._channel)
+        self._auth = f"Bearer {token}" if token else ""
+        self._said_unchecked = False
+        self.tls = tls
+        self.bulk: BulkPort | None = None
+        """The coordinator's bulk port, once a Join advertised one (never over TLS): pushes and
+        pulls go there, and back to gRPC if it cannot be reached."""
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.buffers = BufferPool(PULL_BUFFER_BYTES)
+        """Entry buffers of pulls applied entry by entry, reused round after round (no page faults)."""
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def call(self, what: str, fn: Callable[[], T], *, give_up_seconds: float | None = None, probe: bool = False) -> T:
+        """Run ``fn`` (one attempt of an RPC), retrying while the coordinator is unreachable or busy.
+        ``probe``: at the first UNAVAILABLE, find out whether the island's setup is the cause (TLS
+        against plaintext, a client certificate, the admin port: :mod:`atoll.islands.probe`) and raise
+        WrongEndpoint saying so, rather than retrying what cannot work."""
+        give_up = self.retry.give_up_seconds if give_up_seconds is None else give_up_seconds
+        started = time.monotonic()
+        warned_at = None
+        backoff = self.retry.initial_backoff_seconds
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                if probe and code == grpc.StatusCode.UNAVAILABLE:
+                    probe = False  # once: a coordinator that is down is retried as before
+                    problem = diagnose(*parse_address(self.address), self.tls)
+                    if problem is not None:
+                        raise WrongEndpoint(problem) from None
+                waited = time.monotonic() - started
+                if code not in RETRYABLE or waited >= give_up:
+                    if code in RETRYABLE:
+                        log.error(
+                            "%s: coordinator %s still %s after %.0fs; giving up", what, self.address, code.name, waited
+                        )
+                    raise
+                busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if (
+                    not busy
+                    and waited >= self.retry.warn_after_seconds
+                    and (warned_at is None or time.monotonic() - warned_at >= WARN_EVERY_SECONDS)
+                ):
+                    log.warning(
+                        "%s: coordinator %s unreachable for %.0fs (%s: %s); retrying for up to %.0fs more",
+                        what,
+                        self.address,
+                        waited,
+                        code.name,
+                        err.details(),
+                        give_up - waited,
+                    )
+                    warned_at = time.monotonic()
+                else:
+                    log.info("%s: %s (%s), retrying in %.1fs", what, code.name, err.details(), backoff)
+                time.sleep(min(backoff * (0.5 + random.random() / 2), max(give_up - waited, 0.0)))
+                backoff = min(backoff * 2, self.retry.max_backoff_seconds)
+
+    def _timeout(self, num_bytes: int = 0) -> float:
+        # Allow for the transfer itself on slow links (assume >= 1 MB/s) on top of the RPC deadline.
+        return self.retry.rpc_timeout_seconds + num_bytes / 1e6
+
+    def join(self, req: pb.JoinRequest, *, give_up_seconds: float | None = None) -> pb.JoinResponse:
+        resp = self.call(
+            "Join",
+            lambda: self._stub.Join(req, timeout=self._timeout(), metadata=self._metadata),
+            give_up_seconds=give_up_seconds,
+            probe=True,
+        )
+        if self._auth and not resp.checks_tokens and not self._said_unchecked:
+            self._said_unchecked = True
+            log.warning(
+                "the coordinator at %s checks no island tokens (it runs without --island-tokens): the token this "
+                "island sends protects nothing",
+                self.address,
+            )
+        self.bulk = None
+        if resp.bulk_port and self.tls is None:
+            self.bulk = BulkPort(parse_address(self.address)[0], resp.bulk_port)
+        return resp
+
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        return self._stub.Heartbeat(req, timeout=self.retry.rpc_timeout_seconds, metadata=self._metadata)
+
+    def leave(self, req: pb.LeaveRequest, *, give_up_seconds: float | None = None) -> pb.LeaveResponse:
+        return self.call(
+            "Leave",
+            lambda: self._stub.Leave(req, timeout=self._timeout(), metadata=self._metadata),
+            give_up_seconds=give_up_seconds,
+        )
+
+    def _transport(self, what: str, on_bulk: Callable[[BulkPort], T], on_grpc: Callable[[], T]) -> T:
+        """One attempt of a push or a pull: on the bulk port when there is one (a port that cannot be
+        reached is dropped until the next Join, and gRPC carries the call), else on gRPC."""
+        bulk = self.bulk  # a re-join (the heartbeat thread) may replace it meanwhile
+        if bulk is not None:
+            try:
+                return on_bulk(bulk)
+            except BulkUnreachable as err:
+                log.warning("%s: %s; pushing and pulling over gRPC until the next join", what, err)
+                if self.bulk is bulk:
+                    self.bulk = None
+        return on_grpc()
+
+    def open_push(self, header: pb.PushHeader):
+        """The stream of one push attempt (its header sent), on the bulk port or on gRPC."""
+        total = sum(e.num_bytes for e in header.entries)
+        return self._transport(
+            "PushDelta",
+            lambda port: TcpPush(port.host, port.port, header, auth=self._auth, timeout=self.retry.rpc_timeout_seconds),
+            lambda: GrpcPush(self._push_call, header, timeout=self._timeout(total), metadata=self._metadata),
+        )
+
+    def push(self, header: pb.PushHeader, payloads) -> pb.PushResponse:
+        """Push (retried): the header, then the payloads' bytes. ``payloads``: the entries' payloads in
+        order (or any bytes-like pieces adding up to them), or ``encode(i)`` that gives entry i's (of
+        the size the header declares), which is then encoded on this thread while the previous entry
+        is on the wire (two held at most); an attempt that is retried encodes again."""
+
+        def attempt() -> pb.PushResponse:
+            resp = write_push(self.open_push(header), header, payloads)
+            self.bytes_sent += sum(e.num_bytes for e in header.entries) + header.ByteSize()
+            return resp
+
+        return self.call("PushDelta", attempt)
+
+    def pull(self, req: pb.PullRequest, on_entry=None) -> tuple[pb.UpdateHeader, list[tuple[str, object]]]:
+        """One long-poll pull (retried); returns the header and each entry's (name, payload).
+
+        ``on_entry(header, i, payload)``: hand each entry over as soon as its bytes are in instead (the
+        payloads list is then empty), so no more than one entry is held; the payload must not be kept
+        once it returns (its buffer takes the next entries). Once an entry was handed over the pull is
+        not retried: a broken stream raises :class:`PartialUpdate`."""
+
+        def attempt():
+            stream = self.open_pull(req)
+            header, payloads, received = read_update(stream, on_entry, self.buffers, DURABLE_WAIT_SECONDS)
+            self.bytes_received += received + header.ByteSize()
+            if on_entry is not None:
+                return header, []
+            return header, [(e.name, p) for e, p in zip(header.entries, payloads, strict=True)]
+
+        return self.call("PullUpdate", attempt)
+
+    def open_pull(self, req: pb.PullRequest):
+        """The stream of one pull attempt, on the bulk port or on gRPC."""
+        return self._transport(
+            "PullUpdate",
+            lambda port: TcpPull(port.host, port.port, req, auth=self._auth, timeout=self.retry.rpc_timeout_seconds),
+            lambda: GrpcPull(
+                self._pull_call,
+                req,
+                timeout=self._timeout() + req.wait_seconds + DURABLE_WAIT_SECONDS,
+                metadata=self._metadata,
+            ),
+        )
+
+
+__all__ = [
+    "BulkPort",
+    "ClientTls",
+    "CoordinatorClient",
+    "PartialUpdate",
+    "ProtocolError",
+    "RetryPolicy",
+    "parse_address",
+    "parse_addresses",
+]

@@ -1,0 +1,281 @@
+"""The two byte sources of an island's transport: a push or a pull on gRPC, or on the coordinator's bulk
+port (one TCP connection per call, :mod:`atoll.protos.bulk`). Both give the same interface, so the one
+writer and the one reader (:mod:`atoll.islands.transport.transfer`) never know which carries the bytes.
+
+- :class:`PushStream`: the header goes first when it opens (an admission or a refusal comes back
+  before any data, on the bulk port); :meth:`~PushStream.send` hands over the next payload and returns
+  at once while the previous one is on the wire (one held, one sending), and says False once the
+  coordinator has answered part way (a refusal: stop sending); :meth:`~PushStream.finish` ends the data
+  and returns the answer, or raises the refusal.
+- :class:`PullStream`: :meth:`~PullStream.header`, then :meth:`~PullStream.read_into` the entries' data
+  in order, then, for a tentative update, :meth:`~PullStream.confirmation`.
+
+Failures are ``grpc.RpcError``\\ s on both (the bulk port's :class:`~atoll.protos.bulk.BulkError` has gRPC's
+codes), so retries and reasons treat the transports alike; a bulk port that cannot be reached at all
+raises :class:`BulkUnreachable`, and the client goes back to gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import select
+import socket
+import threading
+from typing import Protocol
+
+from atoll.islands.errors import ProtocolError
+from atoll.protos import bulk
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.raw import RawData
+from atoll.protos.rpc import MAX_MESSAGE_BYTES, ChunkPacker
+
+CONNECT_SECONDS = 10.0
+
+
+class BulkUnreachable(ConnectionError):
+    """The bulk port refused or did not answer the connection."""
+
+
+class PushStream(Protocol):
+    def send(self, payload) -> bool: ...
+
+    def finish(self) -> pb.PushResponse: ...
+
+    def abort(self) -> None: ...
+
+
+class PullStream(Protocol):
+    def header(self) -> pb.UpdateHeader: ...
+
+    def read_into(self, view: memoryview) -> None: ...
+
+    def confirmation(self, wait: float = 0.0) -> pb.Durable: ...
+
+    def end(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ---- gRPC ---------------------------------------------------------------------------------------
+class _End:
+    """The request stream's end."""
+
+
+class GrpcPush:
+    """A push as one gRPC stream-unary call: its request stream (the header, then the payloads cut into
+    chunks, small ones packed together) is read by gRPC's own thread from a one-deep queue."""
+
+    def __init__(self, call, header: pb.PushHeader, *, timeout: float, metadata) -> None:
+        self._ready: queue.Queue = queue.Queue(maxsize=1)
+        self._call = call.future(self._messages(header), timeout=timeout, metadata=metadata)
+
+    def _messages(self, header: pb.PushHeader):
+        yield pb.PushChunk(header=header)
+        packer = ChunkPacker()
+        while (payload := self._ready.get()) is not _End:
+            yield from packer.add(payload)
+            del payload
+        yield from packer.flush()
+
+    def send(self, payload) -> bool:
+        while not self._call.done():
+            try:
+                self._ready.put(payload, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False  # answered before reading everything (a duplicate, a closed round, a refusal)
+
+    def finish(self) -> pb.PushResponse:
+        self._end()
+        return self._call.result()
+
+    def abort(self) -> None:
+        self._call.cancel()
+        self._end()
+
+    def _end(self) -> None:
+        while not self._call.done():  # the request stream ends once its reader takes this
+            try:
+                self._ready.put(_End, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+
+class GrpcPull:
+    """A pull as one gRPC unary-stream call: the header message, data chunks, then (tentative) Durable."""
+
+    def __init__(self, call, req: pb.PullRequest, *, timeout: float, metadata) -> None:
+        self._stream = call(req, timeout=timeout, metadata=metadata)
+        self._chunk = memoryview(b"")
+
+    def _next(self):
+        try:
+            return next(self._stream)
+        except StopIteration:
+            return None
+
+    def header(self) -> pb.UpdateHeader:
+        first = self._next()
+        if first is None or isinstance(first, RawData) or first.WhichOneof("kind") != "header":
+            raise ProtocolError("update stream without a header first")
+        return first.header
+
+    def read_into(self, view: memoryview) -> None:
+        filled = 0
+        while filled < view.nbytes:
+            if not self._chunk.nbytes:
+                msg = self._next()
+                if msg is None:
+                    raise bulk.broken("the update stream ended before its entries' bytes")
+                if isinstance(msg, RawData):
+                    self._chunk = msg.view
+                elif msg.WhichOneof("kind") == "data":
+                    self._chunk = memoryview(msg.data)
+                else:
+                    raise ProtocolError("an update stream's message in the middle of its data")
+            take = min(self._chunk.nbytes, view.nbytes - filled)
+            view[filled : filled + take] = self._chunk[:take]
+            self._chunk, filled = self._chunk[take:], filled + take
+
+    def confirmation(self, wait: float = 0.0) -> pb.Durable:
+        msg = self._next()  # the call's own deadline allows for the wait
+        if msg is None:
+            raise bulk.broken("the update stream ended before its round was confirmed saved")
+        if isinstance(msg, RawData) or msg.WhichOneof("kind") != "durable":
+            raise ProtocolError("update stream data past its header's entries")
+        return msg.durable
+
+    def end(self) -> None:
+        """The stream must end here (nothing past what the header declares)."""
+        if self._chunk.nbytes or self._next() is not None:
+            raise ProtocolError("update stream data past its header's entries")
+
+    def close(self) -> None:
+        self._stream.cancel()
+
+
+# ---- the bulk port ------------------------------------------------------------------------------
+def _open(host: str, port: int, method: int, auth: str, message: bytes, timeout: float) -> socket.socket:
+    try:
+        sock = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
+    except OSError as err:
+        raise BulkUnreachable(f"bulk port {host}:{port}: {err}") from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(timeout)
+        sock.sendall(bulk.preamble(method, auth, message))
+    except OSError as err:
+        sock.close()
+        raise bulk.broken(f"{type(err).__name__}: {err}") from None
+    return sock
+
+
+def _answer(sock: socket.socket, *, continuing: bool = False) -> bytes | None:
+    """The server's answer: its OK message, None for CONTINUE (when ``continuing``), or raise its refusal."""
+    kind, data = bulk.read_frame(sock, MAX_MESSAGE_BYTES)
+    if kind == bulk.STATUS:
+        raise bulk.BulkError.from_status(data)
+    if kind == bulk.CONTINUE and continuing:
+        return None
+    if kind != bulk.OK:
+        raise bulk.broken(f"unexpected frame kind {kind}")
+    return data
+
+
+def _answered(sock: socket.socket) -> bool:
+    """The server has answered already (a refusal part way through the data): stop sending."""
+    poller = select.poll()  # not select(): descriptors past 1024
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class TcpPush:
+    """A push on the bulk port: the header in the preamble; the data goes once it is admitted (CONTINUE),
+    sent from the payloads' own memory by a sender thread while the caller makes the next one; the end
+    of the data is the client's half-close."""
+
+    def __init__(self, host: str, port: int, header: pb.PushHeader, *, auth: str, timeout: float) -> None:
+        self._sock = _open(host, port, bulk.PUSH, auth, pb.PushChunk(header=header).SerializeToString(), timeout)
+        self._ready: queue.Queue = queue.Queue(maxsize=1)
+        self._failed: list[BaseException | None] = []
+        self._early: bytes | None = None
+        try:
+            self._early = _answer(self._sock, continuing=True)  # None: admitted
+        except BaseException:
+            self._sock.close()
+            raise
+        self._sender = None
+        if self._early is None:
+            self._sender = threading.Thread(target=self._send_all, name="atoll-bulk-send", daemon=True)
+            self._sender.start()
+
+    def _send_all(self) -> None:
+        while (payload := self._ready.get()) is not _End:
+            if not self._failed and _answered(self._sock):
+                self._failed.append(None)  # refused part way: the answer is read by finish()
+            if not self._failed:
+                try:
+                    self._sock.sendall(payload)
+                except OSError as err:
+                    self._failed.append(bulk.broken(f"{type(err).__name__}: {err}"))
+            del payload
+
+    def send(self, payload) -> bool:
+        if self._sender is None or self._failed:
+            return False
+        self._ready.put(payload)
+        return True
+
+    def finish(self) -> pb.PushResponse:
+        try:
+            if self._sender is None:
+                return pb.PushResponse.FromString(self._early)  # answered at the header: nothing to send
+            self._ready.put(_End)
+            self._sender.join()
+            if not self._failed:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_WR)  # the end of the data
+            elif self._failed[0] is not None and not _answered(self._sock):
+                raise self._failed[0]  # the wire broke and no answer waits
+            # The answer, or the refusal part way (the server stopped reading).
+            return pb.PushResponse.FromString(_answer(self._sock))
+        finally:
+            self._sock.close()
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # a sender blocked on the wire gives up now
+        if self._sender is not None:
+            self._ready.put(_End)
+            self._sender.join()
+        self._sock.close()
+
+
+class TcpPull:
+    """A pull on the bulk port: the header frame, the entries' payloads read straight into the caller's
+    buffers, then (tentative) the Durable frame."""
+
+    def __init__(self, host: str, port: int, req: pb.PullRequest, *, auth: str, timeout: float) -> None:
+        self._timeout = timeout
+        self._sock = _open(host, port, bulk.PULL, auth, req.SerializeToString(), timeout + req.wait_seconds)
+
+    def header(self) -> pb.UpdateHeader:
+        header = pb.UpdateHeader.FromString(_answer(self._sock))
+        self._sock.settimeout(self._timeout)
+        return header
+
+    def read_into(self, view: memoryview) -> None:
+        bulk.recv_into(self._sock, view)
+
+    def confirmation(self, wait: float = 0.0) -> pb.Durable:
+        self._sock.settimeout(self._timeout + wait)
+        return pb.Durable.FromString(_answer(self._sock))
+
+    def end(self) -> None:
+        """The call ends with the header's entries (the server closes the connection)."""
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,86 @@
+"""The one writer of a push and the one reader of a pull, whatever carries the bytes
+(:mod:`atoll.islands.transport.streams`: gRPC or the bulk port).
+
+A push's payloads are a list, or ``encode(i)`` giving entry i's: then each entry is encoded on the
+calling thread while the stream sends the previous one (two held at most), and an attempt that is
+retried encodes again, so ``encode`` must give the same bytes each time.
+
+A pull's entries are read one at a time into reused buffers and handed to ``on_entry`` as each is in
+(one held at a time), or kept and returned. Once an entry was handed over the update cannot be taken
+back, so a stream that breaks after that raises :class:`~atoll.islands.errors.PartialUpdate` (the
+island then pulls the full θ); one that breaks before, or a tentative update whose confirmation never
+comes, is a broken call like any other, and is retried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from atoll.islands.errors import PartialUpdate, ProtocolError
+from atoll.islands.transport.streams import PullStream, PushStream
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.rpc import BufferPool, entry_buffer
+
+OnEntry = Callable[[pb.UpdateHeader, int, memoryview], None]
+
+
+def encoded(header: pb.PushHeader, encode: Callable[[int], object], i: int):
+    """Entry i's payload from ``encode``, of the size the header declares (ProtocolError if not)."""
+    payload, entry = encode(i), header.entries[i]
+    if len(payload) != entry.num_bytes:
+        raise ProtocolError(f"entry {entry.name}: {len(payload)} bytes encoded, header declares {entry.num_bytes}")
+    return payload
+
+
+def write_push(stream: PushStream, header: pb.PushHeader, payloads) -> pb.PushResponse:
+    """Send a push's payloads on ``stream`` (its header went when it opened) and return the answer.
+    ``payloads``: the entries' payloads (or any bytes-like pieces adding up to them), or ``encode(i)``."""
+    pieces = payloads
+    if callable(payloads):
+        pieces = (encoded(header, payloads, i) for i in range(len(header.entries)))  # made as they go
+    try:
+        for payload in pieces:
+            if not stream.send(payload):
+                break  # answered part way: a duplicate, a closed round, or a refusal
+            del payload
+    except BaseException:
+        stream.abort()
+        raise
+    return stream.finish()
+
+
+def read_update(
+    stream: PullStream, on_entry: OnEntry | None, pool: BufferPool, confirm_wait: float
+) -> tuple[pb.UpdateHeader, list, int]:
+    """Read a pull's answer from ``stream``: (header, payloads, received bytes). With ``on_entry(header,
+    i, payload)`` each entry is handed over as soon as its bytes are in (the payloads list is then
+    empty) and its buffer goes back to ``pool``; the payload must not be kept once it returns.
+    ``confirm_wait``: how long a tentative update's confirmation may take after its entries."""
+    handed, payloads, received = 0, [], 0
+    try:
+        header = stream.header()
+        for i, entry in enumerate(header.entries):
+            buf = pool.take(entry.num_bytes) if on_entry is not None else entry_buffer(entry.num_bytes)
+            payload = memoryview(buf)
+            stream.read_into(payload)
+            received += entry.num_bytes
+            if on_entry is None:
+                payloads.append(payload)
+                continue
+            on_entry(header, i, payload)  # applied: the payload is read no more
+            handed += 1
+            pool.give(payload)
+        if header.tentative:  # installed only once its round is saved
+            durable = stream.confirmation(confirm_wait)
+            if durable.round != header.round:
+                raise ProtocolError(f"confirmation of round {durable.round} for an update of round {header.round}")
+        stream.end()
+    except grpc.RpcError as err:
+        if handed:
+            raise PartialUpdate(f"the update stream broke after {handed} entries: {err.details()}") from err
+        raise
+    finally:
+        stream.close()
+    return header, payloads, received
