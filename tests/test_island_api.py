@@ -22,7 +22,7 @@ from conftest import exact_config, inner_step, make_diloco
 from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorLink, CoordinatorRefused, DiLoCo
 from atoll.islands import diloco as diloco_module
-from atoll.islands import session as session_module
+from atoll.islands.transport import session as session_module
 from atoll.islands.transport.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason

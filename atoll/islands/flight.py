@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from atoll.islands.messages import Pulled, PushHeader, PushKind, PushOutcome, Update
 from atoll.islands.routes import Routes
 from atoll.islands.schedule import Schedule
-from atoll.protos import coordinator_pb2 as pb
+from atoll.islands.transport.convert import push_header_from_wire
 
 log = logging.getLogger("atoll.island")
 
@@ -63,17 +64,16 @@ class Flight:
     merge: bool
     """Overlap: keep the progress made while the exchange was in flight when applying it."""
     bytes0: tuple[int, int] = (0, 0)
-    pushes: list[tuple[int, pb.PushHeader, list]] = field(default_factory=list)
+    pushes: list[tuple[int, PushHeader, list]] = field(default_factory=list)
     """(link, header, payloads) per link; payloads are dropped once acknowledged when ``rebuild`` can
     encode them again (a coordinator that restarted asks for them)."""
     rebuild: Callable[[int], list] | None = None
     encoder: Callable[[int], Callable[[int], bytes]] | None = None
     """Streamed pushes: ``encoder(link)(j)`` encodes the link's j-th payload as the stream asks."""
-    updates: list[tuple[int, pb.UpdateHeader, list]] = field(default_factory=list)
+    updates: list[tuple[int, Update, list]] = field(default_factory=list)
     """(link, header, payloads) of every update pulled, in order."""
-    outcomes: dict[int, int] = field(default_factory=dict)
-    """PushOutcome per link."""
-    result: tuple[str, float | None] = ("", None)
+    outcomes: dict[int, PushOutcome] = field(default_factory=dict)
+    result: tuple[Pulled | None, float | None] = (None, None)
     max_payload_numel: int = 0
     blocked: float = 0.0
     error: BaseException | None = None
@@ -113,10 +113,10 @@ class Flight:
             sent,
             received,
             self.blocked,
-            kind,
+            kind.value if kind is not None else "",
             self.max_payload_numel,
             tuple(self.links),
-            dropped=any(o == pb.PUSH_OUTCOME_ROUND_CLOSED for o in self.outcomes.values()),
+            dropped=any(o is PushOutcome.ROUND_CLOSED for o in self.outcomes.values()),
             run_complete=run_complete,
         )
 
@@ -134,7 +134,7 @@ def flight_state(f: Flight) -> dict:
         "pushes": [
             {
                 "link": i,
-                "header": _bytes_tensor(h.SerializeToString()),
+                "header": h.to_json(),
                 "payloads": [_bytes_tensor(p) for p in f.payloads_of(i)],
             }
             for i, h, _ in f.pushes
@@ -142,7 +142,7 @@ def flight_state(f: Flight) -> dict:
     }
 
 
-def restore_flight(sd: dict, sessions) -> Flight:
+def restore_flight(sd: dict) -> Flight:
     """The flight of :func:`flight_state`, ready to be pushed again (pushes are idempotent)."""
     flight = Flight(
         links=[int(i) for i in sd["links"]],
@@ -154,8 +154,10 @@ def restore_flight(sd: dict, sessions) -> Flight:
         merge=bool(sd["merge"]),
     )
     for push in sd["pushes"]:
-        header = pb.PushHeader.FromString(push["header"].numpy().tobytes())
-        header.session_id = sessions[int(push["link"])].me.session_id
+        saved = push["header"]  # a checkpoint of an earlier release holds its protobuf form
+        header = (
+            PushHeader.from_json(saved) if isinstance(saved, dict) else push_header_from_wire(saved.numpy().tobytes())
+        )
         flight.pushes.append((int(push["link"]), header, [bytearray(p.numpy().tobytes()) for p in push["payloads"]]))
     return flight
 
@@ -220,7 +222,7 @@ class Exchanges:
                     routes.states[s.key].take_snapshot()
             session = sessions[i]
             header = session.header(
-                pb.PUSH_KIND_DELTA,
+                PushKind.DELTA,
                 session.round,
                 owned,
                 sizes,
@@ -261,7 +263,7 @@ class Exchanges:
                 flight.outcomes[i] = sessions[i].push(header, flight.source(i))
             flight.release_payloads()
             for i, header, _ in flight.pushes:
-                dropped = flight.outcomes[i] == pb.PUSH_OUTCOME_ROUND_CLOSED
+                dropped = flight.outcomes[i] is PushOutcome.ROUND_CLOSED
                 if dropped:  # re-based on the new θ with the round's progress kept (before any update lands)
                     for s in routes.link_shards[i]:
                         routes.states[s.key].keep_base()
@@ -293,7 +295,7 @@ class Exchanges:
             by_link.setdefault(i, []).append((header, payloads))
         headers = {i: h for i, h, _ in flight.pushes}
         for i in flight.links:
-            dropped = flight.outcomes.get(i) == pb.PUSH_OUTCOME_ROUND_CLOSED
+            dropped = flight.outcomes.get(i) is PushOutcome.ROUND_CLOSED
             self.routes.apply_all(i, by_link.get(i, []))
             self.routes.load_params(i, merge=flight.merge or dropped)
             if dropped:  # what the push said it covers (also for a flight restored from a checkpoint)

@@ -21,36 +21,14 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Protocol
 
 import torch.distributed as dist
 
-from atoll.islands.session import Identity, Session
-from atoll.islands.transport.client import ClientTls, CoordinatorClient, RetryPolicy, parse_addresses
-from atoll.protos import coordinator_pb2 as pb
+from atoll.islands.messages import JoinAnswer
+from atoll.islands.transport.client import ClientTls, CoordinatorClient, RetryPolicy, Transport, parse_addresses
+from atoll.islands.transport.session import Identity, Session
 
 log = logging.getLogger("atoll.island")
-
-
-class Transport(Protocol):
-    """One coordinator shard's RPCs, as :class:`~atoll.islands.transport.client.CoordinatorClient` does them."""
-
-    address: str
-    retry: RetryPolicy
-    bytes_sent: int
-    bytes_received: int
-
-    def join(self, req: pb.JoinRequest, *, give_up_seconds: float | None = None) -> pb.JoinResponse: ...
-
-    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse: ...
-
-    def leave(self, req: pb.LeaveRequest, *, give_up_seconds: float | None = None) -> pb.LeaveResponse: ...
-
-    def push(self, header: pb.PushHeader, payloads) -> pb.PushResponse: ...
-
-    def pull(self, req: pb.PullRequest, on_entry=None) -> tuple[pb.UpdateHeader, list]: ...
-
-    def close(self) -> None: ...
 
 
 class CoordinatorLink:
@@ -117,7 +95,7 @@ class CoordinatorLink:
         ]
         return self.sessions
 
-    def join(self) -> list[pb.JoinResponse]:
+    def join(self) -> list[JoinAnswer]:
         """Join every shard (CoordinatorRefused, CoordinatorUnreachable), then keep the lease with
         heartbeats: uploading θ_0, or waiting for another island's, can take longer than a lease."""
         joined = [s.join(give_up_seconds=self.connect_timeout_seconds) for s in self.sessions]

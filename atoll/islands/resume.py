@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from atoll.islands.flight import Exchanges, RoundStats, flight_state, restore_flight
+from atoll.islands.messages import JoinAnswer
 from atoll.islands.routes import Routes
 from atoll.islands.schedule import Schedule
-from atoll.protos import coordinator_pb2 as pb
 
 log = logging.getLogger("atoll.island")
 STATE_FORMAT = "atoll-diloco-1"
@@ -62,7 +62,7 @@ def check(who: Who, sd: dict) -> None:
 
 
 def resume(
-    sd: dict, routes: Routes, exchanges: Exchanges, joined: list[pb.JoinResponse], run_complete: Callable[[], bool]
+    sd: dict, routes: Routes, exchanges: Exchanges, joined: list[JoinAnswer], run_complete: Callable[[], bool]
 ) -> list[RoundStats]:
     """start() after load_state_dict(): outer state back, flights re-pushed, catch up if behind.
     Returns the stats of the exchanges it finished (a plain one that was in flight, or any, when the
@@ -81,7 +81,7 @@ def resume(
     in_flight, finished = set(), []
     over = all(resp.run_complete for resp in joined)  # nothing more to train: no step before it is applied
     for fsd in sd["flights"]:
-        flight = restore_flight(fsd, routes.sessions)
+        flight = restore_flight(fsd)
         in_flight.update(flight.links)
         flight.merge = flight.merge and not over  # the run's final θ itself, no progress kept on top
         exchanges.launch(flight)

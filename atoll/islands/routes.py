@@ -17,11 +17,20 @@ import torch
 from atoll.compression import ErrorFeedback, available_codecs, codec_of, get_codec
 from atoll.islands.exchange import Placement, ShardState
 from atoll.islands.link import CoordinatorLink
+from atoll.islands.messages import (
+    JoinAnswer,
+    JoinRequest,
+    Pulled,
+    PushKind,
+    PushOutcome,
+    Region,
+    TensorDecl,
+    Update,
+    UpdateKind,
+)
 from atoll.islands.options import DiLoCoOptions
-from atoll.islands.session import Session
 from atoll.islands.shards import BUFFER, LocalShard
-from atoll.protos import coordinator_pb2 as pb
-from atoll.protos.dtypes import PB_FROM_TORCH
+from atoll.islands.transport.session import Session
 from atoll.sharding import layer_partition, layout_digest, shard_of
 
 log = logging.getLogger("atoll.island")
@@ -77,36 +86,32 @@ class Routes:
         self.codec = None
 
     def _join_request_for(self, index: int, digest: str, num_shards: int, rank: int, num_ranks: int):
-        o, link = self.options, self.link
+        o = self.options
         # A spec with parameters travels whole: the coordinator refuses it at Join if it is not the run's.
         offered = [o.codec] if o.codec else available_codecs()
 
-        def build() -> pb.JoinRequest:
-            req = pb.JoinRequest(
-                run_id=link.run_id,
-                island_id=link.island_id,
-                session_id=link.session_id,
-                codecs=offered,
+        def build() -> JoinRequest:
+            tensors = {}
+            for s in self.link_shards[index]:
+                tensors.setdefault(
+                    s.name,
+                    TensorDecl(
+                        s.name,
+                        tuple(s.tensor.shape),
+                        s.tensor.dtype,
+                        buffer=s.kind == BUFFER,
+                        aliases=tuple(self.aliases.get(s.name, ())),
+                    ),
+                )
+            return JoinRequest(
+                codecs=tuple(offered),
+                tensors=tuple(tensors.values()),
                 num_ranks=num_ranks,
                 shard_index=index,
                 num_shards=num_shards,
                 partition="layers" if o.streaming else "hash",
                 layout_digest=digest,
             )
-            seen = set()
-            for s in self.link_shards[index]:
-                if s.name not in seen:
-                    seen.add(s.name)
-                    kind = pb.TENSOR_KIND_BUFFER if s.kind == BUFFER else pb.TENSOR_KIND_PARAMETER
-                    dtype = PB_FROM_TORCH[s.tensor.dtype]
-                    req.tensors.add(
-                        name=s.name,
-                        shape=list(s.tensor.shape),
-                        dtype=dtype,
-                        kind=kind,
-                        aliases=self.aliases.get(s.name, ()),
-                    )
-            return req
 
         return build
 
@@ -115,12 +120,12 @@ class Routes:
         return all(s.run_complete for s in self.sessions)
 
     # ---- joining ------------------------------------------------------------------------------
-    def settle(self, joined: list[pb.JoinResponse]) -> None:
+    def settle(self, joined: list[JoinAnswer]) -> None:
         """Take the run's H and codec from the shards' Join answers (the island's own H is warned about
         when it differs; every shard must run the same codec)."""
         o = self.options
         for session, resp in zip(self.sessions, joined, strict=True):
-            c = resp.config
+            c = resp.run
             if o.sync_every is None:
                 self.sync_every = c.sync_every
             elif o.sync_every != c.sync_every and session.index == 0:
@@ -135,8 +140,8 @@ class Routes:
             self.push_behind = max(1, c.max_staleness // 2)
             run_codec = get_codec(resp.codec)
             if self.codec is None:
-                decay = c.error_feedback_decay or 1.0  # 0: unset by an older coordinator
-                self.codec = ErrorFeedback(run_codec, decay) if c.error_feedback and run_codec.lossy else run_codec
+                ef = c.error_feedback and run_codec.lossy
+                self.codec = ErrorFeedback(run_codec, c.error_feedback_decay) if ef else run_codec
             elif self.codec.spec != run_codec.spec:
                 raise RuntimeError(
                     f"coordinator shard {session.index} runs codec {resp.codec}, another {self.codec.spec}"
@@ -169,16 +174,16 @@ class Routes:
         shards = self.link_shards[session.index]
         owned = [s for s in shards if s.owned]
         sizes = [ident.encoded_size(s.sizes) for s in owned]
-        header = session.header(pb.PUSH_KIND_INIT, 0, owned, sizes, "identity")
+        header = session.header(PushKind.INIT, 0, owned, sizes, "identity")
         outcome = session.push(header, lambda j: ident.encode(owned[j].local().detach()))  # one tensor at a time
-        return outcome == pb.PUSH_OUTCOME_COMMITTED and len(owned) == len(shards)
+        return outcome is PushOutcome.COMMITTED and len(owned) == len(shards)
 
     def pull_theta(self, session: Session) -> None:
         """Wait for the run's θ (uploading θ_0 if the claim comes to this island) and load it."""
         kind, _ = session.pull_until_ready(
             -1, on_entry=self.entry_applier(session.index), bootstrap=lambda: self.bootstrap(session)
         )
-        if kind == "BOOTSTRAPPED":
+        if kind is Pulled.BOOTSTRAPPED:
             self.keep_own_theta(session)
         else:
             self.load_params(session.index, merge=False)
@@ -208,15 +213,15 @@ class Routes:
         """``on_entry(header, i, payload)``: apply one pulled entry to its shard as soon as it arrives."""
         by_key = {((s.name, (), ()) if s.is_full else s.key): s for s in self.link_shards[index]}
 
-        def apply(header: pb.UpdateHeader, i: int, payload) -> None:
+        def apply(header: Update, i: int, payload) -> None:
             e = header.entries[i]
-            s = by_key.get((e.name, tuple(e.offsets), tuple(e.sizes)))
+            s = by_key.get(e.key)
             if s is None:
                 raise RuntimeError(
                     f"update entry {e.name!r} {list(e.offsets)}+{list(e.sizes)} is no region of this rank"
                 )
             codec_of(payload).frame(payload, s.sizes)  # WireFormatError before it changes anything
-            self.states[s.key].apply(payload, header.kind == pb.UPDATE_KIND_FULL, verified=True)
+            self.states[s.key].apply(payload, header.kind is UpdateKind.FULL, verified=True)
 
         return apply
 
@@ -228,16 +233,13 @@ class Routes:
         applied, so a corrupt update changes nothing."""
         plans = []
         for header, payloads in updates:
-            by_key = {
-                (e.name, tuple(e.offsets), tuple(e.sizes)): payload
-                for e, (_, payload) in zip(header.entries, payloads, strict=True)
-            }
+            by_key = {e.key: payload for e, (_, payload) in zip(header.entries, payloads, strict=True)}
             for s in self.link_shards[index]:
                 key = (s.name, (), ()) if s.is_full else s.key
                 if key not in by_key:
                     raise RuntimeError(f"update is missing tensor {s.name!r} region {s.offsets}+{s.sizes}")
                 codec_of(by_key[key]).frame(by_key[key], s.sizes)  # WireFormatError before anything changes
-                plans.append((s, by_key[key], header.kind == pb.UPDATE_KIND_FULL))
+                plans.append((s, by_key[key], header.kind is UpdateKind.FULL))
         for s, payload, full in plans:
             self.states[s.key].apply(payload, full, verified=True)
 
@@ -246,11 +248,5 @@ class Routes:
             self.states[s.key].load_into_param(merge)
 
 
-def _regions(shards: list[LocalShard]) -> list[pb.TensorEntry]:
-    out = []
-    for s in shards:
-        if s.is_full:
-            out.append(pb.TensorEntry(name=s.name))
-        else:
-            out.append(pb.TensorEntry(name=s.name, offsets=list(s.offsets), sizes=list(s.sizes)))
-    return out
+def _regions(shards: list[LocalShard]) -> list[Region]:
+    return [Region(s.name) if s.is_full else Region(s.name, tuple(s.offsets), tuple(s.sizes)) for s in shards]

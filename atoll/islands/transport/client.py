@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -119,6 +119,28 @@ class ClientTls:
             private_key=read(self.key) if self.key else None,
             certificate_chain=read(self.cert) if self.cert else None,
         )
+
+
+class Transport(Protocol):
+    """One coordinator shard's calls, as :class:`CoordinatorClient` makes them: the seam where the harness
+    wraps the real client to inject faults (``CoordinatorLink(..., connect=...)``)."""
+
+    address: str
+    retry: RetryPolicy
+    bytes_sent: int
+    bytes_received: int
+
+    def join(self, req: pb.JoinRequest, *, give_up_seconds: float | None = None) -> pb.JoinResponse: ...
+
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse: ...
+
+    def leave(self, req: pb.LeaveRequest, *, give_up_seconds: float | None = None) -> pb.LeaveResponse: ...
+
+    def push(self, header: pb.PushHeader, payloads) -> pb.PushResponse: ...
+
+    def pull(self, req: pb.PullRequest, on_entry=None) -> tuple[pb.UpdateHeader, list]: ...
+
+    def close(self) -> None: ...
 
 
 class CoordinatorClient:

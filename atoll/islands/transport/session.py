@@ -1,6 +1,8 @@
-"""One island's link with one coordinator shard: join, bootstrap, heartbeats, push, pull.
+"""One island's session with one coordinator shard: join, bootstrap, heartbeats, push, pull.
 
-Every protocol outcome is handled here, by its reason or outcome field (never by message text):
+It speaks the island's messages (:mod:`atoll.islands.messages`) to the island and protobuf to its
+client (:mod:`atoll.islands.transport.convert` between the two). Every protocol outcome is handled
+here, by its reason or outcome field (never by message text):
 a coordinator that forgot the island (NOT_JOINED) is re-joined and the call repeated; a refusal
 the user must act on (model, codec, run id, island id) becomes :class:`CoordinatorRefused`; a push
 for a closed round comes back as ``PUSH_OUTCOME_ROUND_CLOSED`` (the work is dropped); a pull
@@ -20,6 +22,19 @@ import grpc
 
 from atoll.compression import WireFormatError
 from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, PartialUpdate, QuorumGone
+from atoll.islands.messages import (
+    Entry,
+    JoinAnswer,
+    JoinRequest,
+    Pulled,
+    PushHeader,
+    PushKind,
+    PushOutcome,
+    Region,
+    Update,
+    UpdateKind,
+)
+from atoll.islands.transport import convert
 from atoll.islands.transport.client import RETRYABLE, CoordinatorClient
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import FATAL, Reason
@@ -58,15 +73,15 @@ class Session:
         index: int,
         client: CoordinatorClient,
         me: Identity,
-        join_request: Callable[[], pb.JoinRequest],
-        regions: list[pb.TensorEntry],
+        join_request: Callable[[], JoinRequest],
+        regions: list[Region],
         *,
         pull_wait_seconds: float = 10.0,
     ) -> None:
-        """``join_request()`` builds this link's JoinRequest (its tensors, partition, codecs);
+        """``join_request()`` builds this shard's JoinRequest (its tensors, partition, codecs);
         ``regions``: what this rank pulls (its shards' regions; whole tensors with no offsets)."""
         self.index = index
-        self.regions = regions
+        self.regions = convert.regions(regions)
         self.client = client
         self.me = me
         self.join_request = join_request
@@ -75,7 +90,7 @@ class Session:
         self.run_complete = False
         self.latest_round = -1
         """The coordinator's open round as last heard (heartbeats, pulls): how far the run is ahead."""
-        self.joined: pb.JoinResponse | None = None
+        self.joined: JoinAnswer | None = None
         self.last = False
         """This island's next exchange is its last: a round that can never close raises QuorumGone."""
 
@@ -83,9 +98,11 @@ class Session:
     def address(self) -> str:
         return self.client.address
 
-    def join(self, *, give_up_seconds: float | None = None) -> pb.JoinResponse:
+    def join(self, *, give_up_seconds: float | None = None) -> JoinAnswer:
+        m = self.me
+        req = convert.join_request(m.run_id, m.island_id, m.session_id, self.join_request())
         try:
-            resp = self.client.join(self.join_request(), give_up_seconds=give_up_seconds)
+            resp = convert.join_answer(self.client.join(req, give_up_seconds=give_up_seconds))
         except grpc.RpcError as err:
             fatal = refused(err)
             if fatal is not None:
@@ -138,60 +155,49 @@ class Session:
         raise err
 
     # ---- pushes ------------------------------------------------------------------------------
+    @staticmethod
     def header(
-        self, kind, round_: int, shards, sizes: list[int], codec: str, *, tokens=0, loss=None, steps=0
-    ) -> pb.PushHeader:
+        kind: PushKind, round_: int, shards, sizes: list[int], codec: str, *, tokens=0, loss=None, steps=0
+    ) -> PushHeader:
         """A push header for ``shards`` whose payloads are ``sizes`` bytes."""
-        m = self.me
-        h = pb.PushHeader(
-            run_id=m.run_id,
-            island_id=m.island_id,
-            session_id=m.session_id,
-            round=round_,
-            kind=kind,
-            rank=m.rank,
-            num_ranks=m.num_ranks,
-            tokens=tokens,
-            codec=codec,
-            inner_steps=steps,
+        entries = tuple(
+            Entry(s.name, tuple(s.offsets), tuple(s.sizes), size) for s, size in zip(shards, sizes, strict=True)
         )
-        if loss is not None:
-            h.loss = loss
-        for s, size in zip(shards, sizes, strict=True):
-            h.entries.add(name=s.name, offsets=list(s.offsets), sizes=list(s.sizes), num_bytes=size)
-        return h
+        return PushHeader(kind, round_, codec, entries, tokens=tokens, loss=loss, inner_steps=steps)
 
-    def push(self, header: pb.PushHeader, payloads) -> int:
+    def push(self, header: PushHeader, payloads) -> PushOutcome:
         """Push (``payloads``: a list, or ``encode(i)``, see CoordinatorClient.push); returns the
-        PushOutcome (PUSH_OUTCOME_ROUND_CLOSED: the work was dropped)."""
+        outcome (ROUND_CLOSED: the round closed first; the island keeps the work)."""
+        m = self.me
+        wire = convert.push_header(m.run_id, m.island_id, m.session_id, m.rank, m.num_ranks, header)
         while True:
             try:
-                resp = self.client.push(header, payloads)
+                outcome = convert.outcome(self.client.push(wire, payloads))
             except grpc.RpcError as err:
                 self._rejoin_or_raise(err)
                 continue
-            if resp.outcome == pb.PUSH_OUTCOME_ROUND_CLOSED:
+            if outcome is PushOutcome.ROUND_CLOSED:
                 log.warning(
                     "%s: round %d closed before our push arrived; it is dropped", self.me.island_id, header.round
                 )
-            elif resp.outcome == pb.PUSH_OUTCOME_RUN_COMPLETE:
+            elif outcome is PushOutcome.RUN_COMPLETE:
                 self.run_complete = True
-            return resp.outcome
+            return outcome
 
     # ---- pulls -------------------------------------------------------------------------------
     def pull_until_ready(
         self,
         have_round: int,
         *,
-        on_update: Callable[[pb.UpdateHeader, list], None] | None = None,
-        on_entry: Callable[[pb.UpdateHeader, int, object], None] | None = None,
+        on_update: Callable[[Update, list], None] | None = None,
+        on_entry: Callable[[Update, int, object], None] | None = None,
         repush: Callable[[], tuple] | None = None,
         bootstrap: Callable[[], bool] | None = None,
         cancel: threading.Event | None = None,
-    ) -> tuple[str, float | None]:
+    ) -> tuple[Pulled, float | None]:
         """Long-poll until the outer step past ``have_round`` is out; hand each update (several when
-        catching up, one round each) to ``on_update(header, payloads)``. Returns (update kind, loss):
-        ``"NOT_READY"`` when the run completed with this island already holding its final θ.
+        catching up, one round each) to ``on_update(header, payloads)``. Returns (how it ended, loss):
+        NOT_READY when the run completed with this island already holding its final θ.
 
         ``on_entry(header, i, payload)`` instead of ``on_update``: apply each entry as it arrives (one
         entry held at a time); an update that breaks off half-applied is followed by the full θ, and
@@ -201,7 +207,7 @@ class Session:
         payloads) of this island's push for ``have_round``, sent again when the coordinator says it has
         none (it restarted). ``bootstrap()``: upload θ_0 when the claim passes
         to this island; True when the run's θ_0 is that upload and this rank holds all of it (returns
-        ``"BOOTSTRAPPED"``: nothing to pull back). ``cancel``: give up between polls once set (the island
+        BOOTSTRAPPED: nothing to pull back). ``cancel``: give up between polls once set (the island
         is closing)."""
         started = warned = time.monotonic()
         resyncs, lost = 0, None
@@ -218,7 +224,8 @@ class Session:
             )
             req.regions.extend(self.regions)
             try:
-                header, payloads = self.client.pull(req, on_entry=on_entry)
+                header, payloads = self.client.pull(req, on_entry=None if on_entry is None else entries(on_entry))
+                header = convert.update(header)
             except (PartialUpdate, WireFormatError) as err:
                 resyncs += 1
                 if resyncs > MAX_RESYNCS:
@@ -230,14 +237,14 @@ class Session:
                 self._rejoin_or_raise(err)
                 continue
             self.run_complete = self.run_complete or header.run_complete
-            if header.kind == pb.UPDATE_KIND_NOT_READY:
+            if header.kind is UpdateKind.NOT_READY:
                 if header.bootstrap and bootstrap is not None:
                     log.warning("%s: the bootstrap claim passed to this island; uploading θ_0", m.island_id)
                     if bootstrap():
-                        return "BOOTSTRAPPED", None
+                        return Pulled.BOOTSTRAPPED, None
                     continue
                 if header.run_complete and header.round == have_round:
-                    return "NOT_READY", None
+                    return Pulled.NOT_READY, None
                 if header.stalled and self.last:
                     raise QuorumGone(
                         f"{m.island_id}: round {header.round} can never close as things stand "
@@ -246,7 +253,7 @@ class Session:
                 if repush is not None and not header.committed and header.round == have_round:
                     # The coordinator lost our push (it restarted): idempotent, so send it again.
                     log.info("%s: coordinator has no push from us for round %d; re-pushing", m.island_id, have_round)
-                    if self.push(*repush()) == pb.PUSH_OUTCOME_ROUND_CLOSED:
+                    if self.push(*repush()) is PushOutcome.ROUND_CLOSED:
                         repush = None
                 now = time.monotonic()
                 if now - warned >= WAIT_WARN_SECONDS:
@@ -264,11 +271,24 @@ class Session:
                 on_update(header, payloads)
             self.round = header.round
             self.latest_round = max(self.latest_round, header.latest_round)
-            if header.kind == pb.UPDATE_KIND_FULL and lost is not None and lost >= 0 and header.round == lost:
+            if header.kind is UpdateKind.FULL and lost is not None and lost >= 0 and header.round == lost:
                 have_round, lost = lost, None  # the round is open again: wait for it (re-pushing if it lost ours)
                 continue
             lost = None
             if header.round < header.latest_round:  # several rounds behind: next delta right away
                 have_round, repush = header.round, None
                 continue
-            return pb.UpdateKind.Name(header.kind), (header.loss if header.HasField("loss") else None)
+            return Pulled[header.kind.name], header.loss
+
+
+def entries(on_entry: Callable[[Update, int, object], None]):
+    """``on_entry`` for the client's reader, which hands each entry over with the wire's header: the
+    island's gets the header as an :class:`Update` (converted once per pull)."""
+    converted: list = [None, None]
+
+    def apply(header: pb.UpdateHeader, i: int, payload) -> None:
+        if converted[0] is not header:
+            converted[:] = [header, convert.update(header)]
+        on_entry(converted[1], i, payload)
+
+    return apply
