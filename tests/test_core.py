@@ -360,9 +360,9 @@ def test_an_island_reports_its_compute_and_blocked_seconds_with_each_push():
     sched.begin(4)
     clock.now = 10.0
     sched.was_blocked(2.5)  # an exchange of the previous round, finished in this one
-    assert sched.links[0].compute_seconds(clock()) == 7.5 and sched.links[0].blocked == 2.5
+    assert sched.routes[0].compute_seconds(clock()) == 7.5 and sched.routes[0].blocked == 2.5
     sched.synced([0])
-    assert (sched.links[0].blocked, sched.links[0].compute_seconds(12.0)) == (0.0, 2.0)
+    assert (sched.routes[0].blocked, sched.routes[0].compute_seconds(12.0)) == (0.0, 2.0)
 
 
 def test_tokens_per_step_counts_only_reports_that_give_both():

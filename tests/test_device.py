@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from atoll.compression import ErrorFeedback, get_codec
 from atoll.coordinator import RunConfig
-from atoll.islands.exchange import Placement, ShardState
+from atoll.islands.shard_state import Placement, ShardState
 from atoll.islands.shards import local_shards
 from atoll.islands.transport.client import RetryPolicy
 

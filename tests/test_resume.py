@@ -199,7 +199,7 @@ def test_sigterm_while_waiting_for_the_outer_step_keeps_the_exchange_for_a_check
                 sync.step(tokens=32, loss=inner_step(model, opt, b))
         assert time.monotonic() - started < 10.0
         sd = sync.state_dict()  # what the reference island checkpoints before leaving
-        assert [f["round"] for f in sd["flights"]] == [0] and sd["links"][0]["round"] == 0
+        assert [f["round"] for f in sd["flights"]] == [0] and sd["routes"][0]["round"] == 0
     finally:
         sync.close()
     assert srv.inspect(lambda s: s.accumulator.committed_islands()) == ["pre"]  # its push counts

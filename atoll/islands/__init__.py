@@ -10,7 +10,7 @@
 
 from atoll.islands.diloco import DiLoCo
 from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, Preempted, QuorumGone
-from atoll.islands.flight import RoundStats
+from atoll.islands.exchanges import RoundStats
 from atoll.islands.link import CoordinatorLink, Transport
 from atoll.islands.options import DiLoCoOptions
 from atoll.islands.transport.client import ClientTls, CoordinatorClient, RetryPolicy

@@ -11,8 +11,8 @@
 
 The link (:mod:`link`) is the connection: transport, identity, membership. This class is the
 algorithm: when to sync (:mod:`schedule`), what each rank's shards are (:mod:`shards`) and where
-their outer state lives (:mod:`exchange`), which coordinator shard owns which (:mod:`routes`), the
-exchanges in flight (:mod:`flight`) and checkpoints (:mod:`resume`).
+their outer state lives (:mod:`shard_state`), which coordinator shard owns which (:mod:`routes`), the
+exchanges in flight (:mod:`exchanges`) and checkpoints (:mod:`resume`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from atoll.islands import resume
 from atoll.islands.errors import Preempted
-from atoll.islands.flight import Exchanges, Flight, RoundStats
+from atoll.islands.exchanges import Exchanges, Flight, RoundStats
 from atoll.islands.link import CoordinatorLink
 from atoll.islands.options import DiLoCoOptions
 from atoll.islands.routes import Routes
@@ -130,7 +130,8 @@ class DiLoCo:
         self._watch_sigterm()
         schedule.begin(routes.sync_every)
         if self._resume is not None:
-            for count, sd in zip(schedule.links, self._resume["links"], strict=True):
+            saved = self._resume.get("routes", self._resume.get("links"))  # "links": an earlier release
+            for count, sd in zip(schedule.routes, saved, strict=True):
                 count.load_state_dict(sd)
             self._resume = None
         return self
@@ -190,7 +191,7 @@ class DiLoCo:
     @property
     def rounds_pushed(self) -> int:
         """Rounds pushed since start() (the fewest over coordinator shards / fragments)."""
-        return min((c.pushed for c in self._schedule.links), default=0) if self._schedule else 0
+        return min((c.pushed for c in self._schedule.routes), default=0) if self._schedule else 0
 
     @property
     def round_steps(self) -> int:
@@ -199,7 +200,7 @@ class DiLoCo:
         if not sessions:
             return 0
         oldest = min(range(len(sessions)), key=lambda i: sessions[i].round)
-        return self._schedule.links[oldest].steps
+        return self._schedule.routes[oldest].steps
 
     @property
     def run_complete(self) -> bool:
@@ -262,7 +263,7 @@ class DiLoCo:
             elif self.inner_steps - flight.pushed_at >= self.options.overlap_steps:
                 done = self._finish(flight)
         if not self.run_complete:
-            due = self._due_links()  # a link whose exchange is still out is not due: training goes on
+            due = self._due_routes()  # a route whose exchange is still out is not due: training goes on
             if due:
                 flight = self._begin(due)
                 if not self.options.overlap_steps and not decoupled:
@@ -271,8 +272,8 @@ class DiLoCo:
             self._check_preempted()
         return done
 
-    def _due_links(self) -> list[int]:
-        sessions, busy = self._routes.sessions, set(self._exchanges.by_link)
+    def _due_routes(self) -> list[int]:
+        sessions, busy = self._routes.sessions, set(self._exchanges.by_route)
         if self.options.sync_every_seconds is None:
             due = [i for i in self._schedule.due_by_steps(busy) if not sessions[i].run_complete]
             return sorted(set(due) | set(self._behind(busy))) if self._routes.decoupled else due
@@ -285,14 +286,14 @@ class DiLoCo:
         return list(range(len(sessions)))
 
     def _behind(self, busy: set[int]) -> list[int]:
-        """Decoupled: the idle links whose θ the run has moved ``push_behind`` rounds past, so a push at
+        """Decoupled: the idle routes whose θ the run has moved ``push_behind`` rounds past, so a push at
         H steps would come too stale to fold. They push now with the steps they have: an island slower
         than the others takes fewer inner steps per round, as DyLU (Liu et al. 2024) sets them from
         the workers' speeds, here from the rounds the island sees go by. The island's ranks agree."""
-        sessions, links = self._routes.sessions, self._schedule.links
+        sessions, counts = self._routes.sessions, self._schedule.routes
         flags = [
             i not in busy
-            and links[i].steps > 0
+            and counts[i].steps > 0
             and not sessions[i].run_complete
             and sessions[i].latest_round - sessions[i].round >= self._routes.push_behind
             for i in range(len(sessions))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.compression import get_codec
-from atoll.islands.exchange import Placement
+from atoll.islands.shard_state import Placement
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
-from atoll.islands.flight import Exchanges, RoundStats, flight_state, restore_flight
+from atoll.islands.exchanges import Exchanges, RoundStats, flight_state, restore_flight
 from atoll.islands.messages import JoinAnswer
 from atoll.islands.routes import Routes
 from atoll.islands.schedule import Schedule
@@ -38,8 +38,8 @@ def state_dict(who: Who, inner_steps: int, routes: Routes, schedule: Schedule, e
         "rank": who.rank,
         "num_ranks": who.num_ranks,
         "inner_steps": inner_steps,
-        "links": [
-            {"round": s.round, "run_complete": s.run_complete, **schedule.links[s.index].state_dict()}
+        "routes": [
+            {"round": s.round, "run_complete": s.run_complete, **schedule.routes[s.index].state_dict()}
             for s in routes.sessions
         ],
         "flights": [flight_state(f) for f in exchanges.in_flight()],
@@ -75,14 +75,15 @@ def resume(
         state.load_state_dict(shard_sd)
         if name in sd["snapshots"]:
             state.snapshot = state.placement.keep(sd["snapshots"][name].to(state.device))
-    for s, link_sd in zip(routes.sessions, sd["links"], strict=True):
-        s.round = int(link_sd["round"])
-        s.run_complete = s.run_complete or bool(link_sd["run_complete"])
+    counts = sd.get("routes", sd.get("links"))  # "links": a checkpoint of an earlier release
+    for s, count_sd in zip(routes.sessions, counts, strict=True):
+        s.round = int(count_sd["round"])
+        s.run_complete = s.run_complete or bool(count_sd["run_complete"])
     in_flight, finished = set(), []
     over = all(resp.run_complete for resp in joined)  # nothing more to train: no step before it is applied
     for fsd in sd["flights"]:
         flight = restore_flight(fsd)
-        in_flight.update(flight.links)
+        in_flight.update(flight.routes)
         flight.merge = flight.merge and not over  # the run's final θ itself, no progress kept on top
         exchanges.launch(flight)
         if not flight.merge:
@@ -94,7 +95,7 @@ def resume(
         log.warning("%s: the run moved on to round %d meanwhile; catching up", s.me.island_id, resp.round)
         s.pull_until_ready(s.round, on_entry=routes.entry_applier(s.index))
         routes.load_params(s.index, merge=False)
-        sd["links"][s.index].update(steps=0, tokens=0, losses=[])
+        counts[s.index].update(steps=0, tokens=0, losses=[])
     return finished
 
 

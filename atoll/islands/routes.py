@@ -1,6 +1,8 @@
 """Which of an island's local shards each coordinator shard owns, and the outer state of each.
 
-One :class:`~atoll.islands.exchange.ShardState` per local shard; the shards routed to each
+A *route* is the local shards one coordinator shard owns, indexed as the link's sessions (route i
+goes to session i); a *local shard* is a rank's region of a tensor. One
+:class:`~atoll.islands.shard_state.ShardState` per local shard; the shards routed to each
 coordinator shard (hash of the tensor name, or Streaming DiLoCo's contiguous fragments). Joining
 settles the run's H and codec (a value the island asked for and the run overrides is warned about,
 naming both; a codec spec the run does not use is refused by the coordinator at Join); θ_0 is
@@ -15,7 +17,6 @@ import math
 import torch
 
 from atoll.compression import ErrorFeedback, available_codecs, codec_of, get_codec
-from atoll.islands.exchange import Placement, ShardState
 from atoll.islands.link import CoordinatorLink
 from atoll.islands.messages import (
     JoinAnswer,
@@ -29,6 +30,7 @@ from atoll.islands.messages import (
     UpdateKind,
 )
 from atoll.islands.options import DiLoCoOptions
+from atoll.islands.shard_state import Placement, ShardState
 from atoll.islands.shards import BUFFER, LocalShard
 from atoll.islands.transport.session import Session
 from atoll.sharding import layer_partition, layout_digest, shard_of
@@ -60,8 +62,8 @@ class Routes:
             digest = layout_digest(layout)
         else:
             fragment = {s.name: shard_of(s.name, n) for s in shards}
-        self.link_shards = [[s for s in shards if fragment[s.name] == i] for i in range(n)]
-        empty = [i for i, mine in enumerate(self.link_shards) if not mine]
+        self.route_shards = [[s for s in shards if fragment[s.name] == i] for i in range(n)]
+        empty = [i for i, mine in enumerate(self.route_shards) if not mine]
         if empty:
             raise ValueError(f"coordinator shards {empty} of {n} own none of the model's tensors; use fewer shards")
         placements: dict[torch.device, Placement] = {}
@@ -74,7 +76,7 @@ class Routes:
             rank,
             num_ranks,
             [self._join_request_for(i, digest, n, rank, num_ranks) for i in range(n)],
-            [_regions(mine) for mine in self.link_shards],
+            [_regions(mine) for mine in self.route_shards],
             group=options.process_group,
         )
         self.sync_every = options.sync_every or 0
@@ -92,7 +94,7 @@ class Routes:
 
         def build() -> JoinRequest:
             tensors = {}
-            for s in self.link_shards[index]:
+            for s in self.route_shards[index]:
                 tensors.setdefault(
                     s.name,
                     TensorDecl(
@@ -171,7 +173,7 @@ class Routes:
         """Upload this rank's owned regions of θ as θ_0 (identity codec); True when they are the run's
         θ_0 and this rank holds nothing else of it (it then has θ_0 already: no pull of it back)."""
         ident = get_codec("identity")
-        shards = self.link_shards[session.index]
+        shards = self.route_shards[session.index]
         owned = [s for s in shards if s.owned]
         sizes = [ident.encoded_size(s.sizes) for s in owned]
         header = session.header(PushKind.INIT, 0, owned, sizes, "identity")
@@ -192,26 +194,26 @@ class Routes:
         """The run's θ_0 is this rank's own upload (:meth:`bootstrap` said so): θ_start is the fp32 of
         its θ, exactly what the upload decodes to."""
         session.round = max(session.round, 0)
-        for s in self.link_shards[session.index]:
+        for s in self.route_shards[session.index]:
             self.states[s.key].start_from_local()
 
     # ---- the exchange ---------------------------------------------------------------------------
     def encode(self, index: int) -> list:
-        """The link's owned pseudo-gradients, encoded (on the parameters' device; payloads on the host)."""
+        """The route's owned pseudo-gradients, encoded (on the parameters' device; payloads on the host)."""
         return [self.states[s.key].encode(self.codec) for s in self.owned(index)]
 
     def encoder(self, index: int):
-        """``encode(j)``: the link's j-th owned pseudo-gradient, encoded when the push stream asks."""
+        """``encode(j)``: the route's j-th owned pseudo-gradient, encoded when the push stream asks."""
         owned = self.owned(index)
         return lambda j: self.states[owned[j].key].encode(self.codec)
 
     def sizes(self, index: int) -> list[int]:
-        """Payload bytes of the link's owned pseudo-gradients, known before encoding."""
+        """Payload bytes of the route's owned pseudo-gradients, known before encoding."""
         return [self.codec.encoded_size(s.sizes) for s in self.owned(index)]
 
     def entry_applier(self, index: int):
         """``on_entry(header, i, payload)``: apply one pulled entry to its shard as soon as it arrives."""
-        by_key = {((s.name, (), ()) if s.is_full else s.key): s for s in self.link_shards[index]}
+        by_key = {((s.name, (), ()) if s.is_full else s.key): s for s in self.route_shards[index]}
 
         def apply(header: Update, i: int, payload) -> None:
             e = header.entries[i]
@@ -226,15 +228,15 @@ class Routes:
         return apply
 
     def owned(self, index: int) -> list[LocalShard]:
-        return [s for s in self.link_shards[index] if s.owned]
+        return [s for s in self.route_shards[index] if s.owned]
 
     def apply_all(self, index: int, updates: list) -> None:
-        """Advance the link's θ_start by each update, in order; every payload is checked before any is
+        """Advance the route's θ_start by each update, in order; every payload is checked before any is
         applied, so a corrupt update changes nothing."""
         plans = []
         for header, payloads in updates:
             by_key = {e.key: payload for e, (_, payload) in zip(header.entries, payloads, strict=True)}
-            for s in self.link_shards[index]:
+            for s in self.route_shards[index]:
                 key = (s.name, (), ()) if s.is_full else s.key
                 if key not in by_key:
                     raise RuntimeError(f"update is missing tensor {s.name!r} region {s.offsets}+{s.sizes}")
@@ -244,7 +246,7 @@ class Routes:
             self.states[s.key].apply(payload, full, verified=True)
 
     def load_params(self, index: int, merge: bool) -> None:
-        for s in self.link_shards[index]:
+        for s in self.route_shards[index]:
             self.states[s.key].load_into_param(merge)
 
 

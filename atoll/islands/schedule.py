@@ -1,8 +1,8 @@
-"""When each coordinator link is due to sync, and what its round has counted so far.
+"""When each coordinator route is due to sync, and what its round has counted so far.
 
-Plain DiLoCo: every link after H inner steps. Streaming (fragments): link p first after
+Plain DiLoCo: every route after H inner steps. Streaming (fragments): route p first after
 ⌈(p+1)·H/P⌉ steps, then every H, so each sync moves about 1/P of the model. Time budget
-(``sync_every_seconds``): every link once the budget since its last sync is spent.
+(``sync_every_seconds``): every route once the budget since its last sync is spent.
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class LinkCount:
-    """One link's round so far."""
+class RouteCount:
+    """One route's round so far."""
 
     first_sync: int = 0
-    """Inner steps before this link's first sync (streaming staggers them); later ones every H."""
+    """Inner steps before this route's first sync (streaming staggers them); later ones every H."""
     steps: int = 0
     tokens: int = 0
     losses: list[float] = field(default_factory=list)
     started: float = 0.0
     """Clock time the round started (the time budget counts from here)."""
     pushed: int = 0
-    """Rounds this link pushed since start()."""
+    """Rounds this route pushed since start()."""
     blocked: float = 0.0
-    """Seconds the island was blocked on exchanges since this link's round started."""
+    """Seconds the island was blocked on exchanges since this route's round started."""
     carried: tuple[int, int, float] = (0, 0, 0.0)
     """(steps, island tokens, compute seconds) of a dropped push whose progress the next push carries."""
 
@@ -44,7 +44,7 @@ class LinkCount:
         self.pushed += 1
 
     def carry(self, steps: int, tokens: int, compute_seconds: float) -> None:
-        """A push of this link was dropped; its work stays in θ and goes with the next push."""
+        """A push of this route was dropped; its work stays in θ and goes with the next push."""
         s, t, c = self.carried
         self.carried = (s + steps, t + tokens, c + compute_seconds)
 
@@ -67,52 +67,52 @@ class LinkCount:
 class Schedule:
     def __init__(
         self,
-        num_links: int,
+        num_routes: int,
         *,
         streaming: bool,
         sync_every_seconds: float | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.num_links = num_links
+        self.num_routes = num_routes
         self.streaming = streaming
         self.sync_every_seconds = sync_every_seconds
         self.clock = clock
         self.sync_every = 0
-        self.links = [LinkCount() for _ in range(num_links)]
+        self.routes = [RouteCount() for _ in range(num_routes)]
 
     def begin(self, sync_every: int) -> None:
         """Start counting (after start()): the run's H is known."""
         self.sync_every = sync_every
         now = self.clock()
-        n = self.num_links
-        for i, link in enumerate(self.links):
-            link.started = now
-            link.first_sync = -(-(i + 1) * sync_every // n) if self.streaming else sync_every
+        n = self.num_routes
+        for i, route in enumerate(self.routes):
+            route.started = now
+            route.first_sync = -(-(i + 1) * sync_every // n) if self.streaming else sync_every
 
     def count(self, tokens: int, loss: float | None) -> None:
-        for link in self.links:
-            link.steps += 1
-            link.tokens += int(tokens)
+        for route in self.routes:
+            route.steps += 1
+            route.tokens += int(tokens)
             if loss is not None:
-                link.losses.append(float(loss))
+                route.losses.append(float(loss))
 
     def due_by_steps(self, busy: set[int]) -> list[int]:
-        """Links whose step count is up (``busy``: links with an exchange still in flight wait)."""
+        """Routes whose step count is up (``busy``: routes with an exchange still in flight wait)."""
         return [
             i
-            for i, link in enumerate(self.links)
-            if i not in busy and link.steps >= (link.first_sync if link.pushed == 0 else self.sync_every)
+            for i, route in enumerate(self.routes)
+            if i not in busy and route.steps >= (route.first_sync if route.pushed == 0 else self.sync_every)
         ]
 
     def budget_spent(self) -> bool:
-        return self.clock() - self.links[0].started >= self.sync_every_seconds
+        return self.clock() - self.routes[0].started >= self.sync_every_seconds
 
     def was_blocked(self, seconds: float) -> None:
         """The island spent ``seconds`` on an exchange (encoding, waiting, applying)."""
-        for link in self.links:
-            link.blocked += seconds
+        for route in self.routes:
+            route.blocked += seconds
 
     def synced(self, indices: list[int]) -> None:
         now = self.clock()
         for i in indices:
-            self.links[i].restart(now)
+            self.routes[i].restart(now)

@@ -54,7 +54,8 @@ class RoundStats:
 
 @dataclass(eq=False)
 class Flight:
-    links: list[int]
+    routes: list[int]
+    """The coordinator shards (their routes) this exchange syncs."""
     round: int
     steps: int
     tokens: int
@@ -65,13 +66,13 @@ class Flight:
     """Overlap: keep the progress made while the exchange was in flight when applying it."""
     bytes0: tuple[int, int] = (0, 0)
     pushes: list[tuple[int, PushHeader, list]] = field(default_factory=list)
-    """(link, header, payloads) per link; payloads are dropped once acknowledged when ``rebuild`` can
+    """(route, header, payloads) per route; payloads are dropped once acknowledged when ``rebuild`` can
     encode them again (a coordinator that restarted asks for them)."""
     rebuild: Callable[[int], list] | None = None
     encoder: Callable[[int], Callable[[int], bytes]] | None = None
-    """Streamed pushes: ``encoder(link)(j)`` encodes the link's j-th payload as the stream asks."""
+    """Streamed pushes: ``encoder(route)(j)`` encodes the route's j-th payload as the stream asks."""
     updates: list[tuple[int, Update, list]] = field(default_factory=list)
-    """(link, header, payloads) of every update pulled, in order."""
+    """(route, header, payloads) of every update pulled, in order."""
     outcomes: dict[int, PushOutcome] = field(default_factory=dict)
     result: tuple[Pulled | None, float | None] = (None, None)
     max_payload_numel: int = 0
@@ -81,19 +82,19 @@ class Flight:
     ready: Callable[[], object] | None = None
     """Waited for before the first push (``before_push``'s answer: a checkpoint being written)."""
 
-    def source(self, link: int):
-        """What to push for a link: its payloads, or an encoder that makes them one at a time."""
+    def source(self, route: int):
+        """What to push for a route: its payloads, or an encoder that makes them one at a time."""
         for i, _, payloads in self.pushes:
-            if i == link and payloads is not None:
+            if i == route and payloads is not None:
                 return payloads
-        return self.encoder(link) if self.encoder is not None else self.payloads_of(link)
+        return self.encoder(route) if self.encoder is not None else self.payloads_of(route)
 
-    def payloads_of(self, link: int) -> list:
-        """The link's payloads: kept, or encoded again (the same bytes: see ``rebuild``)."""
+    def payloads_of(self, route: int) -> list:
+        """The route's payloads: kept, or encoded again (the same bytes: see ``rebuild``)."""
         for i, _, payloads in self.pushes:
-            if i == link:
-                return payloads if payloads is not None else self.rebuild(link)
-        raise KeyError(link)
+            if i == route:
+                return payloads if payloads is not None else self.rebuild(route)
+        raise KeyError(route)
 
     def release_payloads(self) -> None:
         """Drop the payloads once acknowledged, when they can be rebuilt (memory: no second copy of the
@@ -115,7 +116,7 @@ class Flight:
             self.blocked,
             kind.value if kind is not None else "",
             self.max_payload_numel,
-            tuple(self.links),
+            tuple(self.routes),
             dropped=any(o is PushOutcome.ROUND_CLOSED for o in self.outcomes.values()),
             run_complete=run_complete,
         )
@@ -124,7 +125,7 @@ class Flight:
 def flight_state(f: Flight) -> dict:
     """A flight that was pushed (or is about to be) but not applied, for a checkpoint."""
     return {
-        "links": list(f.links),
+        "routes": list(f.routes),
         "round": f.round,
         "steps": f.steps,
         "tokens": f.tokens,
@@ -133,7 +134,7 @@ def flight_state(f: Flight) -> dict:
         "merge": f.merge,
         "pushes": [
             {
-                "link": i,
+                "route": i,
                 "header": h.to_json(),
                 "payloads": [_bytes_tensor(p) for p in f.payloads_of(i)],
             }
@@ -145,7 +146,7 @@ def flight_state(f: Flight) -> dict:
 def restore_flight(sd: dict) -> Flight:
     """The flight of :func:`flight_state`, ready to be pushed again (pushes are idempotent)."""
     flight = Flight(
-        links=[int(i) for i in sd["links"]],
+        routes=[int(i) for i in sd.get("routes", sd.get("links", ()))],  # "links": an earlier release
         round=int(sd["round"]),
         steps=int(sd["steps"]),
         tokens=int(sd["tokens"]),
@@ -154,11 +155,13 @@ def restore_flight(sd: dict) -> Flight:
         merge=bool(sd["merge"]),
     )
     for push in sd["pushes"]:
-        saved = push["header"]  # a checkpoint of an earlier release holds its protobuf form
-        header = (
-            PushHeader.from_json(saved) if isinstance(saved, dict) else push_header_from_wire(saved.numpy().tobytes())
-        )
-        flight.pushes.append((int(push["link"]), header, [bytearray(p.numpy().tobytes()) for p in push["payloads"]]))
+        saved = push["header"]
+        if isinstance(saved, dict):
+            header = PushHeader.from_json(saved)
+        else:  # a checkpoint of an earlier release holds the header's protobuf form
+            header = push_header_from_wire(saved.numpy().tobytes())
+        route = int(push.get("route", push.get("link")))  # "link": an earlier release
+        flight.pushes.append((route, header, [bytearray(p.numpy().tobytes()) for p in push["payloads"]]))
     return flight
 
 
@@ -167,7 +170,7 @@ def _bytes_tensor(p) -> torch.Tensor:
 
 
 class Exchanges:
-    """The island's exchanges in flight, one per coordinator link at most (a flight may cover several)."""
+    """The island's exchanges in flight, one per route at most (a flight may cover several)."""
 
     def __init__(self, routes: Routes, schedule: Schedule, *, overlap: bool, group=None, token_group=None) -> None:
         self.routes = routes
@@ -175,29 +178,29 @@ class Exchanges:
         self.overlap = overlap
         self.group = group
         self.token_group = token_group
-        self.by_link: dict[int, Flight] = {}
-        """The exchange in flight per link, if any."""
+        self.by_route: dict[int, Flight] = {}
+        """The exchange in flight per route, if any."""
         me = routes.sessions[0].me
         self.rank, self.num_ranks, self.island_id = me.rank, me.num_ranks, me.island_id
         self._warned_tokens = False
 
     def in_flight(self) -> list[Flight]:
-        return list(dict.fromkeys(self.by_link.values()))
+        return list(dict.fromkeys(self.by_route.values()))
 
     def abandon(self) -> None:
-        self.by_link = {}
+        self.by_route = {}
 
     def begin(self, indices: list[int], pushed_at: int, before_push: Callable[[], object] | None) -> Flight:
-        """Encode the links' pseudo-gradients and push them (in the background when overlapping).
+        """Encode the routes' pseudo-gradients and push them (in the background when overlapping).
         ``before_push()`` runs once they are encoded; if it returns a callable, the push waits for it
         (a checkpoint's write: a push the coordinator counts always has a durable checkpoint)."""
         started = time.perf_counter()
         routes, sessions = self.routes, self.routes.sessions
-        count = self.schedule.links[indices[0]]
+        count = self.schedule.routes[indices[0]]
         steps, tokens, compute = count.carried  # the work of a dropped push, still in θ
         compute, blocked = compute + count.compute_seconds(self.schedule.clock()), count.blocked
         flight = Flight(
-            links=indices,
+            routes=indices,
             round=min(sessions[i].round for i in indices),
             steps=steps + count.steps,
             tokens=tokens + self._island_tokens(count.tokens),
@@ -218,7 +221,7 @@ class Exchanges:
             sizes = routes.sizes(i) if streamed else [len(p) for p in payloads]
             flight.max_payload_numel = max([flight.max_payload_numel, *(s.local().numel() for s in owned)])
             if flight.merge:
-                for s in routes.link_shards[i]:
+                for s in routes.route_shards[i]:
                     routes.states[s.key].take_snapshot()
             session = sessions[i]
             header = session.header(
@@ -234,7 +237,7 @@ class Exchanges:
             header.compute_seconds, header.blocked_seconds = compute, blocked
             flight.pushes.append((i, header, payloads))
             del payloads
-            self.by_link[i] = flight
+            self.by_route[i] = flight
         self.schedule.synced(indices)
         if before_push is not None:
             ready = before_push()
@@ -245,8 +248,8 @@ class Exchanges:
 
     def launch(self, flight: Flight) -> None:
         """Run the flight's I/O: on a background thread when it merges (overlap), else right here."""
-        for i in flight.links:
-            self.by_link[i] = flight
+        for i in flight.routes:
+            self.by_route[i] = flight
         if flight.merge:
             flight.thread = threading.Thread(target=self._io, args=(flight,), name="atoll-exchange", daemon=True)
             flight.thread.start()
@@ -254,7 +257,7 @@ class Exchanges:
             self._io(flight)
 
     def _io(self, flight: Flight) -> None:
-        """Push to every link first, then wait for each shard's outer step; no parameter is touched."""
+        """Push on every route first, then wait for each shard's outer step; no parameter is touched."""
         sessions, routes = self.routes.sessions, self.routes
         try:
             if flight.ready is not None:
@@ -265,7 +268,7 @@ class Exchanges:
             for i, header, _ in flight.pushes:
                 dropped = flight.outcomes[i] is PushOutcome.ROUND_CLOSED
                 if dropped:  # re-based on the new θ with the round's progress kept (before any update lands)
-                    for s in routes.link_shards[i]:
+                    for s in routes.route_shards[i]:
                         routes.states[s.key].keep_base()
                 # In the background (overlap) updates are kept and applied by the training thread; on
                 # the training thread they are applied entry by entry as they arrive.
@@ -286,24 +289,24 @@ class Exchanges:
         if flight.thread is not None:
             flight.thread.join()
             flight.thread = None
-        for i in flight.links:
-            self.by_link.pop(i, None)
+        for i in flight.routes:
+            self.by_route.pop(i, None)
         if flight.error is not None:
             raise flight.error
-        by_link: dict[int, list] = {}
+        by_route: dict[int, list] = {}
         for i, header, payloads in flight.updates:
-            by_link.setdefault(i, []).append((header, payloads))
+            by_route.setdefault(i, []).append((header, payloads))
         headers = {i: h for i, h, _ in flight.pushes}
-        for i in flight.links:
+        for i in flight.routes:
             dropped = flight.outcomes.get(i) is PushOutcome.ROUND_CLOSED
-            self.routes.apply_all(i, by_link.get(i, []))
+            self.routes.apply_all(i, by_route.get(i, []))
             self.routes.load_params(i, merge=flight.merge or dropped)
             if dropped:  # what the push said it covers (also for a flight restored from a checkpoint)
                 h = headers[i]
-                self.schedule.links[i].carry(h.inner_steps, h.tokens, h.compute_seconds)
+                self.schedule.routes[i].carry(h.inner_steps, h.tokens, h.compute_seconds)
         flight.updates = []
         flight.blocked += time.perf_counter() - started
-        return flight.stats(self.routes.link.bytes(flight.links), self._island_bytes, run_complete())
+        return flight.stats(self.routes.link.bytes(flight.routes), self._island_bytes, run_complete())
 
     def _island_tokens(self, tokens: int) -> int:
         """The island's tokens: this rank's summed over the token group (one all-reduce per sync)."""
