@@ -4,6 +4,7 @@ save's time overlap the transfer, and an island ends every pull at a θ the coor
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import threading
 import time
@@ -193,3 +194,45 @@ def test_an_island_whose_tentative_update_breaks_waits_for_the_round_again(start
     assert failed and srv.server.state.round == 1 and sync.rounds_pushed == 1
     assert all(torch.equal(v, theta1[k]) for k, v in model.state_dict().items())
     sync.close()
+
+
+# ---- the stages of a round's update, driven by hand ------------------------------------------------
+def test_the_stages_of_a_rounds_update_and_what_its_tentative_streams_are_told():
+    """OPEN -> MAKING (its step streams each payload as made) -> SAVING (sealed, first save) ->
+    RETRYING (a save failed: streams end unconfirmed, new pulls wait) -> published: the next round is
+    OPEN and the streams of this one are confirmed. Driven through the ledger, no sockets."""
+    from atoll.coordinator.state.ledger import Confirmation, Ledger, Sealed, Stage
+
+    async def drive() -> None:
+        ledger = Ledger(0.0)
+        ledger.round = 3
+        assert ledger.stage is Stage.OPEN and not ledger.streams(3)
+        with ledger.producing_step(3, {"w": 8}, 1.5) as made:
+            assert ledger.stage is Stage.MAKING and ledger.streams(3) and not ledger.streams(2)
+            made("w", bytearray(8))
+        ledger.seal(Sealed(3, {}, {"w": bytearray(8)}, {"round": 3}, frozenset({"a"})))
+        assert ledger.stage is Stage.SAVING and ledger.streams(3) and ledger.confirmation(3) is Confirmation.WAIT
+        ledger.save_failed()
+        assert ledger.stage is Stage.RETRYING and not ledger.streams(3)
+        assert ledger.confirmation(3) is Confirmation.BROKEN and ledger.sealed.failures == 1
+        ledger.save_failed()
+        assert ledger.stage is Stage.RETRYING and ledger.sealed.failures == 2
+        ledger.advance(ledger.sealed, 1.0)
+        assert (ledger.stage, ledger.round) == (Stage.OPEN, 4) and ledger.confirmation(3) is Confirmation.DURABLE
+
+    asyncio.run(drive())
+
+
+def test_a_step_that_fails_leaves_its_round_open_and_impossible_events_are_refused():
+    from atoll.coordinator.state.ledger import Event, Ledger, Stage, transition
+
+    async def drive() -> None:
+        ledger = Ledger(0.0)
+        with pytest.raises(RuntimeError), ledger.producing_step(0, {"w": 8}, None):
+            raise RuntimeError("the step failed")
+        assert ledger.stage is Stage.OPEN and ledger.producing is None
+
+    asyncio.run(drive())
+    for stage, event in [(Stage.OPEN, Event.SAVE_FAILED), (Stage.OPEN, Event.PUBLISHED), (Stage.SAVING, Event.STEP)]:
+        with pytest.raises(AssertionError, match="cannot happen"):
+            transition(stage, event)

@@ -16,6 +16,7 @@ from atoll.coordinator.messages import PullAnswer, PullRequest, UpdateKind
 from atoll.coordinator.run import checks
 from atoll.coordinator.run.owners import Owners
 from atoll.coordinator.state.downlink import Downlink
+from atoll.coordinator.state.ledger import Confirmation, Stage
 from atoll.protos.rpc import DURABLE_WAIT_SECONDS
 
 MAX_WAIT_SECONDS = 60.0
@@ -122,12 +123,16 @@ class Pulls:
 
     def _streaming(self, req: PullRequest, regions) -> PullAnswer | None:
         """A tentative answer for an island holding θ of the open round, if that round's update is
-        being made (whole tensors only) or saved for the first time; None otherwise."""
-        sealed, producing, r = self.ledger.sealed, self.ledger.producing, self.ledger.round
-        if sealed is not None and sealed.round == r and sealed.payloads is not None and not sealed.failures:
+        being made (whole tensors only) or saved for the first time (:meth:`Ledger.streams`)."""
+        ledger, r = self.ledger, self.ledger.round
+        if not ledger.streams(r):
+            return None
+        if ledger.stage is Stage.SAVING:
+            sealed = ledger.sealed
             entries = Downlink.entries_of(sealed.payloads, regions, self.model.specs)
             return self._tentative(req.island_id, r, entries, sealed.record["loss"])
-        if producing is not None and producing.round == r and all(region is None for _, region in regions):
+        if all(region is None for _, region in regions):
+            producing = ledger.producing
             return self._tentative(req.island_id, r, producing.entries(regions), producing.loss)
         return None
 
@@ -142,12 +147,12 @@ class Pulls:
 
         async def durable() -> bool:
             deadline = time.monotonic() + DURABLE_WAIT_SECONDS
-            while ledger.round <= r:
-                sealed = ledger.sealed
-                failed = sealed is not None and sealed.round == r and sealed.failures
-                if failed or (left := deadline - time.monotonic()) <= 0:
-                    return False  # its save failed (retried; islands wait for it as NOT_READY), or is slow
+            while (said := ledger.confirmation(r)) is Confirmation.WAIT:
+                if (left := deadline - time.monotonic()) <= 0:
+                    return False  # slow to save: the island pulls again
                 await wait_event(ledger.round_changed, left)
+            if said is Confirmation.BROKEN:
+                return False  # its save failed (retried; islands wait for it as NOT_READY)
             self.membership.holds(island_id, r + 1)
             self.release_if_held()
             return True

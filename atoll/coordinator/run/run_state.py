@@ -393,13 +393,12 @@ class RunState:
             try:
                 await asyncio.to_thread(self._durable_write(sealed))
             except Exception as err:  # a full disk, a read-only or vanished dir: retried until it works
-                sealed.failures += 1
+                self.ledger.save_failed()  # tentative streams of the round end (NOT_DURABLE)
                 what = "θ_0" if sealed.round == BOOTSTRAP else f"round {sealed.round}"
                 self.problem = f"saving {what} failed ({err}); it stays unpublished and is retried"
                 if sealed.failures == 1 or sealed.failures % 20 == 0:
                     log.error("%s%s (attempt %d)", self.name, self.problem, sealed.failures)
                 sealed.retry_in = min(sealed.retry_in * 2, SAVE_RETRY_SECONDS[1])
-                self.ledger.wake()  # tentative streams of the round end (NOT_DURABLE)
                 return False
             if self.problem is not None:
                 log.warning("%ssaving works again after %d failed attempts", self.name, sealed.failures)

@@ -1,14 +1,28 @@
-"""Where the run stands: the open round, when it opened, the closed rounds' records, a sealed round that
-waits to be saved, and the events that wake long-polls and the decider.
+"""Where the run stands: the open round, when it opened, the closed rounds' records, the stage of the
+open round's update (made, sealed and saved, retried), and the events that wake long-polls and the
+decider.
 
-One owner (:class:`Ledger`); the core advances it on the one seal -> persist -> publish path, the
+One owner (:class:`Ledger`); the run advances it on the one seal -> persist -> publish path, the
 pushes and pulls read it.
+
+A round's update goes through named stages (:class:`Stage`, moved only by :func:`transition`):
+
+- OPEN: the round takes pushes; no update of it exists yet;
+- MAKING: its outer step makes the update, tensor by tensor (a pull waiting for it streams each
+  payload as it is made: *tentatively*);
+- SAVING: computed and sealed (it takes no more pushes); its first save is under way (pulls stream it
+  tentatively);
+- RETRYING: a save failed and is retried with backoff: tentative streams end unconfirmed (NOT_DURABLE,
+  the island pulls again) and new pulls wait (NOT_READY);
+- the save succeeds: the round is published and the next one is OPEN. A tentative stream of it gets
+  its confirmation (``Durable``) only then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +36,53 @@ SAVE_RETRY_SECONDS = (0.5, 30.0)
 """First wait after a failed save, and the cap of its doubling."""
 BOOTSTRAP = -1
 """The "round" that θ_0 closes: publishing it opens round 0."""
+
+
+class Stage(enum.Enum):
+    OPEN = "open"
+    MAKING = "making"
+    SAVING = "saving"
+    RETRYING = "retrying"
+
+
+class Event(enum.Enum):
+    STEP = "step"
+    """The outer step starts making the round's update."""
+    STEP_ENDED = "step_ended"
+    """The step ended without sealing (it failed: the round is open as before)."""
+    SEALED = "sealed"
+    SAVE_FAILED = "save_failed"
+    PUBLISHED = "published"
+
+
+TRANSITIONS: dict[tuple[Stage, Event], Stage] = {
+    (Stage.OPEN, Event.STEP): Stage.MAKING,
+    (Stage.MAKING, Event.STEP_ENDED): Stage.OPEN,
+    (Stage.MAKING, Event.SEALED): Stage.SAVING,
+    (Stage.OPEN, Event.SEALED): Stage.SAVING,  # θ_0: no step makes it
+    (Stage.SAVING, Event.SAVE_FAILED): Stage.RETRYING,
+    (Stage.RETRYING, Event.SAVE_FAILED): Stage.RETRYING,
+    (Stage.SAVING, Event.PUBLISHED): Stage.OPEN,  # the next round's
+    (Stage.RETRYING, Event.PUBLISHED): Stage.OPEN,
+}
+
+
+def transition(stage: Stage, event: Event) -> Stage:
+    """The stage after ``event``; AssertionError for one that cannot happen there (a bug, not an input)."""
+    try:
+        return TRANSITIONS[(stage, event)]
+    except KeyError:
+        raise AssertionError(f"{event.value} cannot happen to a round's update in stage {stage.value}") from None
+
+
+class Confirmation(enum.Enum):
+    """What a tentative stream of a round's update is told after its entries."""
+
+    WAIT = "wait"
+    DURABLE = "durable"
+    """Saved and published: the island may install it."""
+    BROKEN = "broken"
+    """Its save failed (retried; the island pulls again)."""
 
 
 @dataclass
@@ -86,6 +147,8 @@ class Ledger:
         self.opened_at = now
         self.history: list[dict] = []
         """One record per closed round."""
+        self.stage = Stage.OPEN
+        """The stage of the open round's update (θ_0's before the first round)."""
         self.sealed: Sealed | None = None
         self.producing: Producing | None = None
         """The open round's update while its outer step makes it (then it is sealed)."""
@@ -120,6 +183,7 @@ class Ledger:
 
     def advance(self, sealed: Sealed, now: float) -> None:
         """The sealed round is saved: open the next one and wake whoever waits for it."""
+        self.stage = transition(self.stage, Event.PUBLISHED)
         if sealed.record is not None:
             self.history.append(sealed.record)
         self.round = sealed.round + 1
@@ -131,9 +195,31 @@ class Ledger:
     def seal(self, sealed: Sealed) -> None:
         """A round's θ is computed (it takes no more pushes and waits to be saved): the long-polls
         waiting for it stream its update now, tentatively (confirmed once it is saved)."""
+        self.stage = transition(self.stage, Event.SEALED)
         self.sealed = sealed
         if sealed.payloads is not None:
             self.wake()
+
+    def save_failed(self) -> None:
+        """The sealed round's save failed (it is retried): its tentative streams end unconfirmed."""
+        self.stage = transition(self.stage, Event.SAVE_FAILED)
+        self.sealed.failures += 1
+        self.wake()
+
+    def streams(self, round_: int) -> bool:
+        """Whether a pull waiting for ``round_``'s update may stream it now, tentatively: while its step
+        makes it (:attr:`producing`) or its first save is under way (:attr:`sealed`)."""
+        if round_ != self.round:
+            return False
+        if self.stage is Stage.MAKING:
+            return self.producing is not None
+        return self.stage is Stage.SAVING and self.sealed.payloads is not None
+
+    def confirmation(self, round_: int) -> Confirmation:
+        """What a tentative stream of ``round_``'s update is told now."""
+        if self.round > round_:
+            return Confirmation.DURABLE
+        return Confirmation.BROKEN if self.stage is Stage.RETRYING else Confirmation.WAIT
 
     @contextlib.contextmanager
     def producing_step(
@@ -144,10 +230,14 @@ class Ledger:
         if sizes is None:
             yield None
             return
+        self.stage = transition(self.stage, Event.STEP)
         self.producing = Producing(round_, sizes, loss)
         self.wake()
         try:
             yield self.producing.made
+        except BaseException:  # the step failed: the round is open as before
+            self.stage = transition(self.stage, Event.STEP_ENDED)
+            raise
         finally:
             self.producing.end()
             self.producing = None

@@ -34,8 +34,9 @@ from atoll.islands.messages import (
     Update,
     UpdateKind,
 )
-from atoll.islands.transport import convert
+from atoll.islands.transport import convert, waiting
 from atoll.islands.transport.client import RETRYABLE, CoordinatorClient
+from atoll.islands.transport.waiting import Act
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import FATAL, Reason
 from atoll.protos.status import reason_of
@@ -44,8 +45,6 @@ log = logging.getLogger("atoll.island")
 
 LEAVE_SECONDS = 10.0
 """Leaving tries this long at most: a process stopping (a scheduler's grace period) must not hang on it."""
-MAX_RESYNCS = 3
-"""Full-θ pulls after a broken update before giving up (a coordinator sending corrupt data)."""
 WAIT_WARN_SECONDS = 60.0
 """Report a wait for an outer step at WARNING after this long, and again as long as it lasts."""
 
@@ -210,16 +209,16 @@ class Session:
         BOOTSTRAPPED: nothing to pull back). ``cancel``: give up between polls once set (the island
         is closing)."""
         started = warned = time.monotonic()
-        resyncs, lost = 0, None
+        w = waiting.start(have_round, can_repush=repush is not None)
         m = self.me
         while True:
             if cancel is not None and cancel.is_set():
-                raise RuntimeError(f"{m.island_id}: closed while waiting for round {have_round}'s outer step")
+                raise RuntimeError(f"{m.island_id}: closed while waiting for round {w.have_round}'s outer step")
             req = pb.PullRequest(
                 run_id=m.run_id,
                 island_id=m.island_id,
                 session_id=m.session_id,
-                have_round=have_round,
+                have_round=w.have_round,
                 wait_seconds=self.pull_wait_seconds,
             )
             req.regions.extend(self.regions)
@@ -227,58 +226,49 @@ class Session:
                 header, payloads = self.client.pull(req, on_entry=None if on_entry is None else entries(on_entry))
                 header = convert.update(header)
             except (PartialUpdate, WireFormatError) as err:
-                resyncs += 1
-                if resyncs > MAX_RESYNCS:
+                w, act = waiting.broken(w)
+                if act is Act.FAIL:
                     raise
                 log.warning("%s: an update broke off half-applied (%s); pulling the full θ", m.island_id, err)
-                lost, have_round = have_round, -1
                 continue
             except grpc.RpcError as err:
                 self._rejoin_or_raise(err)
                 continue
             self.run_complete = self.run_complete or header.run_complete
-            if header.kind is UpdateKind.NOT_READY:
-                if header.bootstrap and bootstrap is not None:
-                    log.warning("%s: the bootstrap claim passed to this island; uploading θ_0", m.island_id)
-                    if bootstrap():
-                        return Pulled.BOOTSTRAPPED, None
-                    continue
-                if header.run_complete and header.round == have_round:
-                    return Pulled.NOT_READY, None
-                if header.stalled and self.last:
-                    raise QuorumGone(
-                        f"{m.island_id}: round {header.round} can never close as things stand "
-                        f"({header.waiting or 'the quorum is gone'})"
-                    )
-                if repush is not None and not header.committed and header.round == have_round:
-                    # The coordinator lost our push (it restarted): idempotent, so send it again.
-                    log.info("%s: coordinator has no push from us for round %d; re-pushing", m.island_id, have_round)
-                    if self.push(*repush()) is PushOutcome.ROUND_CLOSED:
-                        repush = None
-                now = time.monotonic()
-                if now - warned >= WAIT_WARN_SECONDS:
-                    log.warning(
-                        "%s: waited %.0fs for round %d's outer step (shard %d): %s",
-                        m.island_id,
-                        now - started,
-                        header.round,
-                        self.index,
-                        header.waiting or "the coordinator has not closed the round",
-                    )
-                    warned = now
+            if header.kind is not UpdateKind.NOT_READY:
+                if on_update is not None:
+                    on_update(header, payloads)
+                self.round = header.round
+                self.latest_round = max(self.latest_round, header.latest_round)
+            w, act = waiting.answered(w, header, can_upload=bootstrap is not None, last=self.last)
+            if act is Act.DONE:
+                return Pulled[header.kind.name], header.loss
+            if act is Act.COMPLETE:
+                return Pulled.NOT_READY, None
+            if act is Act.GIVE_UP:
+                raise QuorumGone(
+                    f"{m.island_id}: round {header.round} can never close as things stand "
+                    f"({header.waiting or 'the quorum is gone'})"
+                )
+            if act is Act.UPLOAD:
+                log.warning("%s: the bootstrap claim passed to this island; uploading θ_0", m.island_id)
+                if bootstrap():
+                    return Pulled.BOOTSTRAPPED, None
                 continue
-            if on_update is not None:
-                on_update(header, payloads)
-            self.round = header.round
-            self.latest_round = max(self.latest_round, header.latest_round)
-            if header.kind is UpdateKind.FULL and lost is not None and lost >= 0 and header.round == lost:
-                have_round, lost = lost, None  # the round is open again: wait for it (re-pushing if it lost ours)
-                continue
-            lost = None
-            if header.round < header.latest_round:  # several rounds behind: next delta right away
-                have_round, repush = header.round, None
-                continue
-            return Pulled[header.kind.name], header.loss
+            if act is Act.REPUSH:  # the coordinator lost our push (it restarted): idempotent, so again
+                log.info("%s: coordinator has no push from us for round %d; re-pushing", m.island_id, w.have_round)
+                w = waiting.repushed(w, self.push(*repush()) is PushOutcome.ROUND_CLOSED)
+            now = time.monotonic()
+            if header.kind is UpdateKind.NOT_READY and now - warned >= WAIT_WARN_SECONDS:
+                log.warning(
+                    "%s: waited %.0fs for round %d's outer step (shard %d): %s",
+                    m.island_id,
+                    now - started,
+                    header.round,
+                    self.index,
+                    header.waiting or "the coordinator has not closed the round",
+                )
+                warned = now
 
 
 def entries(on_entry: Callable[[Update, int, object], None]):
