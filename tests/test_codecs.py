@@ -45,8 +45,8 @@ def blocks_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
 def blockwise_bound(x: torch.Tensor, codec) -> torch.Tensor:
     qmax = (1 << (codec.bits - 1)) - 1
     amax = blocks_absmax(x, codec.block)
-    if codec.scale == "fp32":
-        return amax * (0.5 / qmax) * (1 + 1e-5) + 1e-30
+    if codec.scale == "fp32":  # plus two fp32 ulps of the value: the decoded code x scale is rounded itself
+        return amax * (0.5 / qmax) * (1 + 1e-5) + x.abs() * 2.0**-22 + 1e-30
     return amax * (0.5 / qmax + 1e-3) + x.abs().max() * 1e-7 + 1e-30
 
 
