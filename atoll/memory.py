@@ -32,6 +32,7 @@ import ctypes.util
 import logging
 import os
 import sys
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -89,24 +90,60 @@ def tune_for_bulk_buffers(
     return ok
 
 
-# ---- reusing a buffer nobody else reads ------------------------------------------------------------
-def _references(obj) -> int:
-    return sys.getrefcount(obj)
+# ---- reusing a buffer nobody reads any more ---------------------------------------------------------
+class Lease:
+    """One reader's hold on a buffer (:meth:`Leases.take`); :meth:`release` it once it reads no more
+    (again: nothing)."""
+
+    def __init__(self, leases: Leases, key, holder: str) -> None:
+        self._leases, self._key, self.holder = leases, key, holder
+
+    def release(self) -> None:
+        if self._leases is not None:
+            self._leases.give_back(self._key, self.holder)
+            self._leases = None
 
 
-def _unheld_references() -> int:
-    probe = bytearray(1)  # one variable refers to it, as in a caller of held_elsewhere
-    return _references(probe)
+class Leases:
+    """Who reads the buffers an owner hands out again once nobody does (a buffer reused fills at memory
+    speed where a fresh one takes a page fault every 4 KiB). Each reader takes a lease and releases it
+    when it reads no more; the owner reuses a buffer only while it holds none, as FSDP2 allocates and
+    frees its storages explicitly. A lease is on the memory, not on a Python object: a view of a
+    tensor's storage is the same buffer (a reference count, which the view does not raise, took it for
+    free). Thread-safe."""
 
+    def __init__(self) -> None:
+        self._holders: dict[object, list[str]] = {}
+        self._lock = threading.Lock()
 
-_UNHELD = _unheld_references()
-"""What the interpreter counts for an object only one variable refers to, passed to a function:
-measured once, so a change in how it counts (borrowed references) cannot make a held buffer look free."""
+    @staticmethod
+    def key(buf) -> object:
+        """A tensor by its storage (every view of it alike); a bytes-like object by the object that owns
+        its memory (a memoryview by the object it views)."""
+        if hasattr(buf, "untyped_storage"):  # a torch.Tensor (not imported here: see the module's docstring)
+            return ("storage", buf.untyped_storage().data_ptr())
+        while isinstance(buf, memoryview) and buf.obj is not None:
+            buf = buf.obj
+        return ("object", id(buf))
 
+    def take(self, buf, holder: str) -> Lease:
+        key = self.key(buf)
+        with self._lock:
+            self._holders.setdefault(key, []).append(holder)
+        return Lease(self, key, holder)
 
-def held_elsewhere(obj) -> bool:
-    """Whether anything besides the caller's one variable refers to ``obj``: another variable, a
-    container, a memoryview of it (a pull still streaming it, a push kept for a re-push). A buffer
-    reused to save page faults (a fresh one faults every 4 KiB) must not be, or its reader would see
-    it overwritten. Pass a plain local variable, taken out of any container first."""
-    return sys.getrefcount(obj) > _UNHELD
+    def give_back(self, key, holder: str) -> None:
+        with self._lock:
+            holders = self._holders[key]
+            holders.remove(holder)
+            if not holders:
+                del self._holders[key]
+
+    def held(self, buf) -> bool:
+        """Whether anyone reads ``buf`` (or any view of its memory) now."""
+        with self._lock:
+            return self.key(buf) in self._holders
+
+    def holders(self, buf) -> list[str]:
+        with self._lock:
+            return list(self._holders.get(self.key(buf), ()))

@@ -4,6 +4,7 @@ memory speed. Reuse must never hand out memory someone still reads."""
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import torch
 from conftest import exact_config
@@ -94,9 +95,9 @@ def test_the_coordinator_reuses_push_buffers_and_islands_pull_buffers_with_exact
     assert a.client.buffers.reused == 2
 
 
-def test_the_next_rounds_sum_takes_the_replaced_thetas_memory_unless_someone_still_holds_it(start_server, raw_island):
-    """The accumulator of round r+1 is θ_r's memory, zeroed (resident pages: no faults as pushes are
-    added), but never while anything still references θ_r (a pull streaming it)."""
+def test_the_next_rounds_sum_takes_the_replaced_thetas_memory_unless_someone_holds_a_lease(start_server, raw_island):
+    """The accumulator of round r+1 is θ_r's memory (resident pages: no faults as pushes are added),
+    but never while anyone holds a lease on it: here a view of it, which a reference count missed."""
     srv = start_server(exact_config(run_id="t", sync_every=1, outer_lr=1.0, outer_momentum=0.0))
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
@@ -106,24 +107,79 @@ def test_the_next_rounds_sum_takes_the_replaced_thetas_memory_unless_someone_sti
     a.pull(0)
     assert srv.inspect(lambda st: st.accumulator.sum_of("w").data_ptr()) == theta0
     assert srv.inspect(lambda st: float(st.accumulator.sum_of("w").abs().sum())) == 0.0
-    held = srv.inspect(lambda st: st.model.params["w"])  # someone still holds θ_1
+    held = srv.inspect(lambda st: st.model.params["w"][:8])  # a reader of θ_1 (a view: the same memory)
+    lease = srv.inspect(lambda st: st.model.leases.take(held, "a test"))
     before = held.clone()
     assert a.push({k: torch.ones(s) for k, s in SHAPES.items()}, round_=1, tokens=4).committed
     a.pull(1)
     assert srv.inspect(lambda st: st.accumulator.sum_of("w").data_ptr()) != held.data_ptr()
-    assert torch.equal(held, before)  # θ_1, still held, was neither zeroed nor summed into
+    assert a.push({k: torch.full(s, 5.0) for k, s in SHAPES.items()}, round_=2, tokens=4).committed
+    assert torch.equal(held, before)  # θ_1, still read, was neither zeroed nor summed into
+    lease.release()
+    theta2 = srv.inspect(lambda st: st.model.params["w"].data_ptr())
+    a.pull(2)
+    assert srv.inspect(lambda st: st.accumulator.sum_of("w").data_ptr()) == theta2  # nobody reads θ_2: reused
 
 
-def test_a_buffer_is_held_elsewhere_while_a_container_or_a_view_refers_to_it():
-    from atoll.memory import held_elsewhere
+def test_a_theta_still_streamed_to_an_island_is_never_summed_into(start_server, raw_island):
+    """A full-θ pull of θ_1 that reads slowly, while round 1 closes and round 2's first push arrives:
+    the next round's sum must not take θ_1's memory (the pull's lease), or the island would receive
+    round 2's push instead of θ_1."""
+    srv = start_server(exact_config(run_id="t", sync_every=1, outer_lr=1.0, outer_momentum=0.0), bulk_port=None)
+    a = raw_island(srv.address, "a", {"w": (2048, 2048)})
+    a.join()
+    a.push({"w": torch.randn(2048, 2048)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    assert a.push({"w": torch.randn(2048, 2048)}, round_=0, tokens=4).committed
+    a.pull(0)
+    theta1 = srv.inspect(lambda st: st.model.params["w"].clone())
+    with grpc.insecure_channel(srv.address) as channel:
+        pull = channel.unary_stream("/atoll.v1.Coordinator/PullUpdate")
+        stream = pull(pb.PullRequest(run_id="t", island_id="a", have_round=-1).SerializeToString(), timeout=60)
+        first = next(stream)  # the header; 16 MiB of θ_1 to come, read in place, slowly
+        assert a.push({"w": torch.randn(2048, 2048)}, round_=1, tokens=4).committed
+        a.pull(1)
+        assert a.push({"w": torch.full((2048, 2048), 7.0)}, round_=2, tokens=4).committed  # into the sum
+        data = b"".join(pb.PullChunk.FromString(m).data for m in stream)
+    header = pb.PullChunk.FromString(first).header
+    assert header.kind == pb.UPDATE_KIND_FULL and header.round == 1
+    assert torch.equal(get_codec("identity").decode(data, (2048, 2048)), theta1)
 
-    buf = bytearray(8)
-    assert not held_elsewhere(buf)
-    kept = [buf]
-    assert held_elsewhere(buf)
-    kept.clear()
-    view = memoryview(buf)[2:]  # a stream still reading it
-    assert held_elsewhere(buf)
-    view.release()
-    del view
-    assert not held_elsewhere(buf)
+
+def test_leases_are_on_the_memory_not_on_an_object():
+    from atoll.memory import Leases
+
+    leases = Leases()
+    t = torch.zeros(16)
+    lease = leases.take(t[4:8], "a view's reader")
+    assert leases.held(t) and leases.holders(t.view(4, 4)) == ["a view's reader"]
+    assert not leases.held(torch.zeros(16))
+    lease.release()
+    lease.release()  # again: nothing
+    assert not leases.held(t)
+    buf = bytearray(32)
+    second = leases.take(memoryview(buf)[8:], "a stream")
+    assert leases.held(buf) and not leases.held(bytearray(32))
+    second.release()
+    assert not leases.held(buf)
+
+
+def test_a_push_payload_is_encoded_into_again_only_once_nobody_holds_it():
+    """An island encodes its next push into its last payload's buffer, but not while a flight keeps
+    that payload for a re-push (a lease), even through a view of it."""
+    from atoll.islands.shard_state import Placement, ShardState
+    from atoll.islands.shards import local_shards
+    from atoll.memory import Leases
+
+    model = torch.nn.Linear(64, 64, bias=False)
+    (shard,) = local_shards(model, None, buffers=False)
+    leases = Leases()
+    state = ShardState(shard, Placement("host", torch.device("cpu")), leases)
+    state.start_from_local()
+    codec = get_codec("int8")
+    first = state.encode(codec)
+    assert state.encode(codec) is first  # nobody reads it: the same buffer
+    lease = leases.take(memoryview(first)[16:], "a flight kept it for a re-push")
+    second = state.encode(codec)
+    assert second is not first and bytes(first) == bytes(second)
+    lease.release()
+    assert state.encode(codec) is second

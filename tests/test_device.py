@@ -24,6 +24,7 @@ from atoll.coordinator import RunConfig
 from atoll.islands.shard_state import Placement, ShardState
 from atoll.islands.shards import local_shards
 from atoll.islands.transport.client import RetryPolicy
+from atoll.memory import Leases
 
 CUDA = torch.device("cuda", 0)
 
@@ -91,7 +92,7 @@ def test_exchange_math_stays_on_the_device(where, spec):
         shards = local_shards(model)
         assert {s.kind for s in shards} == {"parameter", "buffer"} and shards[0].local().device == CUDA
         placement = Placement(where, CUDA)
-        states = [ShardState(s, placement) for s in shards]
+        states = [ShardState(s, placement, Leases()) for s in shards]
         ident = get_codec("identity")
         for st in states:  # θ_0 arrives as a full fp32 payload
             st.apply(ident.encode(torch.zeros(st.shard.sizes)), full=True)

@@ -178,10 +178,17 @@ class PullAnswer:
     """A tentative update (its round still being saved): awaited after the entries are sent; True once
     the round is saved and published, False if it was not within the wait."""
     reservation: object | None = None
-    """Its share of the pull budget (a ``staging.Reservation``), held until the stream ends: :meth:`done`."""
+    """Its share of the pull budget (a ``budget.Reservation``), held until the stream ends: :meth:`done`."""
+    leases: list = field(default_factory=list)
+    """Its leases (``atoll.memory.Lease``) on what its entries read (θ's tensors, the update's payloads):
+    none of it is handed out again while the answer streams."""
 
     def done(self) -> None:
-        """The answer was streamed (or its stream broke): its memory goes back to the pull budget."""
+        """The answer was streamed (or its stream broke): its memory goes back to the pull budget and
+        what it read may be reused."""
         if self.reservation is not None:
             self.reservation.release()
             self.reservation = None
+        for lease in self.leases:
+            lease.release()
+        self.leases = []

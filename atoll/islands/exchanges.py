@@ -81,19 +81,40 @@ class Flight:
     thread: threading.Thread | None = None
     ready: Callable[[], object] | None = None
     """Waited for before the first push (``before_push``'s answer: a checkpoint being written)."""
+    leases: list = field(default_factory=list)
+    """Its leases on the payloads it pushes (kept for a re-push, or made as a stream asks): none of
+    them is encoded into again before it ends (:meth:`end`)."""
+    lease_on: Callable[[object], object] | None = None
+    """Takes a lease on a payload for this flight."""
+
+    def kept(self, payload):
+        """``payload``, leased for this flight (it pushes it, and may again)."""
+        if self.lease_on is not None:
+            self.leases.append(self.lease_on(payload))
+        return payload
+
+    def end(self) -> None:
+        """The flight is over: what it pushed may be encoded into again."""
+        for lease in self.leases:
+            lease.release()
+        self.leases = []
 
     def source(self, route: int):
-        """What to push for a route: its payloads, or an encoder that makes them one at a time."""
+        """What to push for a route: its payloads, or an encoder that makes them one at a time (each
+        leased for the flight as it is made)."""
         for i, _, payloads in self.pushes:
             if i == route and payloads is not None:
                 return payloads
-        return self.encoder(route) if self.encoder is not None else self.payloads_of(route)
+        if self.encoder is not None:
+            encode = self.encoder(route)
+            return lambda j: self.kept(encode(j))
+        return self.payloads_of(route)
 
     def payloads_of(self, route: int) -> list:
         """The route's payloads: kept, or encoded again (the same bytes: see ``rebuild``)."""
         for i, _, payloads in self.pushes:
             if i == route:
-                return payloads if payloads is not None else self.rebuild(route)
+                return payloads if payloads is not None else [self.kept(p) for p in self.rebuild(route)]
         raise KeyError(route)
 
     def release_payloads(self) -> None:
@@ -208,6 +229,7 @@ class Exchanges:
             pushed_at=pushed_at,
             merge=self.overlap,
             bytes0=routes.link.bytes(indices),
+            lease_on=lambda payload: routes.leases.take(payload, f"round {sessions[indices[0]].round}'s push"),
         )
         # A stateless codec (no error feedback, no warm start) on a plain exchange (θ stays put until it
         # is applied) streams: each payload is encoded as the push stream asks for it, and again if
@@ -217,7 +239,7 @@ class Exchanges:
             flight.rebuild, flight.encoder = routes.encode, routes.encoder
         for i in indices:
             owned = routes.owned(i)
-            payloads = None if streamed else routes.encode(i)
+            payloads = None if streamed else [flight.kept(p) for p in routes.encode(i)]
             sizes = routes.sizes(i) if streamed else [len(p) for p in payloads]
             flight.max_payload_numel = max([flight.max_payload_numel, *(s.local().numel() for s in owned)])
             if flight.merge:
@@ -291,6 +313,7 @@ class Exchanges:
             flight.thread = None
         for i in flight.routes:
             self.by_route.pop(i, None)
+        flight.end()  # its payloads may be encoded into again
         if flight.error is not None:
             raise flight.error
         by_route: dict[int, list] = {}

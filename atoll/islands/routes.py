@@ -33,6 +33,7 @@ from atoll.islands.options import DiLoCoOptions
 from atoll.islands.shard_state import Placement, ShardState
 from atoll.islands.shards import BUFFER, LocalShard
 from atoll.islands.transport.session import Session
+from atoll.memory import Leases
 from atoll.sharding import layer_partition, layout_digest, shard_of
 
 log = logging.getLogger("atoll.island")
@@ -67,11 +68,13 @@ class Routes:
         if empty:
             raise ValueError(f"coordinator shards {empty} of {n} own none of the model's tensors; use fewer shards")
         placements: dict[torch.device, Placement] = {}
+        self.leases = Leases()
+        """Who reads the shards' push payloads now (see :meth:`ShardState.encode`)."""
         self.states: dict[tuple, ShardState] = {}
         for s in shards:
             device = s.local().device
             placement = placements.setdefault(device, Placement(options.outer_state, device))
-            self.states[s.key] = ShardState(s, placement)
+            self.states[s.key] = ShardState(s, placement, self.leases)
         self.sessions = link.open(
             rank,
             num_ranks,

@@ -20,7 +20,7 @@ import torch
 
 from atoll.compression import codec_of
 from atoll.islands.shards import LocalShard
-from atoll.memory import held_elsewhere
+from atoll.memory import Leases
 
 HOST, DEVICE = "host", "device"
 PLACEMENTS = (HOST, DEVICE)
@@ -88,9 +88,12 @@ class Placement:
 class ShardState:
     """The outer state of one local shard, and the math of one exchange on it."""
 
-    def __init__(self, shard: LocalShard, placement: Placement) -> None:
+    def __init__(self, shard: LocalShard, placement: Placement, leases: Leases) -> None:
+        """``leases``: who reads this shard's payloads (a push, a flight keeping it for a re-push): its
+        next encode takes the last payload's buffer only once nobody does."""
         self.shard = shard
         self.placement = placement
+        self.leases = leases
         self.start: torch.Tensor | None = None
         """θ of the round start (fp32, placed)."""
         self.codec_state: dict = {}
@@ -98,7 +101,7 @@ class ShardState:
         self.snapshot: torch.Tensor | None = None
         """Overlap: θ when the exchange was pushed (placed)."""
         self._payload: bytearray | None = None
-        """The last payload encoded: the next one's buffer once nothing else holds it."""
+        """The last payload encoded: the next one's buffer once nobody holds a lease on it."""
 
     @property
     def device(self) -> torch.device:
@@ -113,7 +116,7 @@ class ShardState:
         if kept is not None:
             self.codec_state["residual"] = self.placement.fetch(kept)
         spare, self._payload = self._payload, None
-        if spare is not None and held_elsewhere(spare):  # kept for a re-push, in a checkpoint, in a stream
+        if spare is not None and self.leases.held(spare):  # kept for a re-push, in a stream
             spare = None  # never written over
         payload = codec.encode_difference(start, self.shard.local().detach(), self.codec_state, out=spare)
         self._payload = payload

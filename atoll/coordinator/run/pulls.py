@@ -98,6 +98,8 @@ class Pulls:
             except BaseException:
                 reservation.release()
                 raise
+            kept = self.downlink.in_memory(nxt)  # the latest update: leased while it streams
+            leases = self._leases(req.island_id, [kept[name] for name, _ in regions] if kept else [])
             self.membership.holds(req.island_id, nxt)
             self.release_if_held()
             return PullAnswer(
@@ -107,6 +109,7 @@ class Pulls:
                 entries=entries,
                 loss=ledger.loss_of(nxt - 1),
                 reservation=reservation,
+                leases=leases,
                 **latest,
             )
         entries = Downlink.full_entries(params, regions)
@@ -118,8 +121,14 @@ class Pulls:
             entries=entries,
             loss=ledger.loss_of(round_ - 1),
             reservation=reservation,
+            leases=self._leases(req.island_id, [params[name] for name, _ in regions]),  # θ, sent in place
             **latest,
         )
+
+    def _leases(self, island_id: str, buffers: list) -> list:
+        """Leases of a pull of ``island_id`` on what its answer reads in place (θ's tensors, an update's
+        payloads): neither is reused while the answer streams (see :class:`~atoll.memory.Leases`)."""
+        return [self.model.leases.take(b, f"a pull of island {island_id}") for b in buffers]
 
     def _streaming(self, req: PullRequest, regions) -> PullAnswer | None:
         """A tentative answer for an island holding θ of the open round, if that round's update is
@@ -130,13 +139,23 @@ class Pulls:
         if ledger.stage is Stage.SAVING:
             sealed = ledger.sealed
             entries = Downlink.entries_of(sealed.payloads, regions, self.model.specs)
-            return self._tentative(req.island_id, r, entries, sealed.record["loss"])
+            leases = self._leases(req.island_id, [sealed.payloads[name] for name, _ in regions])
+            return self._tentative(req.island_id, r, entries, sealed.record["loss"], leases)
         if all(region is None for _, region in regions):
-            producing = ledger.producing
-            return self._tentative(req.island_id, r, producing.entries(regions), producing.loss)
+            producing, leases = ledger.producing, []
+            entries = producing.entries(regions)
+            for entry in entries:  # each payload leased as it is made
+
+                async def made(get=entry.made) -> bytearray:
+                    payload = await get()
+                    leases.extend(self._leases(req.island_id, [payload]))
+                    return payload
+
+                entry.made = made
+            return self._tentative(req.island_id, r, entries, producing.loss, leases)
         return None
 
-    def _tentative(self, island_id: str, r: int, entries: list, loss: float | None) -> PullAnswer:
+    def _tentative(self, island_id: str, r: int, entries: list, loss: float | None, leases: list) -> PullAnswer:
         """Round ``r``'s update, streamed while the outer step makes it or its first save is under way;
         the stream ends with the confirmation that it is saved and published
         (:attr:`PullAnswer.durable`), and an island's pull returns only after it (one that ends without it
@@ -167,6 +186,7 @@ class Pulls:
             run_complete=bool(c.total_rounds) and r + 1 >= c.total_rounds,
             durable=durable,
             reservation=self.downlink.reserve(entries),
+            leases=leases,
         )
 
     def release_if_held(self) -> None:

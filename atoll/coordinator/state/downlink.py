@@ -108,6 +108,10 @@ class Downlink:
         island has it): it is then served from the log."""
         self.latest = None
 
+    def in_memory(self, round_: int) -> dict | None:
+        """The payloads of the update that produced θ_round, when they are in memory (None: the log's)."""
+        return self.latest if round_ == self.latest_round and self.latest is not None else None
+
     def restore(self, round_: int) -> None:
         """After a restart: the latest update is the logged one that produced θ_round_, if kept."""
         kept = wal.load_update(self.state_dir, round_)
@@ -125,8 +129,7 @@ class Downlink:
     def delta_entries(self, round_: int, regions: Regions, specs: dict[str, tuple[int, ...]]) -> list[PayloadEntry]:
         """The update that produced θ_round: whole tensors as encoded, regions as exact identity slices
         of the decoded tensor (decoded per entry, when it is sent)."""
-        in_memory = round_ == self.latest_round and self.latest is not None
-        payloads = self.latest if in_memory else wal.load_update(self.state_dir, round_)
+        payloads = self.in_memory(round_) or wal.load_update(self.state_dir, round_)
         if payloads is None:
             raise LookupError(f"the update of round {round_} is not kept")
         return self.entries_of(payloads, regions, specs)

@@ -14,7 +14,7 @@ import torch
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
-from atoll.memory import held_elsewhere
+from atoll.memory import Leases
 
 
 class GlobalModel:
@@ -34,6 +34,10 @@ class GlobalModel:
         self._downlink_state: dict[str, dict] = {}
         self._spares: dict[str, bytearray] = {}
         """The last outer update's payloads: the next step's buffers once nobody reads them."""
+        self.leases = Leases()
+        """Who reads θ's tensors and the update's payloads now (pulls streaming them, the downlink
+        keeping the latest update): the next round's sum takes a replaced θ, and the next step the
+        last update's payloads, only once nobody does."""
         self.finite = FiniteTheta()
         """The proof that θ stays finite, checked at every step before the round is sealed."""
         self.configure(config)
@@ -101,12 +105,12 @@ class GlobalModel:
         """Storage for a round's Σ w_i Δ_i, shaped like θ, and the names of its tensors that still hold
         old values (the accumulator counts them as zero: :meth:`RoundAccumulator.reset`). ``reuse``:
         tensors to take as they are instead of new zeroed ones (the θ a publish replaced), each one
-        that nothing else references any more (no pull streams it): its pages are resident, where a
-        new tensor's fault in as the first pushes are added, and it is not zeroed here."""
+        that nobody holds a lease on (no pull streams it, :attr:`leases`): its pages are resident,
+        where a new tensor's fault in as the first pushes are added, and it is not zeroed here."""
         out, stale = {}, set()
         for name, shape in self.specs.items():
             t = reuse.pop(name, None) if reuse else None
-            if t is not None and tuple(t.shape) == shape and t.dtype == torch.float32 and not held_elsewhere(t):
+            if t is not None and tuple(t.shape) == shape and t.dtype == torch.float32 and not self.leases.held(t):
                 out[name] = t
                 stale.add(name)
             else:
@@ -136,6 +140,7 @@ class GlobalModel:
             downlink_state=self._downlink_state,
             robust_grads=robust_grads,
             spares=self._spares,
+            leases=self.leases,
             made=made,
         )
         self._spares = dict(payloads)

@@ -11,7 +11,7 @@ import torch
 from torch.optim.sgd import sgd
 
 from atoll.compression.base import Chunks
-from atoll.memory import held_elsewhere
+from atoll.memory import Leases
 
 THETA_LIMIT = 2.0**120
 """θ is proven finite while a bound of its largest value stays below this (fp32 holds up to 2^128)."""
@@ -158,12 +158,12 @@ def _fused_sgd_runs() -> bool:
     return True
 
 
-def spare(spares: dict[str, bytearray] | None, name: str) -> bytearray | None:
-    """``spares[name]`` (taken out), if nothing else references it any more: no pull still streams
-    it, no file write still reads it. A buffer reused fills at memory speed; a fresh one costs a page
+def spare(spares: dict[str, bytearray] | None, name: str, leases: Leases | None) -> bytearray | None:
+    """``spares[name]`` (taken out), if nobody holds a lease on it any more (no pull still streams it,
+    the downlink no longer keeps it). A buffer reused fills at memory speed; a fresh one costs a page
     fault every 4 KiB (0.28 s for |θ| = 475 MiB on the dev machine)."""
     buf = spares.pop(name, None) if spares is not None else None
-    return buf if buf is not None and not held_elsewhere(buf) else None
+    return buf if buf is not None and (leases is None or not leases.held(buf)) else None
 
 
 def outer_step_(
@@ -178,6 +178,7 @@ def outer_step_(
     downlink_state: dict[str, dict],
     robust_grads: dict[str, torch.Tensor] | None = None,
     spares: dict[str, bytearray] | None = None,
+    leases: Leases | None = None,
     made: Callable[[str, bytearray], None] | None = None,
 ) -> dict[str, bytearray]:
     """θ_{r+1} = θ_r + decode(encode(u + e)), tensor by tensor, in place in ``accum`` (which ends up
@@ -188,7 +189,7 @@ def outer_step_(
     mean itself (θ − mean Δ = the islands' mean buffer). A lossy ``downlink`` codec sends u + e and
     keeps e, the error it made (downlink error feedback). Returns the encoded update per tensor:
     what islands add to θ_r is exactly what was added here. ``spares``: last round's payloads, each
-    reused as this round's buffer when nothing else holds it any more (see :func:`spare`).
+    reused as this round's buffer when nobody holds a lease on it in ``leases`` (see :func:`spare`).
     ``made(name, payload)``: called as each tensor's payload is final (pulls stream it meanwhile).
 
     A codec that reads its input in chunks gets each tensor as an :class:`_Update`: every step above
@@ -211,7 +212,7 @@ def outer_step_(
             else:
                 optimizer.step_(name, a, start)
 
-        out = spare(spares, name)
+        out = spare(spares, name, leases)
         state = downlink_state.setdefault(name, {}) if downlink.lossy else None
         # With error feedback, u + e is made in e's own storage by one fused pass (see NesterovSGD.fused_).
         fused = None
