@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,6 +25,19 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def wait_for(condition, *, timeout: float = 10.0, what: str = "the condition"):
+    """Return ``condition()``'s first truthy value, checked every 10 ms; fail after ``timeout``.
+
+    The tests' one way to wait for something another thread or process does: the condition is the
+    event, so a fast machine does not wait and a slow one does not fail by a fixed sleep's margin."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+    return value
 
 
 IDENTITY_FLAGS = ["--codec", "identity", "--downlink-codec", "identity"]
@@ -203,8 +217,6 @@ def group(tmp_path):
 
 def collect_events(procs, *, until, timeout: float):
     """Gather JSON events from island processes until ``until(events)`` or all exit; fail on timeout."""
-    import time
-
     events = []
     deadline = time.monotonic() + timeout
     while not until(events):

@@ -2,12 +2,31 @@
 delta is weighted by the tokens it actually processed."""
 
 import pytest
-from conftest import collect_events
+from conftest import FakeClock, collect_events
 
 from atoll.coordinator.disk import snapshots
 from atoll.harness.faults import Fault, island_faults_json
+from atoll.islands.schedule import Schedule
 
 
+def test_a_time_budget_syncs_a_slow_island_after_fewer_steps_with_the_tokens_it_took():
+    def steps_until_due(seconds_per_step: float) -> tuple[int, int]:
+        clock = FakeClock(0.0)
+        sched = Schedule(1, streaming=False, sync_every_seconds=1.0, clock=clock)
+        sched.begin(40)  # the run's H does not count on a time budget
+        while not sched.budget_spent():
+            clock.now += seconds_per_step
+            sched.count(tokens=32, loss=1.0)
+        took = sched.routes[0].steps, sched.routes[0].tokens
+        sched.synced([0])
+        assert not sched.budget_spent() and sched.routes[0].steps == 0  # the next budget starts now
+        return took
+
+    assert steps_until_due(0.125) == (8, 8 * 32)
+    assert steps_until_due(0.5) == (2, 2 * 32)  # 4x slower: a quarter of the steps and tokens
+
+
+@pytest.mark.slow  # three processes, tens of seconds
 @pytest.mark.timeout(300)
 def test_time_budget_island_does_fewer_steps_and_weighs_its_tokens(group, tmp_path):
     coord, address = group.start_coordinator(

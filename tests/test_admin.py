@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 import grpc
 import pytest
 import torch
-from conftest import exact_config, http, post_json
+from conftest import exact_config, http, post_json, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from atoll.coordinator import CoordinatorServer
@@ -74,7 +73,7 @@ def test_non_loopback_admin_needs_a_token(tmp_path):
     assert server._server is None  # refused before the gRPC port opened
 
 
-# ---- 6. observability -------------------------------------------------------------------------------
+# ---- observability ----------------------------------------------------------------------------------
 def test_metrics_carry_loss_tokens_and_each_islands_state(start_server, raw_island):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -109,10 +108,12 @@ def test_lease_expiry_is_logged_and_fragment_lines_say_which(start_server, raw_i
     )
     a = raw_island(srv.address, "a", {"w": (2, 2)})
     a.join(shard_index=1, num_shards=2, partition="layers", layout_digest="d")
-    time.sleep(2.5)
-    messages = [r.getMessage() for r in caplog.records if r.name == "atoll.coordinator"]
-    assert any(m.startswith("fragment 1/2: island a joined") for m in messages)
-    assert any(m.startswith("fragment 1/2: island a: lease expired") for m in messages)
+
+    def messages():
+        return [r.getMessage() for r in caplog.records if r.name == "atoll.coordinator"]
+
+    wait_for(lambda: any(m.startswith("fragment 1/2: island a: lease expired") for m in messages()), what="expiry")
+    assert any(m.startswith("fragment 1/2: island a joined") for m in messages())
 
 
 # ---- operator control ----------------------------------------------------------------------------

@@ -216,7 +216,7 @@ def rand(shapes=SHAPES):
     return {k: torch.randn(s) for k, s in shapes.items()}
 
 
-# ---- 5. error codes -----------------------------------------------------------------------------
+# ---- error codes --------------------------------------------------------------------------------
 def test_unparseable_request_bytes_answer_invalid_argument(start_server):
     """(Before: UNKNOWN, from protobuf's DecodeError.)"""
     srv = start_server()
@@ -251,7 +251,7 @@ def test_unknown_method_without_a_token_is_unimplemented_without_a_traceback(sta
     assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
 
 
-# ---- 6. token weight ----------------------------------------------------------------------------
+# ---- token weight -------------------------------------------------------------------------------
 def test_absurd_token_claims_are_refused(start_server, raw_island):
     """tokens = 2^64 - 1 would take nearly all of the mean's weight. (Before: accepted.)"""
     srv = start_server(exact_config(run_id="t", sync_every=10, quorum=2))

@@ -1,4 +1,4 @@
-"""Entry buffers reused round after round (issue 21, item 3): a fresh mapping costs a page fault per
+"""Entry buffers reused round after round: a fresh mapping costs a page fault per
 4 KiB, which made receiving a 124M-parameter push take 0.27 s of copying; a reused one fills at
 memory speed. Reuse must never hand out memory someone still reads."""
 

@@ -7,17 +7,16 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from conftest import collect_events, coordinator_flags, exact_config, island_flags
+from conftest import collect_events, coordinator_flags, exact_config, island_flags, wait_for
 
 from atoll.cli import build_parser
 from atoll.protos import coordinator_pb2 as pb
 
 
-# ---- 1. no silent misreadings ------------------------------------------------------------------
+# ---- no silent misreadings ---------------------------------------------------------------------
 @pytest.mark.parametrize(
     "argv",
     [
@@ -33,7 +32,7 @@ def test_no_prefix_matching_anywhere_in_the_cli(argv, capsys):
     assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
-# ---- 7. CLI polish -----------------------------------------------------------------------------------
+# ---- CLI polish --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("command", ["coordinator", "island", "demo", "status", "export", "rollback"])
 def test_every_flag_has_help_with_allowed_values(command):
     parser = build_parser()
@@ -126,8 +125,7 @@ def test_ctrl_c_leaves_the_run_with_one_line_and_a_model_mismatch_is_one_line(gr
     coord, address = group.start_coordinator(tmp_path / "state", coordinator_flags(sync_every=500, quorum=1))
     isl = group.start("i", island_flags(address, "i", rounds=3))
     collect_events([isl], until=lambda ev: any(e["event"] == "joined" for e in ev), timeout=60)
-    time.sleep(1.0)
-    isl.proc.send_signal(signal.SIGINT)
+    isl.proc.send_signal(signal.SIGINT)  # training its first round
     assert isl.wait(30) == 130
     err = isl.log_tail()
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "atoll island: interrupted"
@@ -200,9 +198,7 @@ def test_the_coordinators_torch_threads_are_a_flag_and_shown_in_its_status(group
             sync_every=5, quorum=1, extra=["--threads", "1", "--admin-port", "0", "--admin-port-file", str(admin)]
         ),
     )
-    deadline = time.monotonic() + 30
-    while not admin.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(admin.exists, timeout=30, what="the admin port file")
     with urllib.request.urlopen(f"http://127.0.0.1:{admin.read_text().strip()}/api/status", timeout=10) as resp:
         assert json.load(resp)["torch_threads"] == 1
     coord.stop()

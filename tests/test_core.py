@@ -172,19 +172,21 @@ def test_a_full_pull_during_a_publish_gets_the_theta_of_the_round_it_names(tmp_p
     assert asyncio.run(push(s, "a", rand(1), tokens=1)).committed
     real, zeroing, release = s.model.sums, threading.Event(), threading.Event()
 
-    def slow_sums(reuse=None):
+    def held_sums(reuse=None):
         zeroing.set()
-        release.wait(10)  # set 0.3 s after the pull went in
+        assert release.wait(10)  # set once the pull waits
         return real(reuse)
 
-    monkeypatch.setattr(s.model, "sums", slow_sums)
+    monkeypatch.setattr(s.model, "sums", held_sums)
 
     async def pull_while_zeroing():
         closing = asyncio.ensure_future(s.close_round("test"))
-        while not zeroing.is_set():
-            await asyncio.sleep(0.01)
-        threading.Timer(0.3, release.set).start()
-        answer = await s.pull(PullRequest(run_id="t", island_id="a", session_id="a", have_round=-1))
+        await asyncio.to_thread(zeroing.wait, 10)
+        pulling = asyncio.ensure_future(s.pull(PullRequest(run_id="t", island_id="a", session_id="a", have_round=-1)))
+        await asyncio.sleep(0)  # the pull runs up to its first wait
+        assert not pulling.done()  # it waits for the publish: no θ labelled with a round it is not
+        release.set()
+        answer = await pulling
         await closing
         return answer
 
@@ -238,7 +240,7 @@ def test_a_push_that_arrives_while_its_round_is_being_saved_is_folded_into_the_n
         await push(s, "a", rand(1), round_=0)
         await s.close_round("quorum")  # the outer step is computed; its save fails for now
         late = asyncio.create_task(push(s, "b", rand(2), round_=0))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a window for the push to be (wrongly) answered: an absence has no event
         assert not late.done() and s.ledger.sealed is not None  # it waits for the publish, not dropped
         broken[0] = False
         assert await s.try_publish()

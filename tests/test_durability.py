@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import IDENTITY_FLAGS, ServerThread, exact_config, http
+from conftest import IDENTITY_FLAGS, ServerThread, exact_config, http, wait_for
 
 from atoll.coordinator.disk import lock, snapshots, wal
 from atoll.protos import coordinator_pb2 as pb
@@ -20,7 +20,7 @@ def rand(shapes=SHAPES):
     return {k: torch.randn(s) for k, s in shapes.items()}
 
 
-# ---- 1b. the real thing: a full disk, and a task that dies -------------------------------------
+# ---- the real thing: a full disk, and a task that dies -------------------------------------
 def _mount_namespaces() -> bool:
     import shutil
     import subprocess
@@ -33,7 +33,7 @@ def _mount_namespaces() -> bool:
     return probe.returncode == 0
 
 
-# ---- 1. a failed save -------------------------------------------------------------------------
+# ---- a failed save ----------------------------------------------------------------------------
 def test_failed_save_keeps_the_round_unpublished_reports_it_and_recovers(start_server, raw_island, monkeypatch, caplog):
     """A full disk at the close of round 0: the round stays unpublished, an ERROR names the cause,
     /healthz answers 503 with it, and the round is published by itself once saving works again.
@@ -76,7 +76,6 @@ def test_a_state_dir_on_a_full_tmpfs_recovers_when_space_returns(tmp_path, raw_i
     import os
     import subprocess
     import sys
-    import time
 
     state = tmp_path / "state"
     state.mkdir()
@@ -89,10 +88,12 @@ def test_a_state_dir_on_a_full_tmpfs_recovers_when_space_returns(tmp_path, raw_i
     )
     proc = subprocess.Popen(["unshare", "-m", "sh", "-c", cmd], stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 60
-        while not (port_file.exists() and admin_file.exists()):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
-            time.sleep(0.05)
+
+        def started():
+            assert proc.poll() is None, (tmp_path / "coordinator.log").read_text()
+            return port_file.exists() and admin_file.exists()
+
+        wait_for(started, timeout=60, what="the coordinator's port files")
         address = f"127.0.0.1:{port_file.read_text().strip()}"
         admin = f"http://127.0.0.1:{admin_file.read_text().strip()}"
         shapes = {"w": (1024, 1024)}  # a 4 MiB θ: each snapshot is 8 MiB
@@ -108,10 +109,7 @@ def test_a_state_dir_on_a_full_tmpfs_recovers_when_space_returns(tmp_path, raw_i
         a.push({"w": torch.randn(1024, 1024) * 0.01}, round_=0, tokens=1)
         header, _ = a.pull(0, wait_seconds=2.0)
         assert header.kind == pb.UPDATE_KIND_NOT_READY
-        deadline = time.monotonic() + 10
-        while http(admin + "/healthz")[0] != 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for(lambda: http(admin + "/healthz")[0] == 503, what="/healthz to say the disk is full")
         assert "No space left on device" in http(admin + "/healthz")[1]
         os.unlink(filler)
         header, _ = a.pull(0, wait_seconds=30)

@@ -1,10 +1,9 @@
 """End to end with real processes: a coordinator and islands on loopback."""
 
 import signal
-import time
 
 import pytest
-from conftest import collect_events, coordinator_flags, island_flags
+from conftest import collect_events, coordinator_flags, island_flags, wait_for
 
 from atoll.coordinator.disk import snapshots
 
@@ -69,11 +68,20 @@ def test_coordinator_sigkill_between_rounds_resumes(group, tmp_path):
         )
 
     events = collect_events(islands, until=both_finished(2), timeout=240)
+
+    def retries(p):
+        return p.log_path.read_text(errors="replace").count("retrying")
+
+    before = [retries(p) for p in islands]
     coord.signal(signal.SIGKILL)
     coord.wait(10)
     persisted = snapshots.load(state).round
     assert persisted >= 3  # round 2 closed (both islands applied it), so it is on disk
-    time.sleep(1.0)  # islands keep training and retrying while the coordinator is down
+    wait_for(  # islands keep training, and retry while the coordinator is down
+        lambda: all(retries(p) > n for p, n in zip(islands, before, strict=True)),
+        timeout=60,
+        what="both islands to find the coordinator gone",
+    )
     coord2, address2 = group.start_coordinator(state, flags, name="coordinator-restarted", port=port)
     assert address2 == address
     events += collect_events(islands, until=lambda ev: sum(e["event"] == "done" for e in ev) == 2, timeout=300)

@@ -4,7 +4,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
+
+from conftest import wait_for
 
 from atoll.harness import ProcessGroup
 
@@ -62,10 +63,7 @@ def test_children_die_with_their_parent(tmp_path):
         assert _alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(child)
+        wait_for(lambda: not _alive(child), what="the orphaned child to die")
     finally:
         parent.kill()
         parent.wait()

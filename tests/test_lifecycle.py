@@ -26,6 +26,7 @@ from conftest import (
     island_flags,
     make_diloco,
     post_json,
+    wait_for,
 )
 from small_island import H, batches, config, island
 
@@ -77,10 +78,7 @@ def test_island_waiting_for_theta0_keeps_its_lease(start_server, raw_island):
     for t in threads:
         t.start()
     try:
-        deadline = time.monotonic() + 10
-        while "waiter" not in srv.inspect(lambda s: s.membership.islands):
-            assert time.monotonic() < deadline, "the island never joined"
-            time.sleep(0.01)
+        wait_for(lambda: "waiter" in srv.inspect(lambda s: s.membership.islands), what="the island to join")
         states = []
         for _ in range(30):  # 3 leases
             states.append(srv.inspect(lambda s: island_state(s.membership.islands["waiter"], s.clock(), s.round)))
@@ -299,7 +297,7 @@ def rand(shapes=SHAPES):
     return {k: torch.randn(s) for k, s in shapes.items()}
 
 
-# ---- 4. a rogue first island --------------------------------------------------------------------
+# ---- a rogue first island -----------------------------------------------------------------------
 WRONG = {"w": (7, 7)}
 
 

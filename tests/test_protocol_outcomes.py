@@ -17,7 +17,7 @@ def rand(shapes=SHAPES):
     return {k: torch.randn(s) for k, s in shapes.items()}
 
 
-# ---- 7. outcomes as data ------------------------------------------------------------------------
+# ---- outcomes as data ---------------------------------------------------------------------------
 def test_a_push_for_a_closed_round_is_an_outcome_not_an_error_text(start_server, raw_island):
     srv = start_server(
         exact_config(

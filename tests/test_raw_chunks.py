@@ -31,7 +31,7 @@ def test_headers_and_odd_messages_go_through_protobuf():
 
 
 def test_small_payloads_share_chunks_and_large_ones_are_not_held_back():
-    """Issue 21, item 3: 2000 tensors of 1 KiB were 2000 messages; now they are two. A large payload
+    """2000 tensors of 1 KiB travel as two messages, not 2000. A large payload
     completes the pending chunk and goes out whole, none of it left waiting for the next payload."""
     from atoll.protos.rpc import ChunkPacker, EntryAssembler, data_chunks
 

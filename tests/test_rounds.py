@@ -114,7 +114,7 @@ def test_a_stall_is_warned_about_once_it_lasted_a_lease_and_its_end_is_said():
     assert r.update(90.0, None, grace=30.0) == (logging.INFO, "the round can reach quorum again")
 
 
-# ---- the grace window after quorum (issue: decoupled outer loop, item 1) --------------------------
+# ---- the grace window after quorum -----------------------------
 def test_arrivals_are_tracked_as_a_smoothed_mean_and_deviation():
     from atoll.coordinator.policy.grace import Arrival
 

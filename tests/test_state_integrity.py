@@ -1,4 +1,4 @@
-"""A coordinator state dir is trusted only after it verifies (issue: hardening, item 2).
+"""A coordinator state dir is trusted only after it verifies.
 
 A run makes a real state dir; each test damages a copy the way a disk or an operator would and
 runs ``atoll coordinator`` on it (in this process; one case as a real process): it must refuse with

@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import threading
-import time
 
 import pytest
 import torch
-from conftest import exact_config
+from conftest import exact_config, wait_for
 
 from atoll.coordinator.disk import wal
 from atoll.coordinator.run import pulls
@@ -19,7 +18,6 @@ from atoll.islands.transport.client import PartialUpdate
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (256, 1024), "b": (5,)}
-SAVE_SECONDS = 1.0
 
 
 @pytest.fixture(params=["bulk", "grpc"])
@@ -36,49 +34,69 @@ def _round_zero(start_server, raw_island, transport, tmp_path):
     return srv, a, b
 
 
-def _slow_save(monkeypatch, saves: list, fail: threading.Event | None = None, seconds: float = SAVE_SECONDS):
-    """The round's log record takes ``seconds``; ``saves`` gets the time each one ended."""
-    real = wal.append
+class HeldSave:
+    """The round's log record is written only once the test says so (``release``), and then fails
+    while ``fail`` is set; ``started`` is set when a save waits."""
 
-    def append(*args, **kwargs):
-        time.sleep(seconds)
-        if fail is not None and fail.is_set():
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(*args, **kwargs)
-        saves.append(time.monotonic())
+    def __init__(self, monkeypatch, *, released: bool = False) -> None:
+        self.started, self.released, self.fail = threading.Event(), threading.Event(), threading.Event()
+        if released:
+            self.released.set()
+        real = wal.append
 
-    monkeypatch.setattr(wal, "append", append)
+        def append(*args, **kwargs):
+            self.started.set()
+            assert self.released.wait(30), "the test never released the save"
+            if self.fail.is_set():
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(*args, **kwargs)
+
+        monkeypatch.setattr(wal, "append", append)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def _polling(srv, n: int = 1):
+    wait_for(lambda: srv.inspect(lambda s: s.pulls.polling) == n, what=f"{n} pull(s) in their long-poll")
+
+
+def _rand():
+    return {k: torch.randn(s) for k, s in SHAPES.items()}
 
 
 def test_the_update_streams_during_the_save_and_is_confirmed_after_it(
     start_server, raw_island, transport, tmp_path, monkeypatch
 ):
     srv, a, b = _round_zero(start_server, raw_island, transport, tmp_path)
-    saves: list[float] = []
-    _slow_save(monkeypatch, saves)
-    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
-    got: list[tuple[float, int]] = []
-    done: list[float] = []
+    save = HeldSave(monkeypatch)
+    a.push(_rand(), round_=0, tokens=1)
+    got: list[int] = []
+    all_in = threading.Event()
+    done: list = []
 
-    def pull():
-        req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=10)
-        header, _ = b.client.pull(req, on_entry=lambda h, i, p: got.append((time.monotonic(), len(p))))
-        done.append(time.monotonic())
-        return header
+    def on_entry(header, i, payload):
+        got.append(i)
+        if len(got) == len(SHAPES):
+            all_in.set()
 
-    puller = threading.Thread(target=lambda: done.append(pull()))
+    req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=20)
+    puller = threading.Thread(target=lambda: done.append(b.client.pull(req, on_entry=on_entry)[0]))
     puller.start()
-    time.sleep(0.2)  # b waits in its long-poll
-    pushed = time.monotonic()
-    b.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)  # the round closes
-    puller.join(30)
-    assert saves and len(got) == len(SHAPES) and len(done) == 2
-    header = done[1]
+    try:
+        _polling(srv)  # b waits in its long-poll
+        b.push(_rand(), round_=0, tokens=1)  # the round closes
+        assert save.started.wait(20)
+        assert all_in.wait(20)  # every entry is in while the save is held...
+        assert not done and srv.server.state.round == 0  # ...the pull returns only once it is saved
+        save.release()
+        puller.join(30)
+    finally:
+        save.release()
+        puller.join(30)
+    (header,) = done
     assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1 and header.tentative
-    # Every entry was in well before the save ended, the pull returned only after it.
-    assert max(t for t, _ in got) < saves[0] - 0.5 * SAVE_SECONDS
-    assert done[0] >= saves[0] and done[0] - pushed < SAVE_SECONDS + 2.0
-    assert srv.server.state.round == 1
+    assert sorted(got) == [0, 1] and srv.server.state.round == 1
     # A second island asking now gets the published update, not a tentative one.
     header, payloads = a.pull(0)
     assert header.round == 1 and not header.tentative and len(payloads) == len(SHAPES)
@@ -88,20 +106,25 @@ def test_a_failed_save_ends_the_stream_unconfirmed_and_later_pulls_wait(
     start_server, raw_island, transport, tmp_path, monkeypatch
 ):
     srv, a, b = _round_zero(start_server, raw_island, transport, tmp_path)
-    fail = threading.Event()
-    fail.set()
-    _slow_save(monkeypatch, [], fail)
-    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
-    b.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)  # the round closes, its save fails
+    save = HeldSave(monkeypatch)
+    save.fail.set()
+    a.push(_rand(), round_=0, tokens=1)
+    b.push(_rand(), round_=0, tokens=1)  # the round closes; its save waits
     applied = []
+
+    def on_entry(header, i, payload):
+        applied.append(i)
+        if len(applied) == len(SHAPES):
+            save.release()  # the save fails once the whole update is in
+
     req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=10)
     with pytest.raises(PartialUpdate, match="broke after 2 entries"):
-        b.client.pull(req, on_entry=lambda h, i, p: applied.append(i))
+        b.client.pull(req, on_entry=on_entry)
     assert applied == [0, 1]  # applied to its θ_start, never installed: the island pulls the full θ next
     assert srv.server.state.round == 0
     header, _ = a.pull(0, wait_seconds=0.5)  # while saving fails, pulls wait as before
     assert header.kind == pb.UPDATE_KIND_NOT_READY and not header.tentative
-    fail.clear()
+    save.fail.clear()
     header, payloads = a.pull(0, wait_seconds=20)
     assert header.kind == pb.UPDATE_KIND_DELTA and header.round == 1 and len(payloads) == len(SHAPES)
 
@@ -111,66 +134,74 @@ def test_a_slow_save_ends_the_stream_unconfirmed_after_the_wait(
 ):
     srv, a, b = _round_zero(start_server, raw_island, transport, tmp_path)
     monkeypatch.setattr(pulls, "DURABLE_WAIT_SECONDS", 0.3)
-    _slow_save(monkeypatch, [], seconds=3.0)
-    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
-    b.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
+    save = HeldSave(monkeypatch)
+    a.push(_rand(), round_=0, tokens=1)
+    b.push(_rand(), round_=0, tokens=1)
     req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=10)
-    with pytest.raises(PartialUpdate):
-        b.client.pull(req, on_entry=lambda h, i, p: None)
+    try:
+        with pytest.raises(PartialUpdate):
+            b.client.pull(req, on_entry=lambda h, i, p: None)  # the save is held past the stream's wait
+        assert srv.server.state.round == 0
+    finally:
+        save.release()
+    wait_for(lambda: srv.server.state.round == 1, what="the round saved")
     header, _ = b.pull(-1, wait_seconds=5)  # the island's resync: the full θ, of the round now saved
-    assert header.kind == pb.UPDATE_KIND_FULL and header.round == srv.server.state.round
+    assert header.kind == pb.UPDATE_KIND_FULL and header.round == 1
 
 
-def _slow_outer_step(monkeypatch) -> dict[str, float]:
-    """The outer step takes 0.5 s after making each tensor's payload; returns when each was made."""
+def _held_outer_step(monkeypatch, first_in: threading.Event) -> list:
+    """The outer step, once it has made its first tensor's payload, waits for ``first_in`` before it
+    goes on to the next; returns ``[(name, whether first_in came while it waited)]``."""
     from atoll.coordinator.state import model as global_model
 
     real_step = global_model.outer_step_
-    made_at: dict[str, float] = {}
+    made_in_order: list = []
 
-    def slow_step(*args, made=None, **kwargs):
-        def made_slowly(name, payload):
-            made_at[name] = time.monotonic()  # before it can be sent
+    def held_step(*args, made=None, **kwargs):
+        def made_then_wait(name, payload):
             made(name, payload)
-            time.sleep(0.5)  # the rest of this tensor's work, and the next tensor's
+            made_in_order.append((name, first_in.wait(20) if not made_in_order else None))
 
-        return real_step(*args, made=None if made is None else made_slowly, **kwargs)
+        return real_step(*args, made=None if made is None else made_then_wait, **kwargs)
 
-    monkeypatch.setattr(global_model, "outer_step_", slow_step)
-    return made_at
+    monkeypatch.setattr(global_model, "outer_step_", held_step)
+    return made_in_order
 
 
 def test_the_update_streams_while_the_outer_step_makes_it(start_server, raw_island, transport, tmp_path, monkeypatch):
     """Each tensor of the update is sent as soon as the outer step has made it: the island has the
-    first one while the step still works on the second."""
-    made_at = _slow_outer_step(monkeypatch)
+    first one while the step, held, has not made the second."""
+    first_in = threading.Event()
+    made = _held_outer_step(monkeypatch, first_in)
     srv, a, b = _round_zero(start_server, raw_island, transport, tmp_path)
-    a.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)
-    got: dict[int, float] = {}
+    a.push(_rand(), round_=0, tokens=1)
     data: dict[int, bytes] = {}
 
     def on_entry(header, i, payload):
-        got[i], data[i] = time.monotonic(), bytes(payload)
+        data[i] = bytes(payload)
+        first_in.set()
 
-    req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=10)
+    req = pb.PullRequest(run_id="t", island_id="b", have_round=0, wait_seconds=20)
     puller = threading.Thread(target=lambda: b.client.pull(req, on_entry=on_entry))
     puller.start()
-    time.sleep(0.2)  # b waits in its long-poll
-    b.push({k: torch.randn(s) for k, s in SHAPES.items()}, round_=0, tokens=1)  # the round closes
-    puller.join(30)
-    assert set(made_at) == set(SHAPES) and sorted(got) == [0, 1]
-    first, last = min(made_at.values()), max(made_at.values())
-    assert got[0] < last - 0.2  # in before the step made the last tensor
-    assert got[0] >= first and got[1] >= last
+    try:
+        _polling(srv)  # b waits in its long-poll
+        b.push(_rand(), round_=0, tokens=1)  # the round closes
+        puller.join(30)
+    finally:
+        first_in.set()
+        puller.join(30)
+    assert [came for _, came in made] == [True, None]  # the first was in before the step went on
+    assert sorted(n for n, _ in made) == sorted(SHAPES) and sorted(data) == [0, 1]
     header, payloads = a.pull(0)  # the published update: the very bytes b was streamed
     assert header.round == 1 and [bytes(p) for _, p in payloads] == [data[0], data[1]]
 
 
 def test_an_island_whose_tentative_update_breaks_waits_for_the_round_again(start_server, monkeypatch):
-    """The round's first save fails while its update streams: the stream ends unconfirmed, the island
-    pulls the full θ, which is still θ_0 (the round was not published), and waits on for round 0
-    instead of training on from θ_0 with its push's work gone. It ends at θ_1, bit for bit the
-    coordinator's, having pushed once."""
+    """The round's first save fails once its update has gone out to the island: the stream ends
+    unconfirmed, the island pulls the full θ, which is still θ_0 (the round was not published), and
+    waits on for round 0 instead of training on from θ_0 with its push's work gone. It ends at θ_1,
+    bit for bit the coordinator's, having pushed once."""
     from conftest import inner_step
     from small_island import H, batches, config, island
 
@@ -180,7 +211,7 @@ def test_an_island_whose_tentative_update_breaks_waits_for_the_round_again(start
     def append(*args, **kwargs):
         if not failed:
             failed.append(1)
-            time.sleep(0.5)  # the update is on its way meanwhile
+            wait_for(lambda: srv.server.counters.bytes_out > 0, what="the update on its way")
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 

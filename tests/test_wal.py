@@ -1,4 +1,4 @@
-"""The write-ahead log (issue 21, item 2): a round is durable by its small log record before it is
+"""The write-ahead log: a round is durable by its small log record before it is
 published; the optimizer state and the snapshots are written after, in the background; a restart is
 the newest snapshot plus the log replayed, bitwise; a damaged or gapped log is refused, never skipped."""
 

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_for
 
 from atoll.harness.wan import LinkProfile, ProxyThread
 
@@ -72,7 +73,6 @@ def test_cut_drops_and_refuses_then_recovers(echo_server):
         s.sendall(b"a")
         assert s.recv(1) == b"a"
         proxy.cut(1.0)
-        time.sleep(0.1)
         with pytest.raises(OSError):
             s.sendall(b"b" * 100000)
             if not s.recv(1):
@@ -82,7 +82,7 @@ def test_cut_drops_and_refuses_then_recovers(echo_server):
             s2.sendall(b"c")
             if not s2.recv(1):
                 raise ConnectionResetError
-        time.sleep(1.0)
+        wait_for(lambda: not proxy.is_cut, what="the cut to end")
         with connect(proxy.address) as s3:
             s3.sendall(b"d")
             assert s3.recv(1) == b"d"

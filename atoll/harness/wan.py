@@ -182,7 +182,16 @@ class ProxyThread:
         return self.proxy.address
 
     def cut(self, seconds: float) -> None:
-        self.loop.call_soon_threadsafe(self.proxy.cut, seconds)
+        """Cut the link for ``seconds``; returns once it is cut (open connections dropped)."""
+
+        async def cut() -> None:
+            self.proxy.cut(seconds)
+
+        asyncio.run_coroutine_threadsafe(cut(), self.loop).result(10)
+
+    @property
+    def is_cut(self) -> bool:
+        return self.proxy.is_cut
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):

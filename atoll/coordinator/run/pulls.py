@@ -48,6 +48,8 @@ class Pulls:
         self.model, self.ledger = owners.model, owners.ledger
         self.downlink = downlink
         self.waiting, self.stalled = waiting, stalled
+        self.polling = 0
+        """Pulls in their long-poll now, waiting for the round they hold to move on."""
 
     async def pull(self, req: PullRequest) -> PullAnswer:
         c, ledger, model = self._config(), self.ledger, self.model
@@ -70,10 +72,14 @@ class Pulls:
             deadline = time.monotonic() + wait
             # Until the round it holds moves on, or its update can be streamed (a wake-up for a step
             # streaming whole tensors is not one for a pull of regions), or the wait is over.
-            while (answer := self._streaming(req, regions)) is None and req.have_round == ledger.round:
-                if (left := deadline - time.monotonic()) <= 0:
-                    break
-                await wait_event(ledger.round_changed, left)
+            self.polling += 1
+            try:
+                while (answer := self._streaming(req, regions)) is None and req.have_round == ledger.round:
+                    if (left := deadline - time.monotonic()) <= 0:
+                        break
+                    await wait_event(ledger.round_changed, left)
+            finally:
+                self.polling -= 1
             if answer is not None:
                 return answer  # the step or the save of the round it waits for is under way
             self.membership.touch(req.island_id, req.session_id)

@@ -162,6 +162,11 @@ class BulkServer:
         self._accepting: asyncio.Task | None = None
         self._calls: set[asyncio.Task] = set()
 
+    @property
+    def connections(self) -> int:
+        """Connections accepted and not yet closed (the admin page and tests read it)."""
+        return len(self._calls)
+
     async def start(self) -> None:
         self._accepting = asyncio.create_task(self._accept(), name="atoll-bulk-accept")
 
@@ -185,6 +190,7 @@ class BulkServer:
                 continue
             if len(self._calls) >= self.max_connections:
                 log.warning("bulk port: %d connections open; closing a new one", len(self._calls))
+                self.servicer.counters.bulk_over_cap += 1
                 sock.close()
                 continue
             sock.setblocking(False)
@@ -207,7 +213,8 @@ class BulkServer:
         except asyncio.CancelledError:
             if not conn.timed_out:
                 raise
-            log.info("bulk port: no progress for %gs; connection closed", self.idle_seconds)
+            log.info("bulk port: no progress for %gs; connection closed", conn.limit or self.idle_seconds)
+            self.servicer.counters.bulk_timeouts += 1
         except Exception:  # a handler's failure ends its call (the client sees a broken stream), not the port
             log.exception("bulk port: a call failed")
         finally:

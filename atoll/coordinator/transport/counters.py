@@ -23,6 +23,9 @@ class Counters:
         "pulls_busy": "Pulls refused before their data flowed: the pull memory budget was spent (the island retries)",
         "pulls_idle": "Pull streams ended because their peer took nothing for the idle limit",
         "bulk_calls": "Pushes and pulls that came on the bulk port (the others came over gRPC)",
+        "bulk_timeouts": "Bulk-port connections closed for making no progress (a preamble past its deadline, "
+        "a stream idle past --stream-idle-seconds)",
+        "bulk_over_cap": "Bulk-port connections closed as they came because the port had its maximum open",
     }
     bytes_in: int = 0
     bytes_out: int = 0
@@ -35,6 +38,8 @@ class Counters:
     pulls_idle: int = 0
     joins_refused: int = 0
     bulk_calls: int = 0
+    bulk_timeouts: int = 0
+    bulk_over_cap: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
