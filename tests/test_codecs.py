@@ -484,14 +484,30 @@ def test_codec_specs():
         ("lz4", "unknown codec 'lz4'"),
         ("int8:block=7", "multiple of 8"),
         ("topk:fraction=2", "fraction"),
-        ("int8:rank=3", "takes no parameter"),
+        ("int8:rank=3", r"bad parameter 'rank=3' \(it takes block, scale\)"),
+        ("fp16:block=8", r"\(it takes none\)"),
         ("int8:block=x", "not a int"),
-        ("topk:foo=1", "bad parameter"),
+        ("topk:foo=1", r"bad parameter 'foo=1' \(it takes fraction, values\)"),
         ("dcttopk:chunk=0", "chunk"),
         ("dcttopk:chunk=1000", "chunk"),
     ]:
         with pytest.raises(ValueError, match=msg):
             get_codec(bad)
+
+
+def test_each_codec_declares_the_parameters_its_constructor_takes():
+    import inspect
+
+    from atoll.compression import _REGISTRY
+
+    for name, cls in _REGISTRY.items():
+        signature = inspect.signature(cls.__init__).parameters
+        taken = {k: p for k, p in signature.items() if k != "self" and p.kind is p.POSITIONAL_OR_KEYWORD}
+        assert set(cls.params) == set(taken), name
+        for key, kind in cls.params.items():
+            default = taken[key].default
+            assert isinstance(default, kind), (name, key)  # its spec string round-trips
+            assert get_codec(f"{name}:{key}={default}").spec == get_codec(name).spec
 
 
 def test_error_feedback_decay_sends_the_decayed_residual_exactly():

@@ -31,7 +31,6 @@ _REGISTRY: dict[str, type[Codec]] = {
     )
 }
 _BY_ID = {cls.codec_id: cls for cls in _REGISTRY.values()}
-_PARAM_TYPES = {"block": int, "rank": int, "seed": int, "fraction": float, "scale": str, "values": str, "chunk": int}
 
 
 def available_codecs() -> list[str]:
@@ -55,16 +54,14 @@ def get_codec(spec: str) -> Codec:
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
         key = key.strip()
-        if not eq or key not in _PARAM_TYPES:
-            raise ValueError(f"codec {name!r}: bad parameter {item!r} (known: {', '.join(sorted(_PARAM_TYPES))})")
+        if not eq or key not in cls.params:
+            takes = f"it takes {', '.join(sorted(cls.params))}" if cls.params else "it takes none"
+            raise ValueError(f"codec {name!r}: bad parameter {item!r} ({takes})")
         try:
-            kwargs[key] = _PARAM_TYPES[key](value.strip())
+            kwargs[key] = cls.params[key](value.strip())
         except ValueError:
-            raise ValueError(f"codec {name!r}: {key}={value!r} is not a {_PARAM_TYPES[key].__name__}") from None
-    try:
-        return cls(**kwargs)
-    except TypeError:
-        raise ValueError(f"codec {name!r} takes no parameter(s) {sorted(kwargs)}") from None
+            raise ValueError(f"codec {name!r}: {key}={value!r} is not a {cls.params[key].__name__}") from None
+    return cls(**kwargs)
 
 
 def codec_for_id(codec_id: int) -> type[Codec]:

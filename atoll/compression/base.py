@@ -155,6 +155,9 @@ class Codec:
 
     name: ClassVar[str]
     codec_id: ClassVar[int]
+    params: ClassVar[dict[str, type]] = {}
+    """The parameters its spec string takes (``int8:block=128``), with their types: the keyword
+    arguments of its constructor."""
     lossy: ClassVar[bool] = True
     writes_weighted: ClassVar[bool] = False
     """Whether ``_decode_into`` with ``accumulate`` False writes ``alpha * decode`` (else it ignores

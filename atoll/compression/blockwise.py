@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import ClassVar
 
 import torch
 
@@ -212,6 +213,7 @@ def scales_bound(body: memoryview, n: int, *, block: int, bits: int, scale_kind:
 
 
 class BlockQuantCodec(Codec):
+    params: ClassVar[dict[str, type]] = {"block": int, "scale": str}
     adds_exactly = True  # code x scale, element by element
     writes_weighted = True  # and a zero code decodes to +0.0 (scales are >= 0)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from typing import ClassVar
 
 import torch
 
@@ -119,6 +120,7 @@ def inverse(
 
 class DctTopKCodec(Codec):
     name = "dcttopk"
+    params: ClassVar[dict[str, type]] = {"fraction": float, "values": str, "chunk": int}
     codec_id = 9
 
     def __init__(self, fraction: float = 0.01, values: str = "int8", chunk: int = 64) -> None:

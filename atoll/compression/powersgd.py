@@ -9,6 +9,7 @@ low rank does not save bytes (vectors, tiny matrices) travel as raw fp32 in the 
 from __future__ import annotations
 
 import struct
+from typing import ClassVar
 
 import torch
 
@@ -42,6 +43,7 @@ def as_matrix(shape: tuple[int, ...]) -> tuple[int, int] | None:
 
 class PowerSGDCodec(Codec):
     name = "powersgd"
+    params: ClassVar[dict[str, type]] = {"rank": int, "seed": int}
     codec_id = 8
     stateful = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -144,6 +145,7 @@ def select_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
 class TopKCodec(Codec):
     name = "topk"
     codec_id = 7
+    params: ClassVar[dict[str, type]] = {"fraction": float, "values": str}
 
     def __init__(self, fraction: float = 0.01, values: str = "int8") -> None:
         check_sparse_options(self.name, fraction, values)
