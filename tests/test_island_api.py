@@ -53,6 +53,23 @@ def diloco(address, model=None, **kw):
     return make_diloco(model if model is not None else model_fn(), address, run_id="t", **kw)
 
 
+def test_diloco_s_typed_keyword_options_are_the_options_dataclass_field_for_field():
+    """``DiLoCo(model, link, **options: Unpack[DiLoCoKwargs])``: what a type checker sees is what
+    :class:`DiLoCoOptions` takes, names and types."""
+    import dataclasses
+    import typing
+
+    from atoll.islands import DiLoCoOptions
+    from atoll.islands.options import DiLoCoKwargs
+
+    fields = typing.get_type_hints(DiLoCoOptions)
+    assert typing.get_type_hints(DiLoCoKwargs) == {f.name: fields[f.name] for f in dataclasses.fields(DiLoCoOptions)}
+    hint = typing.get_type_hints(DiLoCo.__init__, include_extras=True)["options"]
+    assert typing.get_args(hint) == (DiLoCoKwargs,)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'overlap'"):
+        DiLoCo(torch.nn.Linear(2, 2), CoordinatorLink("127.0.0.1:1", island_id="a"), overlap=2)
+
+
 def test_an_h_the_run_overrides_is_warned_about_naming_both(start_server, caplog):
     srv = start_server(exact_config(run_id="t", sync_every=H))
     caplog.set_level(logging.WARNING, logger="atoll")

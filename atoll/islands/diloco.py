@@ -17,7 +17,6 @@ exchanges in flight (:mod:`exchanges`) and checkpoints (:mod:`resume`).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import signal
@@ -26,12 +25,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from typing_extensions import Unpack
 
 from atoll.islands import resume
 from atoll.islands.errors import Preempted
 from atoll.islands.exchanges import Exchanges, Flight, RoundStats
 from atoll.islands.link import CoordinatorLink
-from atoll.islands.options import DiLoCoOptions
+from atoll.islands.options import DiLoCoKwargs, DiLoCoOptions
 from atoll.islands.routes import Routes
 from atoll.islands.schedule import Schedule
 from atoll.islands.shards import local_shards, tied_aliases
@@ -66,7 +66,9 @@ class DiLoCo:
     works in this release and warns once (FutureWarning); it builds the link itself.
     """
 
-    def __init__(self, model: torch.nn.Module, link: CoordinatorLink | None = None, /, **options) -> None:
+    def __init__(
+        self, model: torch.nn.Module, link: CoordinatorLink | None = None, /, **options: Unpack[DiLoCoKwargs]
+    ) -> None:
         if not isinstance(link, CoordinatorLink):
             link, options = _from_deprecated_form(link, options)
         misplaced = sorted(LINK_ARGUMENTS & options.keys())
@@ -399,17 +401,3 @@ def _from_deprecated_form(inner_optimizer, options: dict) -> tuple[CoordinatorLi
         )
     del inner_optimizer  # never used: the user's loop steps it
     return CoordinatorLink(**link_kw), options
-
-
-def _signature() -> inspect.Signature:
-    """``DiLoCo(model, link, /, *, <every DiLoCoOptions field>)``, for help() and editors."""
-    positional = inspect.Parameter.POSITIONAL_ONLY
-    params = [inspect.Parameter(n, positional) for n in ("self", "model", "link")]
-    params += [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-        for f in dataclasses.fields(DiLoCoOptions)
-    ]
-    return inspect.Signature(params)
-
-
-DiLoCo.__init__.__signature__ = _signature()

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from typing_extensions import TypedDict  # typing's own takes Unpack (PEP 692) from Python 3.11 on
 
 from atoll.compression import get_codec
 from atoll.islands.shard_state import Placement
@@ -70,3 +71,21 @@ class DiLoCoOptions:
         if self.streaming and self.sync_every_seconds is not None:
             raise ValueError("streaming staggers fragments by inner steps; it cannot sync on a time budget")
         Placement(self.outer_state, torch.device("cpu"))  # ValueError for an unknown placement
+
+
+class DiLoCoKwargs(TypedDict, total=False):
+    """:class:`DiLoCoOptions`' fields as ``DiLoCo``'s keyword arguments, for type checkers
+    (``**options: Unpack[DiLoCoKwargs]``). Their defaults and documentation are the dataclass's; a test
+    holds the two to the same names and types."""
+
+    sync_every: int | None
+    codec: str | None
+    sync_every_seconds: float | None
+    overlap_steps: int
+    streaming: bool
+    outer_state: str
+    sync_buffers: bool
+    process_group: object
+    token_group: object
+    before_push: Callable | None
+    handle_sigterm: bool

@@ -27,7 +27,7 @@ from atoll.islands.errors import Preempted, QuorumGone
 from atoll.memory import tune_for_bulk_buffers
 from atoll.models import PRESETS, TinyGPT, preset
 from atoll.workload.hooks import IslandHooks
-from atoll.workload.parallel import MODES, full_tensor, parallelize
+from atoll.workload.parallel import MODES, Layout, full_tensor, parallelize
 from atoll.workload.progress import Reporter
 
 
@@ -190,6 +190,21 @@ def relaunch_command(args: IslandArgs, argv: list[str], hooks: IslandHooks | Non
     return [*launcher, "-m", hooks.module, *hooks.relaunch_argv(), *rest]
 
 
+@dataclass(frozen=True)
+class InnerLoop:
+    """What the island trains between syncs, built once by :func:`run_island`."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    data: CharDataset | TokenDataset
+    gen: torch.Generator
+    """The data order (seeded per island; checkpointed with it)."""
+    layout: Layout
+    per_rank: int
+    """This rank's share of the island's batch."""
+
+
 def load_data(args: IslandArgs, block_size: int):
     if not args.data:
         return CharDataset(block_size=block_size)
@@ -295,7 +310,8 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
     )
     try:
         sync.start()
-        _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, ckpt)
+        loop = InnerLoop(model, opt, sched, data, gen, layout, per_rank)
+        _train(args, loop, sync, hooks=hooks, reporter=reporter, ckpt=ckpt, resumed=resumed)
         done = {"round": sync.round, "run_complete": sync.run_complete}
     except Preempted:  # SIGTERM: checkpoint where it stands (mid-round too), leave, exit 143
         done = {"round": sync.round, "run_complete": False, "preempted": True, "step": sync.inner_steps}
@@ -314,7 +330,17 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
     return 143 if done.get("preempted") else 0
 
 
-def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, reporter, resumed, ckpt) -> None:
+def _train(
+    args: IslandArgs,
+    loop: InnerLoop,
+    sync: DiLoCo,
+    *,
+    hooks: IslandHooks,
+    reporter: Reporter,
+    ckpt,
+    resumed: bool,
+) -> None:
+    model, opt, data, gen, layout, per_rank = loop.model, loop.opt, loop.data, loop.gen, loop.layout, loop.per_rank
     device = layout.device
     start_eval = evaluate(model, data, device)
     digest = model_digest(model) if args.digest else None
@@ -385,7 +411,7 @@ def _train(args, sync, model, opt, sched, data, gen, layout, per_rank, hooks, re
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sched.step()
+        loop.sched.step()
         hooks.after_step(sync.round, time.perf_counter() - step_started)
         step_loss = loss.detach().float()
         if layout.world > 1:
