@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from atoll.compression import get_codec  # noqa: E402
 from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.islands.transport.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from atoll.islands._transport.client import CoordinatorClient, RetryPolicy  # noqa: E402
 from atoll.memory import tune_for_bulk_buffers  # noqa: E402
 from atoll.protos import coordinator_pb2 as pb  # noqa: E402
 
@@ -149,7 +149,7 @@ def bare_grpc_seconds(num_conns: int, payload: bytes, rounds: int) -> float:
     import grpc
 
     from atoll.coordinator.transport.service import GRPC_OPTIONS
-    from atoll.islands.transport.client import CHUNK_BYTES
+    from atoll.islands._transport.client import CHUNK_BYTES
 
     ctx = multiprocessing.get_context("spawn")
     ports = ctx.Queue()

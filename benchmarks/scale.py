@@ -48,7 +48,7 @@ def island_main(args) -> None:
     import torch
 
     from atoll.islands import CoordinatorLink, DiLoCo
-    from atoll.islands.transport.client import CoordinatorClient, RetryPolicy
+    from atoll.islands._transport.client import CoordinatorClient, RetryPolicy
     from atoll.memory import tune_for_bulk_buffers
     from atoll.models import TinyGPT, preset
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from atoll.compression import get_codec  # noqa: E402
-from atoll.islands.transport.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from atoll.islands._transport.client import CoordinatorClient, RetryPolicy  # noqa: E402
 from atoll.protos import coordinator_pb2 as pb  # noqa: E402
 
 

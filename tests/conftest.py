@@ -13,7 +13,7 @@ import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator import CoordinatorServer, RunConfig
-from atoll.islands.transport.client import CoordinatorClient, RetryPolicy
+from atoll.islands._transport.client import CoordinatorClient, RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 
 
@@ -279,7 +279,7 @@ def make_diloco(model, address: str, **kw):
     """``DiLoCo(model, CoordinatorLink(address, ...), **options)``: the link's arguments (run id "t" by
     default) taken out of ``kw``, the rest DiLoCo's options."""
     from atoll.islands import CoordinatorLink, DiLoCo
-    from atoll.islands.diloco import LINK_ARGUMENTS
+    from atoll.islands._diloco import LINK_ARGUMENTS
 
     kw.setdefault("run_id", "t")
     link_kw = {k: kw.pop(k) for k in list(kw) if k in LINK_ARGUMENTS}

@@ -7,7 +7,7 @@ import torch
 from conftest import make_diloco
 
 from atoll.coordinator import RunConfig
-from atoll.islands.transport.client import RetryPolicy
+from atoll.islands._transport.client import RetryPolicy
 
 H = 4
 

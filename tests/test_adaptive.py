@@ -6,7 +6,7 @@ from conftest import FakeClock, collect_events
 
 from atoll.coordinator.disk import snapshots
 from atoll.harness.faults import Fault, island_faults_json
-from atoll.islands.schedule import Schedule
+from atoll.islands._schedule import Schedule
 
 
 def test_a_time_budget_syncs_a_slow_island_after_fewer_steps_with_the_tokens_it_took():

@@ -181,7 +181,7 @@ def test_an_island_at_the_admin_port_is_one_line_per_peer_not_a_traceback_per_re
     per retry (its gRPC Join every second or two). Now: one line per peer and minute, in our words."""
     import socket
 
-    from atoll.islands.transport.probe import PREFACE
+    from atoll.islands._transport.probe import PREFACE
 
     srv = start_server(admin_port=0)
     caplog.set_level(logging.DEBUG)

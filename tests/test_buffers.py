@@ -166,8 +166,8 @@ def test_leases_are_on_the_memory_not_on_an_object():
 def test_a_push_payload_is_encoded_into_again_only_once_nobody_holds_it():
     """An island encodes its next push into its last payload's buffer, but not while a flight keeps
     that payload for a re-push (a lease), even through a view of it."""
-    from atoll.islands.shard_state import Placement, ShardState
-    from atoll.islands.shards import local_shards
+    from atoll.islands._shard_state import Placement, ShardState
+    from atoll.islands._shards import local_shards
     from atoll.memory import Leases
 
     model = torch.nn.Linear(64, 64, bias=False)

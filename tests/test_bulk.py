@@ -14,9 +14,9 @@ import torch
 from conftest import exact_config, wait_for
 
 from atoll.coordinator.transport.security import IslandTokens
-from atoll.islands.transport.client import BulkPort, CoordinatorClient, PartialUpdate, RetryPolicy
-from atoll.islands.transport.streams import TcpPush
-from atoll.islands.transport.transfer import write_push
+from atoll.islands._transport.client import BulkPort, CoordinatorClient, PartialUpdate, RetryPolicy
+from atoll.islands._transport.streams import TcpPush
+from atoll.islands._transport.transfer import write_push
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason

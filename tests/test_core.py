@@ -355,7 +355,7 @@ def test_goodput_counts_the_compute_whose_tokens_entered_theta_over_the_time_joi
 
 
 def test_an_island_reports_its_compute_and_blocked_seconds_with_each_push():
-    from atoll.islands.schedule import Schedule
+    from atoll.islands._schedule import Schedule
 
     clock = FakeClock(0.0)
     sched = Schedule(1, streaming=False, sync_every_seconds=None, clock=clock)

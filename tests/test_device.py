@@ -21,9 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from atoll.compression import ErrorFeedback, get_codec
 from atoll.coordinator import RunConfig
-from atoll.islands.shard_state import Placement, ShardState
-from atoll.islands.shards import local_shards
-from atoll.islands.transport.client import RetryPolicy
+from atoll.islands._shard_state import Placement, ShardState
+from atoll.islands._shards import local_shards
+from atoll.islands._transport.client import RetryPolicy
 from atoll.memory import Leases
 
 CUDA = torch.device("cuda", 0)

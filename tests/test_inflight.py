@@ -16,7 +16,7 @@ import torch
 from conftest import IDENTITY_FLAGS, wait_for
 
 from atoll.compression import get_codec
-from atoll.islands.transport.client import RetryPolicy
+from atoll.islands._transport.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason
 from atoll.protos.status import reason_of

@@ -21,9 +21,9 @@ from conftest import exact_config, inner_step, make_diloco, wait_for
 
 from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorLink, CoordinatorRefused, DiLoCo
-from atoll.islands import diloco as diloco_module
-from atoll.islands.transport import session as session_module
-from atoll.islands.transport.client import RetryPolicy
+from atoll.islands import _diloco as diloco_module
+from atoll.islands._transport import session as session_module
+from atoll.islands._transport.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason
 
@@ -53,6 +53,27 @@ def diloco(address, model=None, **kw):
     return make_diloco(model if model is not None else model_fn(), address, run_id="t", **kw)
 
 
+def test_the_import_paths_users_hold_keep_working_and_the_moved_ones_warn():
+    import importlib
+    import warnings
+
+    import atoll.islands as islands
+    from atoll.islands._transport import client as internal
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the public names warn about nothing
+        for name in islands.__all__:
+            assert getattr(islands, name) is not None, name
+        from atoll.islands import CoordinatorLink, DiLoCo, IslandCheckpoint  # noqa: F401
+    old = importlib.import_module("atoll.islands.client")
+    for name in ("CoordinatorClient", "RetryPolicy"):
+        with pytest.warns(DeprecationWarning, match=f"atoll.islands.client.{name} is deprecated: import it from"):
+            assert getattr(old, name) is getattr(internal, name) is getattr(islands, name)
+    with pytest.warns(DeprecationWarning, match="internal now"):
+        assert old.PartialUpdate is internal.PartialUpdate
+    assert all(not n.startswith("_") and getattr(islands, n).__module__.startswith("atoll.") for n in islands.__all__)
+
+
 def test_diloco_s_typed_keyword_options_are_the_options_dataclass_field_for_field():
     """``DiLoCo(model, link, **options: Unpack[DiLoCoKwargs])``: what a type checker sees is what
     :class:`DiLoCoOptions` takes, names and types."""
@@ -60,7 +81,7 @@ def test_diloco_s_typed_keyword_options_are_the_options_dataclass_field_for_fiel
     import typing
 
     from atoll.islands import DiLoCoOptions
-    from atoll.islands.options import DiLoCoKwargs
+    from atoll.islands._options import DiLoCoKwargs
 
     fields = typing.get_type_hints(DiLoCoOptions)
     assert typing.get_type_hints(DiLoCoKwargs) == {f.name: fields[f.name] for f in dataclasses.fields(DiLoCoOptions)}

@@ -13,7 +13,7 @@ from conftest import exact_config, make_diloco, wait_for
 
 from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorRefused, DiLoCo
-from atoll.islands.transport.client import RetryPolicy
+from atoll.islands._transport.client import RetryPolicy
 from atoll.sharding import layer_partition, layout_digest
 from tests.conftest import collect_events, coordinator_flags, inner_step, island_flags
 

@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from atoll.coordinator.transport.security import IslandTokens, TlsConfig
+from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands.errors import CoordinatorRefused, WrongEndpoint
-from atoll.islands.transport.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 
 FAST = RetryPolicy(give_up_seconds=1, rpc_timeout_seconds=3, initial_backoff_seconds=0.1)

@@ -9,7 +9,7 @@ import torch
 from conftest import exact_config
 
 from atoll.compression import get_codec
-from atoll.islands.transport.client import CoordinatorClient, RetryPolicy
+from atoll.islands._transport.client import CoordinatorClient, RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (6, 4), "b": (5,)}

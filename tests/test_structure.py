@@ -117,6 +117,28 @@ def test_the_private_reach_finder_finds_one(tmp_path):
     assert private_reaches(bad, tmp_path) == ["m.py:2: s._reset"]
 
 
+ISLAND_PUBLIC = {"atoll.islands", "atoll.islands.errors", "atoll.islands.checkpoint", "atoll.islands.client"}
+"""The island modules a user imports; the others (``atoll.islands._*``) are internal, as FSDP2's are."""
+
+
+def test_outside_the_island_package_only_its_public_modules_are_imported():
+    """The reference island, the CLI and the coordinator use the island's public surface, as a user
+    would; the harness alone reaches in (its fault injection writes half a push with the real writer)."""
+    mods = modules()
+    island_modules = {name for name in mods if name.startswith("atoll.islands")}
+    assert island_modules - ISLAND_PUBLIC and all(
+        name.split(".")[2].startswith("_") for name in island_modules - ISLAND_PUBLIC
+    )
+    reaches = {
+        (name, imported)
+        for name, path in mods.items()
+        if not name.startswith(("atoll.islands", "atoll.harness"))
+        for imported in imports_of(name, path, set(mods))
+        if imported in island_modules - ISLAND_PUBLIC
+    }
+    assert reaches == set()
+
+
 def test_reasons_are_the_protos_and_each_has_a_status_code():
     from atoll.protos import coordinator_pb2 as pb
     from atoll.protos.reasons import CODE, FATAL, Reason, wire_number

@@ -14,7 +14,7 @@ from conftest import exact_config, wait_for
 
 from atoll.coordinator.disk import wal
 from atoll.coordinator.run import pulls
-from atoll.islands.transport.client import PartialUpdate
+from atoll.islands._transport.client import PartialUpdate
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (256, 1024), "b": (5,)}

@@ -3,9 +3,9 @@ state machine: its transitions driven by hand with the coordinator's answers, no
 
 from __future__ import annotations
 
-from atoll.islands.messages import Update, UpdateKind
-from atoll.islands.transport import waiting
-from atoll.islands.transport.waiting import MAX_RESYNCS, Act, Stage
+from atoll.islands._messages import Update, UpdateKind
+from atoll.islands._transport import waiting
+from atoll.islands._transport.waiting import MAX_RESYNCS, Act, Stage
 
 
 def not_ready(round_: int, **kw) -> Update:

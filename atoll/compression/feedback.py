@@ -39,7 +39,7 @@ class ErrorFeedback:
 
     def encode(self, tensor: torch.Tensor, state: dict | None = None, *, out: bytearray | None = None) -> bytearray:
         """Everything on ``tensor``'s device; the residual in ``state`` must be there too (the caller
-        places it: :mod:`atoll.islands.shard_state` keeps it in host memory between rounds)."""
+        places it: :mod:`atoll.islands._shard_state` keeps it in host memory between rounds)."""
         if state is None:
             raise ValueError("error feedback needs a per-tensor state dict to keep its residual in")
         x = tensor.detach().to(dtype=torch.float32)

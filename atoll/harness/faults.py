@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from atoll.islands.link import Transport
-from atoll.islands.transport.transfer import write_push
+from atoll.islands import Transport
+from atoll.islands._transport.transfer import write_push
 from atoll.protos import coordinator_pb2 as pb
 from atoll.workload.hooks import IslandHooks
 

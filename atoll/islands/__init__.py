@@ -6,14 +6,17 @@
     link = CoordinatorLink("coord.example:7070", run_id="my-run", island_id="site-a")
     with DiLoCo(model, link) as sync:
         ...
+
+What a user needs is exported here (``__all__``), with :mod:`atoll.islands.errors` and
+:mod:`atoll.islands.checkpoint`; the modules named ``_*`` are internal and may change in any release.
 """
 
-from atoll.islands.diloco import DiLoCo
+from atoll.islands._diloco import DiLoCo
+from atoll.islands._exchanges import RoundStats
+from atoll.islands._link import CoordinatorLink, Transport
+from atoll.islands._options import DiLoCoOptions
+from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, Preempted, QuorumGone
-from atoll.islands.exchanges import RoundStats
-from atoll.islands.link import CoordinatorLink, Transport
-from atoll.islands.options import DiLoCoOptions
-from atoll.islands.transport.client import ClientTls, CoordinatorClient, RetryPolicy
 
 __all__ = [
     "ClientTls",

@@ -1,12 +1,12 @@
-"""Deprecated: the client moved to :mod:`atoll.islands.transport.client` (and stays importable from
-:mod:`atoll.islands`). ``from atoll.islands.client import CoordinatorClient`` still works in this
-release and warns once, naming the new place."""
+"""Deprecated: import the client from :mod:`atoll.islands` (``CoordinatorClient``, ``RetryPolicy``,
+``ClientTls``); the module that holds it is internal. ``from atoll.islands.client import
+CoordinatorClient`` still works in this release and warns, naming the new place."""
 
 from __future__ import annotations
 
 import warnings
 
-from atoll.islands.transport import client as _client
+from atoll.islands._transport import client as _client
 
 MOVED = (
     "ClientTls",
@@ -19,12 +19,13 @@ MOVED = (
 )
 
 
+PUBLIC = frozenset({"ClientTls", "CoordinatorClient", "RetryPolicy"})
+"""What :mod:`atoll.islands` exports; the others were never meant for users and are internal now."""
+
+
 def __getattr__(name: str):
     if name in MOVED:
-        warnings.warn(
-            f"atoll.islands.client.{name} moved: import it from atoll.islands (or atoll.islands.transport.client)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        where = "import it from atoll.islands" if name in PUBLIC else "it is internal now"
+        warnings.warn(f"atoll.islands.client.{name} is deprecated: {where}", DeprecationWarning, stacklevel=2)
         return getattr(_client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

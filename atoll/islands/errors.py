@@ -17,7 +17,7 @@ class WrongEndpoint(CoordinatorRefused):
     """The coordinator's address takes connections but not the island's calls, for a reason of the
     island's setup (TLS against a plaintext coordinator or the reverse, a client certificate missing or
     not trusted, a server certificate that does not verify, its admin port): the message says what to
-    change. Found within seconds of the first Join (:mod:`atoll.islands.transport.probe`); retrying does not help."""
+    change. Found within seconds of the first Join (:mod:`atoll.islands._transport.probe`); retrying does not help."""
 
     def __init__(self, message: str) -> None:
         super().__init__(None, message)

@@ -7,7 +7,7 @@ The product never injects faults itself: the harness subclasses :class:`IslandHo
 
 from __future__ import annotations
 
-from atoll.islands.link import Transport
+from atoll.islands import Transport
 
 
 class IslandHooks:

@@ -6,7 +6,7 @@ certificate against a mutual-TLS coordinator, or speaking plaintext to a TLS one
 error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER: ...`` at every attempt, every
 1-2 s. :class:`CoreLog` puts a pipe in front of file descriptor 2 while the daemon serves: such a line
 becomes one WARNING a minute per cause, saying what the peer got wrong (gRPC's line names no peer;
-the island's own error says which one it was, :mod:`atoll.islands.transport.probe`); every other byte goes
+the island's own error says which one it was, :mod:`atoll.islands._transport.probe`); every other byte goes
 through to the real stderr unchanged, and Python's own writes bypass the pipe altogether. The
 OpenSSL reason a line carries is the one thing read from it: gRPC offers no other channel for it.
 """

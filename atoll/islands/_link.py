@@ -3,14 +3,14 @@
 :class:`CoordinatorLink` owns the transport (one client per coordinator shard, with deadlines,
 retries and TLS), the island's identity in the run (run id, island id, the process's session id) and
 its membership (joining, heartbeats from the join on, leaving). It knows nothing of models or
-pseudo-gradients: :class:`~atoll.islands.diloco.DiLoCo` is the algorithm and uses a link.
+pseudo-gradients: :class:`~atoll.islands.DiLoCo` is the algorithm and uses a link.
 
     link = CoordinatorLink("coord.example:7070", run_id="my-run", island_id="site-a")
     with DiLoCo(model, link) as sync:
         ...
 
 The transport is a seam: ``connect(address)`` returns anything shaped like :class:`Transport`
-(the real :class:`~atoll.islands.transport.client.CoordinatorClient` by default); the harness injects faults
+(the real :class:`~atoll.islands._transport.client.CoordinatorClient` by default); the harness injects faults
 by wrapping the real client there.
 """
 
@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from atoll.islands.messages import JoinAnswer
-from atoll.islands.transport.client import ClientTls, CoordinatorClient, RetryPolicy, Transport, parse_addresses
-from atoll.islands.transport.session import Identity, Session
+from atoll.islands._messages import JoinAnswer
+from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy, Transport, parse_addresses
+from atoll.islands._transport.session import Identity, Session
 
 log = logging.getLogger("atoll.island")
 
@@ -55,7 +55,7 @@ class CoordinatorLink:
         within seconds of the first failure, then every 30 s). ``heartbeat_seconds``: between lease
         renewals. ``pull_wait_seconds``: how long one long-poll for the outer step waits at the
         coordinator. ``connect(address)``: the transport of one shard (default: a
-        :class:`~atoll.islands.transport.client.CoordinatorClient` with ``retry``, ``token`` and ``tls``).
+        :class:`~atoll.islands._transport.client.CoordinatorClient` with ``retry``, ``token`` and ``tls``).
 
         The constructor does no network I/O; :meth:`join` does."""
         self.addresses = parse_addresses(coordinator)

@@ -1,7 +1,7 @@
 """One island's session with one coordinator shard: join, bootstrap, heartbeats, push, pull.
 
-It speaks the island's messages (:mod:`atoll.islands.messages`) to the island and protobuf to its
-client (:mod:`atoll.islands.transport.convert` between the two). Every protocol outcome is handled
+It speaks the island's messages (:mod:`atoll.islands._messages`) to the island and protobuf to its
+client (:mod:`atoll.islands._transport.convert` between the two). Every protocol outcome is handled
 here, by its reason or outcome field (never by message text):
 a coordinator that forgot the island (NOT_JOINED) is re-joined and the call repeated; a refusal
 the user must act on (model, codec, run id, island id) becomes :class:`CoordinatorRefused`; a push
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from atoll.compression import WireFormatError
-from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, PartialUpdate, QuorumGone
-from atoll.islands.messages import (
+from atoll.islands._messages import (
     Entry,
     JoinAnswer,
     JoinRequest,
@@ -34,9 +33,10 @@ from atoll.islands.messages import (
     Update,
     UpdateKind,
 )
-from atoll.islands.transport import convert, waiting
-from atoll.islands.transport.client import RETRYABLE, CoordinatorClient
-from atoll.islands.transport.waiting import Act
+from atoll.islands._transport import convert, waiting
+from atoll.islands._transport.client import RETRYABLE, CoordinatorClient
+from atoll.islands._transport.waiting import Act
+from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, PartialUpdate, QuorumGone
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import FATAL, Reason
 from atoll.protos.status import reason_of

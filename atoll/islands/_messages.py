@@ -1,6 +1,6 @@
 """What an island says to the coordinator and hears back, as plain data: the island's algorithm
-(:mod:`~atoll.islands.routes`, :mod:`~atoll.islands.exchanges`, :mod:`~atoll.islands.resume`) speaks
-these; only its transport (:mod:`atoll.islands.transport`) knows their protobuf form. Enum values name
+(:mod:`~atoll.islands._routes`, :mod:`~atoll.islands._exchanges`, :mod:`~atoll.islands._resume`) speaks
+these; only its transport (:mod:`atoll.islands._transport`) knows their protobuf form. Enum values name
 what happened, so nothing is matched by text.
 """
 

@@ -8,10 +8,10 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
-from atoll.islands.exchanges import Exchanges, RoundStats, flight_state, restore_flight
-from atoll.islands.messages import JoinAnswer
-from atoll.islands.routes import Routes
-from atoll.islands.schedule import Schedule
+from atoll.islands._exchanges import Exchanges, RoundStats, flight_state, restore_flight
+from atoll.islands._messages import JoinAnswer
+from atoll.islands._routes import Routes
+from atoll.islands._schedule import Schedule
 
 log = logging.getLogger("atoll.island")
 STATE_FORMAT = "atoll-diloco-1"

@@ -25,7 +25,7 @@ PROBE_SECONDS = 5.0
 
 def diagnose(host: str, port: int, tls, timeout: float = PROBE_SECONDS) -> str | None:
     """What is wrong with reaching a gRPC server at ``host:port`` the way the island does (``tls``: its
-    :class:`~atoll.islands.transport.client.ClientTls`, or None for plaintext), in words the user can act on;
+    :class:`~atoll.islands._transport.client.ClientTls`, or None for plaintext), in words the user can act on;
     None when the cause is not the island's setup (nothing listens there, or it answers as it should)."""
     address = f"{host}:{port}"
     try:

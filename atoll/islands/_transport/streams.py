@@ -1,6 +1,6 @@
 """The two byte sources of an island's transport: a push or a pull on gRPC, or on the coordinator's bulk
 port (one TCP connection per call, :mod:`atoll.protos.bulk`). Both give the same interface, so the one
-writer and the one reader (:mod:`atoll.islands.transport.transfer`) never know which carries the bytes.
+writer and the one reader (:mod:`atoll.islands._transport.transfer`) never know which carries the bytes.
 
 - :class:`PushStream`: the header goes first when it opens (an admission or a refusal comes back
   before any data, on the bulk port); :meth:`~PushStream.send` hands over the next payload and returns

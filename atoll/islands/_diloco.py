@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Unpack
 
-from atoll.islands import resume
+from atoll.islands import _resume as resume
+from atoll.islands._exchanges import Exchanges, Flight, RoundStats
+from atoll.islands._link import CoordinatorLink
+from atoll.islands._options import DiLoCoKwargs, DiLoCoOptions
+from atoll.islands._routes import Routes
+from atoll.islands._schedule import Schedule
+from atoll.islands._shards import local_shards, tied_aliases
 from atoll.islands.errors import Preempted
-from atoll.islands.exchanges import Exchanges, Flight, RoundStats
-from atoll.islands.link import CoordinatorLink
-from atoll.islands.options import DiLoCoKwargs, DiLoCoOptions
-from atoll.islands.routes import Routes
-from atoll.islands.schedule import Schedule
-from atoll.islands.shards import local_shards, tied_aliases
 
 log = logging.getLogger("atoll.island")
 
@@ -48,8 +48,8 @@ class DiLoCo:
 
     ``DiLoCo(model, link, **options)``: ``model`` is the module the inner optimizer trains (plain,
     FSDP2 ``fully_shard``, tensor parallel, or both on a 2-D mesh, on any device); ``link`` a
-    :class:`~atoll.islands.link.CoordinatorLink`; ``options`` the fields of
-    :class:`~atoll.islands.options.DiLoCoOptions` (H, codec, overlap, streaming, where outer state
+    :class:`~atoll.islands.CoordinatorLink`; ``options`` the fields of
+    :class:`~atoll.islands.DiLoCoOptions` (H, codec, overlap, streaming, where outer state
     lives, process groups, a ``before_push`` hook). The constructor does no network I/O;
     :meth:`start` (or entering the ``with`` block) joins the run and loads the global θ into the
     model, and is collective over the island's process group.
@@ -350,7 +350,7 @@ class DiLoCo:
         device: for inspection, e.g. in ``before_push``."""
         return {s.key: self._routes.states[s.key].delta() for s in self._routes.shards if s.owned}
 
-    # ---- checkpoints (atoll.islands.resume) ------------------------------------------------------
+    # ---- checkpoints (atoll.islands._resume) ------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's DiLoCo state, for a checkpoint of the island: rounds, steps and tokens into
         the round, round-start θ, error-feedback residuals and codec state, and an exchange that was

@@ -2,7 +2,7 @@
 
 A *route* is the local shards one coordinator shard owns, indexed as the link's sessions (route i
 goes to session i); a *local shard* is a rank's region of a tensor. One
-:class:`~atoll.islands.shard_state.ShardState` per local shard; the shards routed to each
+:class:`~atoll.islands._shard_state.ShardState` per local shard; the shards routed to each
 coordinator shard (hash of the tensor name, or Streaming DiLoCo's contiguous fragments). Joining
 settles the run's H and codec (a value the island asked for and the run overrides is warned about,
 naming both; a codec spec the run does not use is refused by the coordinator at Join); θ_0 is
@@ -17,8 +17,8 @@ import math
 import torch
 
 from atoll.compression import ErrorFeedback, available_codecs, codec_of, get_codec
-from atoll.islands.link import CoordinatorLink
-from atoll.islands.messages import (
+from atoll.islands._link import CoordinatorLink
+from atoll.islands._messages import (
     JoinAnswer,
     JoinRequest,
     Pulled,
@@ -29,10 +29,10 @@ from atoll.islands.messages import (
     Update,
     UpdateKind,
 )
-from atoll.islands.options import DiLoCoOptions
-from atoll.islands.shard_state import Placement, ShardState
-from atoll.islands.shards import BUFFER, LocalShard
-from atoll.islands.transport.session import Session
+from atoll.islands._options import DiLoCoOptions
+from atoll.islands._shard_state import Placement, ShardState
+from atoll.islands._shards import BUFFER, LocalShard
+from atoll.islands._transport.session import Session
 from atoll.memory import Leases
 from atoll.sharding import layer_partition, layout_digest, shard_of
 

@@ -1,7 +1,7 @@
 """DiLoCo's options: the algorithm's settings, written once (defaults, documentation, checks).
 
 ``DiLoCo(model, link, **options)`` takes exactly these fields as keyword arguments; how to reach the
-coordinator is the link's business (:class:`~atoll.islands.link.CoordinatorLink`).
+coordinator is the link's business (:class:`~atoll.islands.CoordinatorLink`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from typing_extensions import TypedDict  # typing's own takes Unpack (PEP 692) from Python 3.11 on
 
 from atoll.compression import get_codec
-from atoll.islands.shard_state import Placement
+from atoll.islands._shard_state import Placement
 
 
 @dataclass(frozen=True, kw_only=True)

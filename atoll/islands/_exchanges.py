@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from atoll.islands.messages import Pulled, PushHeader, PushKind, PushOutcome, Update
-from atoll.islands.routes import Routes
-from atoll.islands.schedule import Schedule
-from atoll.islands.transport.convert import push_header_from_wire
+from atoll.islands._messages import Pulled, PushHeader, PushKind, PushOutcome, Update
+from atoll.islands._routes import Routes
+from atoll.islands._schedule import Schedule
+from atoll.islands._transport.convert import push_header_from_wire
 
 log = logging.getLogger("atoll.island")
 

@@ -1,9 +1,9 @@
-"""The island's messages (:mod:`atoll.islands.messages`) to and from their protobuf form: the one place
+"""The island's messages (:mod:`atoll.islands._messages`) to and from their protobuf form: the one place
 on the island where the wire's types and the algorithm's meet."""
 
 from __future__ import annotations
 
-from atoll.islands.messages import (
+from atoll.islands._messages import (
     Entry,
     JoinAnswer,
     JoinRequest,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from atoll.compression import codec_of
-from atoll.islands.shards import LocalShard
+from atoll.islands._shards import LocalShard
 from atoll.memory import Leases
 
 HOST, DEVICE = "host", "device"

@@ -1,5 +1,5 @@
 """The one writer of a push and the one reader of a pull, whatever carries the bytes
-(:mod:`atoll.islands.transport.streams`: gRPC or the bulk port).
+(:mod:`atoll.islands._transport.streams`: gRPC or the bulk port).
 
 A push's payloads are a list, or ``encode(i)`` giving entry i's: then each entry is encoded on the
 calling thread while the stream sends the previous one (two held at most), and an attempt that is
@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import grpc
 
+from atoll.islands._transport.streams import PullStream, PushStream
 from atoll.islands.errors import PartialUpdate, ProtocolError
-from atoll.islands.transport.streams import PullStream, PushStream
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.rpc import BufferPool, entry_buffer
 

@@ -2,8 +2,8 @@
 
 The control calls (Join, Heartbeat, Leave) go over gRPC; a push or a pull goes over the coordinator's
 bulk port when its Join advertised one (and back to gRPC if it cannot be reached), else over gRPC:
-either way one writer and one reader (:mod:`atoll.islands.transport.transfer`) over a stream of the
-transport's (:mod:`atoll.islands.transport.streams`).
+either way one writer and one reader (:mod:`atoll.islands._transport.transfer`) over a stream of the
+transport's (:mod:`atoll.islands._transport.streams`).
 
 Every RPC is retried with capped exponential backoff while the coordinator is unreachable or
 busy (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED), for at most
@@ -24,10 +24,10 @@ from typing import Protocol, TypeVar
 
 import grpc
 
+from atoll.islands._transport.probe import diagnose
+from atoll.islands._transport.streams import BulkUnreachable, GrpcPull, GrpcPush, TcpPull, TcpPush
+from atoll.islands._transport.transfer import read_update, write_push
 from atoll.islands.errors import PartialUpdate, ProtocolError, WrongEndpoint
-from atoll.islands.transport.probe import diagnose
-from atoll.islands.transport.streams import BulkUnreachable, GrpcPull, GrpcPush, TcpPull, TcpPush
-from atoll.islands.transport.transfer import read_update, write_push
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 from atoll.protos.rpc import CLIENT_OPTIONS, DURABLE_WAIT_SECONDS, BufferPool, tensor_calls

@@ -1,5 +1,5 @@
 """An island's wait for an outer step, as one state machine with named states: pure transitions, driven
-by :meth:`~atoll.islands.transport.session.Session.pull_until_ready` (which does the I/O) and tested
+by :meth:`~atoll.islands._transport.session.Session.pull_until_ready` (which does the I/O) and tested
 by feeding them answers, no sockets.
 
 States (:class:`Stage`):
@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from atoll.islands.messages import Update, UpdateKind
+from atoll.islands._messages import Update, UpdateKind
 
 MAX_RESYNCS = 3
 """Full-θ pulls after a broken update before giving up (a coordinator sending corrupt data)."""
