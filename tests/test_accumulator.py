@@ -11,10 +11,10 @@ import torch
 from atoll.compression import get_codec
 from atoll.coordinator.errors import Reason, RequestError
 from atoll.coordinator.policy.weighting import PushClass, classify
+from atoll.coordinator.regions import Region
 from atoll.coordinator.state.accumulator import RoundAccumulator
 from atoll.coordinator.state.budget import InflightBudget, Reservation
 from atoll.coordinator.state.plans import EntryPlan, PushPlan, StagedRank
-from atoll.coordinator.state.regions import Region
 
 
 def plan(island="a", round_=0, rank=0, num_ranks=2, nbytes=10):
@@ -116,9 +116,9 @@ def test_accumulating_two_islands_regions_is_independent_of_arrival_order(spec):
     """Pushes are decoded into the accumulator as they arrive. For regions that are contiguous (row
     blocks) and for those that are not (column blocks, as a tensor-parallel rank holds), two islands
     sum to bitwise the same accumulator in either order: runs repeat across processes."""
+    from atoll.coordinator.regions import Region
     from atoll.coordinator.state.accumulator import accumulate
     from atoll.coordinator.state.plans import EntryPlan, PushPlan, StagedRank
-    from atoll.coordinator.state.regions import Region
 
     codec = get_codec(spec)
     gen = torch.Generator().manual_seed(5)

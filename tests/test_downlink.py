@@ -8,8 +8,8 @@ from conftest import exact_config
 
 from atoll.compression import codec_of, get_codec
 from atoll.coordinator.disk import wal
+from atoll.coordinator.regions import Region
 from atoll.coordinator.state.downlink import Downlink, identity_size
-from atoll.coordinator.state.regions import Region
 
 
 # ---- downlink -----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.state.regions import Region
+from atoll.coordinator.regions import Region
 
 PARAMETER, BUFFER = "parameter", "buffer"
 """Tensor kinds: trained parameters take the outer optimizer; floating-point buffers are averaged."""

@@ -9,8 +9,8 @@ from atoll.compression import available_codecs, codec_name, get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.errors import Reason, RequestError, invalid, refuse
 from atoll.coordinator.messages import BUFFER, JoinRequest, PushHeader, TensorDecl
+from atoll.coordinator.regions import Region, check_coverage
 from atoll.coordinator.state.plans import EntryPlan, StagedRank
-from atoll.coordinator.state.regions import Region, check_coverage
 from atoll.sharding import shard_of
 
 MAX_ID_LEN = 128

@@ -11,7 +11,8 @@ Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`mes
 - :class:`~atoll.coordinator.state.ledger.Ledger`: the open round, history, the sealed round, wake-ups;
 - :class:`~atoll.coordinator.state.downlink.Downlink`: the latest encoded update and the kept ones.
 
-:mod:`pushes` and :mod:`pulls` act on those; :mod:`closing` is the decider task. θ_0 and every
+:mod:`pushes` and :mod:`pulls` act on those; :mod:`decider` is the decider task; :mod:`saved` makes
+a snapshot of the owners and checks one a restart loads. θ_0 and every
 round take ONE path: :meth:`RunState.seal` -> :meth:`RunState.try_publish` (make it durable, then
 publish): θ_0 as a snapshot, a round as its log record (:mod:`atoll.coordinator.disk.wal`); the optimizer
 state and the snapshots every ``snapshot_every`` rounds are written after the publish, in the
@@ -35,7 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from atoll.coordinator.config import ConfigMismatch, RunConfig, apply_operational, reconcile
+from atoll.coordinator.config import RunConfig, apply_operational
 from atoll.coordinator.disk import snapshots, wal
 from atoll.coordinator.disk.lock import StateLock
 from atoll.coordinator.disk.writer import StateWriter
@@ -54,7 +55,7 @@ from atoll.coordinator.messages import (
 from atoll.coordinator.policy import grace
 from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.policy.rounds import RoundPolicy
-from atoll.coordinator.run import checks
+from atoll.coordinator.run import checks, saved
 from atoll.coordinator.run.owners import Owners
 from atoll.coordinator.run.pulls import Pulls, wait_event
 from atoll.coordinator.run.pushes import Pushes
@@ -173,18 +174,10 @@ class RunState:
             raise
 
     def _restore(self) -> bool:
-        snap = snapshots.load(self.state_dir)
-        if snap is None:
+        loaded = saved.load(self)
+        if loaded is None:
             return False
-        if (snap.shard, snap.partition) != (self.shard, self.partition):
-            raise ConfigMismatch(
-                f"the state dir belongs to shard {snap.shard[0]}/{snap.shard[1]} ({snap.partition}), not "
-                f"{self.shard[0]}/{self.shard[1]} ({self.partition})"
-            )
-        given = frozenset(RunConfig.__dataclass_fields__) if self.given is None else self.given
-        self.config, changes = reconcile(snap.config, self.config, given)
-        for line in [*(f"{c} (from the command line)" for c in changes), *snap.notes]:
-            log.warning("%srestored run %s: %s", self.name, self.config.run_id, line)
+        snap, self.config = loaded
         self.model.configure(self.config)
         self.model.restore(snap.params, snap.extra, snap.buffers, snap.layout_digest, snap.aliases)
         self.writer.restored()
@@ -424,7 +417,7 @@ class RunState:
                 log.info("%sclosed round %d (%s): loss %s, outer step %.3fs + log %.3fs", self.name, sealed.round,
                          record["reason"], loss, *took)  # fmt: skip
                 record["publish_seconds"] = time.perf_counter() - published
-                snap = self.snapshot(self.model.params, self.round, list(self.history))
+                snap = saved.snapshot(self, self.model.params, self.round, list(self.history))
                 self.writer.after_publish(snap, keep_from=self.downlink.keep_from(self.round) - 1)
             if self.run_complete:  # the run ending as configured: news, not a warning
                 log.info("%srun %s is complete after %d rounds", self.name, self.config.run_id, self.round)
@@ -434,24 +427,7 @@ class RunState:
         """The write that makes ``sealed`` durable, for a worker thread (what it writes is read here):
         θ_0's snapshot, or a round's log record (update, history record, membership, config)."""
         if sealed.record is None:
-            snap = self.snapshot(sealed.params, sealed.round + 1, self.history)
+            snap = saved.snapshot(self, sealed.params, sealed.round + 1, self.history)
             return lambda: self.writer.bootstrap(snap)
         r, islands, config = sealed.round, self.membership.to_json()["islands"], self.config
         return lambda: self.writer.log_round(r, sealed.payloads, sealed.record, islands, config)
-
-    def snapshot(self, params, round_: int, history: list[dict]) -> snapshots.Snapshot:
-        members = self.membership.to_json()
-        return snapshots.Snapshot(
-            self.config,
-            round_,
-            params,
-            self.model.state_tensors(),
-            members["islands"],
-            history,
-            members["departed"],
-            tuple(sorted(self.model.buffers)),
-            self.shard,
-            self.partition,
-            self.model.layout_digest or "",
-            self.model.aliases,
-        )

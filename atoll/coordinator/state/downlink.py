@@ -27,8 +27,8 @@ from atoll.compression.wire import payload_size
 from atoll.coordinator.disk import wal
 from atoll.coordinator.errors import Reason
 from atoll.coordinator.messages import PayloadEntry
+from atoll.coordinator.regions import Region
 from atoll.coordinator.state.budget import InflightBudget, Reservation
-from atoll.coordinator.state.regions import Region
 
 IDENTITY_ID = get_codec("identity").codec_id
 UPDATES_KEPT = 8

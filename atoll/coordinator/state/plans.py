@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from atoll.coordinator.regions import Region
 from atoll.coordinator.state.budget import Reservation
-from atoll.coordinator.state.regions import Region
 
 
 @dataclass(frozen=True)
