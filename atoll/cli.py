@@ -168,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--bulk-port",
         type=int,
         default=0,
-        help="serve pushes and pulls as plain TCP streams on this port too, beside gRPC (islands learn it at "
-        "Join and fall back to gRPC if it is unreachable; never with TLS); 0 picks a free one, -1: none (default: 0)",
+        help="serve pushes and pulls as TCP streams on this port too, beside gRPC (islands learn it at Join and "
+        "fall back to gRPC if it is unreachable; over TLS with --tls-cert's certificates, as gRPC); 0 picks a free "
+        "one, -1: none (default: 0)",
     )
     coord.add_argument(
         "--threads",

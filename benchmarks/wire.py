@@ -1,6 +1,7 @@
 """Push and pull against raw loopback TCP of the same bytes, measured side by side in one run.
 
-    python benchmarks/wire.py [--model gpt-125m|tiny] [--many 2000] [--repeat 3] [--transports bulk grpc]
+    python benchmarks/wire.py [--model gpt-125m|tiny] [--many 2000] [--repeat 3]
+                              [--transports bulk grpc bulk-tls grpc-tls]
 
 A real ``atoll coordinator`` process (quorum 1) and this process as one island speaking the
 protocol through atoll's own client:
@@ -13,8 +14,9 @@ protocol through atoll's own client:
   with fsync to a new file beside the state dir (plain buffered writes, the median of three: what
   "the time to fsync the round's update bytes" is on this disk);
 - per tensor: the same pushes and pulls with ``--many`` tensors of 1 KiB each (``--many 0`` skips it);
-- each case once per transport: the bulk port (the default) and gRPC (``--bulk-port -1``), one after
-  the other, then their ratio.
+- each case once per transport: the bulk port (the default) and gRPC (``--bulk-port -1``), in the
+  clear or over TLS (``-tls``: a certificate made with ``openssl`` for 127.0.0.1; the island trusts
+  it as its CA), one after the other, then their ratios.
 
 Printed: each figure, the median over ``--repeat`` rounds, and push / pull over the TCP floor.
 """
@@ -39,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from atoll.compression import get_codec  # noqa: E402
-from atoll.islands._transport.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy  # noqa: E402
 from atoll.protos import coordinator_pb2 as pb  # noqa: E402
 
 
@@ -101,9 +103,21 @@ def disk_floor(nbytes: int, where: Path) -> float:
     return statistics.median(took)
 
 
+def certificate(where: Path) -> tuple[Path, Path]:
+    """A self-signed certificate and key for 127.0.0.1 (the island takes the certificate as its CA)."""
+    cert, key = where / "cert.pem", where / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
 class Island:
-    def __init__(self, address: str, shapes) -> None:
-        self.client = CoordinatorClient(address, retry=RetryPolicy(give_up_seconds=60, rpc_timeout_seconds=120))
+    def __init__(self, address: str, shapes, tls: ClientTls | None = None) -> None:
+        retry = RetryPolicy(give_up_seconds=60, rpc_timeout_seconds=120)
+        self.client = CoordinatorClient(address, retry=retry, tls=tls)
         self.shapes = shapes
         req = pb.JoinRequest(run_id="w", island_id="a", codecs=["identity"], num_ranks=1)
         for name, shape in shapes.items():
@@ -141,12 +155,16 @@ def measure(shapes, repeat: int, tmp: Path, transport: str) -> dict:
     theta = [identity.encode(torch.randn(s, generator=gen)) for s in shapes.values()]
     delta = [identity.encode(torch.randn(s, generator=gen) * 1e-3) for s in shapes.values()]
     port_file, admin_file = tmp / "port", tmp / "admin"
+    tls_flags, tls = [], None
+    if transport.endswith("-tls"):
+        cert, key = certificate(tmp)
+        tls_flags, tls = ["--tls-cert", str(cert), "--tls-key", str(key)], ClientTls(ca=str(cert))
     coord = subprocess.Popen(
         [sys.executable, "-m", "atoll", "coordinator", "--host", "127.0.0.1", "--port", "0", "--state-dir",
          str(tmp / "state"), "--port-file", str(port_file), "--admin-port", "0", "--admin-port-file",
          str(admin_file), "--run-id", "w", "--sync-every", "1", "--quorum", "1", "--grace-window", "off",
          "--codec", "identity", "--downlink-codec", "identity",
-         "--log-level", "WARNING", *(["--bulk-port", "-1"] if transport == "grpc" else [])],
+         "--log-level", "WARNING", *(["--bulk-port", "-1"] if transport.startswith("grpc") else []), *tls_flags],
         cwd=ROOT,
     )  # fmt: skip
     try:
@@ -162,8 +180,8 @@ def measure(shapes, repeat: int, tmp: Path, transport: str) -> dict:
             with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/api/status", timeout=30) as resp:
                 return json.load(resp)
 
-        island = Island(f"127.0.0.1:{grpc_port}", shapes)
-        assert (island.client.bulk is not None) == (transport == "bulk")
+        island = Island(f"127.0.0.1:{grpc_port}", shapes, tls)
+        assert (island.client.bulk is not None) == transport.startswith("bulk")
         island.push(theta, 0, kind=pb.PUSH_KIND_INIT)
         island.pull(-1)  # θ_0
         pushes, pulls = [], []
@@ -197,7 +215,9 @@ def main() -> None:
     p.add_argument("--model", default="gpt-125m", choices=["tiny", "gpt-small", "gpt-125m"])
     p.add_argument("--many", type=int, default=2000, help="tensors of 1 KiB for the per-tensor case (0: skip)")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--transports", nargs="+", default=["bulk", "grpc"], choices=["bulk", "grpc"])
+    p.add_argument(
+        "--transports", nargs="+", default=["bulk", "grpc"], choices=["bulk", "grpc", "bulk-tls", "grpc-tls"]
+    )
     a = p.parse_args()
     cases = [(a.model, shapes_of(a.model, 0))] + ([(f"{a.many} x 1 KiB", shapes_of(a.model, a.many))] if a.many else [])
     for name, shapes in cases:
@@ -206,12 +226,13 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="wire-") as tmp:
                 by[transport] = got = measure(shapes, a.repeat, Path(tmp), transport)
             report(f"{name} [{transport}]", shapes, got)
-        if len(by) == 2:
-            print(
-                f"{name}: bulk port / gRPC: push {by['bulk']['push'] / by['grpc']['push']:.2f}x, "
-                f"pull {by['bulk']['pull'] / by['grpc']['pull']:.2f}x",
-                flush=True,
-            )
+        for a_, b_ in (("bulk", "grpc"), ("bulk-tls", "bulk"), ("bulk-tls", "grpc-tls"), ("grpc-tls", "grpc")):
+            if a_ in by and b_ in by:
+                print(
+                    f"{name}: {a_} / {b_}: push {by[a_]['push'] / by[b_]['push']:.2f}x, "
+                    f"pull {by[a_]['pull'] / by[b_]['pull']:.2f}x",
+                    flush=True,
+                )
 
 
 def report(name: str, shapes, got: dict) -> None:

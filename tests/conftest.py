@@ -125,8 +125,11 @@ class RawIsland:
         shapes: dict[str, tuple[int, ...]],
         run_id: str = "t",
         codec: str = "identity",
+        **client_options,
     ) -> None:
-        self.client = CoordinatorClient(address, retry=RetryPolicy(give_up_seconds=10, rpc_timeout_seconds=10))
+        """``client_options``: the client's ``token`` and ``tls``."""
+        retry = RetryPolicy(give_up_seconds=10, rpc_timeout_seconds=10)
+        self.client = CoordinatorClient(address, retry=retry, **client_options)
         self.island_id = island_id
         self.shapes = shapes
         self.run_id = run_id

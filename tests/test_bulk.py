@@ -91,7 +91,7 @@ def test_a_refusal_part_way_reaches_the_client_and_stops_its_data(start_server, 
 
     with pytest.raises(grpc.RpcError) as info:
         port = a.client.bulk
-        write_push(TcpPush(port.host, port.port, h, auth="", timeout=5), h, pieces())
+        write_push(TcpPush(port, h, auth="", timeout=5), h, pieces())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "crc32" in info.value.details()
     assert len(sent) < 64  # refused at the first bad chunk, not after the 64 MiB behind it
 
@@ -108,7 +108,7 @@ def test_island_tokens_hold_on_the_bulk_port(start_server, raw_island, tmp_path)
         h = pb.PushHeader(run_id="t", island_id="a", round=0, kind=pb.PUSH_KIND_INIT, num_ranks=1, codec="identity")
         h.entries.add(name="w", num_bytes=8)
         with pytest.raises(grpc.RpcError) as info:
-            write_push(TcpPush("127.0.0.1", port, h, auth=auth, timeout=5), h, [bytes(8)])
+            write_push(TcpPush(BulkPort("127.0.0.1", port), h, auth=auth, timeout=5), h, [bytes(8)])
         assert info.value.code().name == code, auth
     a.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)  # its own token
     assert srv.server.state.model.ready

@@ -1,8 +1,11 @@
 """TLS, mutual TLS and per-island bearer tokens, against a real server with generated certificates."""
 
+import contextlib
 import datetime
 import ipaddress
 import logging
+import socket
+import ssl
 
 import grpc
 import pytest
@@ -14,8 +17,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from atoll.coordinator.transport.security import IslandTokens, TlsConfig
-from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy
+from atoll.islands._transport.client import BulkPort, ClientTls, CoordinatorClient, RetryPolicy
+from atoll.islands._transport.streams import TcpPush
+from atoll.islands._transport.transfer import write_push
 from atoll.islands.errors import CoordinatorRefused, WrongEndpoint
+from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
 
 FAST = RetryPolicy(give_up_seconds=1, rpc_timeout_seconds=3, initial_backoff_seconds=0.1)
@@ -94,7 +100,7 @@ def test_tls_server(start_server, pki, caplog):
     ok = CoordinatorClient(srv.address, retry=FAST, tls=ClientTls(ca=str(pki / "ca.pem")))
     joined = join(ok)
     assert joined.bootstrap
-    assert joined.bulk_port == 0 and srv.server.bulk is None and ok.bulk is None  # no plaintext side door
+    assert joined.bulk_port > 0 and ok.bulk is not None and ok.bulk.tls is not None  # the bulk port, over TLS
     plain = CoordinatorClient(srv.address, retry=SLOW)
     with pytest.raises(WrongEndpoint, match="serves TLS: give the island its CA"):
         join(plain, "b")
@@ -249,3 +255,66 @@ def test_a_token_sent_to_a_coordinator_that_checks_none_is_warned_about_once_on_
     words = [r.getMessage() for r in caplog.records]
     assert sum("checks none (no --island-tokens)" in w and "island a" in w for w in words) == 1, words
     assert sum("checks no island tokens" in w for w in words) == 1, words
+
+
+SHAPES = {"w": (1 << 20,), "b": (300, 70), "empty": (0,)}
+
+
+def tls_round(start_server, raw_island, pki, state_dir, **server_kwargs):
+    """θ_0 and two islands' deltas for round 0 over mutual TLS with island tokens, then a pull of round 1:
+    (Join's bulk port, the pulled payloads, the coordinator's counters)."""
+    tokens = IslandTokens({"a": "ta", "b": "tb"})
+    tls = TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem")
+    config = exact_config(run_id="t", sync_every=1, quorum=2)
+    srv = start_server(config, state_dir, tls=tls, tokens=tokens, **server_kwargs)
+    mine = ClientTls(ca=str(pki / "ca.pem"), cert=str(pki / "client.pem"), key=str(pki / "client.key"))
+    gen = torch.Generator().manual_seed(7)
+    a = raw_island(srv.address, "a", SHAPES, tls=mine, token="ta")
+    b = raw_island(srv.address, "b", SHAPES, tls=mine, token="tb")
+    port = a.join().bulk_port
+    b.join()
+    a.push({k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    for isl, n in ((a, 10), (b, 30)):
+        isl.push({k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}, round_=0, tokens=n)
+    _, payloads = a.pull(have_round=0)
+    return srv, port, [bytes(p) for _, p in payloads], srv.server.counters.as_dict()
+
+
+def test_the_bulk_port_speaks_tls_with_the_same_certificates_and_tokens(start_server, raw_island, pki, tmp_path):
+    """With --tls-cert the bulk port is served over TLS (mutual TLS and island tokens as on gRPC), and TLS
+    islands push and pull there: the same update, byte for byte, as over gRPC."""
+    srv, port, pulled, counters = tls_round(start_server, raw_island, pki, tmp_path / "bulk")
+    _, port_g, pulled_g, counters_g = tls_round(start_server, raw_island, pki, tmp_path / "grpc", bulk_port=None)
+    assert port > 0 and port_g == 0
+    assert pulled == pulled_g and sum(map(len, pulled)) > 4 << 20
+    assert counters["bulk_calls"] == 4 and counters_g["bulk_calls"] == 0  # three pushes and a pull
+    assert counters["bytes_in"] == counters_g["bytes_in"]
+
+    h = pb.PushHeader(run_id="t", island_id="a", round=1, kind=pb.PUSH_KIND_DELTA, num_ranks=1, codec="identity")
+    h.entries.add(name="w", num_bytes=8)
+    # No plaintext side door: a call in the clear is dropped at the handshake, unanswered and uncounted.
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as clear:
+        clear.sendall(bulk.preamble(bulk.PUSH, "Bearer ta", pb.PushChunk(header=h).SerializeToString()))
+        clear.settimeout(5)
+        with contextlib.suppress(ConnectionResetError):
+            assert clear.recv(1024) == b""
+    # Mutual TLS: no client certificate, or one from another CA, cannot connect.
+    for cert in (None, "other-client"):
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        if cert:
+            ctx.load_cert_chain(str(pki / f"{cert}.pem"), str(pki / f"{cert}.key"))
+        with (
+            pytest.raises((ssl.SSLError, ConnectionResetError)),
+            socket.create_connection(("127.0.0.1", port)) as s,
+            ctx.wrap_socket(s, server_hostname="127.0.0.1") as t,
+        ):
+            t.sendall(bulk.preamble(bulk.PULL, "Bearer ta", b""))
+            t.recv(1)  # TLS 1.3: the server's refusal of the certificate comes with the first read
+    # Island tokens: checked as on gRPC.
+    mine = ClientTls(ca=str(pki / "ca.pem"), cert=str(pki / "client.pem"), key=str(pki / "client.key"))
+    port_tls = BulkPort("127.0.0.1", port, tls=mine.ssl_context(), server_name=None)
+    for auth, code in [("", "UNAUTHENTICATED"), ("Bearer tb", "PERMISSION_DENIED")]:
+        with pytest.raises(grpc.RpcError) as info:
+            write_push(TcpPush(port_tls, h, auth=auth, timeout=5), h, [bytes(8)])
+        assert info.value.code().name == code, auth
+    assert srv.server.counters.bulk_calls == 6

@@ -6,7 +6,8 @@ holding a core that the islands' own work needs. On the bulk port the bytes go f
 tensor into the kernel and from the kernel into the receiver's entry buffer, nothing in between.
 The control RPCs (Join, Heartbeat, Leave) stay on gRPC; the coordinator advertises its bulk port in
 ``JoinResponse.bulk_port``, and an island that cannot reach it pushes and pulls over gRPC as before.
-The port is plaintext: a coordinator serving TLS advertises none, and a TLS island never uses one.
+A coordinator serving gRPC over TLS serves the bulk port over TLS too, with the same certificate, key
+and client CA (mutual TLS); a TLS island connects to it with the same trust and identity.
 
 One TCP connection per call. The client opens with a preamble::
 
@@ -17,7 +18,9 @@ One TCP connection per call. The client opens with a preamble::
 server answers with frames ``u8 kind  u32 length + bytes``:
 
 - ``CONTINUE`` (push, empty): the push is admitted for its whole declared size; the client now
-  sends the header's entries' payloads, concatenated, exactly the bytes they declare.
+  sends the header's entries' payloads, concatenated, exactly the bytes they declare, then ends
+  its side of the connection (in the clear: a half-close, which also shows a stream carrying more
+  than it declared; over TLS the declared length ends the data, as a half-close would end TLS).
 - ``OK``: the call's answer: a ``PushResponse``, or a pull's ``UpdateHeader`` followed by its
   entries' payloads, concatenated, exactly the bytes the header declares; after those, when the
   header is ``tentative``, one more ``OK`` frame holding a ``Durable`` once the round is saved (or a

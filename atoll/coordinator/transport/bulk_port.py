@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 
+from atoll.coordinator.transport.connection import Connection, TlsConnection
 from atoll.coordinator.transport.security import UNAUTHENTICATED, IslandTokens
 from atoll.coordinator.transport.service import tolerant
 from atoll.errors import PortInUse
@@ -55,46 +57,6 @@ class Context:
         raise Aborted(status)
 
 
-class Connection:
-    """One accepted socket: exact reads and whole sends on the event loop, with its progress clock."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.loop = asyncio.get_running_loop()
-        self.since: float | None = None
-        """When this connection last made progress while expected to (None: not expected to now)."""
-        self.limit: float | None = None
-        """A deadline in seconds from :meth:`expect`, progress or not (None: the server's idle limit,
-        counted from the last progress)."""
-        self.timed_out = False
-
-    def expect(self, expecting: bool = True, limit: float | None = None) -> None:
-        self.since, self.limit = (time.monotonic() if expecting else None), limit
-
-    async def recv_into(self, view: memoryview) -> int:
-        """Some bytes into ``view`` (at least one); EOFError at the end of the stream."""
-        n = await self.loop.sock_recv_into(self.sock, view)
-        if n == 0:
-            raise EOFError("the peer ended the connection")
-        if self.limit is None:
-            self.since = time.monotonic()
-        return n
-
-    async def recv_exact(self, n: int) -> bytes:
-        """``n`` bytes, held as they arrive (a preamble that declares 16 MiB and sends 10 bytes costs
-        its 10 bytes, not 16 MiB)."""
-        out, piece = bytearray(), memoryview(bytearray(min(n, 1 << 16)))
-        while len(out) < n:
-            got = await self.recv_into(piece[: n - len(out)])
-            out += piece[:got]
-        return bytes(out)
-
-    async def send(self, data) -> None:
-        await self.loop.sock_sendall(self.sock, data)
-        if self.limit is None:
-            self.since = time.monotonic()
-
-
 class BulkPush:
     """A push on the bulk port as the servicer reads it: its header as the first message, then
     :meth:`fill`, which admits the data and reads it into the entries."""
@@ -129,6 +91,8 @@ class BulkPush:
                 if assembler.done:
                     break
                 done = assembler.advance(await conn.recv_into(assembler.space()))
+            if conn.delimited:
+                return  # over TLS the declared length ends the data (what follows is never read)
             await conn.recv_into(memoryview(bytearray(1)))
         except EOFError:
             return
@@ -136,7 +100,8 @@ class BulkPush:
 
 
 class BulkServer:
-    """Listens on ``host:port`` (0 picks one) and serves each connection's one call with ``servicer``."""
+    """Listens on ``host:port`` (0 picks one) and serves each connection's one call with ``servicer``;
+    over TLS with ``tls`` (the context :meth:`TlsConfig.ssl_context` makes from gRPC's certificates)."""
 
     def __init__(
         self,
@@ -146,10 +111,12 @@ class BulkServer:
         port: int,
         tokens: IslandTokens | None,
         idle_seconds: float,
+        tls: ssl.SSLContext | None = None,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.servicer = servicer
         self.tokens = tokens
+        self.tls = tls
         self.idle_seconds = idle_seconds
         self.max_connections = max_connections
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -195,7 +162,8 @@ class BulkServer:
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = asyncio.create_task(self._serve(Connection(sock)))
+            conn = Connection(sock) if self.tls is None else TlsConnection(sock, self.tls)
+            task = asyncio.create_task(self._serve(conn))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
 
@@ -242,6 +210,7 @@ class BulkServer:
 
     async def _call(self, conn: Connection) -> None:
         conn.expect(limit=min(PREAMBLE_SECONDS, self.idle_seconds))
+        await conn.start()
         magic, method, auth_len = bulk.PREAMBLE.unpack(await conn.recv_exact(bulk.PREAMBLE.size))
         if magic != bulk.MAGIC or method not in (bulk.PUSH, bulk.PULL) or auth_len > bulk.MAX_AUTH_BYTES:
             raise ValueError("not an atoll bulk call")

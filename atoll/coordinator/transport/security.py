@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,17 @@ class TlsConfig:
         ca = Path(self.client_ca).read_bytes() if self.client_ca else None
         pair = (Path(self.key).read_bytes(), Path(self.cert).read_bytes())
         return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same certificate, key and client CA for the bulk port (Python's ``ssl``: OpenSSL)."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key)
+        if self.client_ca:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(cafile=self.client_ca)
+        ctx.num_tickets = 0  # nothing unasked after the handshake: a pushing island reads only answers
+        return ctx
 
 
 class IslandTokens:

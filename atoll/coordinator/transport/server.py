@@ -71,8 +71,8 @@ class CoordinatorServer:
         ``given``: the RunConfig fields the operator set explicitly (None: all of them); on an existing
         state dir those of the run's math must match it, and its operational ones take them.
         ``name``: prefix of this server's log lines (a fragment's).
-        ``bulk_port``: serve pushes and pulls as plain TCP streams there too (0 picks a port; None: no
-        bulk port), on ``host``; never with TLS (:mod:`atoll.protos.bulk`)."""
+        ``bulk_port``: serve pushes and pulls as TCP streams there too (0 picks a port; None: no bulk
+        port), on ``host``; with ``tls``, over TLS with the same certificates (:mod:`atoll.protos.bulk`)."""
         self.config = config
         self.admin_args = (admin_host, admin_port, admin_token)
         self.tls = tls
@@ -88,7 +88,7 @@ class CoordinatorServer:
             name=name,
         )
         self.stream_idle_seconds = stream_idle_seconds
-        self.requested_bulk_port = None if tls is not None else bulk_port
+        self.requested_bulk_port = bulk_port
         self.bulk: BulkServer | None = None
         self.admin = None
         self.state_dir = Path(state_dir)
@@ -149,6 +149,7 @@ class CoordinatorServer:
                 port=self.requested_bulk_port,
                 tokens=self.tokens,
                 idle_seconds=self.stream_idle_seconds,
+                tls=self.tls.ssl_context() if self.tls is not None else None,
             )
             await self.bulk.start()
             servicer.bulk_port = self.bulk.port

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Protocol, TypeVar
 import grpc
 
 from atoll.islands._transport.probe import diagnose
-from atoll.islands._transport.streams import BulkUnreachable, GrpcPull, GrpcPush, TcpPull, TcpPush
+from atoll.islands._transport.streams import BulkPort, BulkUnreachable, GrpcPull, GrpcPush, TcpPull, TcpPush
 from atoll.islands._transport.transfer import read_update, write_push
 from atoll.islands.errors import PartialUpdate, ProtocolError, WrongEndpoint
 from atoll.protos import coordinator_pb2 as pb
@@ -85,14 +86,6 @@ class RetryPolicy:
             raise ValueError("give_up_seconds and rpc_timeout_seconds must be > 0")
 
 
-@dataclass(frozen=True)
-class BulkPort:
-    """Where the coordinator's bulk port is (its Join advertised it): pushes and pulls go there."""
-
-    host: str
-    port: int
-
-
 WARN_EVERY_SECONDS = 30.0
 PULL_BUFFER_BYTES = 512 << 20
 """Entry buffers an island keeps for its next pulls (one entry is held at a time: the largest few)."""
@@ -119,6 +112,15 @@ class ClientTls:
             private_key=read(self.key) if self.key else None,
             certificate_chain=read(self.cert) if self.cert else None,
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same trust and identity for the bulk port's TLS connections (Python's ``ssl``, OpenSSL):
+        the coordinator's certificate must verify with ``ca`` and name the host (or ``server_name``)."""
+        ctx = ssl.create_default_context(cafile=self.ca)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.cert:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
 
 
 class Transport(Protocol):
@@ -161,8 +163,9 @@ class CoordinatorClient:
         self._auth = f"Bearer {token}" if token else ""
         self._said_unchecked = False
         self.tls = tls
+        self._bulk_tls = tls.ssl_context() if tls is not None else None
         self.bulk: BulkPort | None = None
-        """The coordinator's bulk port, once a Join advertised one (never over TLS): pushes and
+        """The coordinator's bulk port, once a Join advertised one (over TLS when gRPC is): pushes and
         pulls go there, and back to gRPC if it cannot be reached."""
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -238,8 +241,9 @@ class CoordinatorClient:
                 self.address,
             )
         self.bulk = None
-        if resp.bulk_port and self.tls is None:
-            self.bulk = BulkPort(parse_address(self.address)[0], resp.bulk_port)
+        if resp.bulk_port:
+            server_name = self.tls.server_name if self.tls is not None else None
+            self.bulk = BulkPort(parse_address(self.address)[0], resp.bulk_port, self._bulk_tls, server_name)
         return resp
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
@@ -270,7 +274,7 @@ class CoordinatorClient:
         total = sum(e.num_bytes for e in header.entries)
         return self._transport(
             "PushDelta",
-            lambda port: TcpPush(port.host, port.port, header, auth=self._auth, timeout=self.retry.rpc_timeout_seconds),
+            lambda port: TcpPush(port, header, auth=self._auth, timeout=self.retry.rpc_timeout_seconds),
             lambda: GrpcPush(self._push_call, header, timeout=self._timeout(total), metadata=self._metadata),
         )
 
@@ -309,7 +313,7 @@ class CoordinatorClient:
         """The stream of one pull attempt, on the bulk port or on gRPC."""
         return self._transport(
             "PullUpdate",
-            lambda port: TcpPull(port.host, port.port, req, auth=self._auth, timeout=self.retry.rpc_timeout_seconds),
+            lambda port: TcpPull(port, req, auth=self._auth, timeout=self.retry.rpc_timeout_seconds),
             lambda: GrpcPull(
                 self._pull_call,
                 req,

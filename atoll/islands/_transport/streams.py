@@ -21,7 +21,9 @@ import contextlib
 import queue
 import select
 import socket
+import ssl
 import threading
+from dataclasses import dataclass
 from typing import Protocol
 
 from atoll.islands.errors import ProtocolError
@@ -34,7 +36,19 @@ CONNECT_SECONDS = 10.0
 
 
 class BulkUnreachable(ConnectionError):
-    """The bulk port refused or did not answer the connection."""
+    """The bulk port refused or did not answer the connection, or its TLS handshake failed."""
+
+
+@dataclass(frozen=True)
+class BulkPort:
+    """Where the coordinator's bulk port is (its Join advertised it): pushes and pulls go there."""
+
+    host: str
+    port: int
+    tls: ssl.SSLContext | None = None
+    """The island's TLS context when the coordinator serves TLS (the bulk port then does too)."""
+    server_name: str | None = None
+    """The name the coordinator's certificate must carry, if not ``host``."""
 
 
 class PushStream(Protocol):
@@ -158,11 +172,18 @@ class GrpcPull:
 
 
 # ---- the bulk port ------------------------------------------------------------------------------
-def _open(host: str, port: int, method: int, auth: str, message: bytes, timeout: float) -> socket.socket:
+def _open(port: BulkPort, method: int, auth: str, message: bytes, timeout: float) -> socket.socket:
+    """A connection to the bulk port (TLS when ``port.tls``), its preamble sent."""
     try:
-        sock = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
+        sock = socket.create_connection((port.host, port.port), timeout=CONNECT_SECONDS)
     except OSError as err:
-        raise BulkUnreachable(f"bulk port {host}:{port}: {err}") from None
+        raise BulkUnreachable(f"bulk port {port.host}:{port.port}: {err}") from None
+    if port.tls is not None:
+        try:
+            sock = port.tls.wrap_socket(sock, server_hostname=port.server_name or port.host)
+        except OSError as err:  # ssl.SSLError is one: a handshake gRPC's would have failed too, or a reset
+            sock.close()
+            raise BulkUnreachable(f"bulk port {port.host}:{port.port}: TLS handshake: {err}") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(timeout)
@@ -186,7 +207,10 @@ def _answer(sock: socket.socket, *, continuing: bool = False) -> bytes | None:
 
 
 def _answered(sock: socket.socket) -> bool:
-    """The server has answered already (a refusal part way through the data): stop sending."""
+    """The server has answered already (a refusal part way through the data): stop sending. (Over TLS
+    the coordinator sends nothing else unasked: no session tickets, no renegotiation.)"""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
     poller = select.poll()  # not select(): descriptors past 1024
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(0))
@@ -197,8 +221,8 @@ class TcpPush:
     sent from the payloads' own memory by a sender thread while the caller makes the next one; the end
     of the data is the client's half-close."""
 
-    def __init__(self, host: str, port: int, header: pb.PushHeader, *, auth: str, timeout: float) -> None:
-        self._sock = _open(host, port, bulk.PUSH, auth, pb.PushChunk(header=header).SerializeToString(), timeout)
+    def __init__(self, port: BulkPort, header: pb.PushHeader, *, auth: str, timeout: float) -> None:
+        self._sock = _open(port, bulk.PUSH, auth, pb.PushChunk(header=header).SerializeToString(), timeout)
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._failed: list[BaseException | None] = []
         self._early: bytes | None = None
@@ -236,8 +260,9 @@ class TcpPush:
             self._ready.put(_End)
             self._sender.join()
             if not self._failed:
-                with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_WR)  # the end of the data
+                if not isinstance(self._sock, ssl.SSLSocket):  # (over TLS the declared length ends the data)
+                    with contextlib.suppress(OSError):
+                        self._sock.shutdown(socket.SHUT_WR)  # the end of the data
             elif self._failed[0] is not None and not _answered(self._sock):
                 raise self._failed[0]  # the wire broke and no answer waits
             # The answer, or the refusal part way (the server stopped reading).
@@ -258,9 +283,9 @@ class TcpPull:
     """A pull on the bulk port: the header frame, the entries' payloads read straight into the caller's
     buffers, then (tentative) the Durable frame."""
 
-    def __init__(self, host: str, port: int, req: pb.PullRequest, *, auth: str, timeout: float) -> None:
+    def __init__(self, port: BulkPort, req: pb.PullRequest, *, auth: str, timeout: float) -> None:
         self._timeout = timeout
-        self._sock = _open(host, port, bulk.PULL, auth, req.SerializeToString(), timeout + req.wait_seconds)
+        self._sock = _open(port, bulk.PULL, auth, req.SerializeToString(), timeout + req.wait_seconds)
 
     def header(self) -> pb.UpdateHeader:
         header = pb.UpdateHeader.FromString(_answer(self._sock))
