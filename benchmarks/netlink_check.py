@@ -67,8 +67,8 @@ def serve(listener: socket.socket, got: dict) -> None:
     conn.close()
 
 
-def check(rate_mbit: float, rtt_ms: float, seconds: float, loss: float) -> dict:
-    spec = LinkSpec(rate_mbit=rate_mbit, rtt_ms=rtt_ms, loss=loss)
+def check(rate_mbit: float, rtt_ms: float, seconds: float, loss: float, tuned: bool = True) -> dict:
+    spec = LinkSpec(rate_mbit=rate_mbit, rtt_ms=rtt_ms, loss=loss, tuned_buffers=tuned)
     nbytes = int(rate_mbit * 1e6 / 8 * seconds)
     with Link(spec) as link:
         listener = socket.create_server((link.coordinator_host, 0))
@@ -110,13 +110,15 @@ def main() -> None:
     p.add_argument("--links", nargs="+", default=["100:100", "1000:50"], help="RATE_MBIT:RTT_MS each")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--loss", type=float, default=0.0)
+    p.add_argument("--default-buffers", action="store_true", help="keep the kernel's TCP buffer limits")
     a = p.parse_args()
     enter_namespace([str(Path(__file__).resolve()), *sys.argv[1:]])
     for link in a.links:
         rate, rtt = (float(x) for x in link.split(":"))
-        r = check(rate, rtt, a.seconds, a.loss)
+        r = check(rate, rtt, a.seconds, a.loss, tuned=not a.default_buffers)
         print(
-            f"{rate:g} Mbit/s, {rtt:g} ms, loss {a.loss:g}: ping RTT median {r['ping_rtt_ms']:.1f} ms "
+            f"{rate:g} Mbit/s, {rtt:g} ms, loss {a.loss:g}, {'default' if a.default_buffers else 'tuned'} TCP "
+            f"buffers: ping RTT median {r['ping_rtt_ms']:.1f} ms "
             f"({r['ping_rtt_ms'] / rtt:.3f}x the setting; min {r['ping_rtt_min_ms']:.1f}); one TCP stream "
             f"{r['steady_mbit']:.1f} Mbit/s over its second half ({r['steady_mbit'] / rate:.3f}x the rate), "
             f"{r['whole_mbit']:.1f} over the whole {r['bytes'] / 1e6:.0f} MB (slow start included); "

@@ -218,3 +218,71 @@ def test_a_pull_that_breaks_after_an_applied_entry_is_a_partial_update():
         t.join(10)
         server.close()
         client.close()
+
+
+BIG = {"w": (1 << 20,), "b": (300, 70), "c": (700_001,), "empty": (0,)}
+"""Entries that cross the 1 MiB units of a striped call's data in every way (11.8 MiB in all)."""
+
+
+def striped_round(start_server, raw_island, state_dir, streams):
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=2), state_dir)
+    gen = torch.Generator().manual_seed(11)
+    a = raw_island(srv.address, "a", BIG, bulk_streams=streams)
+    b = raw_island(srv.address, "b", BIG, bulk_streams=streams)
+    joined = a.join()
+    b.join()
+    a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    for isl, n in ((a, 10), (b, 30)):
+        isl.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, tokens=n)
+    _, payloads = a.pull(have_round=0)
+    return joined, [bytes(p) for _, p in payloads], srv.server.counters.as_dict()
+
+
+def test_a_call_striped_over_several_connections_moves_the_same_bytes(start_server, raw_island, tmp_path):
+    joined, one, counters = striped_round(start_server, raw_island, tmp_path / "one", 1)
+    assert joined.bulk_streams == bulk.MAX_STREAMS
+    for streams in (2, 3, 5):
+        _, striped, counters_s = striped_round(start_server, raw_island, tmp_path / f"s{streams}", streams)
+        assert striped == one, streams  # the same update, byte for byte
+        assert counters_s["bulk_calls"] == counters["bulk_calls"] == 4
+        assert counters_s["bytes_in"] == counters["bytes_in"] > 3 * 4 * (1 << 20)
+
+
+def test_a_striped_call_whose_connections_do_not_match_is_refused(start_server, raw_island):
+    srv = start_server(exact_config(run_id="t", sync_every=1))
+    a = raw_island(srv.address, "a", SHAPES)
+    port = a.join().bulk_port
+    call = bytes(range(16))
+    h = pb.PullRequest(run_id="t", island_id="a", have_round=-1).SerializeToString()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as lead:
+        lead.sendall(bulk.preamble(bulk.PULL_STRIPED, "", bulk.STRIPE.pack(call, 0, 2) + h))
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as side:  # another authorization
+            side.sendall(bulk.preamble(bulk.SIDE, "Bearer x", bulk.STRIPE.pack(call, 1, 2)))
+            assert hung_up(side)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as side:  # another count
+            side.sendall(bulk.preamble(bulk.SIDE, "", bulk.STRIPE.pack(call, 1, 3)))
+            assert hung_up(side)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as lead:  # more than MAX_STREAMS
+        lead.sendall(bulk.preamble(bulk.PULL_STRIPED, "", bulk.STRIPE.pack(call, 0, bulk.MAX_STREAMS + 1) + h))
+        assert hung_up(lead)
+    a.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    assert srv.server.state.model.ready
+    wait_for(lambda: srv.server.bulk._stripes == {}, timeout=15, what="the refused calls' stripes forgotten")
+
+
+def test_the_stream_count_follows_the_round_trip(start_server, raw_island):
+    from atoll.islands._transport.streams import auto_streams
+
+    assert [auto_streams(None, 16), auto_streams(0.0004, 16), auto_streams(0.05, 16), auto_streams(0.08, 16)] == [
+        1,
+        1,
+        3,
+        4,
+    ]
+    assert auto_streams(0.5, 8) == 8 and auto_streams(0.5, 1) == 1 and auto_streams(0.006, 8) == 2
+    srv = start_server(exact_config(run_id="t", sync_every=1))
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()
+    # Loopback: measured at Join, and every call keeps to one connection.
+    assert a.client.rtt is not None and a.client.rtt < 0.005
+    assert a.client.streams_for(a.client.bulk) == 1

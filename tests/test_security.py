@@ -260,7 +260,7 @@ def test_a_token_sent_to_a_coordinator_that_checks_none_is_warned_about_once_on_
 SHAPES = {"w": (1 << 20,), "b": (300, 70), "empty": (0,)}
 
 
-def tls_round(start_server, raw_island, pki, state_dir, **server_kwargs):
+def tls_round(start_server, raw_island, pki, state_dir, streams=None, **server_kwargs):
     """θ_0 and two islands' deltas for round 0 over mutual TLS with island tokens, then a pull of round 1:
     (Join's bulk port, the pulled payloads, the coordinator's counters)."""
     tokens = IslandTokens({"a": "ta", "b": "tb"})
@@ -269,8 +269,8 @@ def tls_round(start_server, raw_island, pki, state_dir, **server_kwargs):
     srv = start_server(config, state_dir, tls=tls, tokens=tokens, **server_kwargs)
     mine = ClientTls(ca=str(pki / "ca.pem"), cert=str(pki / "client.pem"), key=str(pki / "client.key"))
     gen = torch.Generator().manual_seed(7)
-    a = raw_island(srv.address, "a", SHAPES, tls=mine, token="ta")
-    b = raw_island(srv.address, "b", SHAPES, tls=mine, token="tb")
+    a = raw_island(srv.address, "a", SHAPES, tls=mine, token="ta", bulk_streams=streams)
+    b = raw_island(srv.address, "b", SHAPES, tls=mine, token="tb", bulk_streams=streams)
     port = a.join().bulk_port
     b.join()
     a.push({k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
@@ -289,6 +289,8 @@ def test_the_bulk_port_speaks_tls_with_the_same_certificates_and_tokens(start_se
     assert pulled == pulled_g and sum(map(len, pulled)) > 4 << 20
     assert counters["bulk_calls"] == 4 and counters_g["bulk_calls"] == 0  # three pushes and a pull
     assert counters["bytes_in"] == counters_g["bytes_in"]
+    _, _, pulled_s, counters_s = tls_round(start_server, raw_island, pki, tmp_path / "striped", streams=3)
+    assert pulled_s == pulled and counters_s["bulk_calls"] == 4  # striped over three TLS connections
 
     h = pb.PushHeader(run_id="t", island_id="a", round=1, kind=pb.PUSH_KIND_DELTA, num_ranks=1, codec="identity")
     h.entries.add(name="w", num_bytes=8)

@@ -18,7 +18,8 @@ The TUN devices carry jumbo packets (``mtu``, 9000 by default): the delay line i
 worth). TCP sees the same round trip and rate either way; its segments are larger.
 
 Both sides' TCP buffers are raised to 4x the bandwidth-delay product (``tcp_rmem``/``tcp_wmem`` of each
-namespace), as a host tuned for bulk transfers over the link would have them.
+namespace), as a host tuned for bulk transfers over the link would have them, unless
+``tuned_buffers=False`` (the kernel's defaults: one stream then fills no more than its send buffer).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class LinkSpec:
     queue_ms: float | None = None
     """The bottleneck queue, in ms of the rate (None: one round trip, at least 5 ms)."""
     mtu: int = 9000
+    tuned_buffers: bool = True
+    """Raise both namespaces' TCP buffer limits to 4x the bandwidth-delay product, as a host tuned for
+    bulk transfers over the link would (False: the kernel's defaults, tcp_wmem's 4 MiB)."""
 
     def __post_init__(self) -> None:
         if self.rate_mbit <= 0 or self.rtt_ms < 0 or not 0 <= self.loss < 1 or not 576 <= self.mtu <= 65000:
@@ -164,7 +168,7 @@ class Link:
                 "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{spec.rate_mbit}mbit",
                 "burst", str(burst), "limit", str(limit), netns_pid=pid,
             )  # fmt: skip
-            for name in ("tcp_rmem", "tcp_wmem"):
+            for name in ("tcp_rmem", "tcp_wmem") if spec.tuned_buffers else ():
                 _sh("sysctl", "-q", "-w", f"net.ipv4.{name}=4096 131072 {buffers}", netns_pid=pid)
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ class CoordinatorLink:
         heartbeat_seconds: float = 5.0,
         pull_wait_seconds: float = 10.0,
         connect: Callable[[str], Transport] | None = None,
+        bulk_streams: int | None = None,
     ) -> None:
         """``coordinator``: ``host:port``, or its shards (Streaming DiLoCo fragments) comma-separated
         (ValueError at once when malformed). ``island_id``: this island's name in the run (required for
@@ -54,8 +55,11 @@ class CoordinatorLink:
         tries to reach the coordinator before it raises ``CoordinatorUnreachable`` (a WARNING is logged
         within seconds of the first failure, then every 30 s). ``heartbeat_seconds``: between lease
         renewals. ``pull_wait_seconds``: how long one long-poll for the outer step waits at the
-        coordinator. ``connect(address)``: the transport of one shard (default: a
-        :class:`~atoll.islands._transport.client.CoordinatorClient` with ``retry``, ``token`` and ``tls``).
+        coordinator. ``bulk_streams``: the TCP connections each push and pull is striped over on the
+        coordinator's bulk port (None: from the measured round trip: one on a LAN, one per 20 ms beyond,
+        at most 8). ``connect(address)``: the transport of one shard (default: a
+        :class:`~atoll.islands._transport.client.CoordinatorClient` with ``retry``, ``token``, ``tls`` and
+        ``bulk_streams``).
 
         The constructor does no network I/O; :meth:`join` does."""
         self.addresses = parse_addresses(coordinator)
@@ -73,7 +77,11 @@ class CoordinatorLink:
         self.connect_timeout_seconds = connect_timeout_seconds
         self.heartbeat_seconds = heartbeat_seconds
         self.pull_wait_seconds = pull_wait_seconds
-        self._connect = connect or (lambda address: CoordinatorClient(address, retry=self.retry, token=token, tls=tls))
+        self._connect = connect or (
+            lambda address: CoordinatorClient(
+                address, retry=self.retry, token=token, tls=tls, bulk_streams=bulk_streams
+            )
+        )
         self.sessions: list[Session] = []
         """One per coordinator shard, once :meth:`open` ran."""
         self.stopping = threading.Event()

@@ -41,13 +41,31 @@ import grpc
 from google.rpc import status_pb2
 
 MAGIC = b"ATB1"
-PUSH, PULL = 1, 2
+PUSH, PULL, SIDE, PUSH_STRIPED, PULL_STRIPED = 1, 2, 3, 4, 5
+STRIPED = {PUSH_STRIPED: PUSH, PULL_STRIPED: PULL}
 OK, CONTINUE, STATUS = 0, 1, 2
 MAX_AUTH_BYTES = 4096
 PREAMBLE = struct.Struct("!4sBH")  # magic, method, auth length
 LENGTH = struct.Struct("!I")
 FRAME = struct.Struct("!BI")  # kind, length
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+STRIPE = struct.Struct("!16sBB")  # call id, this connection's index, the call's connection count
+STRIPE_BYTES = 1 << 20
+"""A striped call's data goes round robin in units of this many bytes: unit j on connection j mod N."""
+MAX_STREAMS = 16
+"""The most connections one call may be striped over."""
+
+
+def stripe_units(start: int, data, count: int):
+    """``data`` (the bytes from offset ``start`` of a striped call's data) cut at unit boundaries:
+    (connection index, slice) in order."""
+    view = memoryview(data).cast("B")
+    pos = 0
+    while pos < view.nbytes:
+        offset = start + pos
+        take = min(STRIPE_BYTES - offset % STRIPE_BYTES, view.nbytes - pos)
+        yield (offset // STRIPE_BYTES) % count, view[pos : pos + take]
+        pos += take
 
 
 def preamble(method: int, auth: str, message: bytes) -> bytes:

@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from atoll.data import CharDataset
 from atoll.data.tokens import TokenDataset
-from atoll.islands import ClientTls, CoordinatorClient, CoordinatorLink, DiLoCo, RetryPolicy
+from atoll.islands import DiLoCo
 from atoll.islands.errors import Preempted, QuorumGone
 from atoll.memory import tune_for_bulk_buffers
 from atoll.models import PRESETS, TinyGPT, preset
+from atoll.workload.connect import coordinator_link
 from atoll.workload.hooks import IslandHooks
 from atoll.workload.parallel import MODES, Layout, full_tensor, parallelize
 from atoll.workload.progress import Reporter
@@ -115,12 +116,17 @@ class IslandArgs:
     """This island's private key (mutual TLS)."""
     tls_server_name: str = ""
     """Name expected in the coordinator's certificate, if not the address's host."""
+    bulk_streams: int = 0
+    """TCP connections each push and pull is striped over on the coordinator's bulk port (0: from the
+    measured round trip: one on a LAN, one per 20 ms beyond, at most 8)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 0:
             raise ValueError(f"rounds must be >= 0, got {self.rounds}")
         if self.nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {self.nproc}")
+        if not 0 <= self.bulk_streams <= 16:
+            raise ValueError(f"bulk_streams must be in [0, 16] (0: from the round trip), got {self.bulk_streams}")
         if self.parallel not in MODES:
             raise ValueError(f"parallel must be one of {MODES}, got {self.parallel!r}")
         if self.model not in PRESETS:
@@ -272,27 +278,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
             _dump_delta(Path(args.dump_dir), args.island_id, layout.rank, sync)
         return ckpt.save(sync) if ckpt is not None else None
 
-    retry = RetryPolicy(give_up_seconds=args.give_up_seconds)
-    token = args.token or None
-    tls = (
-        ClientTls(
-            ca=args.tls_ca,
-            cert=args.tls_cert or None,
-            key=args.tls_key or None,
-            server_name=args.tls_server_name or None,
-        )
-        if args.tls_ca
-        else None
-    )
-    link = CoordinatorLink(
-        args.coordinator,
-        run_id=args.run_id,
-        island_id=args.island_id,
-        retry=retry,
-        connect_timeout_seconds=args.connect_timeout_seconds,
-        heartbeat_seconds=args.heartbeat_seconds,
-        connect=lambda address: hooks.transport(CoordinatorClient(address, retry=retry, token=token, tls=tls)),
-    )
+    link = coordinator_link(args, hooks)
     sync = DiLoCo(
         model,
         link,

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import socket
 import ssl
 import time
 
-from atoll.coordinator.transport.connection import Connection, TlsConnection
+from atoll.coordinator.transport.connection import Connection, Striped, TlsConnection
 from atoll.coordinator.transport.security import UNAUTHENTICATED, IslandTokens
 from atoll.coordinator.transport.service import tolerant
 from atoll.errors import PortInUse
@@ -59,10 +60,12 @@ class Context:
 
 class BulkPush:
     """A push on the bulk port as the servicer reads it: its header as the first message, then
-    :meth:`fill`, which admits the data and reads it into the entries."""
+    :meth:`fill`, which admits the data and reads it into the entries. The answers go on ``conn``, the
+    data comes on ``data`` (the same connection, or the call's stripes)."""
 
-    def __init__(self, conn: Connection, first) -> None:
+    def __init__(self, conn: Connection, first, data: Connection | Striped | None = None) -> None:
         self.conn = conn
+        self.data = conn if data is None else data
         self._first = first
 
     def __aiter__(self):
@@ -78,7 +81,7 @@ class BulkPush:
         """Say CONTINUE, then read the data into ``assembler``'s entries until the client ends its
         side, handing each completed batch to ``taken`` (async). Fewer bytes than declared return
         early (the servicer refuses the push); more raise StreamOverrun."""
-        conn = self.conn
+        conn, data = self.conn, self.data
         await conn.send(bulk.frame(bulk.CONTINUE))
         conn.expect()
         done = assembler.advance(0)  # leading zero-byte entries
@@ -90,13 +93,39 @@ class BulkPush:
                     conn.expect()
                 if assembler.done:
                     break
-                done = assembler.advance(await conn.recv_into(assembler.space()))
-            if conn.delimited:
-                return  # over TLS the declared length ends the data (what follows is never read)
+                done = assembler.advance(await data.recv_into(assembler.space()))
+            if data.delimited:
+                return  # over TLS, or striped, the declared length ends the data (what follows is never read)
             await conn.recv_into(memoryview(bytearray(1)))
         except EOFError:
             return
         raise StreamOverrun("the stream carries more bytes than its header declares")
+
+
+class StripeSet:
+    """The connections of one striped call as they come in (the lead, index 0, and its sides, in any
+    order): each must carry the same count and authorization as the first that came."""
+
+    def __init__(self, count: int, auth: str) -> None:
+        self.count, self.auth = count, auth
+        self.conns: list[Connection | None] = [None] * count
+        self.led = asyncio.Event()
+        """The lead connection came (sides wait for it)."""
+        self.attached = asyncio.Event()
+        """Every connection came (the lead waits for them)."""
+        self.finished = asyncio.Event()
+        """The call ended (its sides close)."""
+
+    def attach(self, index: int, conn: Connection, count: int, auth: str) -> None:
+        if count != self.count or not 0 <= index < count or self.conns[index] is not None or self.finished.is_set():
+            raise ValueError(f"connection {index} of a striped call of {count} does not fit the call")
+        if not hmac.compare_digest(auth.encode(), self.auth.encode()):
+            raise ValueError("a striped call's connections carry different authorizations")
+        self.conns[index] = conn
+        if index == 0:
+            self.led.set()
+        if all(c is not None for c in self.conns):
+            self.attached.set()
 
 
 class BulkServer:
@@ -128,6 +157,8 @@ class BulkServer:
         self.port: int = self._sock.getsockname()[1]
         self._accepting: asyncio.Task | None = None
         self._calls: set[asyncio.Task] = set()
+        self._stripes: dict[bytes, StripeSet] = {}
+        """Striped calls whose connections are coming in, by call id."""
 
     @property
     def connections(self) -> int:
@@ -212,20 +243,61 @@ class BulkServer:
         conn.expect(limit=min(PREAMBLE_SECONDS, self.idle_seconds))
         await conn.start()
         magic, method, auth_len = bulk.PREAMBLE.unpack(await conn.recv_exact(bulk.PREAMBLE.size))
-        if magic != bulk.MAGIC or method not in (bulk.PUSH, bulk.PULL) or auth_len > bulk.MAX_AUTH_BYTES:
+        if magic != bulk.MAGIC or not bulk.PUSH <= method <= bulk.PULL_STRIPED or auth_len > bulk.MAX_AUTH_BYTES:
             raise ValueError("not an atoll bulk call")
         auth = (await conn.recv_exact(auth_len)).decode(errors="replace")
         (length,) = bulk.LENGTH.unpack(await conn.recv_exact(bulk.LENGTH.size))
         if length > MAX_MESSAGE_BYTES:
             raise ValueError(f"a message of {length} bytes (at most {MAX_MESSAGE_BYTES})")
         context = Context(auth)
-        self.servicer.counters.bulk_calls += 1
         if self.tokens is not None and self.tokens.island_for(context.invocation_metadata()) is None:
+            self.servicer.counters.bulk_calls += method != bulk.SIDE
             raise Aborted(UNAUTHENTICATED)
         message = await conn.recv_exact(length)
         conn.expect(False)
+        if method == bulk.SIDE:
+            await self._side(conn, auth, message)
+            return
+        self.servicer.counters.bulk_calls += 1
+        if method not in bulk.STRIPED:
+            await self._serve_call(conn, method, message, context, conn)
+            return
+        call_id, _, count = bulk.STRIPE.unpack_from(message)
+        if not 2 <= count <= bulk.MAX_STREAMS:
+            raise ValueError(f"a call striped over {count} connections (2 to {bulk.MAX_STREAMS})")
+        stripes = self._stripes.setdefault(call_id, StripeSet(count, auth))
+        try:
+            stripes.attach(0, conn, count, auth)
+            try:
+                await asyncio.wait_for(stripes.attached.wait(), PREAMBLE_SECONDS)
+            except TimeoutError:
+                came = sum(c is not None for c in stripes.conns)
+                raise ValueError(f"a striped call: {came} of its {count} connections came") from None
+            data = Striped(stripes.conns)
+            await self._serve_call(conn, bulk.STRIPED[method], message[bulk.STRIPE.size :], context, data)
+        finally:
+            stripes.finished.set()
+            if self._stripes.get(call_id) is stripes:
+                del self._stripes[call_id]
+
+    async def _side(self, conn: Connection, auth: str, message: bytes) -> None:
+        """One more connection of a striped call: it waits for its lead, which reads and writes it."""
+        call_id, index, count = bulk.STRIPE.unpack(message)
+        stripes = self._stripes.setdefault(call_id, StripeSet(count, auth))
+        try:
+            stripes.attach(index, conn, count, auth)
+            await asyncio.wait_for(stripes.led.wait(), PREAMBLE_SECONDS)
+        except BaseException:
+            if self._stripes.get(call_id) is stripes and not stripes.led.is_set():
+                del self._stripes[call_id]
+            raise
+        await stripes.finished.wait()
+
+    async def _serve_call(self, conn: Connection, method: int, message: bytes, context, data) -> None:
+        """One push or pull: its answers on ``conn``, its data on ``data`` (``conn``, or its stripes)."""
         if method == bulk.PUSH:
-            response = await self.servicer.PushDelta(BulkPush(conn, tolerant(deserialize_push_chunk)(message)), context)
+            push = BulkPush(conn, tolerant(deserialize_push_chunk)(message), data)
+            response = await self.servicer.PushDelta(push, context)
             conn.expect(False)
             await conn.send(bulk.frame(bulk.OK, response.SerializeToString()))
             return
@@ -235,7 +307,7 @@ class BulkServer:
                 if isinstance(chunk, RawData):
                     for part in [chunk.view] if chunk.parts is None else chunk.parts:
                         conn.expect()
-                        await conn.send(part)
+                        await data.send(part)
                         conn.expect(False)  # the next entry may take a while to serialise: not idleness
                 elif chunk.WhichOneof("kind") == "header":
                     await conn.send(bulk.frame(bulk.OK, chunk.header.SerializeToString()))

@@ -37,6 +37,7 @@ from atoll.coordinator.transport.security import IslandTokens
 from atoll.names import canonical_name
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
+from atoll.protos.bulk import MAX_STREAMS
 from atoll.protos.dtypes import TORCH_FROM_PB
 from atoll.protos.raw import RawData
 from atoll.protos.rpc import SERVICE_NAME, ChunkPacker, EntryAssembler, StreamOverrun, server_handlers
@@ -237,6 +238,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 codec=a.codec,
                 run_complete=a.run_complete,
                 bulk_port=self.bulk_port,
+                bulk_streams=MAX_STREAMS if self.bulk_port else 0,
                 checks_tokens=self.tokens is not None,
             )
 

@@ -14,6 +14,7 @@ Python prints to stderr without any logging setup) within seconds, and again per
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import re
@@ -26,7 +27,17 @@ from typing import Protocol, TypeVar
 import grpc
 
 from atoll.islands._transport.probe import diagnose
-from atoll.islands._transport.streams import BulkPort, BulkUnreachable, GrpcPull, GrpcPush, TcpPull, TcpPush
+from atoll.islands._transport.streams import (
+    AUTO_MAX_STREAMS,
+    BulkPort,
+    BulkUnreachable,
+    GrpcPull,
+    GrpcPush,
+    TcpPull,
+    TcpPush,
+    auto_streams,
+    connect,
+)
 from atoll.islands._transport.transfer import read_update, write_push
 from atoll.islands.errors import PartialUpdate, ProtocolError, WrongEndpoint
 from atoll.protos import coordinator_pb2 as pb
@@ -147,9 +158,22 @@ class Transport(Protocol):
 
 class CoordinatorClient:
     def __init__(
-        self, address: str, *, retry: RetryPolicy | None = None, token: str | None = None, tls: ClientTls | None = None
+        self,
+        address: str,
+        *,
+        retry: RetryPolicy | None = None,
+        token: str | None = None,
+        tls: ClientTls | None = None,
+        bulk_streams: int | None = None,
     ) -> None:
+        """``bulk_streams``: the TCP connections each push and pull is striped over on the bulk port
+        (None: from the measured round trip, :func:`~atoll.islands._transport.streams.auto_streams`)."""
         parse_address(address)
+        if bulk_streams is not None and not 1 <= bulk_streams <= 16:
+            raise ValueError(f"bulk_streams={bulk_streams}: 1 to 16, or None to choose from the round trip")
+        self.bulk_streams = bulk_streams
+        self.rtt: float | None = None
+        """The shortest round trip to the bulk port seen so far (a TCP handshake's)."""
         self.address = address
         self.retry = retry or RetryPolicy()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -243,7 +267,13 @@ class CoordinatorClient:
         self.bulk = None
         if resp.bulk_port:
             server_name = self.tls.server_name if self.tls is not None else None
-            self.bulk = BulkPort(parse_address(self.address)[0], resp.bulk_port, self._bulk_tls, server_name)
+            host = parse_address(self.address)[0]
+            self.bulk = BulkPort(host, resp.bulk_port, self._bulk_tls, server_name, max(resp.bulk_streams, 1))
+            if self.rtt is None and self.bulk_streams is None:
+                with contextlib.suppress(BulkUnreachable):  # (a port that cannot be reached says so at the push)
+                    sock, rtt = connect(self.bulk)
+                    sock.close()
+                    self._saw_rtt(rtt)
         return resp
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
@@ -269,12 +299,28 @@ class CoordinatorClient:
                     self.bulk = None
         return on_grpc()
 
+    def _saw_rtt(self, rtt: float) -> None:
+        self.rtt = rtt if self.rtt is None else min(self.rtt, rtt)
+
+    def streams_for(self, port: BulkPort) -> int:
+        """The connections the next call on ``port`` is striped over."""
+        if self.bulk_streams is not None:
+            return min(self.bulk_streams, port.streams)
+        return auto_streams(self.rtt, min(port.streams, AUTO_MAX_STREAMS))
+
+    def _tcp(self, stream):
+        self._saw_rtt(stream.rtt)
+        return stream
+
     def open_push(self, header: pb.PushHeader):
         """The stream of one push attempt (its header sent), on the bulk port or on gRPC."""
         total = sum(e.num_bytes for e in header.entries)
+        timeout = self.retry.rpc_timeout_seconds
         return self._transport(
             "PushDelta",
-            lambda port: TcpPush(port, header, auth=self._auth, timeout=self.retry.rpc_timeout_seconds),
+            lambda port: self._tcp(
+                TcpPush(port, header, auth=self._auth, timeout=timeout, streams=self.streams_for(port))
+            ),
             lambda: GrpcPush(self._push_call, header, timeout=self._timeout(total), metadata=self._metadata),
         )
 
@@ -311,9 +357,12 @@ class CoordinatorClient:
 
     def open_pull(self, req: pb.PullRequest):
         """The stream of one pull attempt, on the bulk port or on gRPC."""
+        timeout = self.retry.rpc_timeout_seconds
         return self._transport(
             "PullUpdate",
-            lambda port: TcpPull(port, req, auth=self._auth, timeout=self.retry.rpc_timeout_seconds),
+            lambda port: self._tcp(
+                TcpPull(port, req, auth=self._auth, timeout=timeout, streams=self.streams_for(port))
+            ),
             lambda: GrpcPull(
                 self._pull_call,
                 req,
