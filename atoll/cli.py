@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = _subparser(sub, "demo", "coordinator + islands as processes on loopback, a few rounds")
     _add_dataclass_args(demo, DemoArgs)
 
+    from atoll import plan_cli
+
+    plan_cli.add_arguments(_subparser(sub, "plan", "what a run costs on a link, and which settings to pick"))
+
     status = _subparser(sub, "status", "print a running coordinator's run at a glance")
     status.add_argument("--admin", required=True, help="the admin URL, e.g. http://127.0.0.1:9090 (required)")
     status.add_argument("--token", default=None, help="the admin bearer token, if the coordinator has one")
@@ -328,6 +332,10 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
             from atoll.harness.demo import DemoArgs, run_demo
 
             return run_demo(_config_from(DemoArgs, ns))
+        if ns.command == "plan":
+            from atoll import plan_cli
+
+            return plan_cli.run(ns)
         from atoll import tools
 
         return {"status": tools.status, "export": tools.export, "rollback": tools.rollback}[ns.command](ns)

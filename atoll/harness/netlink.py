@@ -67,24 +67,30 @@ class LinkSpec:
         return int(self.rate_mbit * 1e6 / 8 * self.rtt_ms / 1e3)
 
 
+OWN_NAMESPACE = "ATOLL_OWN_NETNS"
+"""Set (to "1") in a process that :func:`enter_namespace` started in a network namespace of its own."""
+
+
 def can_emulate() -> str | None:
-    """None when this process can build links (root in its own network namespace, TUN, tc), else why not."""
-    for tool in ("ip", "tc", "nsenter", "unshare"):
+    """None when this process can build links (in a network namespace of its own, with TUN and tc),
+    else why not. Links change the namespace's devices and TCP limits: never the machine's own."""
+    for tool in ("ip", "tc", "nsenter", "unshare", "sysctl"):
         if shutil.which(tool) is None:
             return f"no {tool} on PATH"
     if not os.path.exists("/dev/net/tun"):
         return "no /dev/net/tun"
-    if os.geteuid() != 0:
-        return "not root in a namespace of its own (run under `unshare -rn`)"
+    if os.environ.get(OWN_NAMESPACE) != "1":
+        return "not in a network namespace of its own (start it with enter_namespace: `unshare -rn`)"
     return None
 
 
 def enter_namespace(argv: list[str]) -> None:
-    """Re-run this program (``argv``) under ``unshare -rn`` unless it is root already: a network
-    namespace of its own, where links can be built without touching the machine's network."""
-    if os.geteuid() == 0:
+    """Re-run this program (``argv``) under ``unshare -rn`` unless it runs in one already: a network
+    namespace of its own (root inside it), where links can be built without touching the machine's
+    network, even when the caller is root on the machine."""
+    if os.environ.get(OWN_NAMESPACE) == "1":
         return
-    os.execvp("unshare", ["unshare", "-rn", sys.executable, *argv])
+    os.execvpe("unshare", ["unshare", "-rn", sys.executable, *argv], {**os.environ, OWN_NAMESPACE: "1"})
 
 
 def _die_with_parent() -> None:

@@ -50,22 +50,25 @@ LENGTH = struct.Struct("!I")
 FRAME = struct.Struct("!BI")  # kind, length
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 STRIPE = struct.Struct("!16sBB")  # call id, this connection's index, the call's connection count
-STRIPE_BYTES = 1 << 20
-"""A striped call's data goes round robin in units of this many bytes: unit j on connection j mod N."""
+UNIT = struct.Struct("!QI")  # a striped call's unit: its offset in the data, its length
+END = 2**64 - 1
+"""A unit offset that ends a connection's units (length 0)."""
+UNIT_BYTES = 1 << 20
+"""The most bytes one unit of a striped call carries."""
+WINDOW_BYTES = 32 << 20
+"""A sender starts a unit only below the lowest offset it is still writing plus this."""
+AHEAD_BYTES = 64 << 20
+"""A receiver reads a unit only below the offset it has everything before plus this (the rest wait in
+their connections: memory stays bounded whatever a sender does)."""
 MAX_STREAMS = 16
 """The most connections one call may be striped over."""
 
 
-def stripe_units(start: int, data, count: int):
-    """``data`` (the bytes from offset ``start`` of a striped call's data) cut at unit boundaries:
-    (connection index, slice) in order."""
+def cut_units(start: int, data):
+    """``data`` (the bytes from offset ``start`` of a call's data) as units: (offset, slice) in order."""
     view = memoryview(data).cast("B")
-    pos = 0
-    while pos < view.nbytes:
-        offset = start + pos
-        take = min(STRIPE_BYTES - offset % STRIPE_BYTES, view.nbytes - pos)
-        yield (offset // STRIPE_BYTES) % count, view[pos : pos + take]
-        pos += take
+    for pos in range(0, view.nbytes, UNIT_BYTES):
+        yield start + pos, view[pos : pos + UNIT_BYTES]
 
 
 def preamble(method: int, auth: str, message: bytes) -> bytes:

@@ -19,9 +19,10 @@ import socket
 import ssl
 import time
 
-from atoll.coordinator.transport.connection import Connection, Striped, TlsConnection
+from atoll.coordinator.transport.connection import Connection, TlsConnection
 from atoll.coordinator.transport.security import UNAUTHENTICATED, IslandTokens
 from atoll.coordinator.transport.service import tolerant
+from atoll.coordinator.transport.striped import Striped
 from atoll.errors import PortInUse
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
@@ -274,7 +275,10 @@ class BulkServer:
                 came = sum(c is not None for c in stripes.conns)
                 raise ValueError(f"a striped call: {came} of its {count} connections came") from None
             data = Striped(stripes.conns)
-            await self._serve_call(conn, bulk.STRIPED[method], message[bulk.STRIPE.size :], context, data)
+            try:
+                await self._serve_call(conn, bulk.STRIPED[method], message[bulk.STRIPE.size :], context, data)
+            finally:
+                await data.close()
         finally:
             stripes.finished.set()
             if self._stripes.get(call_id) is stripes:
@@ -312,4 +316,15 @@ class BulkServer:
                 elif chunk.WhichOneof("kind") == "header":
                     await conn.send(bulk.frame(bulk.OK, chunk.header.SerializeToString()))
                 else:  # a tentative update's round is saved and published
+                    await self._flush(conn, data)
                     await conn.send(bulk.frame(bulk.OK, chunk.durable.SerializeToString()))
+            await self._flush(conn, data)
+
+    @staticmethod
+    async def _flush(conn: Connection, data) -> None:
+        """A striped pull's units all written (before the lead's Durable frame, and before the call ends
+        and its memory goes)."""
+        if data is not conn:
+            conn.expect()
+            await data.flush()
+            conn.expect(False)

@@ -15,8 +15,6 @@ import socket
 import ssl
 import time
 
-from atoll.protos.bulk import STRIPE_BYTES, stripe_units
-
 SEND_SLICE = 4 << 20
 """Bytes sent between two readings of the progress clock (a 150 MiB entry over 100 Mbit/s takes 12 s)."""
 TLS_SLICE = 1 << 20
@@ -137,30 +135,3 @@ class TlsConnection(Connection):
             self._tls.write(view[start : start + TLS_SLICE])
             await self._flush()
             self._progress()
-
-
-class Striped:
-    """The data of a call striped over several connections (:mod:`atoll.protos.bulk`): unit j of
-    ``STRIPE_BYTES`` on connection j mod N, each connection's units in order. Read and written one unit
-    at a time, in order: while one connection's unit is read, the others' arrive into their kernel
-    buffers. Every connection's bytes advance the lead's progress clock."""
-
-    delimited = True
-
-    def __init__(self, conns: list[Connection]) -> None:
-        self.conns = conns
-        self.lead = conns[0]
-        for conn in conns[1:]:
-            conn.clock = self.lead
-        self._read = self._written = 0
-
-    async def recv_into(self, view: memoryview) -> int:
-        unit, into = divmod(self._read, STRIPE_BYTES)
-        n = await self.conns[unit % len(self.conns)].recv_into(view[: STRIPE_BYTES - into])
-        self._read += n
-        return n
-
-    async def send(self, data) -> None:
-        for index, piece in stripe_units(self._written, data, len(self.conns)):
-            await self.conns[index].send(piece)
-            self._written += piece.nbytes

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from atoll.islands._transport.striping import UnitReceiver, UnitSender
 from atoll.islands.errors import ProtocolError
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
@@ -297,39 +298,23 @@ class TcpPush:
         except OSError as err:
             self._failed.append(bulk.broken(f"{type(err).__name__}: {err}"))
 
-    def _lane(self, sock: socket.socket, units: queue.Queue) -> None:
-        while (unit := units.get()) is not _End:
-            if not self._failed:
-                self._sendall(sock, unit)
-            del unit
-
     def _send_all(self) -> None:
-        lanes = []
-        if len(self._socks) > 1:
-            for sock in self._socks:
-                units: queue.Queue = queue.Queue(maxsize=4)
-                thread = threading.Thread(target=self._lane, args=(sock, units), name="atoll-bulk-lane", daemon=True)
-                thread.start()
-                lanes.append((units, thread))
-        offset = 0
+        units = UnitSender(self._socks, self._failed, lambda: _answered(self._sock)) if len(self._socks) > 1 else None
+        start = 0
         while (payload := self._ready.get()) is not _End:
-            if not lanes:
+            if units is not None:
+                for offset, unit in bulk.cut_units(start, payload):
+                    if not units.put(offset, unit):
+                        break
+                start += memoryview(payload).nbytes
+            else:
                 if not self._failed and _answered(self._sock):
                     self._failed.append(None)  # refused part way: the answer is read by finish()
                 if not self._failed:
                     self._sendall(self._sock, payload)
-            else:
-                for index, unit in bulk.stripe_units(offset, payload, len(lanes)):
-                    if not self._failed and _answered(self._sock):
-                        self._failed.append(None)
-                    if self._failed:
-                        break
-                    lanes[index][0].put(unit)
-                offset += memoryview(payload).nbytes
             del payload
-        for units, thread in lanes:
-            units.put(_End)
-            thread.join()
+        if units is not None:
+            units.close()
 
     def send(self, payload) -> bool:
         if self._sender is None or self._failed:
@@ -377,27 +362,25 @@ class TcpPull:
         message = req.SerializeToString()
         self._socks, self.rtt = _open_call(port, bulk.PULL, auth, message, timeout + req.wait_seconds, streams)
         self._sock = self._socks[0]
-        self._read = 0
+        self._units: UnitReceiver | None = None
 
     def header(self) -> pb.UpdateHeader:
         header = pb.UpdateHeader.FromString(_answer(self._sock))
         for sock in self._socks:
             sock.settimeout(self._timeout)
+        if len(self._socks) > 1:
+            self._units = UnitReceiver(self._socks)
         return header
 
     def read_into(self, view: memoryview) -> None:
-        if len(self._socks) == 1:
+        if self._units is not None:
+            self._units.read_into(view)
+        else:
             bulk.recv_into(self._sock, view)
-            return
-        filled = 0
-        while filled < view.nbytes:
-            unit, into = divmod(self._read, bulk.STRIPE_BYTES)
-            take = min(bulk.STRIPE_BYTES - into, view.nbytes - filled)
-            bulk.recv_into(self._socks[unit % len(self._socks)], view[filled : filled + take])
-            filled += take
-            self._read += take
 
     def confirmation(self, wait: float = 0.0) -> pb.Durable:
+        if self._units is not None:
+            self._units.join_lead()  # past the lead's units
         self._sock.settimeout(self._timeout + wait)
         return pb.Durable.FromString(_answer(self._sock))
 
@@ -405,5 +388,9 @@ class TcpPull:
         """The call ends with the header's entries (the server closes the connection)."""
 
     def close(self) -> None:
+        if self._units is not None:
+            self._units.close()
         for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # its readers give up now
             sock.close()

@@ -1,0 +1,155 @@
+"""The data of a call striped over several connections of the bulk port (:mod:`atoll.protos.bulk`).
+
+Each connection carries units (offset, length, bytes) in increasing order, and every connection is
+read and written on its own, as fast as its TCP stream goes: a stream that falls behind (they share
+one bottleneck unevenly) holds back only its own units, the others take more. The receiver puts the
+units back in order (those ahead wait in memory, at most ``AHEAD_BYTES`` past what it has in full; a
+unit further ahead waits unread in its connection); the sender starts a unit only within
+``WINDOW_BYTES`` of the lowest one it is still writing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+
+from atoll.coordinator.transport.connection import Connection
+from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, WINDOW_BYTES, cut_units
+
+
+class Striped:
+    """One striped call's data on ``conns`` (the lead first; answers stay on the lead). Every
+    connection's bytes advance the lead's progress clock."""
+
+    delimited = True
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.conns = conns
+        for conn in conns[1:]:
+            conn.clock = conns[0]
+        self._cond = asyncio.Condition()
+        self._error: BaseException | None = None
+        self._tasks: list[asyncio.Task] = []
+        # receiving
+        self._pending: dict[int, memoryview] = {}
+        self._frontier = 0
+        self._ended = 0
+        # sending
+        self._queue: collections.deque = collections.deque()
+        self._writing: set[int] = set()
+        self._offset = 0
+        self._closing = False
+        self._lanes: list[asyncio.Task] | None = None
+
+    async def _fail(self, err: BaseException) -> None:
+        async with self._cond:
+            if self._error is None:
+                self._error = err
+            self._cond.notify_all()
+
+    # ---- receiving ---------------------------------------------------------------------------
+    async def recv_into(self, view: memoryview) -> int:
+        """The next bytes of the data in order into ``view`` (at least one); EOFError when every
+        connection ended first."""
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._read(conn)) for conn in self.conns]
+        async with self._cond:
+            while (unit := self._pending.pop(self._frontier, None)) is None:
+                if self._error is not None:
+                    raise self._error
+                if self._ended == len(self.conns):
+                    raise EOFError("the striped call's connections ended before its data did")
+                await self._cond.wait()
+            n = min(unit.nbytes, view.nbytes)
+            view[:n] = unit[:n]
+            if n < unit.nbytes:
+                self._pending[self._frontier + n] = unit[n:]
+            self._frontier += n
+            self._cond.notify_all()
+        return n
+
+    async def _read(self, conn: Connection) -> None:
+        try:
+            while True:
+                offset, length = UNIT.unpack(await conn.recv_exact(UNIT.size))
+                if offset == END:
+                    break
+                if not 0 < length <= UNIT_BYTES or offset < self._frontier or offset in self._pending:
+                    raise ValueError(f"a striped call's unit out of place (offset {offset}, {length} bytes)")
+                async with self._cond:
+                    await self._cond.wait_for(lambda at=offset: at < self._frontier + AHEAD_BYTES or self._error)
+                unit = memoryview(bytearray(length))
+                got = 0
+                while got < length:
+                    got += await conn.recv_into(unit[got:])
+                async with self._cond:
+                    self._pending[offset] = unit
+                    self._cond.notify_all()
+        except (OSError, EOFError, ValueError) as err:
+            await self._fail(err)
+            return
+        async with self._cond:
+            self._ended += 1
+            self._cond.notify_all()
+
+    # ---- sending -----------------------------------------------------------------------------
+    async def send(self, data) -> None:
+        """Queue ``data``'s units (the next bytes of the call's data); it is sent from its own memory,
+        which must stay until :meth:`flush` returns."""
+        if self._lanes is None:
+            self._lanes = [asyncio.create_task(self._lane(conn)) for conn in self.conns]
+        for offset, unit in cut_units(self._offset, data):
+            async with self._cond:
+                await self._cond.wait_for(lambda: len(self._queue) < 2 * len(self.conns) or self._error)
+                if self._error is not None:
+                    raise self._error
+                self._queue.append((offset, unit))
+                self._cond.notify_all()
+            self._offset = offset + unit.nbytes
+
+    async def flush(self) -> None:
+        """Every unit written and every connection's units ended."""
+        if self._lanes is None:
+            self._lanes = [asyncio.create_task(self._lane(conn)) for conn in self.conns]
+        async with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        await asyncio.gather(*self._lanes)
+        if self._error is not None:
+            raise self._error
+
+    def _may_start(self) -> bool:
+        if self._error is not None or (self._closing and not self._queue):
+            return True
+        return bool(self._queue) and self._queue[0][0] < min(self._writing, default=self._queue[0][0]) + WINDOW_BYTES
+
+    async def _lane(self, conn: Connection) -> None:
+        try:
+            while True:
+                async with self._cond:
+                    await self._cond.wait_for(self._may_start)
+                    if self._error is not None:
+                        return
+                    if not self._queue:
+                        break
+                    offset, unit = self._queue.popleft()
+                    self._writing.add(offset)
+                    self._cond.notify_all()
+                await conn.send(UNIT.pack(offset, unit.nbytes))
+                await conn.send(unit)
+                del unit
+                async with self._cond:
+                    self._writing.discard(offset)
+                    self._cond.notify_all()
+            await conn.send(UNIT.pack(END, 0))
+        except OSError as err:
+            await self._fail(err)
+
+    async def close(self) -> None:
+        """Stop reading and writing (the call ended, or failed)."""
+        for task in [*self._tasks, *(self._lanes or [])]:
+            task.cancel()
+        for task in [*self._tasks, *(self._lanes or [])]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

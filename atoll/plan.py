@@ -1,0 +1,249 @@
+"""``atoll plan``: what a run costs on a given link, before it runs, and which settings to pick.
+
+For each candidate (codec × H × overlap × streaming fragments) it gives the bytes each island moves
+per round each way (the runtime's own codec sizes: ``Codec.encoded_size`` of every tensor), the time
+one outer exchange takes over the link, and the share of wall time the accelerators compute.
+
+The link model is the bulk port's behaviour as measured over the emulated WAN
+(:mod:`atoll.harness.netlink`, ``benchmarks/wan_transfer.py``):
+
+- a call opens its connections (one round trip, one more for TLS), then a push waits one round trip
+  for its admission and one for its answer after the last byte; a pull's first byte arrives one
+  round trip after its request;
+- each connection starts at 10 segments and doubles each round trip until the call's share of the
+  link is in flight (TCP slow start), then moves at the link's rate less the packets' headers;
+- one connection carries at most ``window`` bytes per round trip (its send buffer: ~2.7 MB with
+  Linux's default 4 MiB ``tcp_wmem``), so a call is striped over ``streams`` connections (the
+  island's own choice from the round trip, :func:`atoll.islands._transport.streams.auto_streams`);
+- with loss, each connection is held to the Mathis bound, MSS / RTT · 1.22 / √p (Reno's; BBR,
+  Linux's default here, does better, so this errs slow).
+
+An exchange is the push, the coordinator's outer step (``outer_seconds``: ~2 ns per parameter on one
+CPU thread, measured at 124M), and the pull. With ``overlap_steps`` τ the island keeps computing and
+waits only for what is left after τ steps; with P streaming fragments each exchange moves 1/P of
+the model, P times a round.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+CODEC_ORDER = ("identity", "bf16", "int8", "int4", "int2", "dcttopk", "topk")
+"""Codecs from the least to the most lossy (the order the table lists them)."""
+CODEC_TIER = {"identity": 0, "bf16": 0, "fp16": 0, "int8": 0, "int4": 1}
+"""What the recommendation weighs first: int8 both ways trains as identity does here (benchmarks/RESULTS.md,
+"End to end"); int4 a little lossier; the rest (int2, top-k, DCT top-k) lossier still."""
+HEADER_BYTES = 52
+"""IPv4 + TCP with timestamps, per packet."""
+OUTER_SECONDS_PER_PARAM = 2e-9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    rate_mbit: float
+    rtt_ms: float
+    loss: float = 0.0
+    mtu: int = 1500
+    window_bytes: float = 2.7e6
+    """What one TCP connection keeps in flight at most (its send buffer's share)."""
+    tls: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rate_mbit <= 0 or self.rtt_ms < 0 or not 0 <= self.loss < 1 or self.mtu < 576:
+            raise ValueError("need rate_mbit > 0, rtt_ms >= 0, 0 <= loss < 1 and mtu >= 576")
+
+    @property
+    def rtt(self) -> float:
+        return self.rtt_ms / 1e3
+
+    @property
+    def mss(self) -> int:
+        return self.mtu - HEADER_BYTES
+
+    @property
+    def payload_rate(self) -> float:
+        """Bytes a second of payload at the link's rate (the rest is the packets' headers)."""
+        return self.rate_mbit * 1e6 / 8 * self.mss / self.mtu
+
+
+def streams_for(link: Link, limit: int = 8) -> int:
+    """The connections the island stripes a call over on this link (its rule, from the round trip)."""
+    if link.rtt < 0.005:
+        return 1
+    return max(2, min(limit, math.ceil(link.rtt / 0.020)))
+
+
+def data_seconds(nbytes: float, link: Link, streams: int) -> float:
+    """Seconds from a call's first data byte sent to its last received, slow start included."""
+    if nbytes <= 0:
+        return 0.0
+    rtt = link.rtt
+    per_stream = link.window_bytes / rtt if rtt > 0 else math.inf
+    if link.loss > 0 and rtt > 0:
+        per_stream = min(per_stream, link.mss / rtt * 1.22 / math.sqrt(link.loss))
+    rate = min(link.payload_rate, streams * per_stream)
+    if rtt == 0:
+        return nbytes / rate
+    first = streams * 10 * link.mss  # every connection's first flight
+    target = rate * rtt  # in flight once the call fills its share
+    rounds = max(0, math.ceil(math.log2(max(target / first, 1.0))))
+    ramp = first * (2**rounds - 1)  # bytes sent while ramping
+    if nbytes <= ramp:
+        return math.ceil(math.log2(nbytes / first + 1)) * rtt + rtt / 2
+    return rounds * rtt + (nbytes - ramp) / rate + rtt / 2
+
+
+def push_seconds(nbytes: float, link: Link, streams: int) -> float:
+    setup = (2 if link.tls else 1) * link.rtt  # TCP (and TLS) handshakes
+    return setup + link.rtt + data_seconds(nbytes, link, streams) + link.rtt / 2  # admission; the answer
+
+
+def pull_seconds(nbytes: float, link: Link, streams: int) -> float:
+    setup = (2 if link.tls else 1) * link.rtt
+    return setup + link.rtt / 2 + data_seconds(nbytes, link, streams)  # the request, then the data
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    codec: str
+    sync_every: int
+    overlap_steps: int
+    fragments: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    codec: str
+    downlink_codec: str
+    sync_every: int
+    overlap_steps: int
+    fragments: int
+    streams: int
+    bytes_up_per_round: int
+    bytes_down_per_round: int
+    sync_seconds: float
+    """One outer exchange (all fragments' for a streaming run), push to update applied, unhidden."""
+    compute_seconds: float
+    """One round's inner steps."""
+    stall_seconds: float
+    """What of a round's exchanges the accelerators wait for."""
+    utilisation: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def downlink_for(codec: str) -> str:
+    """The coordinator's default update codec for an island codec: int8, or identity for plain DiLoCo."""
+    return "identity" if codec == "identity" else "int8"
+
+
+def sizes(shapes: list[tuple[int, ...]], codec: str) -> int:
+    from atoll.compression import get_codec
+
+    c = get_codec(codec)
+    return sum(c.encoded_size(s) for s in shapes)
+
+
+def estimate(
+    cand: Candidate,
+    *,
+    shapes: list[tuple[int, ...]],
+    step_seconds: float,
+    islands: int,
+    link: Link,
+    outer_seconds: float | None = None,
+    coordinator_mbit: float | None = None,
+) -> Estimate:
+    params = sum(math.prod(s) for s in shapes)
+    down = downlink_for(cand.codec)
+    up_bytes, down_bytes = sizes(shapes, cand.codec), sizes(shapes, down)
+    streams = streams_for(link)
+    outer = OUTER_SECONDS_PER_PARAM * params if outer_seconds is None else outer_seconds
+    p = cand.fragments
+    push = push_seconds(up_bytes / p, link, streams)
+    if coordinator_mbit:  # every island's push into the coordinator's own link
+        shared = Link(rate_mbit=coordinator_mbit, rtt_ms=link.rtt_ms, loss=link.loss, mtu=link.mtu, tls=link.tls)
+        push = max(push, push_seconds(islands * up_bytes / p, shared, streams * islands))
+    pull = pull_seconds(down_bytes / p, link, streams)
+    if coordinator_mbit:
+        pull = max(pull, pull_seconds(islands * down_bytes / p, shared, streams * islands))
+    exchange = push + outer / p + pull
+    compute = cand.sync_every * step_seconds
+    hidden = cand.overlap_steps * step_seconds
+    stall = p * max(0.0, exchange - hidden)
+    busy = max(compute + stall, p * exchange if cand.overlap_steps else 0.0)  # the link carries one at a time
+    return Estimate(
+        codec=cand.codec,
+        downlink_codec=down,
+        sync_every=cand.sync_every,
+        overlap_steps=cand.overlap_steps,
+        fragments=p,
+        streams=streams,
+        bytes_up_per_round=up_bytes,
+        bytes_down_per_round=down_bytes,
+        sync_seconds=p * exchange,
+        compute_seconds=compute,
+        stall_seconds=stall,
+        utilisation=compute / busy,
+    )
+
+
+def overlap_for(exchange: float, step_seconds: float, sync_every: int, fragments: int, max_overlap: float) -> int:
+    """The overlap τ that hides one exchange, at most ``max_overlap`` of H / P (the next fragment's turn)."""
+    if step_seconds <= 0:
+        return 0
+    most = max(int(max_overlap * sync_every / fragments), 1)
+    return max(1, min(math.ceil(exchange / step_seconds), most, sync_every - 1))
+
+
+def candidates(
+    codecs: list[str], sync_every: list[int], overlap: list[bool], fragments: list[int]
+) -> list[tuple[str, int, bool, int]]:
+    return [(c, h, o, p) for c in codecs for h in sync_every for o in overlap for p in fragments if h >= 2 * p]
+
+
+def plan(
+    *,
+    shapes: list[tuple[int, ...]],
+    step_seconds: float,
+    islands: int,
+    link: Link,
+    codecs: list[str],
+    sync_every: list[int],
+    overlap: list[bool],
+    fragments: list[int],
+    outer_seconds: float | None = None,
+    coordinator_mbit: float | None = None,
+    target: float = 0.97,
+    max_overlap: float = 0.5,
+) -> list[Estimate]:
+    """Every candidate's estimate, the recommended first: of those that reach ``target`` utilisation,
+    the least lossy codec tier (:data:`CODEC_TIER`), then the smallest H, then the least overlap
+    (``max_overlap``: the most of H / P an update may come late by), then no fragments; the best
+    utilisation if none reaches it. The rest follow by utilisation."""
+    kw = dict(
+        shapes=shapes,
+        step_seconds=step_seconds,
+        islands=islands,
+        link=link,
+        outer_seconds=outer_seconds,
+        coordinator_mbit=coordinator_mbit,
+    )
+    out = []
+    for codec, h, over, p in candidates(codecs, sync_every, overlap, fragments):
+        tau = 0
+        if over:
+            plain = estimate(Candidate(codec=codec, sync_every=h, overlap_steps=0, fragments=p), **kw)
+            tau = overlap_for(plain.sync_seconds / p, step_seconds, h, p, max_overlap)
+        out.append(estimate(Candidate(codec=codec, sync_every=h, overlap_steps=tau, fragments=p), **kw))
+
+    def quality(e: Estimate):
+        order = CODEC_ORDER.index(e.codec) if e.codec in CODEC_ORDER else len(CODEC_ORDER)
+        return (CODEC_TIER.get(e.codec, 2), e.sync_every, e.overlap_steps, e.fragments, order)
+
+    good = sorted((e for e in out if e.utilisation >= target), key=quality)
+    chosen = good[0] if good else max(out, key=lambda e: e.utilisation)
+    rest = sorted((e for e in out if e is not chosen), key=lambda e: (-e.utilisation, quality(e)))
+    return [chosen, *rest]
