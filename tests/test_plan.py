@@ -1,0 +1,77 @@
+"""`atoll plan`: the link model's formula, the runtime's own sizes, the recommendation and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from atoll.cli import main
+from atoll.compression import get_codec
+from atoll.plan import Candidate, Link, data_seconds, estimate, plan, pull_seconds, push_seconds, streams_for
+
+
+def test_the_link_model():
+    link = Link(rate_mbit=1000, rtt_ms=80, mtu=9000, tls=False, window_bytes=2.7e6)
+    rate = 1e9 / 8 * (9000 - 52) / 9000
+    # One stream holds 2.7 MB in flight per 80 ms; slow start from 10 segments doubles to it in 2 rounds.
+    first, per = 10 * 8948, 2.7e6 / 0.08
+    rounds = math.ceil(math.log2(per * 0.08 / first))
+    ramp = first * (2**rounds - 1)
+    assert data_seconds(126e6, link, 1) == pytest.approx(rounds * 0.08 + (126e6 - ramp) / per + 0.04)
+    # Four streams fill the link; the ramp is the call's share of its bandwidth-delay product.
+    first4 = 4 * first
+    rounds4 = math.ceil(math.log2(rate * 0.08 / first4))
+    assert data_seconds(126e6, link, 4) == pytest.approx(
+        rounds4 * 0.08 + (126e6 - first4 * (2**rounds4 - 1)) / rate + 0.04
+    )
+    # A call: connect (+ TLS), admission, data, answer; a pull's data follows its request.
+    assert push_seconds(1e3, link, 1) == pytest.approx(0.08 + 0.08 + data_seconds(1e3, link, 1) + 0.04)
+    tls = Link(rate_mbit=1000, rtt_ms=80, mtu=9000, tls=True)
+    assert pull_seconds(1e3, tls, 1) == pytest.approx(0.16 + 0.04 + data_seconds(1e3, tls, 1))
+    # Loss holds each stream to the Mathis bound.
+    lossy = Link(rate_mbit=1000, rtt_ms=80, loss=1e-4, tls=False)
+    assert data_seconds(1e9, lossy, 1) > 1e9 / (1448 / 0.08 * 1.22 / math.sqrt(1e-4)) * 0.99
+    assert [streams_for(Link(rate_mbit=100, rtt_ms=r)) for r in (0.2, 20, 80, 500)] == [1, 2, 4, 8]
+
+
+def test_bytes_are_the_codecs_own_and_utilisation_follows_the_schedule():
+    shapes = [(50257, 768), (768,), (3072, 768)]
+    link = Link(rate_mbit=100, rtt_ms=100)
+    kw = dict(shapes=shapes, step_seconds=0.5, islands=2, link=link, outer_seconds=0.1)
+    plain = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=0, fragments=1), **kw)
+    assert plain.bytes_up_per_round == sum(get_codec("int4").encoded_size(s) for s in shapes)
+    assert plain.bytes_down_per_round == sum(get_codec("int8").encoded_size(s) for s in shapes)
+    assert plain.utilisation == pytest.approx(50 / (50 + plain.sync_seconds))
+    hidden = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=20, fragments=1), **kw)
+    assert hidden.sync_seconds == plain.sync_seconds
+    assert hidden.utilisation == pytest.approx(50 / (50 + max(0.0, plain.sync_seconds - 10)))
+    frag = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=0, fragments=4), **kw)
+    assert frag.bytes_up_per_round == plain.bytes_up_per_round  # the same bytes, in four exchanges
+
+
+def test_the_recommendation_prefers_quality_among_what_reaches_the_target():
+    shapes = [(124_000_000,)]
+    link = Link(rate_mbit=100, rtt_ms=100)
+    got = plan(
+        shapes=shapes, step_seconds=0.1, islands=4, link=link, codecs=["identity", "int8", "int4"],
+        sync_every=[100, 500], overlap=[False, True], fragments=[1],
+    )  # fmt: skip
+    best = got[0]
+    assert best.utilisation >= 0.97 and best.codec == "int8" and best.sync_every == 500 and best.overlap_steps > 0
+    assert all(e.utilisation < 0.97 for e in got if e.codec in ("identity", "int8") and e.sync_every == 100)
+    assert [e.utilisation for e in got[1:]] == sorted((e.utilisation for e in got[1:]), reverse=True)
+
+
+def test_atoll_plan_prints_json_and_a_table(capsys):
+    args = ["plan", "--model", "tiny", "--step-seconds", "0.05", "--bandwidth-mbit", "100", "--rtt-ms", "100"]
+    assert main([*args, "--json", "--codec", "int8", "--sync-every", "50"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert {"sync_seconds", "utilisation", "bytes_up_per_round", "bytes_down_per_round"} <= set(got[0])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "<- recommended" in out and "atoll coordinator --codec" in out
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--codec", "nope"])
+    assert exited.value.code == 2 and "nope" in capsys.readouterr().err
