@@ -119,7 +119,7 @@ def _bare_grpc_sink(port_queue) -> None:
 
     import grpc
 
-    from atoll.coordinator.transport.service import GRPC_OPTIONS
+    from atoll.protos.rpc import SERVER_OPTIONS as GRPC_OPTIONS
 
     tune_for_bulk_buffers(huge_pages=False)  # as the coordinator does
 
@@ -148,8 +148,8 @@ def bare_grpc_seconds(num_conns: int, payload: bytes, rounds: int) -> float:
 
     import grpc
 
-    from atoll.coordinator.transport.service import GRPC_OPTIONS
-    from atoll.islands._transport.client import CHUNK_BYTES
+    from atoll.protos.rpc import CHUNK_BYTES
+    from atoll.protos.rpc import CLIENT_OPTIONS as GRPC_OPTIONS
 
     ctx = multiprocessing.get_context("spawn")
     ports = ctx.Queue()

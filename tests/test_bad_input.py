@@ -202,7 +202,7 @@ def test_error_feedback_decay_is_validated_and_sent_to_islands():
     for bad in (0.0, -1.0, 1.01, float("nan")):
         with pytest.raises(ValueError, match="error_feedback_decay"):
             RunConfig(error_feedback_decay=bad)
-    from atoll.coordinator.transport.service import config_proto
+    from atoll.coordinator.transport.convert import config_proto
 
     assert config_proto(RunConfig(error_feedback_decay=0.5)).error_feedback_decay == 0.5
     assert RunConfig.from_json(RunConfig(error_feedback_decay=0.25).to_json()).error_feedback_decay == 0.25

@@ -61,7 +61,7 @@ def test_a_setting_outside_its_range_is_refused_naming_the_field_and_range(field
 
 def test_every_value_in_range_fits_the_wire_message():
     from atoll.coordinator.config import RANGES
-    from atoll.coordinator.transport.service import config_proto
+    from atoll.coordinator.transport.convert import config_proto
 
     for name, (low, high, low_in, high_in) in RANGES.items():
         for value in (low if low_in else None, high if high_in else None):
