@@ -14,8 +14,9 @@ import torch
 from conftest import exact_config, wait_for
 
 from atoll.coordinator.transport.security import IslandTokens
+from atoll.harness.cuts import reset
 from atoll.islands._transport.client import BulkPort, CoordinatorClient, PartialUpdate, RetryPolicy
-from atoll.islands._transport.streams import TcpPush
+from atoll.islands._transport.streams import TcpPush, _End
 from atoll.islands._transport.transfer import write_push
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
@@ -286,3 +287,59 @@ def test_the_stream_count_follows_the_round_trip(start_server, raw_island):
     # Loopback: measured at Join, and every call keeps to one connection.
     assert a.client.rtt is not None and a.client.rtt < 0.005
     assert a.client.streams_for(a.client.bulk) == 1
+
+
+def cut_push(port, h, payloads, fraction: float) -> int:
+    """Send ``fraction`` of a push's bytes on the bulk port, then cut the connection: the bytes sent."""
+    stream = TcpPush(port, h, auth="", timeout=5)
+    total, sent = sum(map(len, payloads)), 0
+    for p in payloads:
+        take = min(len(p), int(total * fraction) - sent)
+        if take <= 0:
+            break
+        stream.send(memoryview(p)[:take])
+        sent += take
+    stream._ready.put(_End)  # let the sender put every byte on the wire, then cut
+    stream._sender.join()
+    for sock in stream._socks:
+        reset(sock)
+    return sent
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_a_push_cut_part_way_resumes_where_it_broke(start_server, raw_island, tmp_path, streams):
+    """A push cut at 90% is retried from what the coordinator holds: at most 15% goes again, and the
+    round's update is the same, bit for bit, as without the cut."""
+    from atoll.compression import get_codec
+
+    identity = get_codec("identity")
+    gen = torch.Generator().manual_seed(3)
+    theta0 = {k: torch.randn(s, generator=gen) for k, s in BIG.items()}
+    delta = {k: torch.randn(s, generator=gen) for k, s in BIG.items()}
+    updates = []
+    for cut in (False, True):
+        srv = start_server(exact_config(run_id="t", sync_every=1), tmp_path / f"cut{cut}")
+        a = raw_island(srv.address, "a", BIG, bulk_streams=streams)
+        a.join()
+        a.push(theta0, round_=0, kind=pb.PUSH_KIND_INIT)
+        payloads = [identity.encode(t) for t in delta.values()]
+        h = pb.PushHeader(run_id="t", island_id="a", round=0, kind=pb.PUSH_KIND_DELTA, num_ranks=1, tokens=5)
+        h.codec = "identity"
+        for name, p in zip(delta, payloads, strict=True):
+            h.entries.add(name=name, num_bytes=len(p))
+        total = sum(map(len, payloads))
+        if cut:
+            sent = cut_push(a.client.bulk, h, payloads, 0.9)
+            assert sent >= 0.9 * total - 1
+            servicer = srv.server.servicer
+            wait_for(lambda: servicer.parked.holding == 1, what="the cut push parked")  # noqa: B023
+        assert a.client.push(h, payloads).committed
+        counters = srv.server.counters
+        if cut:
+            assert counters.bulk_resumes == 1
+            assert counters.bulk_resumed_bytes >= 0.85 * total  # what went again: at most 15%
+        else:
+            assert counters.bulk_resumes == 0
+        _, pulled = a.pull(have_round=0)
+        updates.append([bytes(p) for _, p in pulled])
+    assert updates[0] == updates[1]

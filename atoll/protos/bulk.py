@@ -17,8 +17,9 @@ One TCP connection per call. The client opens with a preamble::
 ``message`` is a serialised ``PushChunk`` holding the push's header, or a ``PullRequest``. The
 server answers with frames ``u8 kind  u32 length + bytes``:
 
-- ``CONTINUE`` (push, empty): the push is admitted for its whole declared size; the client now
-  sends the header's entries' payloads, concatenated, exactly the bytes they declare, then ends
+- ``CONTINUE`` (push): the push is admitted for its whole declared size; the client now sends the
+  header's entries' payloads, concatenated, exactly the bytes they declare (when the frame holds a
+  u64 offset, the push resumes one that was cut: the client sends from that byte on), then ends
   its side of the connection (in the clear: a half-close, which also shows a stream carrying more
   than it declared; over TLS the declared length ends the data, as a half-close would end TLS).
 - ``OK``: the call's answer: a ``PushResponse``, or a pull's ``UpdateHeader`` followed by its
@@ -50,6 +51,7 @@ LENGTH = struct.Struct("!I")
 FRAME = struct.Struct("!BI")  # kind, length
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 STRIPE = struct.Struct("!16sBB")  # call id, this connection's index, the call's connection count
+OFFSET = struct.Struct("!Q")  # a resumed push's CONTINUE: the bytes the coordinator holds already
 UNIT = struct.Struct("!QI")  # a striped call's unit: its offset in the data, its length
 END = 2**64 - 1
 """A unit offset that ends a connection's units (length 0)."""

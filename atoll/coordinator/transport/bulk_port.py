@@ -64,6 +64,11 @@ class BulkPush:
     :meth:`fill`, which admits the data and reads it into the entries. The answers go on ``conn``, the
     data comes on ``data`` (the same connection, or the call's stripes)."""
 
+    resumable = True
+    """A push cut part way is parked for its retry, which sends only what the coordinator lacks."""
+    cut = False
+    """The data ended without the client ending it (a reset, or the end of a TLS or striped stream)."""
+
     def __init__(self, conn: Connection, first, data: Connection | Striped | None = None) -> None:
         self.conn = conn
         self.data = conn if data is None else data
@@ -83,7 +88,10 @@ class BulkPush:
         side, handing each completed batch to ``taken`` (async). Fewer bytes than declared return
         early (the servicer refuses the push); more raise StreamOverrun."""
         conn, data = self.conn, self.data
-        await conn.send(bulk.frame(bulk.CONTINUE))
+        start = assembler.received  # a resumed push's: what came before it broke
+        if start and isinstance(data, Striped):
+            data.begin(start)
+        await conn.send(bulk.frame(bulk.CONTINUE, bulk.OFFSET.pack(start) if start else b""))
         conn.expect()
         done = assembler.advance(0)  # leading zero-byte entries
         try:
@@ -98,7 +106,8 @@ class BulkPush:
             if data.delimited:
                 return  # over TLS, or striped, the declared length ends the data (what follows is never read)
             await conn.recv_into(memoryview(bytearray(1)))
-        except EOFError:
+        except EOFError:  # in the clear the client's half-close; else a cut (the client would have sent it all)
+            self.cut = data.delimited
             return
         raise StreamOverrun("the stream carries more bytes than its header declares")
 

@@ -26,6 +26,8 @@ class Counters:
         "bulk_timeouts": "Bulk-port connections closed for making no progress (a preamble past its deadline, "
         "a stream idle past --stream-idle-seconds)",
         "bulk_over_cap": "Bulk-port connections closed as they came because the port had its maximum open",
+        "bulk_resumes": "Pushes cut part way on the bulk port that their retry resumed",
+        "bulk_resumed_bytes": "Bytes resumed pushes did not send again (the coordinator held them)",
     }
     bytes_in: int = 0
     bytes_out: int = 0
@@ -40,6 +42,8 @@ class Counters:
     bulk_calls: int = 0
     bulk_timeouts: int = 0
     bulk_over_cap: int = 0
+    bulk_resumes: int = 0
+    bulk_resumed_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -101,6 +101,7 @@ class CoordinatorServer:
         self.failed: asyncio.Future | None = None
         """Resolves with the exception that ended a background task (the daemon then exits non-zero)."""
         self._server: grpc.aio.Server | None = None
+        self.servicer: CoordinatorServicer | None = None
         self._decider: asyncio.Task | None = None
 
     @property
@@ -128,7 +129,7 @@ class CoordinatorServer:
             self.admin = AdminServer(self, host=admin_host, port=admin_port, token=admin_token)
         interceptors = [TokenInterceptor(self.tokens)] if self.tokens else []
         self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-        servicer = CoordinatorServicer(self.state, self.tokens, self.counters, self.stream_idle_seconds)
+        servicer = self.servicer = CoordinatorServicer(self.state, self.tokens, self.counters, self.stream_idle_seconds)
         add_servicer(servicer, self._server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
@@ -196,6 +197,8 @@ class CoordinatorServer:
         if self.bulk is not None:
             await self.bulk.stop()
             self.bulk = None
+        if self.servicer is not None:
+            self.servicer.parked.close()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

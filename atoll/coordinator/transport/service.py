@@ -32,6 +32,7 @@ from atoll.coordinator.transport.convert import (
     push_response,
 )
 from atoll.coordinator.transport.counters import Counters
+from atoll.coordinator.transport.parked import Parked, ParkedPushes
 from atoll.coordinator.transport.security import IslandTokens
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
@@ -47,6 +48,14 @@ STREAM_IDLE_SECONDS = 120.0
 long, is aborted (its memory released)."""
 INLINE_CHECK_BYTES = 256 << 10
 """Entries a chunk completes are checked on the event loop below this many bytes, in a worker thread above."""
+
+
+class StreamBroken(ConnectionError):
+    """A resumable push's stream ended before its declared bytes (it is parked for its retry)."""
+
+
+BROKEN = (OSError, EOFError, asyncio.CancelledError)
+"""What ends a push's stream without a refusal: the peer went, the connection broke, it stalled."""
 
 
 class Malformed:
@@ -117,6 +126,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.tokens = tokens
         self.counters = counters or Counters()
         self.stream_idle_seconds = stream_idle_seconds
+        self.parked = ParkedPushes(stream_idle_seconds, self._unpark)
+        """Pushes cut part way on the bulk port, kept for their retry (as long as a stream may be idle)."""
         self.bulk_port = 0
         """The bulk port Join advertises (0: none; set by the server once it listens)."""
         self._unchecked: set[str] = set()
@@ -218,36 +229,57 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise invalid("a push stream must start with a header")
         self._check_identity(context, first.header.island_id)
         header = push_header(first.header)
-        plan = await self.state.plan_push(header)
-        if isinstance(plan, PushResult):
-            return plan, header.kind is PushKind.INIT  # nothing to read
-        reservation = self.state.open_stream(plan)
+        key, header_bytes = (header.island_id, header.rank), first.header.SerializeToString()
+        resumable = getattr(it, "resumable", False)  # the bulk port: a cut push resumes
+        parked = self.parked.take(key, header_bytes) if resumable else self.parked.drop(key)
+        if parked is not None:
+            plan, reservation, assembler, received = parked.plan, parked.reservation, parked.assembler, parked.received
+            self.counters.bulk_resumes += 1
+            self.counters.bulk_resumed_bytes += assembler.received
+        else:
+            plan = await self.state.plan_push(header)
+            if isinstance(plan, PushResult):
+                return plan, header.kind is PushKind.INIT  # nothing to read
+            reservation = self.state.open_stream(plan)
+            assembler = EntryAssembler([e.num_bytes for e in plan.entries], self.state.accumulator.buffers)
+            received = Received()
+        kept = False
         try:
-            received = await self._receive(plan, it, reservation)
+            received = await self._receive(plan, it, assembler, received)
             return await self.state.commit_push(plan, received, reservation), plan.init
-        except BaseException:
-            reservation.release()
-            raise
-        finally:
-            self.state.close_stream(plan)
-
-    async def _receive(self, plan, it, reservation) -> Received:
-        """Read a push's data chunks (its declared bytes are already held against the in-flight budget)
-        and validate each entry as soon as it is complete; more bytes than declared are refused."""
-        assembler = EntryAssembler([e.num_bytes for e in plan.entries], self.state.accumulator.buffers)
-        received = Received()
-        try:
-            fill = getattr(it, "fill", None)  # the bulk port's stream writes straight into the entries
-            if fill is not None:
-                await fill(assembler, lambda complete: self._take(plan, complete, received))
-                return self._finish(plan, assembler, received)
-            return await self._read(plan, it, reservation, assembler, received)
         except BaseException as err:
-            assembler.discard()  # a refused or broken stream: its bytes go now, not with its traceback
+            consistent = len(received.payloads) == assembler.index  # (not cut while checking an entry)
+            if resumable and consistent and assembler.received > 0 and isinstance(err, BROKEN):
+                kept = True  # its retry takes it from here
+                self.parked.park(key, Parked(header_bytes, plan, reservation, assembler, received))
+                raise
+            assembler.discard()  # a refused stream: its bytes go now, not with its traceback
             received.payloads.clear()
+            reservation.release()
             if isinstance(err, StreamOverrun):  # more bytes than declared, on either transport
                 raise invalid(str(err)) from None
             raise
+        finally:
+            if not kept:
+                self.state.close_stream(plan)
+
+    def _unpark(self, parked: Parked) -> None:
+        parked.assembler.discard()
+        parked.received.payloads.clear()
+        parked.reservation.release()
+        self.state.close_stream(parked.plan)
+
+    async def _receive(self, plan, it, assembler: EntryAssembler, received: Received) -> Received:
+        """Read a push's data (its declared bytes are already held against the in-flight budget; a
+        resumed push's assembler holds what came before) and validate each entry as soon as it is
+        complete; more bytes than declared are refused."""
+        fill = getattr(it, "fill", None)  # the bulk port's stream writes straight into the entries
+        if fill is None:
+            return await self._read(plan, it, assembler, received)
+        await fill(assembler, lambda complete: self._take(plan, complete, received))
+        if not assembler.done and getattr(it, "cut", False):
+            raise StreamBroken(f"the push stream was cut after {assembler.received} bytes")
+        return self._finish(plan, assembler, received)
 
     async def _check(self, plan, complete: list) -> list[float]:
         """Validate the entries a chunk completed (their norm bounds): small ones here (a thread hop
@@ -256,7 +288,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return [self.state.check_entry(plan, i, p) for i, p in complete]
         return await asyncio.to_thread(lambda: [self.state.check_entry(plan, i, p) for i, p in complete])
 
-    async def _read(self, plan, it, reservation, assembler: EntryAssembler, received: Received) -> Received:
+    async def _read(self, plan, it, assembler: EntryAssembler, received: Received) -> Received:
         while True:
             try:
                 chunk = _parsed(await next_chunk(it, self.stream_idle_seconds))

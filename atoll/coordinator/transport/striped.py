@@ -42,6 +42,10 @@ class Striped:
         self._closing = False
         self._lanes: list[asyncio.Task] | None = None
 
+    def begin(self, offset: int) -> None:
+        """The data resumes at ``offset`` (the receiver holds what came before)."""
+        self._frontier = self._offset = offset
+
     async def _fail(self, err: BaseException) -> None:
         async with self._cond:
             if self._error is None:

@@ -282,8 +282,18 @@ class TcpPush:
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._failed: list[BaseException | None] = []
         self._early: bytes | None = None
+        self.resumed_from = 0
+        """Bytes the coordinator held from an attempt that was cut (they are not sent again)."""
         try:
-            self._early = _answer(self._sock, continuing=True)  # None: admitted
+            kind, data = bulk.read_frame(self._sock, MAX_MESSAGE_BYTES)
+            if kind == bulk.STATUS:
+                raise bulk.BulkError.from_status(data)
+            if kind == bulk.OK:
+                self._early = data  # answered at the header: nothing to send
+            elif kind != bulk.CONTINUE or len(data) not in (0, bulk.OFFSET.size):
+                raise bulk.broken(f"unexpected frame kind {kind}")
+            elif data:
+                (self.resumed_from,) = bulk.OFFSET.unpack(data)
         except BaseException:
             self._close()
             raise
@@ -302,17 +312,21 @@ class TcpPush:
         units = UnitSender(self._socks, self._failed, lambda: _answered(self._sock)) if len(self._socks) > 1 else None
         start = 0
         while (payload := self._ready.get()) is not _End:
-            if units is not None:
-                for offset, unit in bulk.cut_units(start, payload):
-                    if not units.put(offset, unit):
-                        break
-                start += memoryview(payload).nbytes
-            else:
-                if not self._failed and _answered(self._sock):
-                    self._failed.append(None)  # refused part way: the answer is read by finish()
-                if not self._failed:
-                    self._sendall(self._sock, payload)
-            del payload
+            view = memoryview(payload).cast("B")
+            end, skip = start + view.nbytes, max(self.resumed_from - start, 0)  # what the coordinator holds
+            if skip < view.nbytes:
+                view, start = view[skip:], start + skip
+                if units is not None:
+                    for offset, unit in bulk.cut_units(start, view):
+                        if not units.put(offset, unit):
+                            break
+                else:
+                    if not self._failed and _answered(self._sock):
+                        self._failed.append(None)  # refused part way: the answer is read by finish()
+                    if not self._failed:
+                        self._sendall(self._sock, view)
+            start = end
+            del payload, view
         if units is not None:
             units.close()
 
