@@ -34,7 +34,9 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 class ManagedProcess:
     """A child process whose stdout lines are parsed as JSON events and whose stderr goes to a log."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = Path(log_dir) / f"{name}.log"
@@ -47,6 +49,7 @@ class ManagedProcess:
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=full_env,
+            cwd=cwd,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
@@ -136,12 +139,18 @@ class ProcessGroup:
             p.kill()
 
     def start(
-        self, name: str, args: list[str], env: dict[str, str] | None = None, *, faults: str = ""
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        faults: str = "",
+        cwd: Path | None = None,
     ) -> ManagedProcess:
-        """``python -m atoll ARGS``; with island-side ``faults`` (JSON, :mod:`atoll.harness.faults`) the
-        island runs under the harness's entry point, which injects them."""
+        """``python -m atoll ARGS`` (in ``cwd``, or this process's); with island-side ``faults`` (JSON,
+        :mod:`atoll.harness.faults`) the island runs under the harness's entry point, which injects them."""
         entry = ["atoll.harness.island", "--faults", faults] if faults else ["atoll"]
-        proc = ManagedProcess(name, [self.python, "-m", *entry, *args], self.work_dir, env)
+        proc = ManagedProcess(name, [self.python, "-m", *entry, *args], self.work_dir, env, cwd)
         self.processes.append(proc)
         return proc
 
