@@ -343,3 +343,70 @@ def test_a_push_cut_part_way_resumes_where_it_broke(start_server, raw_island, tm
         _, pulled = a.pull(have_round=0)
         updates.append([bytes(p) for _, p in pulled])
     assert updates[0] == updates[1]
+
+
+def test_a_pull_cut_part_way_asks_for_the_rest(start_server, raw_island, tmp_path):
+    """A pull whose connection is reset half way through its data asks for the rest of the same answer
+    (its entries already applied stay applied) instead of the full θ: the update is the same, bit for
+    bit, and the bytes before the cut are not sent again."""
+    srv = start_server(exact_config(run_id="t", sync_every=1))
+    gen = torch.Generator().manual_seed(4)
+    a = raw_island(srv.address, "a", BIG, bulk_streams=1)
+    a.join()
+    a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, tokens=3)
+    whole = [bytes(p) for _, p in a.pull(have_round=0)[1]]
+    total, at = sum(map(len, whole)), sum(map(len, whole)) // 2
+    client, opened = a.client, []
+    real_open = client.open_pull
+
+    def open_pull(req):  # the first attempt is reset once half of its data is in
+        stream = real_open(req)
+        opened.append(req.resume_offset)
+        if len(opened) == 1:
+            read = stream.read_into
+
+            def read_into(view):
+                first = max(at - stream.delivered, 0)
+                if first < view.nbytes and not stream._socks[0]._closed:
+                    read(view[:first])
+                    for sock in stream._socks:
+                        reset(sock)
+                    view = view[first:]
+                read(view)
+
+            stream.read_into = read_into
+        return stream
+
+    client.open_pull = open_pull
+    applied = []
+    header, _ = client.pull(
+        pb.PullRequest(run_id="t", island_id="a", have_round=0, wait_seconds=5),
+        on_entry=lambda h, i, p: applied.append(bytes(p)),
+    )
+    assert header.round == 1 and applied == whole  # each entry once, the same bytes
+    assert opened[0] == 0 and len(opened) == 2 and at - (1 << 20) <= opened[1] <= at
+    assert srv.server.counters.bulk_pull_resumes == 1
+    assert srv.server.counters.bulk_resumed_bytes == opened[1]
+    assert srv.server.counters.bytes_out == 2 * total + total - opened[1]  # the resumed answer sent the rest
+
+
+def test_the_rest_of_an_answer_comes_striped_too(start_server, raw_island):
+    """What a resumed pull asks for, over three connections: the answer's data from the offset on."""
+    from atoll.islands._transport.streams import TcpPull
+
+    srv = start_server(exact_config(run_id="t", sync_every=1))
+    gen = torch.Generator().manual_seed(4)
+    a = raw_island(srv.address, "a", BIG)
+    a.join()
+    a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, tokens=3)
+    data = b"".join(bytes(p) for _, p in a.pull(have_round=0)[1])
+    for offset in (1, (3 << 20) + 5, len(data) - 7):
+        req = pb.PullRequest(run_id="t", island_id="a", have_round=0, resume_offset=offset)
+        stream = TcpPull(a.client.bulk, req, auth="", timeout=10, streams=3)
+        assert stream.header().round == 1
+        rest = memoryview(bytearray(len(data) - offset))
+        stream.read_into(rest)
+        stream.close()
+        assert bytes(rest) == data[offset:] and stream.delivered == len(data)

@@ -308,20 +308,22 @@ class PushResponse(_message.Message):
     def __init__(self, committed: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("run_id", "island_id", "have_round", "wait_seconds", "regions", "session_id")
+    __slots__ = ("run_id", "island_id", "have_round", "wait_seconds", "regions", "session_id", "resume_offset")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_ROUND_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island_id: str
     have_round: int
     wait_seconds: float
     regions: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     session_id: str
-    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., regions: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    resume_offset: int
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., regions: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., session_id: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("kind", "round", "codec", "entries", "committed", "loss", "latest_round", "bootstrap", "run_complete", "waiting", "tentative", "stalled")

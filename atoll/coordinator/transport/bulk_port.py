@@ -314,13 +314,28 @@ class BulkServer:
             conn.expect(False)
             await conn.send(bulk.frame(bulk.OK, response.SerializeToString()))
             return
-        chunks = self.servicer.pull_chunks(tolerant(pb.PullRequest.FromString)(message), context)
+        request = tolerant(pb.PullRequest.FromString)(message)
+        skip = getattr(request, "resume_offset", 0)  # a pull that broke: the rest of the same answer
+        if skip:
+            self.servicer.counters.bulk_pull_resumes += 1
+            self.servicer.counters.bulk_resumed_bytes += skip
+            if isinstance(data, Striped):
+                data.begin(skip)
+        resumed = skip
+        chunks = self.servicer.pull_chunks(request, context)
         async with contextlib.aclosing(chunks):  # its memory goes back as soon as the call ends
             async for chunk in chunks:
                 if isinstance(chunk, RawData):
                     for part in [chunk.view] if chunk.parts is None else chunk.parts:
+                        view = memoryview(part).cast("B")
+                        if skip >= view.nbytes:
+                            skip -= view.nbytes
+                            continue
+                        if skip:
+                            self.servicer.counters.bytes_out -= resumed  # (counted as made: never sent)
+                        view, skip = view[skip:], 0
                         conn.expect()
-                        await data.send(part)
+                        await data.send(view)
                         conn.expect(False)  # the next entry may take a while to serialise: not idleness
                 elif chunk.WhichOneof("kind") == "header":
                     await conn.send(bulk.frame(bulk.OK, chunk.header.SerializeToString()))

@@ -27,7 +27,8 @@ class Counters:
         "a stream idle past --stream-idle-seconds)",
         "bulk_over_cap": "Bulk-port connections closed as they came because the port had its maximum open",
         "bulk_resumes": "Pushes cut part way on the bulk port that their retry resumed",
-        "bulk_resumed_bytes": "Bytes resumed pushes did not send again (the coordinator held them)",
+        "bulk_pull_resumes": "Pulls that broke part way on the bulk port and asked for the rest of their answer",
+        "bulk_resumed_bytes": "Bytes resumed pushes and pulls did not send again",
     }
     bytes_in: int = 0
     bytes_out: int = 0
@@ -43,6 +44,7 @@ class Counters:
     bulk_timeouts: int = 0
     bulk_over_cap: int = 0
     bulk_resumes: int = 0
+    bulk_pull_resumes: int = 0
     bulk_resumed_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:

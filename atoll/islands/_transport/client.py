@@ -42,6 +42,7 @@ from atoll.islands._transport.transfer import read_update, write_push
 from atoll.islands.errors import PartialUpdate, ProtocolError, WrongEndpoint
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
+from atoll.protos.bulk import broken as bulk_broken
 from atoll.protos.rpc import CLIENT_OPTIONS, DURABLE_WAIT_SECONDS, BufferPool, tensor_calls
 
 log = logging.getLogger("atoll.island")
@@ -345,9 +346,20 @@ class CoordinatorClient:
         once it returns (its buffer takes the next entries). Once an entry was handed over the pull is
         not retried: a broken stream raises :class:`PartialUpdate`."""
 
+        def reopen(offset: int):
+            time.sleep(self.retry.initial_backoff_seconds)
+            resumed = pb.PullRequest()
+            resumed.CopyFrom(req)
+            resumed.resume_offset = offset
+            stream = self.open_pull(resumed)
+            if not getattr(stream, "resumable", False):  # gRPC carries it now: it would start from the start
+                stream.close()
+                raise bulk_broken("the bulk port is gone; the pull cannot resume on gRPC")
+            return stream
+
         def attempt():
             stream = self.open_pull(req)
-            header, payloads, received = read_update(stream, on_entry, self.buffers, DURABLE_WAIT_SECONDS)
+            header, payloads, received = read_update(stream, on_entry, self.buffers, DURABLE_WAIT_SECONDS, reopen)
             self.bytes_received += received + header.ByteSize()
             if on_entry is not None:
                 return header, []

@@ -131,6 +131,8 @@ class GrpcPush:
 class GrpcPull:
     """A pull as one gRPC unary-stream call: the header message, data chunks, then (tentative) Durable."""
 
+    resumable = False
+
     def __init__(self, call, req: pb.PullRequest, *, timeout: float, metadata) -> None:
         self._stream = call(req, timeout=timeout, metadata=metadata)
         self._chunk = memoryview(b"")
@@ -377,20 +379,38 @@ class TcpPull:
         self._socks, self.rtt = _open_call(port, bulk.PULL, auth, message, timeout + req.wait_seconds, streams)
         self._sock = self._socks[0]
         self._units: UnitReceiver | None = None
+        self._delivered = req.resume_offset
+
+    resumable = True
+    """A pull that breaks part way may ask for the rest of its answer (``PullRequest.resume_offset``)."""
+
+    @property
+    def delivered(self) -> int:
+        """The offset in the answer's data up to which the caller has its bytes."""
+        return self._units.frontier if self._units is not None else self._delivered
 
     def header(self) -> pb.UpdateHeader:
         header = pb.UpdateHeader.FromString(_answer(self._sock))
         for sock in self._socks:
             sock.settimeout(self._timeout)
         if len(self._socks) > 1:
-            self._units = UnitReceiver(self._socks)
+            self._units = UnitReceiver(self._socks, start=self._delivered)
         return header
 
     def read_into(self, view: memoryview) -> None:
         if self._units is not None:
             self._units.read_into(view)
-        else:
-            bulk.recv_into(self._sock, view)
+            return
+        got = 0
+        try:
+            while got < view.nbytes:
+                n = self._sock.recv_into(view[got:])
+                if n == 0:
+                    raise bulk.broken(f"the connection ended {view.nbytes - got} bytes short")
+                got += n
+                self._delivered += n
+        except OSError as err:  # TimeoutError is one
+            raise bulk.broken(f"{type(err).__name__}: {err}") from None
 
     def confirmation(self, wait: float = 0.0) -> pb.Durable:
         if self._units is not None:

@@ -93,10 +93,11 @@ class UnitSender:
 class UnitReceiver:
     """Reads units from ``socks`` (one thread each) and gives the data back in order."""
 
-    def __init__(self, socks: list[socket.socket]) -> None:
+    def __init__(self, socks: list[socket.socket], start: int = 0) -> None:
+        """``start``: the offset the data begins at (a resumed pull's)."""
         self._cond = threading.Condition()
         self._pending: dict[int, memoryview] = {}
-        self._frontier = 0
+        self._frontier = start
         self._ended = 0
         self._error: BaseException | None = None
         self._closed = False
@@ -124,6 +125,11 @@ class UnitReceiver:
                 self._frontier += n
                 filled += n
                 self._cond.notify_all()
+
+    @property
+    def frontier(self) -> int:
+        """The offset up to which the caller has the data."""
+        return self._frontier
 
     def join_lead(self) -> None:
         """Wait until the lead connection's units ended (its next frame is the call's, not a unit)."""

@@ -24,6 +24,12 @@ from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.rpc import BufferPool, entry_buffer
 
 OnEntry = Callable[[pb.UpdateHeader, int, memoryview], None]
+RESUMES = 8
+"""How many times one pull asks for the rest of its answer before it gives up (a PartialUpdate then)."""
+
+
+def retryable(err: grpc.RpcError) -> bool:
+    return err.code() == grpc.StatusCode.UNAVAILABLE if hasattr(err, "code") else False
 
 
 def encoded(header: pb.PushHeader, encode: Callable[[int], object], i: int):
@@ -51,20 +57,48 @@ def write_push(stream: PushStream, header: pb.PushHeader, payloads) -> pb.PushRe
     return stream.finish()
 
 
+def same_answer(a: pb.UpdateHeader, b: pb.UpdateHeader) -> bool:
+    """Whether two headers announce the same answer (a resumed pull's must be the one it had; whether
+    it is still tentative may differ)."""
+    return (a.kind, a.round, a.codec, list(a.entries)) == (b.kind, b.round, b.codec, list(b.entries))
+
+
 def read_update(
-    stream: PullStream, on_entry: OnEntry | None, pool: BufferPool, confirm_wait: float
+    stream: PullStream,
+    on_entry: OnEntry | None,
+    pool: BufferPool,
+    confirm_wait: float,
+    reopen: Callable[[int], PullStream] | None = None,
 ) -> tuple[pb.UpdateHeader, list, int]:
     """Read a pull's answer from ``stream``: (header, payloads, received bytes). With ``on_entry(header,
     i, payload)`` each entry is handed over as soon as its bytes are in (the payloads list is then
     empty) and its buffer goes back to ``pool``; the payload must not be kept once it returns.
-    ``confirm_wait``: how long a tentative update's confirmation may take after its entries."""
-    handed, payloads, received = 0, [], 0
+    ``confirm_wait``: how long a tentative update's confirmation may take after its entries.
+    ``reopen(offset)``: a stream of the rest of the same answer from ``offset`` of its data (the bulk
+    port), asked for when a resumable stream breaks part way, at most ``RESUMES`` times; its header
+    must be the one the pull had."""
+    handed, payloads, received, resumes = 0, [], 0, 0
     try:
         header = stream.header()
         for i, entry in enumerate(header.entries):
             buf = pool.take(entry.num_bytes) if on_entry is not None else entry_buffer(entry.num_bytes)
             payload = memoryview(buf)
-            stream.read_into(payload)
+            while True:
+                try:
+                    resumable = getattr(stream, "resumable", False)
+                    stream.read_into(payload[stream.delivered - received :] if resumable else payload)
+                    break
+                except grpc.RpcError as err:
+                    if reopen is None or not resumable or resumes >= RESUMES or not retryable(err):
+                        raise
+                    resumes += 1
+                    offset = stream.delivered
+                    stream.close()
+                    stream = reopen(offset)
+                    again = stream.header()
+                    if not same_answer(again, header):
+                        raise err from None
+                    header = again  # (the round may have been saved meanwhile: no longer tentative)
             received += entry.num_bytes
             if on_entry is None:
                 payloads.append(payload)
