@@ -59,31 +59,42 @@ def island(address: str, model: str, codec: str, streams: list[int], repeat: int
         assert resp.committed or resp.outcome == pb.PUSH_OUTCOME_COMMITTED, resp
         return time.perf_counter() - started
 
-    def pull(have: int) -> tuple[float, int]:
-        got = [0]
-        started = time.perf_counter()
+    def pull(have: int) -> tuple[float, int, float]:
+        """The pull's time, its bytes, and the rate its entries came in after the first half of them."""
+        marks = [(time.perf_counter(), 0)]
+
+        def took(h, i, p) -> None:
+            marks.append((time.perf_counter(), marks[-1][1] + len(p)))
+
         header, _ = client.pull(
-            pb.PullRequest(run_id="w", island_id="a", have_round=have, wait_seconds=120),
-            on_entry=lambda h, i, p: got.__setitem__(0, got[0] + len(p)),
+            pb.PullRequest(run_id="w", island_id="a", have_round=have, wait_seconds=120), on_entry=took
         )
         assert header.round == have + 1
-        return time.perf_counter() - started, got[0]
+        total = marks[-1][1]
+        t_half, n_half = next(m for m in marks if m[1] >= total / 2)
+        rate = (total - n_half) / (marks[-1][0] - t_half) if marks[-1][0] > t_half else 0.0
+        return marks[-1][0] - marks[0][0], total, rate
 
     identity = get_codec("identity")
     client.bulk_streams = max(streams)  # θ_0 (fp32) as fast as the link allows
     push([identity.encode(torch.randn(s, generator=gen)) for s in shapes.values()], 0, pb.PUSH_KIND_INIT, "identity")
-    pull(-1)
     delta = [enc.encode(torch.randn(s, generator=gen) * 1e-3) for s in shapes.values()]
     out, round_ = {"push_bytes": sum(map(len, delta)), "rtt": client.rtt}, 0
     for n in streams:
         client.bulk_streams = n
-        pushes, pulls = [], []
+        pushes, pulls, rates = [], [], []
         for _ in range(repeat):
             pushes.append(push(delta, round_, pb.PUSH_KIND_DELTA, codec))
-            took, nbytes = pull(round_)
+            took, nbytes, rate = pull(round_)
             pulls.append(took)
+            rates.append(rate)
             round_ += 1
-        out[str(n)] = {"push": statistics.median(pushes), "pull": statistics.median(pulls), "pull_bytes": nbytes}
+        out[str(n)] = {
+            "push": statistics.median(pushes),
+            "pull": statistics.median(pulls),
+            "pull_bytes": nbytes,
+            "pull_second_half_rate": statistics.median(rates),
+        }
     client.close()
     print(json.dumps(out), flush=True)
 
@@ -152,7 +163,8 @@ def main() -> None:
         print(
             f"  {n} stream{'s' if n > 1 else ' '}: push {r['push']:.2f} s ({nbytes * 8 / r['push'] / 1e6 / rate:.2f} "
             f"of the link's rate), pull of {r['pull_bytes'] / 1e6:.1f} MB {r['pull']:.2f} s "
-            f"({r['pull_bytes'] * 8 / r['pull'] / 1e6 / rate:.2f} of it)",
+            f"({r['pull_bytes'] * 8 / r['pull'] / 1e6 / rate:.2f} of it; its second half of the bytes at "
+            f"{r['pull_second_half_rate'] * 8 / 1e6 / rate:.2f} of it)",
             flush=True,
         )
     print(json.dumps({"link": a.link, "tls": a.tls, **got}), flush=True)

@@ -218,7 +218,8 @@ class BulkServer:
                 await conn.send(bulk.status_frame(refusal.status))
                 await self._drain(conn)
         except (OSError, EOFError, ValueError) as err:  # the peer went away, or sent what is not a call
-            log.info("bulk port: connection ended: %s", err)
+            # (an island measures its round trip with a connection that sends nothing: not news)
+            log.log(logging.INFO if conn.received else logging.DEBUG, "bulk port: connection ended: %s", err)
         except asyncio.CancelledError:
             if not conn.timed_out:
                 raise

@@ -39,6 +39,8 @@ class Connection:
         """A deadline in seconds from :meth:`expect`, progress or not (None: the server's idle limit,
         counted from the last progress)."""
         self.timed_out = False
+        self.received = 0
+        """Bytes that came on the connection (TLS records included)."""
         self.clock: Connection = self
         """Whose progress clock this connection's bytes advance (a striped call's: its lead's)."""
 
@@ -57,6 +59,7 @@ class Connection:
         n = await self.loop.sock_recv_into(self.sock, view)
         if n == 0:
             raise EOFError("the peer ended the connection")
+        self.received += n
         self._progress()
         return n
 
@@ -109,6 +112,7 @@ class TlsConnection(Connection):
         n = await self.loop.sock_recv_into(self.sock, self._raw)
         if n == 0:
             raise EOFError("the peer ended the connection")
+        self.received += n
         self._incoming.write(self._raw[:n])
 
     async def _flush(self) -> None:

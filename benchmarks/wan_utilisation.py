@@ -1,0 +1,169 @@
+"""Compute utilisation at 124M over an emulated WAN, islands replaying an accelerator's step time.
+
+    python benchmarks/wan_utilisation.py [--link 100:100] [--islands 2] [--step-seconds 0.1]
+        [--sync-every 100] [--rounds 4] [--codec int8] [--overlap 0 30] [--fragments 1]
+
+Runs itself under ``unshare -rn``. Each island is a process in a network namespace of its own,
+joined to the coordinator's by its own emulated link (:mod:`atoll.harness.netlink`, ``RATE:RTT``,
+the hosts' TCP buffers at the kernel's defaults). An island holds the real gpt-125m in fp32 and the
+real DiLoCo wrapper (its pushes, pulls, codecs, overlap and streaming fragments); its inner step is
+replayed: it sleeps ``--step-seconds`` (an accelerator's step, the host idle meanwhile) and nudges
+one parameter so that every round has a pseudo-gradient to send. Utilisation = the steps' replayed
+time / the wall time, over the rounds after the first ``--warmup`` (θ_0's upload and download, and
+the islands falling into step: the one that uploaded θ_0 waits once for the other) and before the
+last (drained at the end), both islands together. Beside each measured figure, what ``atoll plan``
+predicts for the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from atoll.harness.netlink import Link, LinkSpec, enter_namespace  # noqa: E402
+
+
+def island(addresses: str, name: str, a) -> None:
+    """One island (run in its namespace): prints a JSON line with its step times."""
+    import torch
+
+    from atoll.islands import CoordinatorLink, DiLoCo, RetryPolicy
+    from atoll.models import TinyGPT, preset
+
+    torch.set_num_threads(1)
+    model = TinyGPT(preset("gpt-125m", vocab_size=50257))
+    link = CoordinatorLink(addresses, run_id="u", island_id=name, retry=RetryPolicy(give_up_seconds=600))
+    nudge = next(iter(model.parameters()))
+    marks = []
+    with DiLoCo(model, link, overlap_steps=a.overlap_steps, streaming=a.fragments > 1) as sync:
+        for step in range(a.rounds * a.sync_every):
+            marks.append((time.perf_counter(), sync.round))
+            time.sleep(a.step_seconds)  # the accelerator's step
+            with torch.no_grad():
+                nudge.view(-1)[step % 64] += 1e-3
+            sync.step(tokens=16384, loss=1.0)
+        marks.append((time.perf_counter(), sync.round))
+        sync.drain()
+    print(json.dumps({"island": name, "marks": marks}), flush=True)
+
+
+def measure(a, overlap: int) -> dict:
+    rate, rtt = (float(x) for x in a.link.split(":"))
+    spec = LinkSpec(rate_mbit=rate, rtt_ms=rtt, tuned_buffers=False)
+    with tempfile.TemporaryDirectory(prefix="util-") as tmp, ExitStack() as stack:
+        links = [stack.enter_context(Link(spec, index=i)) for i in range(a.islands)]
+        port_file = Path(tmp) / "port"
+        flags = [
+            "--host", "0.0.0.0", "--port", "0", "--port-file", str(port_file), "--state-dir", str(Path(tmp) / "s"),
+            "--run-id", "u", "--sync-every", str(a.sync_every), "--quorum", str(a.islands), "--codec", a.codec,
+            "--downlink-codec", "identity" if a.codec == "identity" else "int8", "--round-deadline-seconds", "900",
+            "--log-level", "WARNING", "--threads", "1",
+        ]  # fmt: skip
+        if a.fragments > 1:
+            flags += ["--fragments", str(a.fragments)]
+        coord = subprocess.Popen([sys.executable, "-m", "atoll", "coordinator", *flags], cwd=ROOT)
+        procs = []
+        try:
+            while not port_file.exists():
+                if coord.poll() is not None:
+                    raise RuntimeError("the coordinator exited")
+                time.sleep(0.1)
+            time.sleep(0.5)
+            ports = [p.split(":")[-1] for p in port_file.read_text().strip().split(",")]
+            for i, link in enumerate(links):
+                addresses = ",".join(f"{link.coordinator_host}:{p}" for p in ports)
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--island", addresses, f"site-{i}",
+                       "--overlap-steps", str(overlap), *island_flags(a)]  # fmt: skip
+                procs.append(subprocess.Popen(link.site_command(cmd), stdout=subprocess.PIPE, text=True, cwd=ROOT))
+            outs = [p.communicate(timeout=3600)[0] for p in procs]
+            if any(p.returncode for p in procs):
+                raise RuntimeError(f"an island failed: {[p.returncode for p in procs]}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            coord.terminate()
+            coord.wait(30)
+    utils = []
+    for out in outs:
+        marks = json.loads(out.strip().splitlines()[-1])["marks"]
+        h = a.sync_every
+        starts = [marks[r * h][0] for r in range(a.rounds)] + [marks[-1][0]]
+        walls = [starts[r + 1] - starts[r] for r in range(a.warmup, a.rounds - 1)]  # not the last either
+        utils.append(h * a.step_seconds * len(walls) / sum(walls))
+    return {"utilisation": statistics.mean(utils), "per_island": utils}
+
+
+def island_flags(a) -> list[str]:
+    return ["--step-seconds", str(a.step_seconds), "--sync-every", str(a.sync_every), "--rounds", str(a.rounds),
+            "--fragments", str(a.fragments)]  # fmt: skip
+
+
+def predicted(a, overlap: int) -> float:
+    import torch
+
+    from atoll.models import TinyGPT, preset
+    from atoll.plan import Candidate, estimate
+    from atoll.plan import Link as PlanLink
+    from atoll.plan_cli import VOCAB
+
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in TinyGPT(preset("gpt-125m", vocab_size=VOCAB["gpt-125m"])).parameters()]
+    rate, rtt = (float(x) for x in a.link.split(":"))
+    e = estimate(
+        Candidate(codec=a.codec, sync_every=a.sync_every, overlap_steps=overlap, fragments=a.fragments),
+        shapes=shapes, step_seconds=a.step_seconds, islands=a.islands,
+        link=PlanLink(rate_mbit=rate, rtt_ms=rtt, mtu=9000, tls=False),
+    )  # fmt: skip
+    return e.utilisation, e.sync_seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--link", default="100:100", help="RATE_MBIT:RTT_MS of each island's link")
+    p.add_argument("--islands", type=int, default=2)
+    p.add_argument("--step-seconds", type=float, default=0.1)
+    p.add_argument("--sync-every", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1, help="rounds left out at the start")
+    p.add_argument("--codec", default="int8")
+    p.add_argument("--overlap", type=int, nargs="+", default=[0, 30], help="overlap steps τ to run, each")
+    p.add_argument("--overlap-steps", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--island", nargs=2, metavar=("ADDRESSES", "NAME"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.island:
+        island(a.island[0], a.island[1], a)
+        return
+    enter_namespace([str(Path(__file__).resolve()), *sys.argv[1:]])
+    print(
+        f"gpt-125m, {a.islands} islands each on its own {a.link} link (Mbit/s:ms), a replayed step of "
+        f"{a.step_seconds:g} s, H={a.sync_every}, {a.codec}, {a.fragments} fragment(s), {a.rounds} rounds "
+        f"(measured: {a.warmup} to {a.rounds - 2})",
+        flush=True,
+    )
+    for tau in a.overlap:
+        got = measure(a, tau)
+        util, sync = predicted(a, tau)
+        print(
+            f"  overlap τ={tau}: utilisation {got['utilisation']:.1%} (islands "
+            f"{', '.join(f'{u:.1%}' for u in got['per_island'])}); atoll plan predicts {util:.1%} "
+            f"(an exchange {sync:.2f} s)",
+            flush=True,
+        )
+        settings = {k: getattr(a, k) for k in ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")}
+        print(json.dumps({**settings, "overlap_steps": tau, **got, "predicted": util, "sync": sync}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
