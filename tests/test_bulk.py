@@ -388,7 +388,9 @@ def test_a_pull_cut_part_way_asks_for_the_rest(start_server, raw_island, tmp_pat
     assert opened[0] == 0 and len(opened) == 2 and at - (1 << 20) <= opened[1] <= at
     assert srv.server.counters.bulk_pull_resumes == 1
     assert srv.server.counters.bulk_resumed_bytes == opened[1]
-    assert srv.server.counters.bytes_out == 2 * total + total - opened[1]  # the resumed answer sent the rest
+    # What the resumed answer skipped is not counted as sent (the cut attempt counts what it made before
+    # it noticed the reset: timing).
+    assert total + (total - opened[1]) < srv.server.counters.bytes_out <= 3 * total - opened[1]
 
 
 def test_the_rest_of_an_answer_comes_striped_too(start_server, raw_island):

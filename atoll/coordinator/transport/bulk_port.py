@@ -320,9 +320,9 @@ class BulkServer:
         if skip:
             self.servicer.counters.bulk_pull_resumes += 1
             self.servicer.counters.bulk_resumed_bytes += skip
+            self.servicer.counters.bytes_out -= skip  # the answer counts what it makes: these are not sent
             if isinstance(data, Striped):
                 data.begin(skip)
-        resumed = skip
         chunks = self.servicer.pull_chunks(request, context)
         async with contextlib.aclosing(chunks):  # its memory goes back as soon as the call ends
             async for chunk in chunks:
@@ -332,8 +332,6 @@ class BulkServer:
                         if skip >= view.nbytes:
                             skip -= view.nbytes
                             continue
-                        if skip:
-                            self.servicer.counters.bytes_out -= resumed  # (counted as made: never sent)
                         view, skip = view[skip:], 0
                         conn.expect()
                         await data.send(view)

@@ -231,7 +231,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         header = push_header(first.header)
         key, header_bytes = (header.island_id, header.rank), first.header.SerializeToString()
         resumable = getattr(it, "resumable", False)  # the bulk port: a cut push resumes
-        parked = self.parked.take(key, header_bytes) if resumable else self.parked.drop(key)
+        parked = None
+        if resumable:
+            parked = self.parked.take(key, header_bytes)
+        else:
+            self.parked.drop(key)  # a push over gRPC takes the place of one cut on the bulk port
         if parked is not None:
             plan, reservation, assembler, received = parked.plan, parked.reservation, parked.assembler, parked.received
             self.counters.bulk_resumes += 1
