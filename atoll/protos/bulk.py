@@ -66,6 +66,12 @@ MAX_STREAMS = 16
 """The most connections one call may be striped over."""
 
 
+def within_window(offset: int, writing: set[int]) -> bool:
+    """Whether a sender may start the unit at ``offset`` while it writes the units at ``writing``: not
+    ``WINDOW_BYTES`` or more past the lowest of them (so a receiver never holds much out of order)."""
+    return offset < min(writing, default=offset) + WINDOW_BYTES
+
+
 def cut_units(start: int, data):
     """``data`` (the bytes from offset ``start`` of a call's data) as units: (offset, slice) in order."""
     view = memoryview(data).cast("B")

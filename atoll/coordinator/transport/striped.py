@@ -15,7 +15,7 @@ import collections
 import contextlib
 
 from atoll.coordinator.transport.connection import Connection
-from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, WINDOW_BYTES, cut_units
+from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, cut_units, within_window
 
 
 class Striped:
@@ -101,8 +101,7 @@ class Striped:
     async def send(self, data) -> None:
         """Queue ``data``'s units (the next bytes of the call's data); it is sent from its own memory,
         which must stay until :meth:`flush` returns."""
-        if self._lanes is None:
-            self._lanes = [asyncio.create_task(self._lane(conn)) for conn in self.conns]
+        self._start_lanes()
         for offset, unit in cut_units(self._offset, data):
             async with self._cond:
                 await self._cond.wait_for(lambda: len(self._queue) < 2 * len(self.conns) or self._error)
@@ -114,8 +113,7 @@ class Striped:
 
     async def flush(self) -> None:
         """Every unit written and every connection's units ended."""
-        if self._lanes is None:
-            self._lanes = [asyncio.create_task(self._lane(conn)) for conn in self.conns]
+        self._start_lanes()
         async with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -126,7 +124,11 @@ class Striped:
     def _may_start(self) -> bool:
         if self._error is not None or (self._closing and not self._queue):
             return True
-        return bool(self._queue) and self._queue[0][0] < min(self._writing, default=self._queue[0][0]) + WINDOW_BYTES
+        return bool(self._queue) and within_window(self._queue[0][0], self._writing)
+
+    def _start_lanes(self) -> None:
+        if self._lanes is None:
+            self._lanes = [asyncio.create_task(self._lane(conn)) for conn in self.conns]
 
     async def _lane(self, conn: Connection) -> None:
         try:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from atoll.protos import bulk
-from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, WINDOW_BYTES
+from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, within_window
 
 
 class UnitSender:
@@ -56,7 +56,7 @@ class UnitSender:
     def _may_start(self) -> bool:
         if self._failed or (self._closing and not self._queue):
             return True
-        return bool(self._queue) and self._queue[0][0] < min(self._writing, default=self._queue[0][0]) + WINDOW_BYTES
+        return bool(self._queue) and within_window(self._queue[0][0], self._writing)
 
     def _give_up(self, why) -> None:
         with self._cond:
