@@ -35,6 +35,7 @@ A stream that ends before its declared bytes, on either side, is a broken call.
 
 from __future__ import annotations
 
+import collections
 import socket
 import struct
 
@@ -66,10 +67,38 @@ MAX_STREAMS = 16
 """The most connections one call may be striped over."""
 
 
-def within_window(offset: int, writing: set[int]) -> bool:
-    """Whether a sender may start the unit at ``offset`` while it writes the units at ``writing``: not
-    ``WINDOW_BYTES`` or more past the lowest of them (so a receiver never holds much out of order)."""
-    return offset < min(writing, default=offset) + WINDOW_BYTES
+class UnitQueue:
+    """A striped sender's units: those queued and those its connections are writing. Its owner guards
+    it with its own lock (the coordinator's asyncio condition, an island's threading one)."""
+
+    def __init__(self, connections: int) -> None:
+        self.depth = 2 * connections
+        self.queued: collections.deque = collections.deque()
+        self.writing: set[int] = set()
+        self.closing = False
+        """No more units come: each connection ends its units once the queue is empty."""
+
+    def has_room(self) -> bool:
+        return len(self.queued) < self.depth
+
+    def ready(self) -> bool:
+        """A connection may act: take the next unit (not ``WINDOW_BYTES`` or more past the lowest one
+        still being written, so a receiver never holds much out of order), or end its units."""
+        if not self.queued:
+            return self.closing
+        offset = self.queued[0][0]
+        return offset < min(self.writing, default=offset) + WINDOW_BYTES
+
+    def take(self) -> tuple[int, memoryview] | None:
+        """The next unit (its offset now being written), or None: no more."""
+        if not self.queued:
+            return None
+        offset, unit = self.queued.popleft()
+        self.writing.add(offset)
+        return offset, unit
+
+    def written(self, offset: int) -> None:
+        self.writing.discard(offset)
 
 
 def cut_units(start: int, data):

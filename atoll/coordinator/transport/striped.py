@@ -11,11 +11,10 @@ unit further ahead waits unread in its connection); the sender starts a unit onl
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 
 from atoll.coordinator.transport.connection import Connection
-from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, cut_units, within_window
+from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, UnitQueue, cut_units
 
 
 class Striped:
@@ -36,10 +35,8 @@ class Striped:
         self._frontier = 0
         self._ended = 0
         # sending
-        self._queue: collections.deque = collections.deque()
-        self._writing: set[int] = set()
+        self._units = UnitQueue(len(conns))
         self._offset = 0
-        self._closing = False
         self._lanes: list[asyncio.Task] | None = None
 
     def begin(self, offset: int) -> None:
@@ -104,10 +101,10 @@ class Striped:
         self._start_lanes()
         for offset, unit in cut_units(self._offset, data):
             async with self._cond:
-                await self._cond.wait_for(lambda: len(self._queue) < 2 * len(self.conns) or self._error)
+                await self._cond.wait_for(lambda: self._units.has_room() or self._error)
                 if self._error is not None:
                     raise self._error
-                self._queue.append((offset, unit))
+                self._units.queued.append((offset, unit))
                 self._cond.notify_all()
             self._offset = offset + unit.nbytes
 
@@ -115,16 +112,11 @@ class Striped:
         """Every unit written and every connection's units ended."""
         self._start_lanes()
         async with self._cond:
-            self._closing = True
+            self._units.closing = True
             self._cond.notify_all()
         await asyncio.gather(*self._lanes)
         if self._error is not None:
             raise self._error
-
-    def _may_start(self) -> bool:
-        if self._error is not None or (self._closing and not self._queue):
-            return True
-        return bool(self._queue) and within_window(self._queue[0][0], self._writing)
 
     def _start_lanes(self) -> None:
         if self._lanes is None:
@@ -134,19 +126,18 @@ class Striped:
         try:
             while True:
                 async with self._cond:
-                    await self._cond.wait_for(self._may_start)
+                    await self._cond.wait_for(lambda: self._error is not None or self._units.ready())
                     if self._error is not None:
                         return
-                    if not self._queue:
+                    if (taken := self._units.take()) is None:
                         break
-                    offset, unit = self._queue.popleft()
-                    self._writing.add(offset)
+                    offset, unit = taken
                     self._cond.notify_all()
                 await conn.send(UNIT.pack(offset, unit.nbytes))
                 await conn.send(unit)
                 del unit
                 async with self._cond:
-                    self._writing.discard(offset)
+                    self._units.written(offset)
                     self._cond.notify_all()
             await conn.send(UNIT.pack(END, 0))
         except OSError as err:

@@ -10,13 +10,12 @@ stream goes, so a stream that falls behind holds back only its own units.
 
 from __future__ import annotations
 
-import collections
 import socket
 import threading
 from collections.abc import Callable
 
 from atoll.protos import bulk
-from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, within_window
+from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, UnitQueue
 
 
 class UnitSender:
@@ -26,9 +25,7 @@ class UnitSender:
     def __init__(self, socks: list[socket.socket], failed: list, stop: Callable[[], bool]) -> None:
         self._failed, self._stop = failed, stop
         self._cond = threading.Condition()
-        self._queue: collections.deque = collections.deque()
-        self._writing: set[int] = set()
-        self._closing = False
+        self._units = UnitQueue(len(socks))
         self._lanes = [
             threading.Thread(target=self._lane, args=(sock,), name="atoll-bulk-lane", daemon=True) for sock in socks
         ]
@@ -38,25 +35,20 @@ class UnitSender:
     def put(self, offset: int, unit: memoryview) -> bool:
         """Queue a unit (waits while 2 per connection are queued); False once the call failed."""
         with self._cond:
-            self._cond.wait_for(lambda: len(self._queue) < 2 * len(self._lanes) or self._failed)
+            self._cond.wait_for(lambda: self._units.has_room() or self._failed)
             if self._failed:
                 return False
-            self._queue.append((offset, unit))
+            self._units.queued.append((offset, unit))
             self._cond.notify_all()
             return True
 
     def close(self) -> None:
         """Every queued unit written and each connection's units ended (or the call failed)."""
         with self._cond:
-            self._closing = True
+            self._units.closing = True
             self._cond.notify_all()
         for lane in self._lanes:
             lane.join()
-
-    def _may_start(self) -> bool:
-        if self._failed or (self._closing and not self._queue):
-            return True
-        return bool(self._queue) and within_window(self._queue[0][0], self._writing)
 
     def _give_up(self, why) -> None:
         with self._cond:
@@ -68,13 +60,12 @@ class UnitSender:
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(self._may_start)
+                    self._cond.wait_for(lambda: self._failed or self._units.ready())
                     if self._failed:
                         return
-                    if not self._queue:
+                    if (taken := self._units.take()) is None:
                         break
-                    offset, unit = self._queue.popleft()
-                    self._writing.add(offset)
+                    offset, unit = taken
                     self._cond.notify_all()
                 if self._stop():
                     self._give_up(None)  # refused part way: the answer is read on the lead
@@ -83,7 +74,7 @@ class UnitSender:
                 sock.sendall(unit)
                 del unit
                 with self._cond:
-                    self._writing.discard(offset)
+                    self._units.written(offset)
                     self._cond.notify_all()
             sock.sendall(UNIT.pack(END, 0))
         except OSError as err:
