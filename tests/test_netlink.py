@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def namespaces_work() -> bool:
+    if any(shutil.which(tool) is None for tool in ("unshare", "nsenter", "ip", "tc", "sysctl")):
+        return False
     try:
         return subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
