@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import socket
 import struct
+from collections.abc import Callable
 
 import grpc
 from google.rpc import status_pb2
@@ -157,8 +158,9 @@ def broken(what: str) -> BulkError:
     return BulkError(grpc.StatusCode.UNAVAILABLE, f"bulk port: {what}")
 
 
-def recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock`` (blocking, each wait bounded by the socket's timeout)."""
+def recv_into(sock: socket.socket, view: memoryview, progress: Callable[[int], None] | None = None) -> None:
+    """Fill ``view`` from ``sock`` (blocking, each wait bounded by the socket's timeout); ``progress(n)``
+    after each ``n`` bytes that came (what a broken call had, to resume from)."""
     got, total = 0, view.nbytes
     try:
         while got < total:
@@ -166,6 +168,8 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
             if n == 0:
                 raise broken(f"the connection ended {total - got} bytes short")
             got += n
+            if progress is not None:
+                progress(n)
     except OSError as err:  # TimeoutError is one
         raise broken(f"{type(err).__name__}: {err}") from None
 

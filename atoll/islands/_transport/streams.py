@@ -401,16 +401,10 @@ class TcpPull:
         if self._units is not None:
             self._units.read_into(view)
             return
-        got = 0
-        try:
-            while got < view.nbytes:
-                n = self._sock.recv_into(view[got:])
-                if n == 0:
-                    raise bulk.broken(f"the connection ended {view.nbytes - got} bytes short")
-                got += n
-                self._delivered += n
-        except OSError as err:  # TimeoutError is one
-            raise bulk.broken(f"{type(err).__name__}: {err}") from None
+        bulk.recv_into(self._sock, view, self._came)
+
+    def _came(self, n: int) -> None:
+        self._delivered += n
 
     def confirmation(self, wait: float = 0.0) -> pb.Durable:
         if self._units is not None:
