@@ -17,6 +17,7 @@ import hmac
 import logging
 import socket
 import ssl
+import struct
 import time
 
 from atoll.coordinator.transport.connection import Connection, TlsConnection
@@ -217,7 +218,7 @@ class BulkServer:
             with contextlib.suppress(OSError):
                 await conn.send(bulk.status_frame(refusal.status))
                 await self._drain(conn)
-        except (OSError, EOFError, ValueError) as err:  # the peer went away, or sent what is not a call
+        except (OSError, EOFError, ValueError, struct.error) as err:  # the peer went away, or sent no call
             # (an island measures its round trip with a connection that sends nothing: not news)
             log.log(logging.INFO if conn.received else logging.DEBUG, "bulk port: connection ended: %s", err)
         except asyncio.CancelledError:
