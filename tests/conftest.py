@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -308,3 +311,29 @@ def post_json(url: str, body, token: str) -> tuple[int, object]:
     """POST ``body`` as JSON with a bearer token: (status, parsed JSON answer, or the error text)."""
     code, text = http(url, token=token, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     return code, json.loads(text) if code < 400 else text
+
+
+def run_measuring_rss(cmd: list[str], *, timeout: float) -> tuple[int, str, str, int]:
+    """Run cmd to the end; return (exit code, stdout, stderr, the peak RSS of that one process in KiB).
+
+    The peak comes from wait4 on this child alone: RUSAGE_CHILDREN is the largest of every child the
+    test process ever reaped, so an earlier test's big subprocess would be charged to this one."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                time.sleep(0.02)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss
