@@ -272,7 +272,7 @@ def test_a_striped_call_whose_connections_do_not_match_is_refused(start_server, 
 
 
 def test_the_stream_count_follows_the_round_trip(start_server, raw_island):
-    from atoll.islands._transport.streams import auto_streams
+    from atoll.islands._transport.opening import auto_streams
 
     assert [auto_streams(None, 16), auto_streams(0.0004, 16), auto_streams(0.05, 16), auto_streams(0.08, 16)] == [
         1,
@@ -412,3 +412,46 @@ def test_the_rest_of_an_answer_comes_striped_too(start_server, raw_island):
         stream.read_into(rest)
         stream.close()
         assert bytes(rest) == data[offset:] and stream.delivered == len(data)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_connections_are_kept_from_call_to_call(start_server, raw_island, tmp_path, streams):
+    """A call that ended cleanly leaves its connections open and the next takes them: nine pushes and
+    pulls on the connections the first push opened, the same bytes as connections opened for every call."""
+    srv = start_server(exact_config(run_id="t", sync_every=1), tmp_path / "kept")
+    gen = torch.Generator().manual_seed(12)
+    a = raw_island(srv.address, "a", BIG, bulk_streams=streams)
+    joined = a.join()
+    assert joined.bulk_keep_seconds == bulk.KEEP_SECONDS and a.client.bulk.keep_seconds == bulk.KEEP_SECONDS
+    counters = srv.server.counters
+    before = counters.bulk_connections  # (the Join's round-trip probe)
+    a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    pulled = []
+    for r in range(4):
+        a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=r, tokens=3)
+        header, payloads = a.pull(have_round=r)
+        assert header.round == r + 1
+        pulled.append([bytes(p) for _, p in payloads])
+    assert counters.bulk_calls == 9
+    assert counters.bulk_connections - before == streams  # every call on the first call's connections
+    assert counters.bulk_kept_calls == 8
+    assert a.client.kept.idle(a.client.bulk) == streams
+    assert srv.server.bulk.connections == streams  # waiting for the next call
+    # The coordinator closes a kept connection past its keep time; the island then opens a new one.
+    srv.server.bulk.keep_seconds = 0.5
+    a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=4, tokens=3)  # (the old limit)
+    wait_for(lambda: srv.server.bulk.connections == 0, timeout=10, what="the idle connections closed")
+    assert counters.bulk_timeouts == 0  # an idle kept connection is no stalled call
+    header, _ = a.pull(have_round=4)
+    assert header.round == 5 and counters.bulk_connections - before == 2 * streams
+    # The same bytes as an island that opens connections for every call.
+    srv2 = start_server(exact_config(run_id="t", sync_every=1), tmp_path / "fresh")
+    srv2.server.servicer.bulk_keep_seconds = 0  # Join says it keeps none
+    gen = torch.Generator().manual_seed(12)
+    b = raw_island(srv2.address, "a", BIG, bulk_streams=streams)
+    assert b.join().bulk_keep_seconds == 0
+    b.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    for r in range(4):
+        b.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=r, tokens=3)
+        assert [bytes(p) for _, p in b.pull(have_round=r)[1]] == pulled[r]
+    assert srv2.server.counters.bulk_kept_calls == 0 and b.client.kept.idle(b.client.bulk) == 0

@@ -289,8 +289,10 @@ def test_the_bulk_port_speaks_tls_with_the_same_certificates_and_tokens(start_se
     assert pulled == pulled_g and sum(map(len, pulled)) > 4 << 20
     assert counters["bulk_calls"] == 4 and counters_g["bulk_calls"] == 0  # three pushes and a pull
     assert counters["bytes_in"] == counters_g["bytes_in"]
+    assert counters["bulk_kept_calls"] == 2  # island a's second push and its pull: on its first one's connection
     _, _, pulled_s, counters_s = tls_round(start_server, raw_island, pki, tmp_path / "striped", streams=3)
     assert pulled_s == pulled and counters_s["bulk_calls"] == 4  # striped over three TLS connections
+    assert counters_s["bulk_kept_calls"] == 2
 
     h = pb.PushHeader(run_id="t", island_id="a", round=1, kind=pb.PUSH_KIND_DELTA, num_ranks=1, codec="identity")
     h.entries.add(name="w", num_bytes=8)

@@ -57,6 +57,10 @@ class LinkSpec:
     tuned_buffers: bool = True
     """Raise both namespaces' TCP buffer limits to 4x the bandwidth-delay product, as a host tuned for
     bulk transfers over the link would (False: the kernel's defaults, tcp_wmem's 4 MiB)."""
+    slow_start_after_idle: bool = True
+    """The kernel's default: a connection idle for a retransmission timeout starts from its initial
+    window again. False: both hosts keep the window they had (``net.ipv4.tcp_slow_start_after_idle=0``,
+    a usual setting on hosts that move bulk data over long links), which kept connections then use."""
 
     def __post_init__(self) -> None:
         if self.rate_mbit <= 0 or self.rtt_ms < 0 or not 0 <= self.loss < 1 or not 576 <= self.mtu <= 65000:
@@ -176,6 +180,8 @@ class Link:
             )  # fmt: skip
             for name in ("tcp_rmem", "tcp_wmem") if spec.tuned_buffers else ():
                 _sh("sysctl", "-q", "-w", f"net.ipv4.{name}=4096 131072 {buffers}", netns_pid=pid)
+            if not spec.slow_start_after_idle:
+                _sh("sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0", netns_pid=pid)
 
     def close(self) -> None:
         for proc in (self._line, self._holder):

@@ -9,9 +9,17 @@ The control RPCs (Join, Heartbeat, Leave) stay on gRPC; the coordinator advertis
 A coordinator serving gRPC over TLS serves the bulk port over TLS too, with the same certificate, key
 and client CA (mutual TLS); a TLS island connects to it with the same trust and identity.
 
-One TCP connection per call. The client opens with a preamble::
+A call opens with a preamble::
 
-    b"ATB1"  u8 method (1 push, 2 pull)  u16 length + auth  u32 length + message
+    b"ATB1"  u8 method (1 push, 2 pull; | 0x80: keep)  u16 length + auth  u32 length + message
+
+A call without the ``KEEP`` bit is the connection's only one. With it (the coordinator's Join says it
+keeps connections: ``bulk_keep_seconds``), a call that ends cleanly leaves its connections open for
+the island's next call, which sends its preamble on them: no TCP or TLS handshake again, and where
+the hosts allow it (``net.ipv4.tcp_slow_start_after_idle=0``) no slow start either. A push's data then
+ends at its declared length, as over TLS. A refused, broken or abandoned call closes its connections;
+so does the coordinator when a kept connection has been idle for ``bulk_keep_seconds`` or when half
+its connection cap is in use.
 
 ``auth`` is the ``authorization`` metadata value gRPC would carry (``Bearer <token>``, or empty);
 ``message`` is a serialised ``PushChunk`` holding the push's header, or a ``PullRequest``. The
@@ -66,6 +74,10 @@ AHEAD_BYTES = 64 << 20
 their connections: memory stays bounded whatever a sender does)."""
 MAX_STREAMS = 16
 """The most connections one call may be striped over."""
+KEEP = 0x80
+"""A preamble's method bit: keep the connection open for the next call once this one ends cleanly."""
+KEEP_SECONDS = 300
+"""How long the coordinator keeps an idle connection (an island drops its own a little before)."""
 
 
 class UnitQueue:

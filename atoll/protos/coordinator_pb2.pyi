@@ -200,7 +200,7 @@ class JoinRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_ranks: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., partition: _Optional[str] = ..., layout_digest: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("config", "round", "bootstrap", "codec", "run_complete", "bulk_port", "checks_tokens", "bulk_streams")
+    __slots__ = ("config", "round", "bootstrap", "codec", "run_complete", "bulk_port", "checks_tokens", "bulk_streams", "bulk_keep_seconds")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class JoinResponse(_message.Message):
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     CHECKS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BULK_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    BULK_KEEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     config: RunConfigProto
     round: int
     bootstrap: bool
@@ -217,7 +218,8 @@ class JoinResponse(_message.Message):
     bulk_port: int
     checks_tokens: bool
     bulk_streams: int
-    def __init__(self, config: _Optional[_Union[RunConfigProto, _Mapping]] = ..., round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., codec: _Optional[str] = ..., run_complete: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., checks_tokens: _Optional[bool] = ..., bulk_streams: _Optional[int] = ...) -> None: ...
+    bulk_keep_seconds: int
+    def __init__(self, config: _Optional[_Union[RunConfigProto, _Mapping]] = ..., round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., codec: _Optional[str] = ..., run_complete: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., checks_tokens: _Optional[bool] = ..., bulk_streams: _Optional[int] = ..., bulk_keep_seconds: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("run_id", "island_id", "round", "session_id")

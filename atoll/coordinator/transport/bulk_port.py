@@ -1,12 +1,13 @@
 """The coordinator's bulk port (:mod:`atoll.protos.bulk`): pushes and pulls over plain TCP.
 
-Each connection carries one call to the same servicer methods gRPC calls (``PushDelta``,
-``PullUpdate``), so admission, validation, identity checks, counters and refusals are the same
-code; only the bytes move differently. A push's payloads are read by the event loop straight into
-their entry buffers (``sock_recv_into``, no copy but the kernel's); a pull's are sent from the
-update's own memory (``sock_sendall``). No thread per connection: a slow or silent peer holds a
-coroutine, and a watchdog ends a connection that makes no progress for ``idle_seconds`` while it
-is expected to (a pull's long-poll wait is not idleness).
+Each call goes to the same servicer methods gRPC calls (``PushDelta``, ``PullUpdate``), so
+admission, validation, identity checks, counters and refusals are the same code; only the bytes
+move differently. A connection carries one call, or (an island that asks, ``bulk.KEEP``) one call
+after another while each ends cleanly and the next comes within ``keep_seconds``. A push's payloads
+are read by the event loop straight into their entry buffers (``sock_recv_into``, no copy but the
+kernel's); a pull's are sent from the update's own memory (``sock_sendall``). No thread per
+connection: a slow or silent peer holds a coroutine, and a watchdog ends a connection that makes no
+progress for ``idle_seconds`` while it is expected to (a pull's long-poll wait is not idleness).
 """
 
 from __future__ import annotations
@@ -125,7 +126,9 @@ class StripeSet:
         self.attached = asyncio.Event()
         """Every connection came (the lead waits for them)."""
         self.finished = asyncio.Event()
-        """The call ended (its sides close)."""
+        """The call ended (its sides close, or wait for their next call)."""
+        self.clean = False
+        """The call ended with every connection's data read to its end (they may carry another)."""
 
     def attach(self, index: int, conn: Connection, count: int, auth: str) -> None:
         if count != self.count or not 0 <= index < count or self.conns[index] is not None or self.finished.is_set():
@@ -153,12 +156,15 @@ class BulkServer:
         idle_seconds: float,
         tls: ssl.SSLContext | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        keep_seconds: float = bulk.KEEP_SECONDS,
     ) -> None:
         self.servicer = servicer
         self.tokens = tokens
         self.tls = tls
         self.idle_seconds = idle_seconds
         self.max_connections = max_connections
+        self.keep_seconds = keep_seconds
+        """How long a connection that asked to be kept waits for its next call (0: one call each)."""
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         try:
             self._sock = socket.create_server((host, port), family=family, backlog=256)
@@ -202,6 +208,7 @@ class BulkServer:
                 self.servicer.counters.bulk_over_cap += 1
                 sock.close()
                 continue
+            self.servicer.counters.bulk_connections += 1
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock) if self.tls is None else TlsConnection(sock, self.tls)
@@ -212,18 +219,25 @@ class BulkServer:
     async def _serve(self, conn: Connection) -> None:
         call = asyncio.current_task()
         watchdog = asyncio.create_task(self._watch(conn, call))
+        first = True
         try:
-            await self._call(conn)
+            while await self._call(conn, first):
+                first = False
         except Aborted as refusal:
             with contextlib.suppress(OSError):
                 await conn.send(bulk.status_frame(refusal.status))
                 await self._drain(conn)
         except (OSError, EOFError, ValueError, struct.error) as err:  # the peer went away, or sent no call
-            # (an island measures its round trip with a connection that sends nothing: not news)
-            log.log(logging.INFO if conn.received else logging.DEBUG, "bulk port: connection ended: %s", err)
+            # (an island measures its round trip with a connection that sends nothing, and closes a
+            # kept one between calls: not news)
+            quiet = not conn.received or conn.between_calls
+            log.log(logging.DEBUG if quiet else logging.INFO, "bulk port: connection ended: %s", err)
         except asyncio.CancelledError:
             if not conn.timed_out:
                 raise
+            if conn.between_calls:  # a kept connection that no call came on for keep_seconds
+                log.debug("bulk port: a kept connection idle for %gs; closed", self.keep_seconds)
+                return
             log.info("bulk port: no progress for %gs; connection closed", conn.limit or self.idle_seconds)
             self.servicer.counters.bulk_timeouts += 1
         except Exception:  # a handler's failure ends its call (the client sees a broken stream), not the port
@@ -251,12 +265,31 @@ class BulkServer:
                 call.cancel()
                 return
 
-    async def _call(self, conn: Connection) -> None:
-        conn.expect(limit=min(PREAMBLE_SECONDS, self.idle_seconds))
-        await conn.start()
-        magic, method, auth_len = bulk.PREAMBLE.unpack(await conn.recv_exact(bulk.PREAMBLE.size))
+    def _keeps(self, asked: bool) -> bool:
+        """Whether a connection whose call asked to be kept stays open for another (not once half the
+        cap is in use: idle connections must not crowd out calls)."""
+        return asked and self.keep_seconds > 0 and len(self._calls) <= self.max_connections // 2
+
+    async def _call(self, conn: Connection, first: bool = True) -> bool:
+        """Serve the connection's next call; whether the connection stays open for another."""
+        preamble_limit = min(PREAMBLE_SECONDS, self.idle_seconds)
+        head = b""
+        if first:
+            conn.expect(limit=preamble_limit)
+            await conn.start()
+        else:  # a kept connection: its next call may be a round away
+            conn.expect(limit=self.keep_seconds)
+            conn.between_calls = True
+            head = await conn.recv_exact(1)
+            conn.between_calls = False
+            conn.expect(limit=preamble_limit)
+        raw = head + await conn.recv_exact(bulk.PREAMBLE.size - len(head))
+        magic, method, auth_len = bulk.PREAMBLE.unpack(raw)
+        keep = bool(method & bulk.KEEP) and self.keep_seconds > 0
+        method &= ~bulk.KEEP
         if magic != bulk.MAGIC or not bulk.PUSH <= method <= bulk.PULL_STRIPED or auth_len > bulk.MAX_AUTH_BYTES:
             raise ValueError("not an atoll bulk call")
+        conn.delimited = keep or type(conn).delimited  # a kept connection's push data ends at its length
         auth = (await conn.recv_exact(auth_len)).decode(errors="replace")
         (length,) = bulk.LENGTH.unpack(await conn.recv_exact(bulk.LENGTH.size))
         if length > MAX_MESSAGE_BYTES:
@@ -268,12 +301,12 @@ class BulkServer:
         message = await conn.recv_exact(length)
         conn.expect(False)
         if method == bulk.SIDE:
-            await self._side(conn, auth, message)
-            return
+            return await self._side(conn, auth, message) and self._keeps(keep)
         self.servicer.counters.bulk_calls += 1
+        self.servicer.counters.bulk_kept_calls += not first
         if method not in bulk.STRIPED:
             await self._serve_call(conn, method, message, context, conn)
-            return
+            return self._keeps(keep)
         call_id, _, count = bulk.STRIPE.unpack_from(message)
         if not 2 <= count <= bulk.MAX_STREAMS:
             raise ValueError(f"a call striped over {count} connections (2 to {bulk.MAX_STREAMS})")
@@ -288,15 +321,18 @@ class BulkServer:
             data = Striped(stripes.conns)
             try:
                 await self._serve_call(conn, bulk.STRIPED[method], message[bulk.STRIPE.size :], context, data)
+                stripes.clean = await data.settle(PREAMBLE_SECONDS)
             finally:
                 await data.close()
         finally:
             stripes.finished.set()
             if self._stripes.get(call_id) is stripes:
                 del self._stripes[call_id]
+        return stripes.clean and self._keeps(keep)
 
-    async def _side(self, conn: Connection, auth: str, message: bytes) -> None:
-        """One more connection of a striped call: it waits for its lead, which reads and writes it."""
+    async def _side(self, conn: Connection, auth: str, message: bytes) -> bool:
+        """One more connection of a striped call: it waits for its lead, which reads and writes it;
+        whether the call ended cleanly."""
         call_id, index, count = bulk.STRIPE.unpack(message)
         stripes = self._stripes.setdefault(call_id, StripeSet(count, auth))
         try:
@@ -307,6 +343,7 @@ class BulkServer:
                 del self._stripes[call_id]
             raise
         await stripes.finished.wait()
+        return stripes.clean
 
     async def _serve_call(self, conn: Connection, method: int, message: bytes, context, data) -> None:
         """One push or pull: its answers on ``conn``, its data on ``data`` (``conn``, or its stripes)."""

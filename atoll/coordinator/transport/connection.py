@@ -43,6 +43,8 @@ class Connection:
         """Bytes that came on the connection (TLS records included)."""
         self.clock: Connection = self
         """Whose progress clock this connection's bytes advance (a striped call's: its lead's)."""
+        self.between_calls = False
+        """A kept connection waiting for its next call (ending now is no failure)."""
 
     def expect(self, expecting: bool = True, limit: float | None = None) -> None:
         self.since, self.limit = (time.monotonic() if expecting else None), limit

@@ -23,6 +23,9 @@ class Counters:
         "pulls_busy": "Pulls refused before their data flowed: the pull memory budget was spent (the island retries)",
         "pulls_idle": "Pull streams ended because their peer took nothing for the idle limit",
         "bulk_calls": "Pushes and pulls that came on the bulk port (the others came over gRPC)",
+        "bulk_connections": "Connections the bulk port accepted (a striped call takes several, a kept one "
+        "carries call after call)",
+        "bulk_kept_calls": "Bulk-port calls that came on a connection kept from an earlier call (no handshake)",
         "bulk_timeouts": "Bulk-port connections closed for making no progress (a preamble past its deadline, "
         "a stream idle past --stream-idle-seconds)",
         "bulk_over_cap": "Bulk-port connections closed as they came because the port had its maximum open",
@@ -41,6 +44,8 @@ class Counters:
     pulls_idle: int = 0
     joins_refused: int = 0
     bulk_calls: int = 0
+    bulk_connections: int = 0
+    bulk_kept_calls: int = 0
     bulk_timeouts: int = 0
     bulk_over_cap: int = 0
     bulk_resumes: int = 0

@@ -154,6 +154,7 @@ class CoordinatorServer:
             )
             await self.bulk.start()
             servicer.bulk_port = self.bulk.port
+            servicer.bulk_keep_seconds = int(self.bulk.keep_seconds)
         await self._server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

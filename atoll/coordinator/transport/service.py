@@ -130,6 +130,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Pushes cut part way on the bulk port, kept for their retry (as long as a stream may be idle)."""
         self.bulk_port = 0
         """The bulk port Join advertises (0: none; set by the server once it listens)."""
+        self.bulk_keep_seconds = 0
+        """How long the bulk port keeps a connection between calls (Join advertises it)."""
         self._unchecked: set[str] = set()
         """Islands that sent a token this coordinator does not check (each warned about once)."""
 
@@ -172,6 +174,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 run_complete=a.run_complete,
                 bulk_port=self.bulk_port,
                 bulk_streams=MAX_STREAMS if self.bulk_port else 0,
+                bulk_keep_seconds=self.bulk_keep_seconds if self.bulk_port else 0,
                 checks_tokens=self.tokens is not None,
             )
 

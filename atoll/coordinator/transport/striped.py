@@ -143,6 +143,15 @@ class Striped:
         except OSError as err:
             await self._fail(err)
 
+    async def settle(self, seconds: float) -> bool:
+        """After a call that ended well: wait (at most ``seconds``) for every connection's units to end,
+        which the sender writes after its last unit; whether each did, with nothing left unread (the
+        connections may then carry another call)."""
+        if not self._tasks:
+            return True  # nothing was read: a pull's, or a push answered at its header
+        done, _ = await asyncio.wait(self._tasks, timeout=seconds)
+        return len(done) == len(self._tasks) and self._error is None and self._ended == len(self.conns)
+
     async def close(self) -> None:
         """Stop reading and writing (the call ended, or failed)."""
         for task in [*self._tasks, *(self._lanes or [])]:
@@ -150,3 +159,5 @@ class Striped:
         for task in [*self._tasks, *(self._lanes or [])]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        for conn in self.conns[1:]:
+            conn.clock = conn

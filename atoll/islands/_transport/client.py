@@ -26,18 +26,10 @@ from typing import Protocol, TypeVar
 
 import grpc
 
+from atoll.islands._transport.kept import KeptConnections
+from atoll.islands._transport.opening import AUTO_MAX_STREAMS, BulkPort, BulkUnreachable, auto_streams, connect
 from atoll.islands._transport.probe import diagnose
-from atoll.islands._transport.streams import (
-    AUTO_MAX_STREAMS,
-    BulkPort,
-    BulkUnreachable,
-    GrpcPull,
-    GrpcPush,
-    TcpPull,
-    TcpPush,
-    auto_streams,
-    connect,
-)
+from atoll.islands._transport.streams import GrpcPull, GrpcPush, TcpPull, TcpPush
 from atoll.islands._transport.transfer import read_update, write_push
 from atoll.islands.errors import PartialUpdate, ProtocolError, WrongEndpoint
 from atoll.protos import coordinator_pb2 as pb
@@ -194,11 +186,14 @@ class CoordinatorClient:
         pulls go there, and back to gRPC if it cannot be reached."""
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.kept = KeptConnections()
+        """Bulk-port connections kept between calls (when the coordinator keeps them too)."""
         self.buffers = BufferPool(PULL_BUFFER_BYTES)
         """Entry buffers of pulls applied entry by entry, reused round after round (no page faults)."""
 
     def close(self) -> None:
         self._channel.close()
+        self.kept.close()
 
     def call(self, what: str, fn: Callable[[], T], *, give_up_seconds: float | None = None, probe: bool = False) -> T:
         """Run ``fn`` (one attempt of an RPC), retrying while the coordinator is unreachable or busy.
@@ -269,7 +264,9 @@ class CoordinatorClient:
         if resp.bulk_port:
             server_name = self.tls.server_name if self.tls is not None else None
             host = parse_address(self.address)[0]
-            self.bulk = BulkPort(host, resp.bulk_port, self._bulk_tls, server_name, max(resp.bulk_streams, 1))
+            self.bulk = BulkPort(
+                host, resp.bulk_port, self._bulk_tls, server_name, max(resp.bulk_streams, 1), resp.bulk_keep_seconds
+            )
             if self.rtt is None and self.bulk_streams is None:
                 with contextlib.suppress(BulkUnreachable):  # (a port that cannot be reached says so at the push)
                     sock, rtt = connect(self.bulk)
@@ -300,8 +297,9 @@ class CoordinatorClient:
                     self.bulk = None
         return on_grpc()
 
-    def _saw_rtt(self, rtt: float) -> None:
-        self.rtt = rtt if self.rtt is None else min(self.rtt, rtt)
+    def _saw_rtt(self, rtt: float | None) -> None:
+        if rtt is not None:  # (None: a call on kept connections only, no handshake to time)
+            self.rtt = rtt if self.rtt is None else min(self.rtt, rtt)
 
     def streams_for(self, port: BulkPort) -> int:
         """The connections the next call on ``port`` is striped over."""
@@ -320,7 +318,7 @@ class CoordinatorClient:
         return self._transport(
             "PushDelta",
             lambda port: self._tcp(
-                TcpPush(port, header, auth=self._auth, timeout=timeout, streams=self.streams_for(port))
+                TcpPush(port, header, auth=self._auth, timeout=timeout, streams=self.streams_for(port), kept=self.kept)
             ),
             lambda: GrpcPush(self._push_call, header, timeout=self._timeout(total), metadata=self._metadata),
         )
@@ -373,7 +371,7 @@ class CoordinatorClient:
         return self._transport(
             "PullUpdate",
             lambda port: self._tcp(
-                TcpPull(port, req, auth=self._auth, timeout=timeout, streams=self.streams_for(port))
+                TcpPull(port, req, auth=self._auth, timeout=timeout, streams=self.streams_for(port), kept=self.kept)
             ),
             lambda: GrpcPull(
                 self._pull_call,

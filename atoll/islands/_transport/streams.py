@@ -1,5 +1,5 @@
 """The two byte sources of an island's transport: a push or a pull on gRPC, or on the coordinator's bulk
-port (one TCP connection per call, :mod:`atoll.protos.bulk`). Both give the same interface, so the one
+port (TCP connections kept from call to call, :mod:`atoll.protos.bulk`). Both give the same interface, so the one
 writer and the one reader (:mod:`atoll.islands._transport.transfer`) never know which carries the bytes.
 
 - :class:`PushStream`: the header goes first when it opens (an admission or a refusal comes back
@@ -12,53 +12,27 @@ writer and the one reader (:mod:`atoll.islands._transport.transfer`) never know 
 
 Failures are ``grpc.RpcError``\\ s on both (the bulk port's :class:`~atoll.protos.bulk.BulkError` has gRPC's
 codes), so retries and reasons treat the transports alike; a bulk port that cannot be reached at all
-raises :class:`BulkUnreachable`, and the client goes back to gRPC.
+raises :class:`~atoll.islands._transport.opening.BulkUnreachable`, and the client goes back to gRPC.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import queue
 import select
 import socket
 import ssl
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Protocol
 
+from atoll.islands._transport.kept import KeptConnections
+from atoll.islands._transport.opening import BulkPort, open_call
 from atoll.islands._transport.striping import UnitReceiver, UnitSender
 from atoll.islands.errors import ProtocolError
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.raw import RawData
 from atoll.protos.rpc import MAX_MESSAGE_BYTES, ChunkPacker
-
-CONNECT_SECONDS = 10.0
-AUTO_STRIPE_RTT = 0.005
-"""Below this round trip a call uses one connection (loopback, a LAN: one stream fills the link)."""
-AUTO_MAX_STREAMS = 8
-
-
-class BulkUnreachable(ConnectionError):
-    """The bulk port refused or did not answer the connection, or its TLS handshake failed."""
-
-
-@dataclass(frozen=True)
-class BulkPort:
-    """Where the coordinator's bulk port is (its Join advertised it): pushes and pulls go there."""
-
-    host: str
-    port: int
-    tls: ssl.SSLContext | None = None
-    """The island's TLS context when the coordinator serves TLS (the bulk port then does too)."""
-    server_name: str | None = None
-    """The name the coordinator's certificate must carry, if not ``host``."""
-    streams: int = 1
-    """The most connections the coordinator takes for one call (its Join's ``bulk_streams``)."""
 
 
 class PushStream(Protocol):
@@ -184,71 +158,6 @@ class GrpcPull:
 
 
 # ---- the bulk port ------------------------------------------------------------------------------
-def connect(port: BulkPort) -> tuple[socket.socket, float]:
-    """A TCP connection to the bulk port, and the seconds its handshake took (one round trip)."""
-    started = time.perf_counter()
-    try:
-        sock = socket.create_connection((port.host, port.port), timeout=CONNECT_SECONDS)
-    except OSError as err:
-        raise BulkUnreachable(f"bulk port {port.host}:{port.port}: {err}") from None
-    return sock, time.perf_counter() - started
-
-
-def _open(port: BulkPort, method: int, auth: str, message: bytes, timeout: float) -> tuple[socket.socket, float]:
-    """A connection to the bulk port (TLS when ``port.tls``), its preamble sent; and its round trip."""
-    sock, rtt = connect(port)
-    if port.tls is not None:
-        try:
-            sock = port.tls.wrap_socket(sock, server_hostname=port.server_name or port.host)
-        except OSError as err:  # ssl.SSLError is one: a handshake gRPC's would have failed too, or a reset
-            sock.close()
-            raise BulkUnreachable(f"bulk port {port.host}:{port.port}: TLS handshake: {err}") from None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(timeout)
-        sock.sendall(bulk.preamble(method, auth, message))
-    except OSError as err:
-        sock.close()
-        raise bulk.broken(f"{type(err).__name__}: {err}") from None
-    return sock, rtt
-
-
-def _open_call(
-    port: BulkPort, method: int, auth: str, message: bytes, timeout: float, streams: int
-) -> tuple[list[socket.socket], float]:
-    """The connections of one call, opened together, their preambles sent (one, or ``streams`` for a
-    striped call: the lead carries the call, the others join it); and the shortest round trip seen."""
-    if streams <= 1:
-        sock, rtt = _open(port, method, auth, message, timeout)
-        return [sock], rtt
-    call_id = os.urandom(16)
-    striped = {bulk.PUSH: bulk.PUSH_STRIPED, bulk.PULL: bulk.PULL_STRIPED}[method]
-    jobs = [(striped, bulk.STRIPE.pack(call_id, 0, streams) + message)]
-    jobs += [(bulk.SIDE, bulk.STRIPE.pack(call_id, i, streams)) for i in range(1, streams)]
-    with ThreadPoolExecutor(streams, thread_name_prefix="atoll-bulk-open") as pool:
-        opening = [pool.submit(_open, port, m, auth, msg, timeout) for m, msg in jobs]
-    opened, failed = [], []
-    for future in opening:
-        try:
-            opened.append(future.result())
-        except Exception as err:  # BulkUnreachable, or a broken preamble
-            failed.append(err)
-    if failed:
-        for sock, _ in opened:
-            sock.close()
-        raise failed[0]
-    return [sock for sock, _ in opened], min(rtt for _, rtt in opened)
-
-
-def auto_streams(rtt: float | None, limit: int) -> int:
-    """Connections for a call over a link of round trip ``rtt`` (None: not measured yet): one on a LAN;
-    else enough to fill 1 Gbit/s when each carries what Linux's default 4 MiB send buffer keeps in
-    flight (~2.6 MB: one stream measured 259 Mbit/s at 80 ms), one per 20 ms, at most ``limit``."""
-    if rtt is None or rtt < AUTO_STRIPE_RTT or limit <= 1:
-        return 1
-    return max(2, min(limit, math.ceil(rtt / 0.020)))
-
-
 def _answer(sock: socket.socket, *, continuing: bool = False) -> bytes | None:
     """The server's answer: its OK message, None for CONTINUE (when ``continuing``), or raise its refusal."""
     kind, data = bulk.read_frame(sock, MAX_MESSAGE_BYTES)
@@ -274,12 +183,23 @@ def _answered(sock: socket.socket) -> bool:
 class TcpPush:
     """A push on the bulk port: the header in the preamble; the data goes once it is admitted (CONTINUE),
     sent from the payloads' own memory by a sender thread while the caller makes the next one; the end
-    of the data is the client's half-close (in the clear, one connection) or its declared length.
-    Striped over ``streams`` connections, the sender deals the data's units to one thread each."""
+    of the data is the client's half-close (in the clear, one connection, not kept) or its declared
+    length. Striped over ``streams`` connections, the sender deals the data's units to one thread each.
+    With ``kept``, connections come from there and go back once the call has ended cleanly."""
 
-    def __init__(self, port: BulkPort, header: pb.PushHeader, *, auth: str, timeout: float, streams: int = 1) -> None:
+    def __init__(
+        self,
+        port: BulkPort,
+        header: pb.PushHeader,
+        *,
+        auth: str,
+        timeout: float,
+        streams: int = 1,
+        kept: KeptConnections | None = None,
+    ) -> None:
         message = pb.PushChunk(header=header).SerializeToString()
-        self._socks, self.rtt = _open_call(port, bulk.PUSH, auth, message, timeout, streams)
+        self._port, self._kept = port, kept if port.keep_seconds > 0 else None
+        self._socks, self.rtt = open_call(port, bulk.PUSH, auth, message, timeout, streams, self._kept)
         self._sock = self._socks[0]
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._failed: list[BaseException | None] = []
@@ -339,23 +259,31 @@ class TcpPush:
         return True
 
     def finish(self) -> pb.PushResponse:
+        clean = False
         try:
             if self._sender is None:
-                return pb.PushResponse.FromString(self._early)  # answered at the header: nothing to send
+                response = pb.PushResponse.FromString(self._early)  # answered at the header: nothing to send
+                clean = True
+                return response
             self._ready.put(_End)
             self._sender.join()
             if not self._failed:
-                if len(self._socks) == 1 and not isinstance(self._sock, ssl.SSLSocket):
-                    with contextlib.suppress(OSError):  # (over TLS, or striped, the declared length ends the data)
+                if len(self._socks) == 1 and not isinstance(self._sock, ssl.SSLSocket) and self._kept is None:
+                    with contextlib.suppress(OSError):  # (over TLS, striped or kept, the declared length ends it)
                         self._sock.shutdown(socket.SHUT_WR)  # the end of the data
             elif self._failed[0] is not None and not _answered(self._sock):
                 raise self._failed[0]  # the wire broke and no answer waits
             # The answer, or the refusal part way (the server stopped reading).
-            return pb.PushResponse.FromString(_answer(self._sock))
+            response = pb.PushResponse.FromString(_answer(self._sock))
+            clean = not self._failed  # every byte sent and answered: the connections carry nothing more
+            return response
         finally:
-            self._close()
+            self._close(clean)
 
-    def _close(self) -> None:
+    def _close(self, clean: bool = False) -> None:
+        if clean and self._kept is not None:
+            self._kept.give(self._port, self._socks)
+            return
         for sock in self._socks:
             sock.close()
 
@@ -371,12 +299,26 @@ class TcpPush:
 
 class TcpPull:
     """A pull on the bulk port: the header frame, the entries' payloads read straight into the caller's
-    buffers (striped: each unit from its connection, in order), then (tentative) the Durable frame."""
+    buffers (striped: each unit from its connection, in order), then (tentative) the Durable frame.
+    With ``kept``, connections come from there and go back once the whole answer was read."""
 
-    def __init__(self, port: BulkPort, req: pb.PullRequest, *, auth: str, timeout: float, streams: int = 1) -> None:
+    def __init__(
+        self,
+        port: BulkPort,
+        req: pb.PullRequest,
+        *,
+        auth: str,
+        timeout: float,
+        streams: int = 1,
+        kept: KeptConnections | None = None,
+    ) -> None:
         self._timeout = timeout
         message = req.SerializeToString()
-        self._socks, self.rtt = _open_call(port, bulk.PULL, auth, message, timeout + req.wait_seconds, streams)
+        self._port, self._kept = port, kept if port.keep_seconds > 0 else None
+        self._clean = False
+        self._socks, self.rtt = open_call(
+            port, bulk.PULL, auth, message, timeout + req.wait_seconds, streams, self._kept
+        )
         self._sock = self._socks[0]
         self._units: UnitReceiver | None = None
         self._delivered = req.resume_offset
@@ -413,9 +355,14 @@ class TcpPull:
         return pb.Durable.FromString(_answer(self._sock))
 
     def end(self) -> None:
-        """The call ends with the header's entries (the server closes the connection)."""
+        """The call ends with the header's entries (the server closes the connections, or, kept, waits
+        on them for the next call once each has ended its units)."""
+        self._clean = self._units is None or self._units.settle(self._timeout)
 
     def close(self) -> None:
+        if self._clean and self._kept is not None:
+            self._kept.give(self._port, self._socks)
+            return
         if self._units is not None:
             self._units.close()
         for sock in self._socks:

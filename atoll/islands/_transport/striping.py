@@ -128,6 +128,14 @@ class UnitReceiver:
         if self._error is not None:
             raise self._error
 
+    def settle(self, seconds: float) -> bool:
+        """After the whole answer was read: wait (at most ``seconds`` each) for every connection's
+        units to end; whether each did, with nothing left unread (the connections may be kept)."""
+        for reader in self._readers:
+            reader.join(seconds)
+        with self._cond:
+            return self._ended == len(self._readers) and self._error is None and not self._pending
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

@@ -1,0 +1,71 @@
+"""The bulk-port connections an island keeps open between its calls (:mod:`atoll.protos.bulk`, ``KEEP``).
+
+Over a long link every new connection costs a round trip for TCP's handshake (two more for TLS's)
+and starts in slow start, ~5 round trips to fill 1 Gbit/s at 80 ms: half a second that a 1 s
+transfer pays again every call. A call that ended cleanly gives its connections back here and the
+next call takes them. One the coordinator closed meanwhile (it keeps an idle one
+``bulk_keep_seconds``; this side gives it up at 0.8 of that) shows as readable, since a coordinator
+never sends on a connection unasked, and is closed here instead of being used.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import ssl
+import threading
+import time
+
+MARGIN = 0.8
+"""The share of the coordinator's keep time an idle connection is used within."""
+
+
+def still_open(sock: socket.socket) -> bool:
+    """Nothing to read and no hang-up: the coordinator has not closed it (it sends nothing unasked)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+        return not poller.poll(0)
+    except (OSError, ValueError):  # closed already
+        return False
+
+
+class KeptConnections:
+    """Idle connections by bulk port (thread-safe: a push and a pull may take and give at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[object, list[tuple[socket.socket, float]]] = {}
+
+    def take(self, port, n: int, keep_seconds: float) -> list[socket.socket]:
+        """Up to ``n`` idle connections to ``port`` still open, the most recently used first (their
+        congestion windows are the warmest)."""
+        taken, stale = [], []
+        now = time.monotonic()
+        with self._lock:
+            idle = self._idle.get(port, [])
+            while idle and len(taken) < n:
+                sock, since = idle.pop()
+                (taken if now - since < keep_seconds * MARGIN and still_open(sock) else stale).append(sock)
+        for sock in stale:
+            sock.close()
+        return taken
+
+    def give(self, port, socks: list[socket.socket]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._idle.setdefault(port, []).extend((sock, now) for sock in socks)
+
+    def idle(self, port) -> int:
+        """Connections to ``port`` waiting for a call (tests and benchmarks read it)."""
+        with self._lock:
+            return len(self._idle.get(port, []))
+
+    def close(self) -> None:
+        with self._lock:
+            socks = [sock for idle in self._idle.values() for sock, _ in idle]
+            self._idle.clear()
+        for sock in socks:
+            sock.close()
