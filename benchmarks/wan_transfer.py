@@ -2,19 +2,26 @@
 
     python benchmarks/wan_transfer.py [--link 1000:80] [--model gpt-125m] [--codec int8]
                                       [--streams 1 4 8] [--repeat 2] [--tls] [--tuned-buffers]
+                                      [--connections fresh kept] [--idle 2] [--keep-window]
 
 Runs itself under ``unshare -rn`` and builds one link of :mod:`atoll.harness.netlink`
 (``RATE_MBIT:RTT_MS``; the hosts' TCP buffers left at the kernel's defaults unless ``--tuned-buffers``).
 A real ``atoll coordinator`` (quorum 1, ``--codec`` both ways) listens on this side; one island
 process in the site's namespace joins, uploads θ_0, then for each stream count pushes a
 pseudo-gradient (``--codec``) and pulls the round's update, ``--repeat`` times each, through atoll's
-own client (``bulk_streams``). Printed per stream count: the median push and pull, header to answer
-(connections, TLS and admission included), and the rate each moved its payload at against the link's.
+own client (``bulk_streams``), ``--idle`` seconds of (replayed) compute before each push. ``fresh``:
+every call opens its connections (handshakes, slow start); ``kept``: calls reuse the connections of
+the calls before (one untimed push and pull first), as an island does round after round when the
+coordinator keeps them. ``--keep-window``: both hosts keep their congestion window over idle time
+(``net.ipv4.tcp_slow_start_after_idle=0``). Printed per stream count and connection mode: the median
+push and pull, header to answer (connections, TLS and admission included), and the rate each moved
+its payload at against the link's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -29,7 +36,9 @@ sys.path.insert(0, str(ROOT))
 from atoll.harness.netlink import Link, LinkSpec, enter_namespace  # noqa: E402
 
 
-def island(address: str, model: str, codec: str, streams: list[int], repeat: int, ca: str) -> None:
+def island(
+    address: str, model: str, codec: str, streams: list[int], repeat: int, ca: str, modes: list[str], idle: float
+) -> None:
     """The site's side (run in its namespace): prints one JSON line of timings."""
     import torch
 
@@ -80,21 +89,31 @@ def island(address: str, model: str, codec: str, streams: list[int], repeat: int
     push([identity.encode(torch.randn(s, generator=gen)) for s in shapes.values()], 0, pb.PUSH_KIND_INIT, "identity")
     delta = [enc.encode(torch.randn(s, generator=gen) * 1e-3) for s in shapes.values()]
     out, round_ = {"push_bytes": sum(map(len, delta)), "rtt": client.rtt}, 0
+    joined = client.bulk
     for n in streams:
         client.bulk_streams = n
-        pushes, pulls, rates = [], [], []
-        for _ in range(repeat):
-            pushes.append(push(delta, round_, pb.PUSH_KIND_DELTA, codec))
-            took, nbytes, rate = pull(round_)
-            pulls.append(took)
-            rates.append(rate)
-            round_ += 1
-        out[str(n)] = {
-            "push": statistics.median(pushes),
-            "pull": statistics.median(pulls),
-            "pull_bytes": nbytes,
-            "pull_second_half_rate": statistics.median(rates),
-        }
+        for mode in modes:
+            client.kept.close()  # each mode starts from no connections
+            client.bulk = joined if mode == "kept" else dataclasses.replace(joined, keep_seconds=0)
+            if mode == "kept":  # connections up and warm, as after a run's first round
+                time.sleep(idle)
+                push(delta, round_, pb.PUSH_KIND_DELTA, codec)
+                pull(round_)
+                round_ += 1
+            pushes, pulls, rates = [], [], []
+            for _ in range(repeat):
+                time.sleep(idle)  # the inner steps
+                pushes.append(push(delta, round_, pb.PUSH_KIND_DELTA, codec))
+                took, nbytes, rate = pull(round_)
+                pulls.append(took)
+                rates.append(rate)
+                round_ += 1
+            out[f"{n}/{mode}"] = {
+                "push": statistics.median(pushes),
+                "pull": statistics.median(pulls),
+                "pull_bytes": nbytes,
+                "pull_second_half_rate": statistics.median(rates),
+            }
     client.close()
     print(json.dumps(out), flush=True)
 
@@ -108,16 +127,21 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--tls", action="store_true", help="serve and connect over TLS (a self-signed certificate)")
     p.add_argument("--tuned-buffers", action="store_true", help="raise the hosts' TCP buffers to 4x the BDP")
+    p.add_argument("--connections", nargs="+", choices=["fresh", "kept"], default=["fresh", "kept"])
+    p.add_argument("--idle", type=float, default=2.0, help="seconds of replayed compute before each push")
+    p.add_argument("--keep-window", action="store_true", help="net.ipv4.tcp_slow_start_after_idle=0 on both hosts")
     p.add_argument("--island", nargs=2, metavar=("ADDRESS", "CA"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.island:
-        island(a.island[0], a.model, a.codec, a.streams, a.repeat, a.island[1])
+        island(a.island[0], a.model, a.codec, a.streams, a.repeat, a.island[1], a.connections, a.idle)
         return
     enter_namespace([str(Path(__file__).resolve()), *sys.argv[1:]])
     rate, rtt = (float(x) for x in a.link.split(":"))
     with (
         tempfile.TemporaryDirectory(prefix="wan-") as tmp,
-        Link(LinkSpec(rate_mbit=rate, rtt_ms=rtt, tuned_buffers=a.tuned_buffers)) as link,
+        Link(
+            LinkSpec(rate_mbit=rate, rtt_ms=rtt, tuned_buffers=a.tuned_buffers, slow_start_after_idle=not a.keep_window)
+        ) as link,
     ):
         tmp = Path(tmp)
         tls_flags, ca = [], ""
@@ -142,7 +166,8 @@ def main() -> None:
             time.sleep(0.2)
             address = f"{link.coordinator_host}:{port_file.read_text().strip()}"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--model", a.model, "--codec", a.codec,
-                   "--repeat", str(a.repeat), "--streams", *map(str, a.streams), "--island", address, ca]  # fmt: skip
+                   "--repeat", str(a.repeat), "--streams", *map(str, a.streams), "--idle", str(a.idle),
+                   "--connections", *a.connections, "--island", address, ca]  # fmt: skip
             out = subprocess.run(link.site_command(cmd), capture_output=True, text=True, timeout=1800)
             if out.returncode != 0:
                 raise RuntimeError(out.stderr[-4000:])
@@ -153,15 +178,18 @@ def main() -> None:
     nbytes = got["push_bytes"]
     print(
         f"{a.model} {a.codec} push of {nbytes / 1e6:.1f} MB over {rate:g} Mbit/s, {rtt:g} ms "
-        f"({'tuned' if a.tuned_buffers else 'default'} TCP buffers{', TLS' if a.tls else ''}; the island measured "
+        f"({'tuned' if a.tuned_buffers else 'default'} TCP buffers{', TLS' if a.tls else ''}"
+        f"{', windows kept over idle time' if a.keep_window else ''}; {a.idle:g} s before each push; "
+        f"the island measured "
         f"a round trip of {got['rtt'] * 1e3:.1f} ms); the payload alone at the link's rate takes "
         f"{nbytes * 8 / rate / 1e6:.2f} s",
         flush=True,
     )
-    for n in a.streams:
-        r = got[str(n)]
+    for n, mode in ((n, mode) for n in a.streams for mode in a.connections):
+        r = got[f"{n}/{mode}"]
         print(
-            f"  {n} stream{'s' if n > 1 else ' '}: push {r['push']:.2f} s ({nbytes * 8 / r['push'] / 1e6 / rate:.2f} "
+            f"  {n} stream{'s' if n > 1 else ' '}, {mode:5}: push {r['push']:.2f} s "
+            f"({nbytes * 8 / r['push'] / 1e6 / rate:.2f} "
             f"of the link's rate), pull of {r['pull_bytes'] / 1e6:.1f} MB {r['pull']:.2f} s "
             f"({r['pull_bytes'] * 8 / r['pull'] / 1e6 / rate:.2f} of it; its second half of the bytes at "
             f"{r['pull_second_half_rate'] * 8 / 1e6 / rate:.2f} of it)",
