@@ -7,11 +7,15 @@ one outer exchange takes over the link, and the share of wall time the accelerat
 The link model is the bulk port's behaviour as measured over the emulated WAN
 (:mod:`atoll.harness.netlink`, ``benchmarks/wan_transfer.py``):
 
-- a call opens its connections (one round trip, one more for TLS), then a push waits one round trip
-  for its admission and one for its answer after the last byte; a pull's first byte arrives one
-  round trip after its request;
-- each connection starts at 10 segments and doubles each round trip until the call's share of the
-  link is in flight (TCP slow start), then moves at the link's rate less the packets' headers;
+- a push waits one round trip for its admission and one for its answer after the last byte; a
+  pull's first byte arrives one round trip after its request;
+- in a run's steady state a call takes the connections the calls before it kept (``kept``): no
+  handshake, and the windows start where they were (Linux keeps a connection's slow-start threshold
+  over idle time; kept calls measured 0.78-0.89 of the link's rate after 2 s idle), so the data
+  moves at the link's rate from its first byte. With ``kept=False`` (a coordinator that keeps none,
+  or a run's first round) a call first opens its connections (one round trip, one more for TLS),
+  and each starts at 10 segments and doubles each round trip until the call's share of the link is
+  in flight (TCP slow start); then it moves at the link's rate less the packets' headers;
 - one connection carries at most ``window`` bytes per round trip (its send buffer: ~2.7 MB with
   Linux's default 4 MiB ``tcp_wmem``), so a call is striped over ``streams`` connections (the
   island's own choice from the round trip, :func:`atoll.islands._transport.streams.auto_streams`);
@@ -21,7 +25,10 @@ The link model is the bulk port's behaviour as measured over the emulated WAN
 An exchange is the push, the coordinator's outer step (``outer_seconds``: ~2 ns per parameter on one
 CPU thread, measured at 124M), and the pull. With ``overlap_steps`` τ the island keeps computing and
 waits only for what is left after τ steps; with P streaming fragments each exchange moves 1/P of
-the model, P times a round.
+the model, P times a round. ``host_seconds`` is the island's own work per round on its training
+thread (the pseudo-gradient, its encoding, applying the update), which overlap does not hide: on an
+accelerator it runs on the device in well under a step (the default, 0); an island computing on
+its CPU measures it (``benchmarks/wan_utilisation.py`` does: ~1 s at 124M on its 2 cores).
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class Link:
     window_bytes: float = 2.7e6
     """What one TCP connection keeps in flight at most (its send buffer's share)."""
     tls: bool = True
+    kept: bool = True
+    """Calls reuse the connections of the calls before (the runtime's steady state)."""
 
     def __post_init__(self) -> None:
         if self.rate_mbit <= 0 or self.rtt_ms < 0 or not 0 <= self.loss < 1 or self.mtu < 576:
@@ -87,6 +96,8 @@ def data_seconds(nbytes: float, link: Link, streams: int) -> float:
         return nbytes / rate
     first = streams * 10 * link.mss  # every connection's first flight
     target = rate * rtt  # in flight once the call fills its share
+    if link.kept:
+        first = max(first, target)  # the windows are open already
     rounds = max(0, math.ceil(math.log2(max(target / first, 1.0))))
     ramp = first * (2**rounds - 1)  # bytes sent while ramping
     if nbytes <= ramp:
@@ -94,14 +105,18 @@ def data_seconds(nbytes: float, link: Link, streams: int) -> float:
     return rounds * rtt + (nbytes - ramp) / rate + rtt / 2
 
 
+def setup_seconds(link: Link) -> float:
+    """Opening a call's connections: TCP's handshake (and TLS's), none on kept ones."""
+    return 0.0 if link.kept else (2 if link.tls else 1) * link.rtt
+
+
 def push_seconds(nbytes: float, link: Link, streams: int) -> float:
-    setup = (2 if link.tls else 1) * link.rtt  # TCP (and TLS) handshakes
-    return setup + link.rtt + data_seconds(nbytes, link, streams) + link.rtt / 2  # admission; the answer
+    # admission; the data; the answer
+    return setup_seconds(link) + link.rtt + data_seconds(nbytes, link, streams) + link.rtt / 2
 
 
 def pull_seconds(nbytes: float, link: Link, streams: int) -> float:
-    setup = (2 if link.tls else 1) * link.rtt
-    return setup + link.rtt / 2 + data_seconds(nbytes, link, streams)  # the request, then the data
+    return setup_seconds(link) + link.rtt / 2 + data_seconds(nbytes, link, streams)  # the request, then the data
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +170,7 @@ def estimate(
     link: Link,
     outer_seconds: float | None = None,
     coordinator_mbit: float | None = None,
+    host_seconds: float = 0.0,
 ) -> Estimate:
     params = sum(math.prod(s) for s in shapes)
     down = downlink_for(cand.codec)
@@ -164,7 +180,9 @@ def estimate(
     p = cand.fragments
     push = push_seconds(up_bytes / p, link, streams)
     if coordinator_mbit:  # every island's push into the coordinator's own link
-        shared = Link(rate_mbit=coordinator_mbit, rtt_ms=link.rtt_ms, loss=link.loss, mtu=link.mtu, tls=link.tls)
+        shared = Link(
+            rate_mbit=coordinator_mbit, rtt_ms=link.rtt_ms, loss=link.loss, mtu=link.mtu, tls=link.tls, kept=link.kept
+        )
         push = max(push, push_seconds(islands * up_bytes / p, shared, streams * islands))
     pull = pull_seconds(down_bytes / p, link, streams)
     if coordinator_mbit:
@@ -172,7 +190,7 @@ def estimate(
     exchange = push + outer / p + pull
     compute = cand.sync_every * step_seconds
     hidden = cand.overlap_steps * step_seconds
-    stall = p * max(0.0, exchange - hidden)
+    stall = p * max(0.0, exchange - hidden) + host_seconds
     busy = max(compute + stall, p * exchange if cand.overlap_steps else 0.0)  # the link carries one at a time
     return Estimate(
         codec=cand.codec,
@@ -216,6 +234,7 @@ def plan(
     fragments: list[int],
     outer_seconds: float | None = None,
     coordinator_mbit: float | None = None,
+    host_seconds: float = 0.0,
     target: float = 0.97,
     max_overlap: float = 0.5,
 ) -> list[Estimate]:
@@ -230,6 +249,7 @@ def plan(
         link=link,
         outer_seconds=outer_seconds,
         coordinator_mbit=coordinator_mbit,
+        host_seconds=host_seconds,
     )
     out = []
     for codec, h, over, p in candidates(codecs, sync_every, overlap, fragments):

@@ -30,6 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the coordinator's own link, shared by all (default: ample)",
     )
     p.add_argument("--no-tls", action="store_true", help="plaintext (default: TLS, one more round trip a call)")
+    p.add_argument(
+        "--fresh-connections",
+        action="store_true",
+        help="every call opens its connections and starts in slow start (default: kept from the round before)",
+    )
     p.add_argument("--sync-every", type=int, nargs="+", default=None, help=f"H candidates (default: {DEFAULT_H})")
     p.add_argument("--codec", nargs="+", default=None, help=f"codec candidates (default: {DEFAULT_CODECS})")
     p.add_argument(
@@ -39,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fragments", type=int, nargs="+", default=[1, 4], help="streaming fragments P (1: off; default: 1 4)"
     )
     p.add_argument("--outer-seconds", type=float, default=None, help="the outer step's seconds (default: 2 ns/param)")
+    p.add_argument(
+        "--host-seconds",
+        type=float,
+        default=0.0,
+        help="the island's own work per round on its training thread, not hidden by overlap (default: 0, an "
+        "accelerator's; measure it for CPU islands)",
+    )
     p.add_argument(
         "--max-overlap", type=float, default=0.5, help="the most of H an update may arrive late by (default: 0.5)"
     )
@@ -68,7 +80,14 @@ def run(ns) -> int:
         get_codec(c)  # ValueError naming the codec
     if ns.step_seconds <= 0 or ns.islands < 1 or any(p < 1 for p in ns.fragments):
         raise ValueError("need --step-seconds > 0, --islands >= 1 and --fragments >= 1")
-    link = Link(rate_mbit=ns.bandwidth_mbit, rtt_ms=ns.rtt_ms, loss=ns.loss, mtu=ns.mtu, tls=not ns.no_tls)
+    link = Link(
+        rate_mbit=ns.bandwidth_mbit,
+        rtt_ms=ns.rtt_ms,
+        loss=ns.loss,
+        mtu=ns.mtu,
+        tls=not ns.no_tls,
+        kept=not ns.fresh_connections,
+    )
     overlap = {"off": [False], "on": [True], "both": [False, True]}[ns.overlap]
     shapes = shapes_of(ns)
     got = plan(
@@ -81,6 +100,7 @@ def run(ns) -> int:
         overlap=overlap,
         fragments=ns.fragments,
         outer_seconds=ns.outer_seconds,
+        host_seconds=ns.host_seconds,
         coordinator_mbit=ns.coordinator_mbit,
         target=ns.target,
         max_overlap=ns.max_overlap,

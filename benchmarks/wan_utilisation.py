@@ -12,7 +12,9 @@ one parameter so that every round has a pseudo-gradient to send. Utilisation = t
 time / the wall time, over the rounds after the first ``--warmup`` (θ_0's upload and download, and
 the islands falling into step: the one that uploaded θ_0 waits once for the other) and before the
 last (drained at the end), both islands together. Beside each measured figure, what ``atoll plan``
-predicts for the same settings.
+predicts for the same settings: as for an accelerator island (no host work), and with the host work
+these CPU islands do each round (``--host-seconds``), timed here first on one thread: the
+pseudo-gradient, its encoding, the update's decoding and its apply at 124M.
 """
 
 from __future__ import annotations
@@ -109,7 +111,32 @@ def island_flags(a) -> list[str]:
             "--fragments", str(a.fragments)]  # fmt: skip
 
 
-def predicted(a, overlap: int) -> float:
+def host_work(codec: str, repeat: int = 3) -> float:
+    """Seconds of an island's own passes over θ per round, one thread: Δ = θ_start − θ, its encoding,
+    the update's decoding (int8, or identity) and its apply with the progress kept (overlap's merge)."""
+    import torch
+
+    from atoll.compression import get_codec
+    from atoll.models import TinyGPT, preset
+    from atoll.plan import downlink_for
+
+    torch.set_num_threads(1)
+    params = [p.detach() for p in TinyGPT(preset("gpt-125m", vocab_size=50257)).parameters()]
+    start = [p.clone() for p in params]
+    up, down = get_codec(codec), get_codec(downlink_for(codec))
+    updates = [down.encode((p * 1e-3).contiguous()) for p in params]
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        for p, s, u in zip(params, start, updates, strict=True):
+            up.encode((s - p).contiguous())
+            new = down.decode(u, p.shape)
+            p.add_(new).sub_(s)  # θ_new + (θ − θ_start)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def predicted(a, overlap: int, host_seconds: float = 0.0) -> float:
     import torch
 
     from atoll.models import TinyGPT, preset
@@ -123,7 +150,7 @@ def predicted(a, overlap: int) -> float:
     e = estimate(
         Candidate(codec=a.codec, sync_every=a.sync_every, overlap_steps=overlap, fragments=a.fragments),
         shapes=shapes, step_seconds=a.step_seconds, islands=a.islands,
-        link=PlanLink(rate_mbit=rate, rtt_ms=rtt, mtu=9000, tls=False),
+        link=PlanLink(rate_mbit=rate, rtt_ms=rtt, mtu=9000, tls=False), host_seconds=host_seconds,
     )  # fmt: skip
     return e.utilisation, e.sync_seconds
 
@@ -152,17 +179,26 @@ def main() -> None:
         f"(measured: {a.warmup} to {a.rounds - 2})",
         flush=True,
     )
+    host = host_work(a.codec)
+    print(f"  an island's host work per round, timed on one thread: {host:.2f} s", flush=True)
     for tau in a.overlap:
         got = measure(a, tau)
         util, sync = predicted(a, tau)
+        util_host, _ = predicted(a, tau, host)
         print(
             f"  overlap τ={tau}: utilisation {got['utilisation']:.1%} (islands "
             f"{', '.join(f'{u:.1%}' for u in got['per_island'])}); atoll plan predicts {util:.1%} "
-            f"(an exchange {sync:.2f} s)",
+            f"(an exchange {sync:.2f} s), {util_host:.1%} with --host-seconds {host:.2f}",
             flush=True,
         )
         settings = {k: getattr(a, k) for k in ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")}
-        print(json.dumps({**settings, "overlap_steps": tau, **got, "predicted": util, "sync": sync}), flush=True)
+        print(
+            json.dumps(
+                {**settings, "overlap_steps": tau, **got, "predicted": util, "sync": sync,
+                 "host_seconds": host, "predicted_with_host": util_host}
+            ),
+            flush=True,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

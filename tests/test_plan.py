@@ -13,7 +13,7 @@ from atoll.plan import Candidate, Link, data_seconds, estimate, plan, pull_secon
 
 
 def test_the_link_model():
-    link = Link(rate_mbit=1000, rtt_ms=80, mtu=9000, tls=False, window_bytes=2.7e6)
+    link = Link(rate_mbit=1000, rtt_ms=80, mtu=9000, tls=False, window_bytes=2.7e6, kept=False)
     rate = 1e9 / 8 * (9000 - 52) / 9000
     # One stream holds 2.7 MB in flight per 80 ms; slow start from 10 segments doubles to it in 2 rounds.
     first, per = 10 * 8948, 2.7e6 / 0.08
@@ -28,10 +28,17 @@ def test_the_link_model():
     )
     # A call: connect (+ TLS), admission, data, answer; a pull's data follows its request.
     assert push_seconds(1e3, link, 1) == pytest.approx(0.08 + 0.08 + data_seconds(1e3, link, 1) + 0.04)
-    tls = Link(rate_mbit=1000, rtt_ms=80, mtu=9000, tls=True)
+    tls = Link(rate_mbit=1000, rtt_ms=80, mtu=9000, tls=True, kept=False)
     assert pull_seconds(1e3, tls, 1) == pytest.approx(0.16 + 0.04 + data_seconds(1e3, tls, 1))
+    # Kept connections: no handshake, no slow start (TLS or not): the payload at the rate, plus the
+    # admission and the answer's round trips (a push) or the request's (a pull).
+    kept = Link(rate_mbit=1000, rtt_ms=80, mtu=9000, tls=True)
+    assert data_seconds(126e6, kept, 4) == pytest.approx(126e6 / rate + 0.04)
+    assert push_seconds(126e6, kept, 4) == pytest.approx(0.08 + 126e6 / rate + 0.04 + 0.04)
+    assert pull_seconds(126e6, kept, 4) == pytest.approx(0.04 + 126e6 / rate + 0.04)
+    assert data_seconds(126e6, kept, 1) == pytest.approx(126e6 / (2.7e6 / 0.08) + 0.04)  # still one window
     # Loss holds each stream to the Mathis bound.
-    lossy = Link(rate_mbit=1000, rtt_ms=80, loss=1e-4, tls=False)
+    lossy = Link(rate_mbit=1000, rtt_ms=80, loss=1e-4, tls=False, kept=False)
     assert data_seconds(1e9, lossy, 1) > 1e9 / (1448 / 0.08 * 1.22 / math.sqrt(1e-4)) * 0.99
     assert [streams_for(Link(rate_mbit=100, rtt_ms=r)) for r in (0.2, 20, 80, 500)] == [1, 2, 4, 8]
 
@@ -47,6 +54,8 @@ def test_bytes_are_the_codecs_own_and_utilisation_follows_the_schedule():
     hidden = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=20, fragments=1), **kw)
     assert hidden.sync_seconds == plain.sync_seconds
     assert hidden.utilisation == pytest.approx(50 / (50 + max(0.0, plain.sync_seconds - 10)))
+    host = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=20, fragments=1), **kw, host_seconds=2.0)
+    assert host.utilisation == pytest.approx(50 / (50 + max(0.0, plain.sync_seconds - 10) + 2.0))  # never hidden
     frag = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=0, fragments=4), **kw)
     assert frag.bytes_up_per_round == plain.bytes_up_per_round  # the same bytes, in four exchanges
 
