@@ -94,6 +94,8 @@ class BulkPush:
         if start and isinstance(data, Striped):
             data.begin(start)
         await conn.send(bulk.frame(bulk.CONTINUE, bulk.OFFSET.pack(start) if start else b""))
+        if isinstance(data, Striped):
+            data.receive()  # (read to each connection's END even if no unit comes: a kept one is reused)
         conn.expect()
         done = assembler.advance(0)  # leading zero-byte entries
         try:
@@ -108,8 +110,8 @@ class BulkPush:
             if data.delimited:
                 return  # over TLS, or striped, the declared length ends the data (what follows is never read)
             await conn.recv_into(memoryview(bytearray(1)))
-        except EOFError:  # in the clear the client's half-close; else a cut (the client would have sent it all)
-            self.cut = data.delimited
+        except EOFError:  # in the clear the client's half-close (kept or not); else a cut (it would have sent it all)
+            self.cut = type(data).delimited
             return
         raise StreamOverrun("the stream carries more bytes than its header declares")
 

@@ -50,11 +50,16 @@ class Striped:
             self._cond.notify_all()
 
     # ---- receiving ---------------------------------------------------------------------------
+    def receive(self) -> None:
+        """Start reading every connection's units (a push was told CONTINUE: its data, then each
+        connection's END, are coming, even when the coordinator holds them all already)."""
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._read(conn)) for conn in self.conns]
+
     async def recv_into(self, view: memoryview) -> int:
         """The next bytes of the data in order into ``view`` (at least one); EOFError when every
         connection ended first."""
-        if not self._tasks:
-            self._tasks = [asyncio.create_task(self._read(conn)) for conn in self.conns]
+        self.receive()
         async with self._cond:
             while (unit := self._pending.pop(self._frontier, None)) is None:
                 if self._error is not None:

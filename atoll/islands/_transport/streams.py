@@ -25,6 +25,8 @@ import ssl
 import threading
 from typing import Protocol
 
+import grpc
+
 from atoll.islands._transport.kept import KeptConnections
 from atoll.islands._transport.opening import BulkPort, open_call
 from atoll.islands._transport.striping import UnitReceiver, UnitSender
@@ -180,6 +182,12 @@ def _answered(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
+def _mismatch(what: str) -> bulk.BulkError:
+    """A push whose payloads do not add up to its header, refused before the coordinator could count it
+    (the same code the coordinator gives where it can see it: in the clear on one connection not kept)."""
+    return bulk.BulkError(grpc.StatusCode.INVALID_ARGUMENT, f"bulk port: {what}")
+
+
 class TcpPush:
     """A push on the bulk port: the header in the preamble; the data goes once it is admitted (CONTINUE),
     sent from the payloads' own memory by a sender thread while the caller makes the next one; the end
@@ -201,6 +209,10 @@ class TcpPush:
         self._port, self._kept = port, kept if port.keep_seconds > 0 else None
         self._socks, self.rtt = open_call(port, bulk.PUSH, auth, message, timeout, streams, self._kept)
         self._sock = self._socks[0]
+        self._declared, self._given = sum(e.num_bytes for e in header.entries), 0
+        self._delimited = len(self._socks) > 1 or isinstance(self._sock, ssl.SSLSocket) or self._kept is not None
+        """The declared length ends the data (TLS, striped or kept): the coordinator cannot see a short or
+        long one, so this side refuses to send it."""
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._failed: list[BaseException | None] = []
         self._early: bytes | None = None
@@ -255,10 +267,16 @@ class TcpPush:
     def send(self, payload) -> bool:
         if self._sender is None or self._failed:
             return False
+        self._given += memoryview(payload).nbytes
+        if self._delimited and self._given > self._declared:
+            raise _mismatch(f"the payloads carry more bytes than the header declares ({self._declared})")
         self._ready.put(payload)
         return True
 
     def finish(self) -> pb.PushResponse:
+        if self._sender is not None and self._delimited and self._given < self._declared and not self._failed:
+            self.abort()
+            raise _mismatch(f"the push's data ended early: {self._given} of the {self._declared} bytes declared")
         clean = False
         try:
             if self._sender is None:
