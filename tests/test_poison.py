@@ -147,6 +147,7 @@ def test_a_push_for_a_round_the_island_never_held_does_not_count(start_server, r
     for r in (0, 1):
         assert c.push(filled(-1.0), round_=r, tokens=10).outcome == pb.PUSH_OUTCOME_ROUND_CLOSED
     assert srv.inspect(lambda s: (dict(s.accumulator.late), s.accumulator.committed_islands())) == ({}, [])
+    assert (srv.server.counters.pushes_late_dropped, srv.server.counters.pushes_carried) == (2, 0)  # work lost
     assert c.push(filled(0.01), round_=2, tokens=10).outcome == pb.PUSH_OUTCOME_COMMITTED
 
 

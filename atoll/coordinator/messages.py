@@ -117,6 +117,9 @@ class PushResult:
     committed: bool
     """Whether the island's contribution for the push's round is complete (also for a duplicate)."""
     bytes_received: int = 0
+    carried: bool = False
+    """ROUND_CLOSED for a delta too stale to fold: nothing was added, and its work is not lost: the island
+    re-bases on the newest θ with its progress kept and carries it into its next push."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,6 +42,8 @@ class Pushes:
         self.model, self.ledger = owners.model, owners.ledger
         self.clock = clock
         self.name = name
+        self._said_carried: set[str] = set()
+        """Islands whose too-stale push was logged at INFO (the later ones go at DEBUG)."""
 
     def classify(self, push_round: int) -> PushClass:
         c = self._config()
@@ -206,13 +208,19 @@ class Pushes:
         return PushResult(outcome, ledger.round, committed=True, bytes_received=plan.num_bytes)
 
     def _too_stale(self, island_id: str, round_: int) -> PushResult:
-        """A delta for a round that closed, too late to fold: dropped, and said in the open round's record
-        (the island re-bases on the newest θ and carries the work into its next push)."""
+        """A delta for a round that closed, too late to fold: not added, and said in the open round's
+        record (``too_stale``) and the ``pushes_carried`` counter. Its work is not lost (the island
+        re-bases on the newest θ with its progress kept and carries it into its next push), so this is
+        one INFO line per island, not a warning per push."""
         if (island_id, round_) not in self.accumulator.too_stale:
             self.accumulator.too_stale.add((island_id, round_))
-            log.warning(
-                "%sisland %s's delta for round %d came at round %d: too stale to fold (max_staleness %d, late "
-                "policy %s); dropped",
+            level = logging.DEBUG if island_id in self._said_carried else logging.INFO
+            self._said_carried.add(island_id)
+            log.log(
+                level,
+                "%sisland %s's delta for round %d came at round %d, too stale to fold (max_staleness %d, late "
+                "policy %s): not added; the island carries its work into its next push (counted as "
+                "pushes_carried; said once per island)",
                 self.name,
                 island_id,
                 round_,
@@ -220,7 +228,7 @@ class Pushes:
                 self._config().max_staleness,
                 self._config().late_policy,
             )
-        return PushResult(PushOutcome.ROUND_CLOSED, self.ledger.round, committed=False)
+        return PushResult(PushOutcome.ROUND_CLOSED, self.ledger.round, committed=False, carried=True)
 
     def _never_held(self, island_id: str, round_: int, joined_round: int) -> PushResult:
         """A delta for a round before the island joined: it never held that θ, so it counts nowhere

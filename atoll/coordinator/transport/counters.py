@@ -15,7 +15,8 @@ class Counters:
         "bytes_out": "Payload bytes sent in pulls",
         "pushes_committed": "Islands' contributions committed to their round",
         "pushes_late_folded": "Late pushes folded into a later round",
-        "pushes_late_dropped": "Pushes for a round that had closed (dropped)",
+        "pushes_late_dropped": "Pushes whose work counts nowhere (a delta for a round before the island joined)",
+        "pushes_carried": "Pushes too stale to fold: nothing added; the island carries their work into its next push",
         "pushes_refused": "Pushes refused for bad input",
         "joins_refused": "Joins refused (wrong run, model, codec, shard, a second process, eviction, bad request)",
         "pushes_busy": "Pushes refused at their header, before their data flowed: in-flight budget spent or a "
@@ -38,6 +39,7 @@ class Counters:
     pushes_committed: int = 0
     pushes_late_folded: int = 0
     pushes_late_dropped: int = 0
+    pushes_carried: int = 0
     pushes_refused: int = 0
     pushes_busy: int = 0
     pulls_busy: int = 0

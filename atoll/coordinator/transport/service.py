@@ -216,6 +216,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             c.bytes_in += result.bytes_received
             c.pushes_committed += result.outcome is PushOutcome.COMMITTED
             c.pushes_late_folded += result.outcome is PushOutcome.FOLDED
+        elif result.outcome is PushOutcome.ROUND_CLOSED and result.carried:
+            c.pushes_carried += 1
         elif result.outcome is PushOutcome.ROUND_CLOSED:
             c.pushes_late_dropped += 1
         return push_response(result)
