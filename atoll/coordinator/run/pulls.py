@@ -96,7 +96,9 @@ class Pulls:
             )
             waiting = dict(waiting=self.waiting(), stalled=self.stalled())
             return PullAnswer(UpdateKind.NOT_READY, round_, committed=committed, **waiting, **latest)
-        if self.downlink.can_catch_up(req.have_round, round_):
+        if self.downlink.can_catch_up(req.have_round, round_) and self.downlink.catch_up_pays(
+            req.have_round, round_, regions, model.specs, c.downlink_codec
+        ):
             nxt = req.have_round + 1  # one round at a time; a lagging island pulls again until latest
             reservation = self.downlink.reserve_delta(nxt, regions, model.specs)  # before it is read
             try:

@@ -126,6 +126,18 @@ class Downlink:
         """Whether an island holding θ_have can reach θ_round by exact deltas."""
         return self.latest_round == round_ and 0 <= have_round < round_ and have_round + 1 >= self.keep_from(round_)
 
+    def catch_up_pays(
+        self, have_round: int, round_: int, regions: Regions, specs: dict[str, tuple[int, ...]], codec: str
+    ) -> bool:
+        """Whether the chain of updates from θ_have to θ_round moves fewer bytes than one full θ (the
+        regions asked for, fp32): an island far enough behind gets θ itself, never more than one θ's
+        bytes. Every round's update has the downlink ``codec``'s size; a region of one goes as an exact
+        fp32 slice, so an island holding a region catches up by deltas only one round behind."""
+        down = get_codec(codec)
+        per_round = sum(down.encoded_size(specs[n]) if r is None else identity_size(r.sizes) for n, r in regions)
+        full = sum(identity_size(specs[n] if r is None else r.sizes) for n, r in regions)
+        return (round_ - have_round) * per_round <= full
+
     def delta_entries(self, round_: int, regions: Regions, specs: dict[str, tuple[int, ...]]) -> list[PayloadEntry]:
         """The update that produced θ_round: whole tensors as encoded, regions as exact identity slices
         of the decoded tensor (decoded per entry, when it is sent)."""
