@@ -81,3 +81,21 @@ def test_the_bootstrap_claim_moves_when_its_holder_leaves_or_goes_silent():
     assert m.claim_bootstrap("real") and m.bootstrapper == "real"
     m.leave("real")
     assert m.bootstrapper is None
+
+
+def test_an_island_that_keeps_up_is_never_late_when_others_close_rounds_without_it():
+    """Quorum below the islands (decoupled, or quorum 1): the slow island's push closes round 6 while
+    the fast one, which closed round 5 and holds θ_6, is at work on it: it is active (it showed as
+    `late`). One that holds an old θ, or pulls fresh θ but pushes nothing that counts, is late."""
+    m, clock = membership()
+    fast, _ = m.join("fast", num_ranks=1, session_id="f", round_=0)
+    fast.last_committed_round, fast.holds_round = 5, 6
+    assert island_state(fast, clock(), 7) == IslandState.ACTIVE  # round 6 closed by another island
+    assert island_state(fast, clock(), 8) == IslandState.LATE  # two rounds went by without it
+    slow, _ = m.join("slow", num_ranks=1, session_id="s", round_=0)
+    slow.last_committed_round, slow.holds_round = 2, 3
+    assert island_state(slow, clock(), 7) == IslandState.LATE  # at work on θ_3
+    slow.holds_round = 6  # pulled the newest θ, but its last push that counted was for round 2
+    assert island_state(slow, clock(), 7) == IslandState.LATE
+    slow.last_committed_round = 6
+    assert island_state(slow, clock(), 7) == IslandState.ACTIVE  # it made the last round itself

@@ -22,9 +22,10 @@ class IslandState:
     JOINING = "joining"
     """Joined, has not received θ yet."""
     ACTIVE = "active"
-    """Holds the current θ (or the one before it) and took part in the last closed round."""
+    """Took part in the last closed round, or holds the θ it produced and took part in the round
+    before (a round other islands closed without it while it worked: quorum below the islands)."""
     LATE = "late"
-    """Alive (lease current) but missed the last closed round: a straggler or catching up."""
+    """Alive (lease current) but its work is not arriving: a straggler, or catching up."""
     GONE = "gone"
     """Lease expired: not waited for; re-joins by itself when it comes back."""
     LEFT = "left"
@@ -67,6 +68,8 @@ def island_state(rec: IslandRecord, now: float, open_round: int) -> str:
         return IslandState.JOINING
     if open_round == 0 or rec.last_committed_round >= open_round - 1:
         return IslandState.ACTIVE
+    if rec.holds_round >= open_round - 1 and rec.last_committed_round >= rec.holds_round - 1:
+        return IslandState.ACTIVE  # at work on the newest θ, its push for the round before counted
     return IslandState.LATE
 
 
