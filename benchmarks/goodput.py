@@ -182,7 +182,7 @@ def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
     }
 
 
-def evaluate_theta(state_dir: Path) -> list[tuple[float, int, float]]:
+def evaluate_theta(state_dir: Path, data: str | None = None) -> list[tuple[float, int, float]]:
     """The held-out loss of the coordinator's θ after every round (every snapshot is kept), with the
     wall seconds since round 0 opened (the rounds' open, save and publish times summed) and the tokens
     that had entered θ: [(seconds, tokens, eval loss)], θ_0 first."""
@@ -190,7 +190,8 @@ def evaluate_theta(state_dir: Path) -> list[tuple[float, int, float]]:
     from atoll.models import PRESETS
     from atoll.workload.island import IslandArgs, build_model, evaluate, load_data
 
-    args = IslandArgs(coordinator="-", island_id="eval", data=str(state_dir.parent.parent / "corpus.bin"))
+    corpus = str(state_dir.parent.parent / "corpus.bin") if data is None else data  # "": the bundled text
+    args = IslandArgs(coordinator="-", island_id="eval", data=corpus)
     data = load_data(args, args.block_size or PRESETS[args.model]["block_size"])
     model = build_model(args, data.vocab_size)
     params = {n for n, _ in model.named_parameters()}

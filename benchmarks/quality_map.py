@@ -1,0 +1,200 @@
+"""The quality map: θ's eval loss at equal wall time and at equal tokens, per outer-loop policy, with
+islands of different speeds.
+
+    python benchmarks/quality_map.py [--speeds 1,1,4] [--sync-every 10 50] [--policies barrier sync decoupled]
+        [--quorum 1 half] [--seeds 0 1 2] [--seconds 45] [--json out.json] [--plot-dir benchmarks/plots]
+
+One coordinator and one reference island (``atoll island``, the tiny GPT on the bundled text, or
+with ``--data synthetic`` on goodput.py's synthetic corpus, which a short run barely starts to learn)
+per entry of ``--speeds``; an island of speed k takes k times as long per inner step (the
+harness's ``slow`` fault). No other fault: this maps the policies, not the chaos (goodput.py has that).
+Policies (coordinator flags):
+
+- barrier: every round waits for every island (quorum = the islands, no grace, late deltas dropped);
+- sync: sync mode with the quorum below (``--quorum``), its adaptive grace window, late deltas folded;
+- decoupled: ``--outer-mode decoupled`` with the quorum below (a round of some islands steps by its
+  share of a full round: ``--decoupled-step share``, the default);
+- decoupled-full: the same with ``--decoupled-step full`` (every round steps as far as a round of
+  everyone: the rule before the map).
+
+``--quorum``: 1, or ``half`` (half the islands, rounded up); barrier ignores it. Each (policy, quorum,
+H, seed) is one run of ``--seconds`` of wall time; the seed sets θ_0 and every island's data order.
+Every snapshot is kept, so θ's held-out loss is known after every round: printed per configuration,
+the mean and the spread (min-max) over seeds of the eval loss of θ at the end of the budget (equal wall
+time) and at the token count every run of that H reached (equal tokens: the last θ at or below it),
+and the tokens into θ. ``--json`` keeps every curve; ``--plot-dir`` draws loss against wall time and
+against tokens per H.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from goodput import evaluate_theta, make_corpus  # noqa: E402  (benchmarks/goodput.py, beside this)
+
+from atoll.harness import ProcessGroup  # noqa: E402
+from atoll.harness.faults import Fault, island_faults_json  # noqa: E402
+
+COMMON = ["--run-id", "gp", "--outer-lr", "1.0", "--outer-momentum", "0.5", "--lease-seconds", "10"]
+COMMON += ["--codec", "identity", "--downlink-codec", "identity", "--bulk-port", "-1"]
+
+
+def policy_flags(policy: str, quorum: int, islands: int) -> list[str]:
+    if policy == "barrier":
+        return ["--quorum", str(islands), "--grace-window", "off", "--late-policy", "drop", "--max-staleness", "1"]
+    if policy == "sync":
+        return ["--quorum", str(quorum)]
+    decoupled = ["--quorum", str(quorum), "--outer-mode", "decoupled"]
+    return decoupled + (["--decoupled-step", "full"] if policy == "decoupled-full" else [])
+
+
+def island_argv(name: str, address: str, work: Path, seed: int, data: str) -> list[str]:
+    corpus = ["--data", str(work.parent / "corpus.bin")] if data == "synthetic" else []
+    return [
+        "island", *corpus, "--coordinator", address, "--island-id", name,
+        "--run-id", "gp", "--inner-lr", "3e-3", "--heartbeat-seconds", "0.5", "--give-up-seconds", "300",
+        "--no-digest", "--no-eval-every-round", "--seed", str(seed), "--data-seed", str(1000 * seed + ord(name)),
+    ]  # fmt: skip
+
+
+def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, work: Path) -> dict:
+    work.mkdir(parents=True)
+    names = [chr(ord("A") + i) for i in range(len(speeds))]
+    flags = [*COMMON, "--sync-every", str(h), *policy_flags(policy, quorum, len(speeds))]
+    flags += ["--keep-snapshots", "100000", "--snapshot-every", "1"]
+    with ProcessGroup(work) as group:
+        coord, address = group.start_coordinator(work / "state", flags)
+        procs = []
+        for name, speed in zip(names, speeds, strict=True):
+            faults = []
+            if speed != 1:
+                faults.append(Fault(island=name, round=0, kind="slow", factor=float(speed), rounds=10**9))
+            procs.append(
+                group.start(
+                    name, island_argv(name, address, work, seed, a.data), faults=island_faults_json(faults, name)
+                )
+            )
+        deadline = time.monotonic() + a.seconds
+        while time.monotonic() < deadline:
+            for p in procs:
+                p.next_event(timeout=0.05)
+                if p.poll() is not None:
+                    raise RuntimeError(f"an island exited with {p.poll()}:\n{p.log_tail()}")
+        for p in procs:
+            p.kill()
+        coord.stop()
+    curve = evaluate_theta(work / "state", None if a.data == "synthetic" else "")
+    return {"policy": policy, "quorum": quorum, "sync_every": h, "seed": seed, "curve": curve}
+
+
+def loss_at_tokens(curve, tokens: int) -> float:
+    """θ's loss after the last round at or below ``tokens`` tokens into θ."""
+    return [loss for _, t, loss in curve if t <= tokens][-1]
+
+
+def summary(runs: list[dict]) -> list[dict]:
+    out = []
+    for h in sorted({r["sync_every"] for r in runs}):
+        of_h = [r for r in runs if r["sync_every"] == h]
+        equal_tokens = min(r["curve"][-1][1] for r in of_h)  # every run of this H reached it
+        for key in sorted({(r["policy"], r["quorum"]) for r in of_h}):
+            group = [r for r in of_h if (r["policy"], r["quorum"]) == key]
+            wall = [r["curve"][-1][2] for r in group]
+            tok = [loss_at_tokens(r["curve"], equal_tokens) for r in group]
+            tokens = [r["curve"][-1][1] for r in group]
+            out.append(
+                {
+                    "sync_every": h, "policy": key[0], "quorum": key[1], "seeds": len(group),
+                    "loss_wall": statistics.mean(wall), "loss_wall_range": (min(wall), max(wall)),
+                    "equal_tokens": equal_tokens, "loss_tokens": statistics.mean(tok),
+                    "loss_tokens_range": (min(tok), max(tok)), "tokens": statistics.mean(tokens),
+                }
+            )  # fmt: skip
+    return out
+
+
+def plot(runs: list[dict], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for h in sorted({r["sync_every"] for r in runs}):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        colours = {}
+        for r in (r for r in runs if r["sync_every"] == h):
+            key = f"{r['policy']} q{r['quorum']}"
+            colour = colours.setdefault(key, f"C{len(colours)}")
+            t, tokens, loss = zip(*r["curve"], strict=True)
+            label = key if r["seed"] == min(x["seed"] for x in runs) else None
+            axes[0].plot(t, loss, color=colour, alpha=0.7, label=label)
+            axes[1].plot(tokens, loss, color=colour, alpha=0.7, label=label)
+        axes[0].set(xlabel="wall seconds since round 0 opened", ylabel="eval loss of θ", title=f"H={h}: wall time")
+        axes[1].set(xlabel="tokens into θ", ylabel="eval loss of θ", title=f"H={h}: tokens")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / f"quality-map-h{h}.png", dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--speeds", default="1,1,4", help="each island's slowness, comma-separated (1: full speed)")
+    p.add_argument("--sync-every", type=int, nargs="+", default=[10, 50])
+    p.add_argument("--policies", nargs="+", default=["barrier", "sync", "decoupled"])
+    p.add_argument("--quorum", nargs="+", default=["1"], help="1 and/or half")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seconds", type=float, default=45.0, help="wall budget of each run")
+    p.add_argument("--data", choices=["bundled", "synthetic"], default="bundled")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot-dir", type=Path, default=None)
+    a = p.parse_args()
+    speeds = [float(s) for s in a.speeds.split(",")]
+    quorums = sorted({1 if q == "1" else math.ceil(len(speeds) / 2) for q in a.quorum})
+    print(f"islands at speeds {speeds}, {a.seconds:g} s each, seeds {a.seeds}", flush=True)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="qmap-") as tmp:
+        if a.data == "synthetic":
+            make_corpus(Path(tmp) / "corpus.bin")
+        for h in a.sync_every:
+            for policy in a.policies:
+                for quorum in [len(speeds)] if policy == "barrier" else quorums:
+                    for seed in a.seeds:
+                        work = Path(tmp) / f"{policy}-q{quorum}-h{h}-s{seed}"
+                        r = run(policy, quorum, h, seed, speeds, a, work)
+                        runs.append(r)
+                        if a.json:  # every run as it ends (a later failure loses nothing)
+                            a.json.write_text(json.dumps({"speeds": speeds, "runs": runs}))
+                        _, tokens, loss = r["curve"][-1]
+                        print(f"  H={h} {policy} quorum {quorum} seed {seed}: θ's loss {loss:.4f} at the end, "
+                              f"{tokens:,} tokens into θ, {len(r['curve']) - 1} rounds", flush=True)  # fmt: skip
+    rows = summary(runs)
+    print("H  policy     quorum  loss at equal wall (range)     loss at equal tokens (range)   tokens into θ")
+    for s in rows:
+        print(
+            f"{s['sync_every']:<3}{s['policy']:<11}{s['quorum']:<8}{s['loss_wall']:.4f} "
+            f"({s['loss_wall_range'][0]:.4f}-{s['loss_wall_range'][1]:.4f})      {s['loss_tokens']:.4f} "
+            f"({s['loss_tokens_range'][0]:.4f}-{s['loss_tokens_range'][1]:.4f}) at {s['equal_tokens']:,}   "
+            f"{s['tokens']:,.0f}",
+            flush=True,
+        )
+    if a.json:
+        a.json.write_text(json.dumps({"speeds": speeds, "runs": runs, "summary": rows}))
+    if a.plot_dir:
+        plot(runs, a.plot_dir)
+
+
+if __name__ == "__main__":
+    main()
