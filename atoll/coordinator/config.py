@@ -11,6 +11,7 @@ from atoll.compression import get_codec
 from atoll.coordinator.policy import grace
 
 OUTER_MODES = ("sync", "decoupled")
+DECOUPLED_STEPS = ("share", "full")
 TOKENS_PER_STEP_BOUND = 1 << 24
 """Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
 any published LLM run): a push claiming more than H x this is refused."""
@@ -50,6 +51,12 @@ class RunConfig:
     arrival order). decoupled: islands never wait; each applies the update when it arrives, keeping the
     progress made since its push, and its next push is folded with its staleness (timing-dependent by
     design). ``quorum`` is then the minimum quorum of a round."""
+    decoupled_step: str = "share"
+    """decoupled: how far a round made of some of the islands steps. share: by its share of a full
+    round (Σ w_i s_i Δ_i over the larger of the round's weight and the live islands' usual weights
+    together), so each contribution moves θ as it would in a round of everyone; full: as far as a
+    round of everyone (the mean of what came), which stepped ~N times as far per unit of work with N
+    islands (benchmarks/RESULTS.md, "the quality map")."""
     late_policy: str = "fold"
     """A push for a closed round: fold it into the open round (down-weighted; the default), or drop it."""
     staleness_weight: float = 0.5
@@ -92,6 +99,8 @@ class RunConfig:
         grace.parse(self.grace_window)
         if self.outer_mode not in OUTER_MODES:
             raise ValueError(f"outer_mode must be one of {', '.join(OUTER_MODES)}, got {self.outer_mode!r}")
+        if self.decoupled_step not in DECOUPLED_STEPS:
+            raise ValueError(f"decoupled_step must be one of {', '.join(DECOUPLED_STEPS)}, got {self.decoupled_step!r}")
         if self.late_policy not in ("drop", "fold"):
             raise ValueError(f"late_policy must be 'drop' or 'fold', got {self.late_policy!r}")
         if self.aggregation not in ("mean", "clipped_mean", "median"):
@@ -165,6 +174,7 @@ MATH_FIELDS = (
     "error_feedback_decay",
     "aggregation",
     "outer_mode",
+    "decoupled_step",
 )
 """Fields that define the run's math or model: a restart may not change them."""
 OPERATIONAL_FIELDS = (

@@ -128,7 +128,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunConfigProto(_message.Message):
-    __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds", "error_feedback", "late_policy", "staleness_weight", "max_staleness", "aggregation", "clip_norm", "max_delta_norm", "error_feedback_decay", "total_rounds", "max_tokens_per_round", "grace_window", "outer_mode")
+    __slots__ = ("run_id", "sync_every", "outer_lr", "outer_momentum", "nesterov", "codec", "downlink_codec", "quorum", "round_deadline_seconds", "lease_seconds", "error_feedback", "late_policy", "staleness_weight", "max_staleness", "aggregation", "clip_norm", "max_delta_norm", "error_feedback_decay", "total_rounds", "max_tokens_per_round", "grace_window", "outer_mode", "decoupled_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class RunConfigProto(_message.Message):
     MAX_TOKENS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     GRACE_WINDOW_FIELD_NUMBER: _ClassVar[int]
     OUTER_MODE_FIELD_NUMBER: _ClassVar[int]
+    DECOUPLED_STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sync_every: int
     outer_lr: float
@@ -173,7 +174,8 @@ class RunConfigProto(_message.Message):
     max_tokens_per_round: int
     grace_window: str
     outer_mode: str
-    def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., error_feedback: _Optional[bool] = ..., late_policy: _Optional[str] = ..., staleness_weight: _Optional[float] = ..., max_staleness: _Optional[int] = ..., aggregation: _Optional[str] = ..., clip_norm: _Optional[float] = ..., max_delta_norm: _Optional[float] = ..., error_feedback_decay: _Optional[float] = ..., total_rounds: _Optional[int] = ..., max_tokens_per_round: _Optional[int] = ..., grace_window: _Optional[str] = ..., outer_mode: _Optional[str] = ...) -> None: ...
+    decoupled_step: str
+    def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., error_feedback: _Optional[bool] = ..., late_policy: _Optional[str] = ..., staleness_weight: _Optional[float] = ..., max_staleness: _Optional[int] = ..., aggregation: _Optional[str] = ..., clip_norm: _Optional[float] = ..., max_delta_norm: _Optional[float] = ..., error_feedback_decay: _Optional[float] = ..., total_rounds: _Optional[int] = ..., max_tokens_per_round: _Optional[int] = ..., grace_window: _Optional[str] = ..., outer_mode: _Optional[str] = ..., decoupled_step: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("run_id", "island_id", "codecs", "tensors", "num_ranks", "shard_index", "num_shards", "partition", "layout_digest", "session_id")

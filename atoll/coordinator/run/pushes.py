@@ -182,6 +182,7 @@ class Pushes:
             first.tokens, first.loss, num_bytes, weight, first.inner_steps, first.compute_seconds, at=now
         )
         acc.commit(plan.island_id, plan.round, record, late)
+        rec.usual_weight = self._weight(plan, 0) if late else weight
         if rec.last_push_at is not None:
             rec.cycle.observe(now - rec.last_push_at)
         rec.last_push_at = now

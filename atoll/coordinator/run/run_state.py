@@ -63,7 +63,7 @@ from atoll.coordinator.state.accumulator import RoundAccumulator
 from atoll.coordinator.state.budget import Reservation
 from atoll.coordinator.state.downlink import Downlink
 from atoll.coordinator.state.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger, Sealed
-from atoll.coordinator.state.membership import Membership, island_state
+from atoll.coordinator.state.membership import Membership, island_state, usual_weight
 from atoll.coordinator.state.model import GlobalModel
 from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
 from atoll.sharding import PARTITIONS
@@ -350,6 +350,11 @@ class RunState:
             await asyncio.to_thread(self.writer.wait)  # the step changes what it may still write
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             summary, weight = acc.record(), acc.weight_total()
+            share = None
+            if c.outer_mode == "decoupled" and c.decoupled_step == "share":  # a round of some islands
+                full = usual_weight(self.membership.islands.values(), self.membership.clock())
+                share = min(weight / full, 1.0) if full > 0 else 1.0
+                weight = max(weight, full)  # Σ w_i s_i Δ_i / W: each contribution its share of a full step
             sizes = self.model.update_sizes()
             hint = wal.head_hint(sizes, lambda: self.membership.to_json()["islands"], self.history[-1:])
             with (
@@ -367,6 +372,8 @@ class RunState:
                 "goodput": run_goodput(self.membership.goodput(), self.clock()),  # the run's, so far
                 "outer_step_seconds": time.perf_counter() - started,
             }
+            if share is not None:
+                record["share"] = share
             self.seal(Sealed(r, params, payloads, record, frozenset(committed)))
             acc.advance(r + 1 - (c.max_staleness if c.late_policy == "fold" else 0))
         await self.try_publish()

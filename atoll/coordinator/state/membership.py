@@ -58,6 +58,9 @@ class IslandRecord:
     it: a decoupled round's grace is bounded by the quorum's (never by what an island reports)."""
     goodput: Goodput | None = None
     """Its compute into θ and its time while joined (set at the join)."""
+    usual_weight: float = 0.0
+    """The weight of its last contribution that counted, not down-weighted for lateness: what it
+    brings to a round (a decoupled round's share is its weight over the live islands' together)."""
     expiry_logged: bool = field(default=False, repr=False)
 
 
@@ -71,6 +74,11 @@ def island_state(rec: IslandRecord, now: float, open_round: int) -> str:
     if rec.holds_round >= open_round - 1 and rec.last_committed_round >= rec.holds_round - 1:
         return IslandState.ACTIVE  # at work on the newest θ, its push for the round before counted
     return IslandState.LATE
+
+
+def usual_weight(islands, now: float) -> float:
+    """What a round of every live island would weigh: their last contributions' weights together."""
+    return sum(rec.usual_weight for rec in islands if rec.lease_expires_at > now)
 
 
 class Membership:
