@@ -116,7 +116,9 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        fields.setdefault("decoupled_step", "full")  # a run saved before the rule keeps the step it had
+        return cls(**fields)
 
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
