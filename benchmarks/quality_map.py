@@ -70,7 +70,7 @@ def island_argv(name: str, address: str, work: Path, seed: int, data: str) -> li
 def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, work: Path) -> dict:
     work.mkdir(parents=True)
     names = [chr(ord("A") + i) for i in range(len(speeds))]
-    flags = [*COMMON, "--sync-every", str(h), *policy_flags(policy, quorum, len(speeds))]
+    flags = [*COMMON, "--sync-every", str(h), *policy_flags(policy, quorum, len(speeds)), *a.coordinator_flags.split()]
     flags += ["--keep-snapshots", "100000", "--snapshot-every", "1"]
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(work / "state", flags)
@@ -158,12 +158,15 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--seconds", type=float, default=45.0, help="wall budget of each run")
     p.add_argument("--data", choices=["bundled", "synthetic"], default="bundled")
+    p.add_argument(
+        "--coordinator-flags", default="", help="more coordinator flags for every run (the last of a flag wins)"
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot-dir", type=Path, default=None)
     a = p.parse_args()
     speeds = [float(s) for s in a.speeds.split(",")]
     quorums = sorted({1 if q == "1" else math.ceil(len(speeds) / 2) for q in a.quorum})
-    print(f"islands at speeds {speeds}, {a.seconds:g} s each, seeds {a.seeds}", flush=True)
+    print(f"islands at speeds {speeds}, {a.seconds:g} s each, seeds {a.seeds} {a.coordinator_flags}", flush=True)
     runs = []
     with tempfile.TemporaryDirectory(prefix="qmap-") as tmp:
         if a.data == "synthetic":
