@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -313,27 +314,34 @@ def post_json(url: str, body, token: str) -> tuple[int, object]:
     return code, json.loads(text) if code < 400 else text
 
 
-def run_measuring_rss(cmd: list[str], *, timeout: float) -> tuple[int, str, str, int]:
-    """Run cmd to the end; return (exit code, stdout, stderr, the peak RSS of that one process in KiB).
+PEAK_WRAPPER = """
+import atexit, os, runpy, sys
+def _peak():
+    with open("/proc/self/status") as f:
+        hwm = next(line for line in f if line.startswith("VmHWM:"))
+    with open(os.environ["ATOLL_TEST_PEAK_FILE"], "w") as out:
+        out.write(hwm.split()[1])
+atexit.register(_peak)
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
 
-    The peak comes from wait4 on this child alone: RUSAGE_CHILDREN is the largest of every child the
-    test process ever reaped, so an earlier test's big subprocess would be charged to this one."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    break
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
-                time.sleep(0.02)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss
+
+def run_module_measuring_peak(module: str, args: list[str], *, timeout: float) -> tuple[int, str, str, int]:
+    """``python -m module args`` to the end: (exit code, stdout, stderr, its peak RSS in KiB).
+
+    The peak is the process's own VmHWM, read at its exit: the rusage of a child (``wait4``,
+    ``RUSAGE_CHILDREN``) starts from the parent's high-water mark, since the forked image counts
+    until exec, so late in the suite it read ~1 GB for a 250 MB ``atoll export``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        peak_file = os.path.join(tmp, "peak")
+        env = {**os.environ, "ATOLL_TEST_PEAK_FILE": peak_file}
+        out = subprocess.run(
+            [sys.executable, "-c", PEAK_WRAPPER, module, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+        with open(peak_file) as f:
+            return out.returncode, out.stdout, out.stderr, int(f.read())

@@ -88,9 +88,8 @@ def test_a_snapshot_declaring_a_huge_tensor_is_refused_before_it_is_read(tmp_pat
     coordinator allocated the tensor before refusing it.)"""
     import json
     import struct
-    import sys
 
-    from conftest import run_measuring_rss
+    from conftest import run_module_measuring_peak
 
     numel = 1 << 28
     path = snapshots.save(tmp_path, snap(0))
@@ -111,9 +110,8 @@ def test_a_snapshot_declaring_a_huge_tensor_is_refused_before_it_is_read(tmp_pat
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(body)) + body + raw[8 + n :])
         f.truncate(8 + len(body) + base + 4 * numel)  # sparse: 1 GiB declared, nothing on disk
-    code, _, stderr, peak_kib = run_measuring_rss(
-        [sys.executable, "-m", "atoll", "export", "--state-dir", str(tmp_path), "--out", str(tmp_path / "m.st")],
-        timeout=120,
+    code, _, stderr, peak_kib = run_module_measuring_peak(
+        "atoll", ["export", "--state-dir", str(tmp_path), "--out", str(tmp_path / "m.st")], timeout=120
     )
     assert code == 1 and "Traceback" not in stderr, stderr
     assert "tensor param/big fails its checksum" in stderr.strip().splitlines()[-1]
