@@ -58,6 +58,13 @@ BROKEN = (OSError, EOFError, asyncio.CancelledError)
 """What ends a push's stream without a refusal: the peer went, the connection broke, it stalled."""
 
 
+def _drop_data(assembler: EntryAssembler, received: Received, reservation) -> None:
+    """A push's bytes and its share of the in-flight budget back (refused, or parked too long)."""
+    assembler.discard()
+    received.payloads.clear()
+    reservation.release()
+
+
 class Malformed:
     """What a request deserializes to when its bytes do not parse (answered INVALID_ARGUMENT)."""
 
@@ -262,9 +269,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 kept = True  # its retry takes it from here
                 self.parked.park(key, Parked(header_bytes, plan, reservation, assembler, received))
                 raise
-            assembler.discard()  # a refused stream: its bytes go now, not with its traceback
-            received.payloads.clear()
-            reservation.release()
+            _drop_data(assembler, received, reservation)  # a refused stream: now, not with its traceback
             if isinstance(err, StreamOverrun):  # more bytes than declared, on either transport
                 raise invalid(str(err)) from None
             raise
@@ -273,9 +278,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self.state.close_stream(plan)
 
     def _unpark(self, parked: Parked) -> None:
-        parked.assembler.discard()
-        parked.received.payloads.clear()
-        parked.reservation.release()
+        _drop_data(parked.assembler, parked.received, parked.reservation)
         self.state.close_stream(parked.plan)
 
     async def _receive(self, plan, it, assembler: EntryAssembler, received: Received) -> Received:

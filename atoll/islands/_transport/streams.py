@@ -188,7 +188,33 @@ def _mismatch(what: str) -> bulk.BulkError:
     return bulk.BulkError(grpc.StatusCode.INVALID_ARGUMENT, f"bulk port: {what}")
 
 
-class TcpPush:
+class _TcpCall:
+    """The connections of one call on the bulk port: opened, or taken from ``kept`` when the coordinator
+    keeps them, and given back there only once the call has ended cleanly."""
+
+    def __init__(
+        self,
+        port: BulkPort,
+        method: int,
+        auth: str,
+        message: bytes,
+        timeout: float,
+        streams: int,
+        kept: KeptConnections | None,
+    ) -> None:
+        self._port, self._kept = port, kept if port.keep_seconds > 0 else None
+        self._socks, self.rtt = open_call(port, method, auth, message, timeout, streams, self._kept)
+        self._sock = self._socks[0]
+
+    def _given_back(self, clean: bool) -> bool:
+        """Give the connections back for the next call when ``clean`` and kept; whether they were."""
+        if clean and self._kept is not None:
+            self._kept.give(self._port, self._socks)
+            return True
+        return False
+
+
+class TcpPush(_TcpCall):
     """A push on the bulk port: the header in the preamble; the data goes once it is admitted (CONTINUE),
     sent from the payloads' own memory by a sender thread while the caller makes the next one; the end
     of the data is the client's half-close (in the clear, one connection, not kept) or its declared
@@ -206,9 +232,7 @@ class TcpPush:
         kept: KeptConnections | None = None,
     ) -> None:
         message = pb.PushChunk(header=header).SerializeToString()
-        self._port, self._kept = port, kept if port.keep_seconds > 0 else None
-        self._socks, self.rtt = open_call(port, bulk.PUSH, auth, message, timeout, streams, self._kept)
-        self._sock = self._socks[0]
+        super().__init__(port, bulk.PUSH, auth, message, timeout, streams, kept)
         self._declared, self._given = sum(e.num_bytes for e in header.entries), 0
         self._delimited = len(self._socks) > 1 or isinstance(self._sock, ssl.SSLSocket) or self._kept is not None
         """The declared length ends the data (TLS, striped or kept): the coordinator cannot see a short or
@@ -299,8 +323,7 @@ class TcpPush:
             self._close(clean)
 
     def _close(self, clean: bool = False) -> None:
-        if clean and self._kept is not None:
-            self._kept.give(self._port, self._socks)
+        if self._given_back(clean):
             return
         for sock in self._socks:
             sock.close()
@@ -315,7 +338,7 @@ class TcpPush:
         self._close()
 
 
-class TcpPull:
+class TcpPull(_TcpCall):
     """A pull on the bulk port: the header frame, the entries' payloads read straight into the caller's
     buffers (striped: each unit from its connection, in order), then (tentative) the Durable frame.
     With ``kept``, connections come from there and go back once the whole answer was read."""
@@ -331,13 +354,8 @@ class TcpPull:
         kept: KeptConnections | None = None,
     ) -> None:
         self._timeout = timeout
-        message = req.SerializeToString()
-        self._port, self._kept = port, kept if port.keep_seconds > 0 else None
         self._clean = False
-        self._socks, self.rtt = open_call(
-            port, bulk.PULL, auth, message, timeout + req.wait_seconds, streams, self._kept
-        )
-        self._sock = self._socks[0]
+        super().__init__(port, bulk.PULL, auth, req.SerializeToString(), timeout + req.wait_seconds, streams, kept)
         self._units: UnitReceiver | None = None
         self._delivered = req.resume_offset
 
@@ -378,8 +396,7 @@ class TcpPull:
         self._clean = self._units is None or self._units.settle(self._timeout)
 
     def close(self) -> None:
-        if self._clean and self._kept is not None:
-            self._kept.give(self._port, self._socks)
+        if self._given_back(self._clean):
             return
         if self._units is not None:
             self._units.close()

@@ -28,7 +28,8 @@ RESUMES = 8
 """How many times one pull asks for the rest of its answer before it gives up (a PartialUpdate then)."""
 
 
-def retryable(err: grpc.RpcError) -> bool:
+def broke(err: grpc.RpcError) -> bool:
+    """The stream broke (UNAVAILABLE), as opposed to a refusal: what a resumable pull resumes from."""
     return err.code() == grpc.StatusCode.UNAVAILABLE if hasattr(err, "code") else False
 
 
@@ -89,7 +90,7 @@ def read_update(
                     stream.read_into(payload[stream.delivered - received :] if resumable else payload)
                     break
                 except grpc.RpcError as err:
-                    if reopen is None or not resumable or resumes >= RESUMES or not retryable(err):
+                    if reopen is None or not resumable or resumes >= RESUMES or not broke(err):
                         raise
                     resumes += 1
                     offset = stream.delivered
