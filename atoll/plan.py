@@ -18,7 +18,7 @@ The link model is the bulk port's behaviour as measured over the emulated WAN
   in flight (TCP slow start); then it moves at the link's rate less the packets' headers;
 - one connection carries at most ``window`` bytes per round trip (its send buffer: ~2.7 MB with
   Linux's default 4 MiB ``tcp_wmem``), so a call is striped over ``streams`` connections (the
-  island's own choice from the round trip, :func:`atoll.islands._transport.streams.auto_streams`);
+  island's own choice from the round trip, :func:`atoll.islands._transport.opening.auto_streams`);
 - with loss, each connection is held to the Mathis bound, MSS / RTT · 1.22 / √p (Reno's; BBR,
   Linux's default here, does better, so this errs slow).
 
@@ -34,7 +34,7 @@ its CPU measures it (``benchmarks/wan_utilisation.py`` does: ~1 s at 124M on its
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 CODEC_ORDER = ("identity", "bf16", "int8", "int4", "int2", "dcttopk", "topk")
 """Codecs from the least to the most lossy (the order the table lists them)."""
@@ -180,9 +180,7 @@ def estimate(
     p = cand.fragments
     push = push_seconds(up_bytes / p, link, streams)
     if coordinator_mbit:  # every island's push into the coordinator's own link
-        shared = Link(
-            rate_mbit=coordinator_mbit, rtt_ms=link.rtt_ms, loss=link.loss, mtu=link.mtu, tls=link.tls, kept=link.kept
-        )
+        shared = replace(link, rate_mbit=coordinator_mbit)
         push = max(push, push_seconds(islands * up_bytes / p, shared, streams * islands))
     pull = pull_seconds(down_bytes / p, link, streams)
     if coordinator_mbit:

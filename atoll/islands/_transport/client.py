@@ -160,7 +160,7 @@ class CoordinatorClient:
         bulk_streams: int | None = None,
     ) -> None:
         """``bulk_streams``: the TCP connections each push and pull is striped over on the bulk port
-        (None: from the measured round trip, :func:`~atoll.islands._transport.streams.auto_streams`)."""
+        (None: from the measured round trip, :func:`~atoll.islands._transport.opening.auto_streams`)."""
         parse_address(address)
         if bulk_streams is not None and not 1 <= bulk_streams <= 16:
             raise ValueError(f"bulk_streams={bulk_streams}: 1 to 16, or None to choose from the round trip")

@@ -20,16 +20,17 @@ MARGIN = 0.8
 """The share of the coordinator's keep time an idle connection is used within."""
 
 
-def still_open(sock: socket.socket) -> bool:
-    """Nothing to read and no hang-up: the coordinator has not closed it (it sends nothing unasked)."""
+def peer_spoke(sock: socket.socket) -> bool:
+    """Bytes or an end wait on ``sock``: the coordinator, which sends nothing unasked (no TLS session
+    tickets, no renegotiation), has answered (a push refused part way) or closed it (a kept one)."""
     if isinstance(sock, ssl.SSLSocket) and sock.pending():
-        return False
+        return True
     try:
-        poller = select.poll()
-        poller.register(sock, select.POLLIN | select.POLLPRI)
-        return not poller.poll(0)
+        poller = select.poll()  # not select(): descriptors past 1024
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):  # closed already
-        return False
+        return True
 
 
 class KeptConnections:
@@ -48,7 +49,7 @@ class KeptConnections:
             idle = self._idle.get(port, [])
             while idle and len(taken) < n:
                 sock, since = idle.pop()
-                (taken if now - since < keep_seconds * MARGIN and still_open(sock) else stale).append(sock)
+                (taken if now - since < keep_seconds * MARGIN and not peer_spoke(sock) else stale).append(sock)
         for sock in stale:
             sock.close()
         return taken

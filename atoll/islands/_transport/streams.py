@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import select
 import socket
 import ssl
 import threading
@@ -27,7 +26,7 @@ from typing import Protocol
 
 import grpc
 
-from atoll.islands._transport.kept import KeptConnections
+from atoll.islands._transport.kept import KeptConnections, peer_spoke
 from atoll.islands._transport.opening import BulkPort, open_call
 from atoll.islands._transport.striping import UnitReceiver, UnitSender
 from atoll.islands.errors import ProtocolError
@@ -172,16 +171,6 @@ def _answer(sock: socket.socket, *, continuing: bool = False) -> bytes | None:
     return data
 
 
-def _answered(sock: socket.socket) -> bool:
-    """The server has answered already (a refusal part way through the data): stop sending. (Over TLS
-    the coordinator sends nothing else unasked: no session tickets, no renegotiation.)"""
-    if isinstance(sock, ssl.SSLSocket) and sock.pending():
-        return True
-    poller = select.poll()  # not select(): descriptors past 1024
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
-
-
 def _mismatch(what: str) -> bulk.BulkError:
     """A push whose payloads do not add up to its header, refused before the coordinator could count it
     (the same code the coordinator gives where it can see it: in the clear on one connection not kept)."""
@@ -267,7 +256,7 @@ class TcpPush(_TcpCall):
             self._failed.append(bulk.broken(f"{type(err).__name__}: {err}"))
 
     def _send_all(self) -> None:
-        units = UnitSender(self._socks, self._failed, lambda: _answered(self._sock)) if len(self._socks) > 1 else None
+        units = UnitSender(self._socks, self._failed, lambda: peer_spoke(self._sock)) if len(self._socks) > 1 else None
         start = 0
         while (payload := self._ready.get()) is not _End:
             view = memoryview(payload).cast("B")
@@ -279,7 +268,7 @@ class TcpPush(_TcpCall):
                         if not units.put(offset, unit):
                             break
                 else:
-                    if not self._failed and _answered(self._sock):
+                    if not self._failed and peer_spoke(self._sock):
                         self._failed.append(None)  # refused part way: the answer is read by finish()
                     if not self._failed:
                         self._sendall(self._sock, view)
@@ -313,7 +302,7 @@ class TcpPush(_TcpCall):
                 if len(self._socks) == 1 and not isinstance(self._sock, ssl.SSLSocket) and self._kept is None:
                     with contextlib.suppress(OSError):  # (over TLS, striped or kept, the declared length ends it)
                         self._sock.shutdown(socket.SHUT_WR)  # the end of the data
-            elif self._failed[0] is not None and not _answered(self._sock):
+            elif self._failed[0] is not None and not peer_spoke(self._sock):
                 raise self._failed[0]  # the wire broke and no answer waits
             # The answer, or the refusal part way (the server stopped reading).
             response = pb.PushResponse.FromString(_answer(self._sock))
