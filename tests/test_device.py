@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from atoll.compression import ErrorFeedback, get_codec
+from atoll.compression.staging import DeviceStaging
 from atoll.coordinator import RunConfig
 from atoll.islands._shard_state import Placement, ShardState
 from atoll.islands._shards import local_shards
@@ -47,6 +48,7 @@ class CrossingCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.h2d = self.d2h = 0
+        self.h2d_copies = self.d2h_copies = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -62,8 +64,10 @@ class CrossingCounter(TorchDispatchMode):
     def _count(self, src: torch.device, dst: torch.device, num_bytes: int) -> None:
         if src.type == "cpu" and dst.type != "cpu":
             self.h2d += num_bytes
+            self.h2d_copies += 1
         elif src.type != "cpu" and dst.type == "cpu":
             self.d2h += num_bytes
+            self.d2h_copies += 1
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -122,9 +126,43 @@ def test_exchange_math_stays_on_the_device(where, spec):
             assert st.shard.local().device == CUDA
 
 
-@pytest.mark.parametrize("overlap", [0, 2])
-@pytest.mark.parametrize("where", ["host", "device"])
-def test_an_island_on_a_fake_gpu_runs_rounds_against_a_real_coordinator(start_server, where, overlap):
+@pytest.mark.parametrize("spec", ["identity", "int8", "int8+ef", "int4", "powersgd:rank=2"])
+def test_staged_payloads_stay_on_the_device_until_their_one_copy(spec):
+    """Staged (atoll.compression.staging): the mirror is on the parameters' device, the codec's
+    arithmetic and error feedback's decode run there, and only payload bytes cross each way (views
+    made under FakeTensorMode have no address, so pieces the window cannot place are copied directly
+    here; tests/test_staging.py checks the placement byte for byte on the CPU)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_model()
+        shard = local_shards(model)[0]  # the first Linear's weight: 96 x 64
+        codec = get_codec(spec.removesuffix("+ef"))
+        if spec.endswith("+ef"):
+            codec = ErrorFeedback(codec, 0.5)
+        staging = DeviceStaging(CUDA, enabled=True)
+        st = ShardState(shard, Placement("device", CUDA), Leases(), staging)
+        st.apply(get_codec("identity").encode(torch.zeros(shard.sizes)), full=True)
+        with CrossingCounter() as encoding:
+            payload = staging.settle(st.encode(codec))
+        assert st._stage.mirror.device == CUDA
+        assert encoding.d2h <= 2 * len(payload) and encoding.h2d <= len(payload) + 4096, (encoding.d2h, encoding.h2d)
+        with CrossingCounter() as decoding:
+            st.apply(payload, full=False)
+        assert decoding.h2d <= 2 * len(payload) and decoding.d2h == 0
+        assert st.start.device == CUDA
+
+
+@pytest.mark.parametrize(
+    ("where", "overlap", "staged"),
+    [
+        ("host", 0, False),
+        ("host", 2, False),
+        ("device", 0, False),
+        ("device", 2, False),
+        ("host", 0, True),
+        ("host", 2, True),
+    ],
+)
+def test_an_island_on_a_fake_gpu_runs_rounds_against_a_real_coordinator(start_server, where, overlap, staged):
     srv = start_server(RunConfig(run_id="t", sync_every=4, codec="int8", error_feedback=True))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model()
@@ -135,8 +173,10 @@ def test_an_island_on_a_fake_gpu_runs_rounds_against_a_real_coordinator(start_se
             island_id="gpu",
             outer_state=where,
             overlap_steps=overlap,
+            staged_copies=staged,
             retry=RetryPolicy(give_up_seconds=20),
         ).start()
+        assert len(sync._routes.stagings) == int(staged)
         try:
             for _ in range(13):
                 sync.step(tokens=256, loss=1.0)

@@ -18,6 +18,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from atoll.compression import staging
 from atoll.compression.wire import Frame, WireFormatError, allocate, payload_size, seal, unpack
 
 CHUNK = 1 << 20
@@ -222,9 +223,16 @@ class Codec:
         params, body_len, write = self._encode(flat, shape, {} if state is None else state)
         dtype = dtype if dtype != torch.float64 else torch.float32
         payload, body = allocate(self.codec_id, dtype, shape, params, body_len, out)
-        if body_len:
+        stage = staging.current()
+        window = stage.window_for(body) if stage is not None else None
+        if window is None:
+            if body_len:
+                write(body)
+            return seal(payload)
+        with staging.active(window):  # the body is written to a device mirror, then copied whole
             write(body)
-        return seal(payload)
+        stage.written(payload, window)
+        return payload  # sealed once on the host (DeviceStaging.settle)
 
     def encoded_size(self, shape: tuple[int, ...]) -> int:
         """Bytes of the payload of any tensor of ``shape`` (known before encoding: a push header
@@ -352,8 +360,8 @@ def read_tensor(
 
     Callers only read from it; torch warns about read-only buffers, which is moot here.
     """
-    if device is not None and device.type != "cpu":
-        return read_tensor(buf, dtype, count, offset).to(device)
+    if device is not None:
+        return to_device(read_tensor(buf, dtype, count, offset), device)
     if count == 0:
         return torch.empty(0, dtype=dtype)
     np_dtype = {
@@ -382,8 +390,21 @@ def write_tensor(buf: memoryview, dtype: torch.dtype, count: int, offset: int = 
 
 def to_host(dest: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src`` (any device) into the host view ``dest``, converting the dtype on ``src``'s device
-    first so only ``dest``'s bytes cross to the host (on the CPU the copy converts as it goes)."""
+    first so only ``dest``'s bytes cross to the host (on the CPU the copy converts as it goes).
+    Staged (:mod:`~atoll.compression.staging`): into the device mirror of ``dest`` instead."""
+    if staging.write(dest, src):
+        return
     dest.copy_(src if src.dtype == dest.dtype or src.device.type == "cpu" else src.to(dest.dtype))
+
+
+def to_device(src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor of a payload on ``device``: a copy of exactly its bytes, or, staged
+    (:mod:`~atoll.compression.staging`), the device mirror's view of them (no copy)."""
+    mirror = staging.view(src)
+    device = torch.device(device)
+    if mirror is not None and mirror.device.type == device.type and device.index in (None, mirror.device.index):
+        return mirror
+    return src.to(device)
 
 
 def expect_params(frame: Frame, fmt: struct.Struct, what: str) -> tuple:

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from atoll.compression import staging
 from atoll.compression.base import (
     Codec,
     chunk_elems,
@@ -25,6 +26,7 @@ from atoll.compression.base import (
     read_tensor,
     report,
     span,
+    to_device,
     to_host,
     weighted,
     write_tensor,
@@ -128,7 +130,7 @@ def encode_into(
             to_host(codes, q)
         else:
             to_host(codes_out[c0 : c0 + take], span(_pack_codes(q.to(torch.int8).view(-1), bits), 0, take))
-        host_codes = codes if device.type == "cpu" else None
+        host_codes = staging.stored(codes) if codes is not None and device.type == "cpu" else None
         report(flat, s, lambda q=q, a=a, eff=eff, m=m, c=host_codes: _decoded(q, eff, a, m, c))
 
 
@@ -176,12 +178,12 @@ def decode_into(
         m = min(step, n - s)
         nb = -(-m // block)
         c0 = packed_len(s, bits)
-        sc = scales[s // block : s // block + nb].to(device)
+        sc = to_device(scales[s // block : s // block + nb], device)
         sc = sc.to(torch.float32) if scale_kind == SCALE_FP32 else sc.to(torch.float32).mul_(global_scale)
         if bits == 8:
-            q = codes[c0 : c0 + m].to(device).view(torch.int8)
+            q = to_device(codes[c0 : c0 + m], device).view(torch.int8)
         else:
-            q = _unpack_codes(codes[c0 : packed_len(s + m, bits)].to(device), bits, m)
+            q = _unpack_codes(to_device(codes[c0 : packed_len(s + m, bits)], device), bits, m)
         target = span(out, s, m)
         if nb * block == m:
             q2, t2 = q.view(nb, block), target.view(nb, block)

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from atoll.compression import staging
 from atoll.compression.base import (
     CHUNK,
     Codec,
@@ -17,6 +18,7 @@ from atoll.compression.base import (
     read_tensor,
     report,
     span,
+    to_device,
     to_host,
     weighted,
     write_tensor,
@@ -41,7 +43,7 @@ class _CastCodec(Codec):
             for s in range(0, n, step):
                 chunk, x = dest[s : s + step], span(flat, s, step)
                 to_host(chunk, x)  # cast on the device, copy the stored bytes
-                if self.store == torch.float16 and not all_finite(chunk):
+                if self.store == torch.float16 and not all_finite(staging.stored(chunk)):
                     raise OverflowError("value outside the fp16 range (|x| > 65504) or non-finite; use bf16")
                 report(flat, s, lambda x=x: x if self.store == torch.float32 else x.to(self.store).float())
 
@@ -65,7 +67,7 @@ class _CastCodec(Codec):
         v = self._values(frame)
         step = CHUNK if out.device.type == "cpu" else max(CHUNK, chunk_elems(out.device))
         for s in range(0, v.numel(), step):
-            part = v[s : s + step].to(out.device)  # the stored bytes to the device; a view on the CPU
+            part = to_device(v[s : s + step], out.device)  # the stored bytes on the device; a view on the CPU
             if accumulate:
                 span(out, s, step).add_(weighted(part, alpha))
             else:

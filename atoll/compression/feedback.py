@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from atoll.compression import staging
 from atoll.compression.base import Codec
 
 
@@ -53,7 +56,10 @@ class ErrorFeedback:
         elif x is tensor:
             x = x.clone()
         payload = self.inner.encode(x, state.setdefault("inner", {}), out=out)
-        self.inner.decode_add_(payload, x.contiguous() if not x.is_contiguous() else x, alpha=-1.0)
+        stage = staging.current()  # staged: the body is still on the device, read it there
+        with stage.again() if stage is not None else contextlib.nullcontext():
+            # Our own payload, just made (staged, its checksum is not even written yet).
+            self.inner.decode_add_(payload, x.contiguous() if not x.is_contiguous() else x, alpha=-1.0, verified=True)
         state["residual"] = x  # x + e - D(C(x + e))
         return payload
 

@@ -111,10 +111,19 @@ def allocate(
     Returns ``(payload, body)``: the codec writes its body into the writable memoryview ``body``,
     then calls :func:`seal` on ``payload``. Writing in place avoids copying large bodies. ``out``,
     if given, is resized and reused as the payload: fresh large buffers cost page faults that can
-    exceed the encoding itself, so callers that encode every round pass last round's buffer.
+    exceed the encoding itself, so callers that encode every round pass last round's buffer. A
+    writable buffer of fixed size (a memoryview of pinned memory) that has room is used as it is:
+    the payload is then a memoryview of its first bytes.
     """
     head = header(codec_id, dtype, shape, params, body_len)
     total = len(head) + body_len + _U32.size
+    if out is not None and not isinstance(out, bytearray):
+        room = memoryview(out).cast("B")
+        if room.readonly or room.nbytes < total:
+            raise ValueError(f"a payload of {total} bytes does not fit the {room.nbytes}-byte buffer given")
+        payload = room[:total]
+        payload[: len(head)] = head
+        return payload, payload[len(head) : len(head) + body_len]
     if out is None:
         payload = bytearray(total)
     else:
@@ -127,7 +136,7 @@ def allocate(
     return payload, memoryview(payload)[len(head) : len(head) + body_len]
 
 
-def seal(payload: bytearray) -> bytearray:
+def seal(payload):
     """Write the trailing crc32 of a payload laid out by :func:`allocate`."""
     view = memoryview(payload)
     _U32.pack_into(payload, len(payload) - 4, checksum(view[:-4]))

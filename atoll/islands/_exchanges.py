@@ -86,6 +86,9 @@ class Flight:
     them is encoded into again before it ends (:meth:`end`)."""
     lease_on: Callable[[object], object] | None = None
     """Takes a lease on a payload for this flight."""
+    settle: Callable[[list], list] = list
+    """``settle(payloads)``: on the host and sealed (a staged encode returns before its copy is done:
+    :meth:`Routes.on_host`); every read of the payloads goes through it, on whichever thread reads."""
 
     def kept(self, payload):
         """``payload``, leased for this flight (it pushes it, and may again)."""
@@ -104,7 +107,7 @@ class Flight:
         leased for the flight as it is made)."""
         for i, _, payloads in self.pushes:
             if i == route and payloads is not None:
-                return payloads
+                return self.settle(payloads)
         if self.encoder is not None:
             encode = self.encoder(route)
             return lambda j: self.kept(encode(j))
@@ -114,7 +117,7 @@ class Flight:
         """The route's payloads: kept, or encoded again (the same bytes: see ``rebuild``)."""
         for i, _, payloads in self.pushes:
             if i == route:
-                return payloads if payloads is not None else [self.kept(p) for p in self.rebuild(route)]
+                return self.settle(payloads if payloads is not None else [self.kept(p) for p in self.rebuild(route)])
         raise KeyError(route)
 
     def release_payloads(self) -> None:
@@ -230,6 +233,7 @@ class Exchanges:
             merge=self.overlap,
             bytes0=routes.link.bytes(indices),
             lease_on=lambda payload: routes.leases.take(payload, f"round {sessions[indices[0]].round}'s push"),
+            settle=routes.on_host,
         )
         # A stateless codec (no error feedback, no warm start) on a plain exchange (θ stays put until it
         # is applied) streams: each payload is encoded as the push stream asks for it, and again if

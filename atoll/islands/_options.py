@@ -37,6 +37,11 @@ class DiLoCoOptions:
     outer_state: str = "host"
     """Where round-start θ, error-feedback residuals and overlap snapshots live: ``"host"`` (pinned
     memory on CUDA: the accelerator holds no extra model copy) or ``"device"``."""
+    staged_copies: bool | None = None
+    """Payloads cross between the device and the host in one copy each way, on a side stream, through
+    pinned buffers and a device mirror kept per shard (:mod:`atoll.compression.staging`; GPU memory:
+    one encoded payload per shard). None: on a CUDA device; False: per-piece copies as on the CPU;
+    True: also on the CPU (mirror in host memory: the same bytes, for tests)."""
     sync_buffers: bool = True
     """Average floating-point buffers (BatchNorm statistics) over the islands too; every island of a
     run must choose the same."""
@@ -84,6 +89,7 @@ class DiLoCoKwargs(TypedDict, total=False):
     overlap_steps: int
     streaming: bool
     outer_state: str
+    staged_copies: bool | None
     sync_buffers: bool
     process_group: object
     token_group: object

@@ -17,6 +17,7 @@ import math
 import torch
 
 from atoll.compression import ErrorFeedback, available_codecs, codec_of, get_codec
+from atoll.compression.staging import DeviceStaging, pinned_buffer
 from atoll.islands._link import CoordinatorLink
 from atoll.islands._messages import (
     JoinAnswer,
@@ -68,13 +69,17 @@ class Routes:
         if empty:
             raise ValueError(f"coordinator shards {empty} of {n} own none of the model's tensors; use fewer shards")
         placements: dict[torch.device, Placement] = {}
+        stagings: dict[torch.device, DeviceStaging] = {}
         self.leases = Leases()
         """Who reads the shards' push payloads now (see :meth:`ShardState.encode`)."""
         self.states: dict[tuple, ShardState] = {}
         for s in shards:
             device = s.local().device
             placement = placements.setdefault(device, Placement(options.outer_state, device))
-            self.states[s.key] = ShardState(s, placement, self.leases)
+            staging = stagings.setdefault(device, DeviceStaging(device, enabled=options.staged_copies))
+            self.states[s.key] = ShardState(s, placement, self.leases, staging if staging.enabled else None)
+        self.stagings = [st for st in stagings.values() if st.enabled]
+        """The devices whose payloads are staged: a payload is read only once :meth:`on_host` says so."""
         self.sessions = link.open(
             rank,
             num_ranks,
@@ -82,6 +87,9 @@ class Routes:
             [_regions(mine) for mine in self.route_shards],
             group=options.process_group,
         )
+        if any(st.cuda for st in self.stagings):  # pulled entries land in pinned memory, reused
+            for session in self.sessions:
+                session.client.buffers.make = pinned_buffer
         self.sync_every = options.sync_every or 0
         self.decoupled = False
         """The run's outer mode is decoupled: the island never waits for an outer step (see DiLoCo.step)."""
@@ -208,7 +216,15 @@ class Routes:
     def encoder(self, index: int):
         """``encode(j)``: the route's j-th owned pseudo-gradient, encoded when the push stream asks."""
         owned = self.owned(index)
-        return lambda j: self.states[owned[j].key].encode(self.codec)
+        return lambda j: self.on_host([self.states[owned[j].key].encode(self.codec)])[0]
+
+    def on_host(self, payloads: list) -> list:
+        """``payloads`` on the host and sealed: a staged encode returns before its copy to the host is
+        done; whoever reads the bytes (the push's I/O) waits for that copy here, not the training thread."""
+        for staging in self.stagings:
+            for p in payloads:
+                staging.settle(p)
+        return payloads
 
     def sizes(self, index: int) -> list[int]:
         """Payload bytes of the route's owned pseudo-gradients, known before encoding."""

@@ -16,9 +16,12 @@ exactly that of the plain implementation (payloads and θ bitwise unchanged).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from atoll.compression import codec_of
+from atoll.compression.staging import DeviceStaging
 from atoll.islands._shards import LocalShard
 from atoll.memory import Leases
 
@@ -88,12 +91,18 @@ class Placement:
 class ShardState:
     """The outer state of one local shard, and the math of one exchange on it."""
 
-    def __init__(self, shard: LocalShard, placement: Placement, leases: Leases) -> None:
+    def __init__(
+        self, shard: LocalShard, placement: Placement, leases: Leases, staging: DeviceStaging | None = None
+    ) -> None:
         """``leases``: who reads this shard's payloads (a push, a flight keeping it for a re-push): its
-        next encode takes the last payload's buffer only once nobody does."""
+        next encode takes the last payload's buffer only once nobody does. ``staging``: the device's
+        (an accelerator's): payloads cross in one copy each way, on its side stream, through this
+        shard's pinned buffer and device mirror (:mod:`atoll.compression.staging`)."""
         self.shard = shard
         self.placement = placement
         self.leases = leases
+        self.staging = staging
+        self._stage = staging.buffers() if staging is not None else None
         self.start: torch.Tensor | None = None
         """θ of the round start (fp32, placed)."""
         self.codec_state: dict = {}
@@ -118,7 +127,13 @@ class ShardState:
         spare, self._payload = self._payload, None
         if spare is not None and self.leases.held(spare):  # kept for a re-push, in a stream
             spare = None  # never written over
-        payload = codec.encode_difference(start, self.shard.local().detach(), self.codec_state, out=spare)
+        local = self.shard.local().detach()
+        if self._stage is None:
+            payload = codec.encode_difference(start, local, self.codec_state, out=spare)
+        else:  # into pinned memory, copied on the side stream: sealed by settle(), not here
+            room = self._stage.payload_buffer(codec.encoded_size(self.shard.sizes), busy=self.leases.held)
+            with self._stage.encoding():
+                payload = codec.encode_difference(start, local, self.codec_state, out=room)
         self._payload = payload
         if "residual" in self.codec_state:
             self.codec_state["residual"] = self.placement.keep(self.codec_state["residual"], into=kept)
@@ -149,10 +164,11 @@ class ShardState:
         """Advance θ_start by one pulled update: θ itself (``full``) or θ_start + u, decoded on the device.
         ``verified``: the payload's checksum was checked already (it is not read again)."""
         codec = codec_of(payload)
-        if full:
+        if full:  # θ itself (a join, a catch-up): read piece by piece, the mirror is a payload's size
             new = codec.decode(payload, self.shard.sizes, device=self.device, verified=verified)
         else:
-            new = codec.add_decoded_(payload, self.placement.fetch(self.start), verified=verified)
+            with self._stage.reading(payload) if self._stage is not None else contextlib.nullcontext():
+                new = codec.add_decoded_(payload, self.placement.fetch(self.start), verified=verified)
         self.start = self.placement.keep(new, into=self.start)
 
     @torch.no_grad()

@@ -164,8 +164,11 @@ class BufferPool:
     ``limit``: bytes, or a function that says them now (the coordinator's in-flight budget, which a
     joining island's model can raise). Thread-safe."""
 
-    def __init__(self, limit: int | Callable[[], int]) -> None:
+    def __init__(self, limit: int | Callable[[], int], make: Callable[[int], np.ndarray] | None = None) -> None:
+        """``make(size)``: a new buffer when none is free (default :func:`entry_buffer`; an island on an
+        accelerator makes pinned ones, whose copy to the device runs at the link's full speed)."""
         self.limit = limit
+        self.make = make or entry_buffer
         self.held = 0
         self.reused = 0
         """Buffers handed out again (a test and a benchmark read it)."""
@@ -179,7 +182,7 @@ class BufferPool:
                 self.held -= size
                 self.reused += 1
                 return free.pop()
-        return entry_buffer(size)
+        return self.make(size)
 
     def give(self, payload) -> None:
         """Take back a payload of :meth:`take`'s buffer (the caller no longer reads it)."""
