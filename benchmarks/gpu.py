@@ -8,9 +8,11 @@ autocast) on generated token data (a random sparse bigram chain, so the loss can
 the identity and int8 codecs, with and without --overlap-steps. It prints:
 
 - θ digests identical across the islands after every round, and the loss falling;
-- sync time as % of the round (the islands' own timings);
-- int8 encode/decode GB/s on the GPU beside a device memcpy of the same tensor (on the device, and
-  end to end including the payload's copy to the host);
+- sync time as % of the round (the islands' own timings), staged (the default since issue 35) and,
+  for int8, with --no-staged-copies beside it;
+- with overlap, an inner step's time while an exchange is in flight against one while none is;
+- int8 and identity encode/decode GB/s on the GPU beside a device memcpy of the same tensor (on the
+  device, end to end to a fresh host payload, and staged through pinned buffers);
 - each island's peak GPU memory (torch.cuda.max_memory_allocated) beside the same loop without
   atoll, in this process.
 """
@@ -93,6 +95,47 @@ def codec_speeds(device: torch.device, numel: int) -> None:
 
     dev = timed(quantise, device)
     print(f"{'int8 quantise (on the device)':30} {gb / dev:8.1f} {memcpy / dev:9.3f}")
+    staged_speeds(x, dst, gb, memcpy, device)
+
+
+def staged_speeds(x: torch.Tensor, dst: torch.Tensor, gb: float, memcpy: float, device: torch.device) -> None:
+    """The island's path since issue 35 (atoll.compression.staging): the codec writes a device mirror,
+    one copy moves the payload to a pinned buffer reused from call to call (on a side stream), and the
+    payload is sealed once there; a pulled payload in pinned memory crosses to the device in one copy
+    and is decoded there. Beside them, the floor: one pinned copy of the payload's bytes alone."""
+    from atoll.compression import get_codec
+    from atoll.compression.staging import DeviceStaging, pinned_buffer
+
+    staging = DeviceStaging(device, enabled=True)
+    print(f"{'(staged: goal >= 20 GB/s)':30}")
+    for spec in ("int8", "identity"):
+        codec, stage = get_codec(spec), staging.buffers()
+        size = codec.encoded_size(tuple(x.shape))
+
+        def encode(codec=codec, stage=stage, size=size):
+            room = stage.payload_buffer(size)
+            with stage.encoding():
+                payload = codec.encode(x, out=room)
+            return staging.settle(payload)
+
+        payload = encode()
+        assert bytes(payload) == bytes(codec.encode(x)), "the staged payload differs from the direct one"
+        pulled = pinned_buffer(len(payload)) if device.type == "cuda" else np.empty(len(payload), np.uint8)
+        pulled[:] = np.frombuffer(payload, dtype=np.uint8)
+
+        def decode(codec=codec, stage=stage, pulled=pulled):
+            with stage.reading(pulled):
+                codec.decode_add_(pulled, dst, verified=True)
+
+        enc, dec = timed(encode, device), timed(decode, device)
+        floor = float("nan")
+        if device.type == "cuda":
+            on_device = torch.empty(len(payload), dtype=torch.uint8, device=device)
+            host = torch.from_numpy(pulled)
+            floor = timed(lambda h=host, d=on_device: h.copy_(d, non_blocking=True), device)
+        print(f"{spec + ' encode (staged, pinned)':30} {gb / enc:8.1f} {memcpy / enc:9.3f}")
+        print(f"{spec + ' decode-add (staged, pinned)':30} {gb / dec:8.1f} {memcpy / dec:9.3f}")
+        print(f"{spec + ' payload D2H copy alone':30} {gb / floor:8.1f} {memcpy / floor:9.3f}")
 
 
 def plain_loop_peak(model_name: str, batch: int, block: int, steps: int, device: torch.device, data) -> int:
@@ -120,7 +163,7 @@ def plain_loop_peak(model_name: str, batch: int, block: int, steps: int, device:
     return peak
 
 
-def run(work: Path, data_path: Path, args, codec: str, overlap: int) -> list[dict]:
+def run(work: Path, data_path: Path, args, codec: str, overlap: int, staged: bool = True) -> list[dict]:
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(
             work / "state",
@@ -139,6 +182,7 @@ def run(work: Path, data_path: Path, args, codec: str, overlap: int) -> list[dic
                     *("--batch-size", str(args.batch_size), "--block-size", str(args.block_size)),
                     *("--inner-lr", "3e-4", "--overlap-steps", str(overlap), "--no-eval-every-round"),
                     *("--progress", "json", "--threads", "4"),
+                    *(() if staged else ("--no-staged-copies",)),
                 ],
             )
             for k in range(2)
@@ -176,6 +220,14 @@ def report(rounds: list[dict], plain_peak: int, label: str) -> None:
         ratio = f"{peak / plain_peak:17.3f}" if plain_peak else f"{'-':>17}"
         loss = evs[0]["global_loss"]
         print(f"{r:>5} {loss:11.4f} {'yes' if same else 'NO':>11} {max(share):16.2f} {ratio}")
+    idle = [e["step_seconds"] for e in rounds if e["round"] > 0 and e.get("step_seconds")]
+    busy = [e["step_seconds_in_flight"] for e in rounds if e["round"] > 0 and e.get("step_seconds_in_flight")]
+    if idle and busy:  # overlap: an inner step while the exchange is in flight, against one while none is
+        ratio = statistics.mean(busy) / statistics.mean(idle)
+        print(
+            f"inner step (mean of the islands' round means): {statistics.mean(idle) * 1e3:.1f} ms with no "
+            f"exchange in flight, {statistics.mean(busy) * 1e3:.1f} ms with one: {ratio:.3f}x (goal <= 1.02x)"
+        )
     losses = [next(iter(by_round[r].values()))["global_loss"] for r in sorted(by_round)]
     print(
         f"loss falling: {'yes' if losses[-1] < losses[0] else 'NO'} ({losses[0]:.4f} -> {losses[-1]:.4f}); "
@@ -194,10 +246,11 @@ def main() -> None:
     p.add_argument("--overlap-steps", type=int, default=10, help="τ of the overlapped runs (default: 10)")
     p.add_argument("--codec-numel", type=int, default=1 << 26, help="elements of the codec benchmark tensor")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration before failing")
+    p.add_argument("--staged-only", action="store_true", help="skip the two runs with --no-staged-copies")
     args = p.parse_args()
     if args.dry_run:
         args.model, args.batch_size, args.block_size, args.sync_every = "tiny", 4, 64, 5
-        args.rounds, args.overlap_steps, args.codec_numel = 2, 2, 1 << 20
+        args.rounds, args.overlap_steps, args.codec_numel = 3, 2, 1 << 20
     elif not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --dry-run to check the script on the CPU")
     device = torch.device("cuda", 0) if not args.dry_run else torch.device("cpu")
@@ -216,10 +269,13 @@ def main() -> None:
         plain = plain_loop_peak(args.model, args.batch_size, args.block_size, args.sync_every, device, data)
         if plain:
             print(f"\nthe same loop without atoll: peak GPU memory {plain / 2**30:.2f} GiB")
-        for codec in ("identity", "int8"):
-            for overlap in (0, args.overlap_steps):
-                rounds = run(tmp / f"{codec}-{overlap}", data_path, args, codec, overlap)
-                report(rounds, plain, f"{codec}, overlap {overlap}, outer state on the host")
+        configs = [(c, o, True) for c in ("identity", "int8") for o in (0, args.overlap_steps)]
+        if not args.staged_only:  # the path before issue 35 beside it, on the same machine
+            configs += [("int8", o, False) for o in (0, args.overlap_steps)]
+        for codec, overlap, staged in configs:
+            rounds = run(tmp / f"{codec}-{overlap}-{staged}", data_path, args, codec, overlap, staged)
+            how = "staged copies" if staged else "direct copies (--no-staged-copies)"
+            report(rounds, plain, f"{codec}, overlap {overlap}, outer state on the host, {how}")
 
 
 if __name__ == "__main__":

@@ -252,6 +252,10 @@ def test_streaming_overlapped_islands_end_to_end(group, tmp_path):
     joined = [e["eval_loss"] for e in events if e["event"] == "joined"]
     losses = [e["global_loss"] for e in rounds if e["island"] == "i0"]
     assert losses[-1] < losses[0] < joined[0]
+    # Each round reports its inner steps' mean time, apart for those taken while an exchange was in
+    # flight (10 of each fragment's 15 steps here) and the others.
+    timed = [(e["step_seconds"], e["step_seconds_in_flight"]) for e in rounds]
+    assert sum(idle is not None and 0 < idle < 5 and 0 < busy < 5 for idle, busy in timed if busy) >= 6, timed
     coord.stop()
     for i in range(2):
         assert (tmp_path / "state" / f"fragment-{i}").is_dir()

@@ -205,6 +205,11 @@ class DiLoCo:
         return self._schedule.routes[oldest].steps
 
     @property
+    def exchanging(self) -> bool:
+        """An exchange is in flight: pushed, its update not applied yet (overlap, decoupled)."""
+        return bool(self._exchanges and self._exchanges.in_flight())
+
+    @property
     def run_complete(self) -> bool:
         """The run reached its total rounds (``atoll coordinator --total-rounds``) and this island holds
         the final θ: stop training. ``step()`` does nothing more once it is set."""

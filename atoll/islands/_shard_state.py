@@ -63,12 +63,10 @@ class Placement:
 
     def copy_of(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of a live tensor (a parameter about to change) as outer state, taken now on the
-        current stream, so later kernels cannot overtake it."""
-        if not self.on_host:
-            return t.detach().clone()
-        dst = self._host_like(t)
-        dst.copy_(t.detach(), non_blocking=self.pin)
-        return dst
+        current stream, so later kernels cannot overtake it: a device copy (the device's memory speed),
+        then, in host memory, moved there on the side stream like any outer state (the training
+        stream does not carry the crossing; the device copy is freed once it ran)."""
+        return self.keep(t.detach().clone())
 
     def fetch(self, t: torch.Tensor) -> torch.Tensor:
         """Outer state on the device: ``t`` itself, or a host-to-device copy of it."""

@@ -97,6 +97,9 @@ class IslandArgs:
     coordinator decides it (atoll coordinator --sync-every)."""
     heartbeat_seconds: float = 5.0
     """Seconds between lease renewals."""
+    staged_copies: bool = True
+    """On a CUDA device, payloads cross in one copy each way on a side stream, through pinned buffers
+    (--no-staged-copies: piece by piece into fresh host memory, as before)."""
     overlap_steps: int = 0
     """If > 0, keep training while the outer exchange is in flight; apply it this many steps later."""
     streaming: bool = False
@@ -287,6 +290,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         overlap_steps=args.overlap_steps,
         streaming=args.streaming,
         outer_state=args.outer_state,
+        staged_copies=None if args.staged_copies else False,
         token_group=layout.dp_group,
         before_push=before_push if ckpt or args.dump_dir else None,
     )
@@ -350,6 +354,9 @@ def _train(
             return param_digest(sync.global_params()) if layout.world == 1 else None
         return model_digest(model)
 
+    steps: dict[bool, list[float]] = {False: [], True: []}
+    """This round's inner steps (compute, up to the loss on the host) by whether an exchange was in flight."""
+
     def report(stats) -> None:
         nonlocal round_mark
         round_seconds = time.perf_counter() - round_mark  # compute + sync of this round
@@ -378,7 +385,10 @@ def _train(
             run_complete=stats.run_complete,
             gpu_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             checkpoint_seconds=ckpt.seconds if ckpt is not None else 0.0,
+            step_seconds=_mean(steps[False]),
+            step_seconds_in_flight=_mean(steps[True]),
         )
+        steps[False], steps[True] = [], []
 
     pushed_before, until_round = sync.rounds_pushed, sync.round + args.rounds
     while not sync.run_complete:
@@ -388,7 +398,7 @@ def _train(
         if left == 1:
             sync.last_round()  # the exchange it starts next is its last
         hooks.before_round(sync.round, first_step=sync.round_steps == 0)
-        step_started = time.perf_counter()
+        step_started, exchanging = time.perf_counter(), sync.exchanging
         x, y = data.batch(gen, args.batch_size)  # the island's global batch; each dp rank takes its slice
         lo = layout.dp_rank * per_rank
         x, y = x[lo : lo + per_rank].to(device), y[lo : lo + per_rank].to(device)
@@ -402,8 +412,9 @@ def _train(
         step_loss = loss.detach().float()
         if layout.world > 1:
             dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-        if not math.isfinite(step_loss.item()):
+        if not math.isfinite(step_loss.item()):  # (the host waits for the step's kernels here)
             raise FloatingPointError(f"inner loss is {step_loss.item()}")
+        steps[exchanging].append(time.perf_counter() - step_started)
         stats = sync.step(tokens=per_rank * x.shape[1], loss=step_loss.item())
         reporter.step(
             sync, step_loss.item(), per_rank * x.shape[1] * layout.dp_size, time.perf_counter() - step_started
@@ -412,6 +423,10 @@ def _train(
             report(stats)
     for stats in sync.drain():  # overlap: the last exchanges, applied with no further steps
         report(stats)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def rounds_left(sync, rounds: int, pushed_before: int, until_round: int) -> int:
