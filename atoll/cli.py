@@ -129,7 +129,25 @@ def build_parser() -> argparse.ArgumentParser:
     coord = _subparser(sub, "coordinator", "run the coordinator daemon")
     coord.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     coord.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
-    coord.add_argument("--state-dir", type=Path, required=True, help="where the run's snapshots are kept (required)")
+    coord.add_argument(
+        "--state-dir",
+        required=True,
+        help="where the run's state is kept: a local dir, or s3://BUCKET/PREFIX in an S3-compatible object store "
+        "(endpoint and credentials from the standard AWS environment/config; needs pip install 'atoll[s3]') (required)",
+    )
+    coord.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="with an s3:// --state-dir: the machine-local working copy (default: a dir under the system's temp dir)",
+    )
+    coord.add_argument(
+        "--store-lease-seconds",
+        type=float,
+        default=15.0,
+        help="with an s3:// --state-dir: the run's lease in the store, which a coordinator replacing a dead one "
+        "waits out (default: 15)",
+    )
     coord.add_argument("--port-file", type=Path, default=None, help="write the bound port(s) here once serving")
     coord.add_argument(
         "--keep-snapshots", type=int, default=2, help="verified snapshots kept for an explicit rollback (default: 2)"
@@ -231,7 +249,6 @@ def build_parser() -> argparse.ArgumentParser:
     export = _subparser(sub, "export", "write the trained θ of a coordinator's state dir as safetensors")
     export.add_argument(
         "--state-dir",
-        type=Path,
         required=True,
         help="the coordinator's --state-dir; for a --fragments coordinator, the same parent dir (required)",
     )
@@ -241,7 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     rollback = _subparser(sub, "rollback", "list a state dir's snapshots, or make an older one the newest")
     rollback.add_argument(
         "--state-dir",
-        type=Path,
         required=True,
         help="the coordinator's --state-dir; --round on a live dir is refused: stop the coordinator first (required)",
     )
@@ -284,6 +300,7 @@ def _coordinator(ns: argparse.Namespace) -> int:
     return coordinator_main(
         config,
         ns.state_dir,
+        work_dir=ns.work_dir,
         host=ns.host,
         port=ns.port,
         port_file=ns.port_file,
@@ -299,6 +316,7 @@ def _coordinator(ns: argparse.Namespace) -> int:
             "stream_idle_seconds": ns.stream_idle_seconds,
             "bulk_port": None if ns.bulk_port < 0 else ns.bulk_port,
             "given": _given(RunConfig, ns),
+            "store_lease_seconds": ns.store_lease_seconds,
         },
     )
 

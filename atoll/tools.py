@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -93,12 +95,42 @@ def _load_live(state_dir: Path, upto: int | None):
         raise _fail(str(err)) from None
 
 
+@contextlib.contextmanager
+def _local_copy(where: str, *, write: str | None = None):
+    """The state dir ``where`` as a local path: itself, or for ``s3://bucket/prefix`` a copy of it in a
+    temporary dir. ``write`` (what the tool does): take the run's lease first, and put the changes
+    back in the store after the block (a coordinator holding it refuses the tool)."""
+    from atoll.coordinator.disk.mirror import Mirror
+    from atoll.coordinator.disk.objects import Lease, ObjectStore, is_url
+
+    if not is_url(where):
+        yield Path(where)
+        return
+    store = ObjectStore.from_url(where)
+    lease = Lease(store).acquire() if write else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="atoll-state-") as tmp:
+            mirror = Mirror(store, Path(tmp), lease)
+            mirror.pull()
+            yield Path(tmp)
+            if write:
+                mirror.sync()
+    finally:
+        if lease is not None:
+            lease.release()
+
+
 def export(ns: argparse.Namespace) -> int:
     """θ with the model's own tensor names, the newest (or a kept round's: a snapshot and the log after it),
     verified."""
+    with _local_copy(ns.state_dir) as state_dir:
+        return _export(ns, state_dir)
+
+
+def _export(ns: argparse.Namespace, state_dir: Path) -> int:
     from safetensors.torch import save_file
 
-    dirs = _state_dirs(ns.state_dir)
+    dirs = _state_dirs(state_dir)
     if ns.round is not None and len(dirs) > 1:
         raise _fail("--round picks one round; fragments close rounds on their own (export the newest)")
     params, rounds, run_id = {}, [], None
@@ -120,21 +152,29 @@ def export(ns: argparse.Namespace) -> int:
 
 
 def rollback(ns: argparse.Namespace) -> int:
+    try:
+        with _local_copy(ns.state_dir, write="rolling it back" if ns.round is not None else None) as state_dir:
+            return _rollback(ns, state_dir)
+    except snapshots.StateError as err:
+        raise _fail(str(err)) from None
+
+
+def _rollback(ns: argparse.Namespace, state_dir: Path) -> int:
     if ns.round is None:
-        listed = snapshots.list_snapshots(ns.state_dir)
+        listed = snapshots.list_snapshots(state_dir)
         if not listed:
             raise _fail(f"{ns.state_dir} holds no snapshots")
         for round_, path, problem in listed:
             print(f"round {round_:<6} {path.name}  {'ok' if problem is None else 'DAMAGED: ' + problem}")
         try:  # the newest snapshot with the log after it, as a restart would load it
-            snap = snapshots.load(ns.state_dir)
+            snap = snapshots.load(state_dir)
             print(f"restores round {snap.round} (the newest snapshot and the log after it)")
         except snapshots.StateError as err:
             print(f"does not restore: {err}")
         return 0
-    lock = StateLock(ns.state_dir).acquire("rolling it back")
+    lock = StateLock(state_dir).acquire("rolling it back")
     try:
-        target = snapshots.rollback(ns.state_dir, ns.round)
+        target = snapshots.rollback(state_dir, ns.round)
     finally:
         lock.release()
     print(f"rolled back: {target.name} is now the newest snapshot (newer ones moved to {snapshots.DISCARDED}/)")

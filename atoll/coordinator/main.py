@@ -6,9 +6,11 @@ import asyncio
 import gc
 import logging
 import signal
+import tempfile
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
+from atoll.coordinator.disk.objects import ObjectStore, is_url
 from atoll.coordinator.transport.corelog import CoreLog
 from atoll.coordinator.transport.server import CoordinatorServer
 from atoll.files import write_atomic
@@ -25,9 +27,19 @@ def write_port_file(path: Path, ports: int | list[int]) -> None:
     write_atomic(path, [text.encode()], durable=False)
 
 
+def where_state_lives(state_dir, work_dir: Path | None = None) -> tuple[Path, ObjectStore | None]:
+    """(the local state dir, the object store) for ``--state-dir``: a path (no store), or an
+    ``s3://bucket/prefix`` URL whose working copy is ``work_dir`` (default: under the temp dir)."""
+    if not is_url(state_dir):
+        return Path(state_dir), None
+    store = ObjectStore.from_url(state_dir)
+    local = work_dir or Path(tempfile.gettempdir()) / "atoll-state" / store.bucket / store.prefix
+    return Path(local), store
+
+
 async def serve(
     config: RunConfig,
-    state_dir: Path,
+    state_dir: Path | str,
     *,
     host: str,
     port: int,
@@ -37,6 +49,7 @@ async def serve(
     fragments: int = 0,
     options: dict | None = None,
     exit_when_complete: bool = False,
+    work_dir: Path | None = None,
 ) -> int:
     """``security``: ``{"tls": TlsConfig | None, "tokens": IslandTokens | None, "shard": (i, n),
     "partition": "hash" | "layers"}``. ``fragments`` P > 0: serve all P fragments of a streaming run
@@ -44,9 +57,20 @@ async def serve(
     under ``state_dir/fragment-i``; ``port`` is then the first fragment's (0: any free ports).
     ``options``: further :class:`CoordinatorServer` keywords (keep_snapshots, max_inflight_bytes,
     given, ...). ``exit_when_complete``: stop by itself once the run is complete and every live island
-    holds the final θ (for batch schedulers). Returns the exit code: 0 after a signal or a complete
-    run, 1 when a background task failed."""
+    holds the final θ (for batch schedulers). ``state_dir`` ``s3://bucket/prefix``: the state lives in
+    that object store (:mod:`atoll.coordinator.disk.mirror`), ``work_dir`` is its local working copy;
+    losing the store's lease stops the daemon (exit code 1). Returns the exit code: 0 after a signal
+    or a complete run, 1 when a background task failed."""
     admin = admin or {}
+    state_dir, store = where_state_lives(state_dir, work_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    lost: list[str] = []
+
+    def on_lost(why: str) -> None:
+        lost.append(why)
+        loop.call_soon_threadsafe(stop.set)
+
     security = dict(security or {})
     if fragments > 0:
         if security.get("shard", (0, 1)) != (0, 1):
@@ -57,13 +81,14 @@ async def serve(
             {
                 "shard": (i, fragments),
                 "state_dir": state_dir / f"fragment-{i}",
+                "store": store.child(f"fragment-{i}") if store is not None else None,
                 "port": port + i if port else 0,
                 "name": f"fragment {i}/{fragments}: ",
             }
             for i in range(fragments)
         ]
     else:
-        placements = [{"state_dir": state_dir, "port": port}]
+        placements = [{"state_dir": state_dir, "store": store, "port": port}]
     servers = []
     for i, place in enumerate(placements):
         kwargs = {**security, **(options or {})}
@@ -81,6 +106,8 @@ async def serve(
                 admin_host=admin.get("host", "127.0.0.1"),
                 admin_port=admin.get("port") if i == 0 else None,  # the admin server shows fragment 0
                 admin_token=admin.get("token"),
+                store=place["store"],
+                on_lost=on_lost if place["store"] is not None else None,
                 **kwargs,
             )
         )
@@ -103,8 +130,6 @@ async def serve(
                 write_port_file(admin["port_file"], lead.admin.port)
         if port_file is not None:
             write_port_file(port_file, [server.port for server in servers])
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         stopping = asyncio.ensure_future(stop.wait())
@@ -113,7 +138,7 @@ async def serve(
         stopping.cancel()
         if watcher is not None:
             watcher.cancel()
-        return 1 if any(s.failed.done() for s in servers) else 0
+        return 1 if lost or any(s.failed.done() for s in servers) else 0
     finally:
         log.info("shutting down")
         for server in servers:
@@ -130,6 +155,6 @@ async def _stop_when_finished(servers: list[CoordinatorServer], stop: asyncio.Ev
     stop.set()
 
 
-def main(config: RunConfig, state_dir: Path, *, host: str, port: int, port_file: Path | None, **kwargs) -> int:
+def main(config: RunConfig, state_dir: Path | str, *, host: str, port: int, port_file: Path | None, **kwargs) -> int:
     tune_for_bulk_buffers(huge_pages=False)  # the daemon's own process: payload buffers on the heap (atoll.memory)
     return asyncio.run(serve(config, state_dir, host=host, port=port, port_file=port_file, **kwargs))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.disk import snapshots, wal
+from atoll.coordinator.disk.mirror import Mirror
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -37,6 +38,9 @@ class StateWriter:
         self._thread: threading.Thread | None = None
         self._stream: wal.RecordStream | None = None
         """The record of the round being stepped, written as its update is made."""
+        self.mirror: Mirror | None = None
+        """The store this dir is the working copy of (``--state-dir s3://...``): a record is durable
+        once it is there, the background's files follow it."""
 
     def restored(self) -> None:
         """After a restore: the newest snapshot is the one on disk."""
@@ -45,6 +49,8 @@ class StateWriter:
     # ---- before a publish (a worker thread; raises when the write fails) ------------------------
     def bootstrap(self, snap: snapshots.Snapshot) -> None:
         snapshots.save(self.state_dir, snap, keep=None)
+        if self.mirror is not None:
+            self.mirror.sync()
 
     def log_round(self, round_: int, payloads: dict, record: dict, islands: dict, config: RunConfig) -> None:
         stream, self._stream = self._stream, None
@@ -53,6 +59,8 @@ class StateWriter:
         finally:
             if stream is not None:
                 stream.abandon()  # finished or not: nothing of it is left behind
+        if self.mirror is not None:  # durable once in the store
+            self.mirror.put_record(self.state_dir / wal.LOG / wal.record_name(round_))
 
     @contextlib.contextmanager
     def streaming(self, round_: int, made, head_hint: int | None) -> Iterator:
@@ -95,6 +103,8 @@ class StateWriter:
             else:
                 wal.write_optimizer(self.state_dir, snap.round, snap.extra)
             wal.prune(self.state_dir, snapshot_round=newest, keep_from=keep_from)
+            if self.mirror is not None:
+                self.mirror.sync()
 
         self._thread = threading.Thread(target=self._run, args=(write,), name="atoll-checkpoints", daemon=True)
         self._thread.start()

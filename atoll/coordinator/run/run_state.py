@@ -39,6 +39,8 @@ from pathlib import Path
 from atoll.coordinator.config import RunConfig, apply_operational
 from atoll.coordinator.disk import snapshots, wal
 from atoll.coordinator.disk.lock import StateLock
+from atoll.coordinator.disk.mirror import Mirror
+from atoll.coordinator.disk.objects import Lease, ObjectStore
 from atoll.coordinator.disk.writer import StateWriter
 from atoll.coordinator.errors import Reason, refuse
 from atoll.coordinator.messages import (
@@ -89,6 +91,9 @@ class RunState:
         max_pull_bytes: int = 0,
         given: frozenset[str] | None = None,
         name: str = "",
+        store: ObjectStore | None = None,
+        on_lost: Callable[[str], None] | None = None,
+        store_lease_seconds: float = 15.0,
     ) -> None:
         """``shard``: (index, count) of this coordinator; ``partition``: "hash" or "layers" (see
         :mod:`atoll.sharding`). ``max_inflight_bytes``: push bytes admitted at once (0: two whole fp32
@@ -97,7 +102,10 @@ class RunState:
         operator set (None: all); on a restart the stored run's math must match them and its
         operational fields take them. ``snapshot_every``: rounds between the full snapshots written
         in the background (each round is durable by its log record before it is published).
-        ``name``: prefix of this coordinator's log lines ("fragment 1/4: "), empty when it is alone."""
+        ``name``: prefix of this coordinator's log lines ("fragment 1/4: "), empty when it is alone.
+        ``store``: where the state lives (an object store; ``state_dir`` is then its working copy,
+        :mod:`~atoll.coordinator.disk.mirror`), held under a lease of ``store_lease_seconds`` (a
+        coordinator that replaces a dead one waits that long); ``on_lost(why)`` when it is lost."""
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
         if keep_snapshots < 1:
@@ -114,6 +122,8 @@ class RunState:
         self.ledger = Ledger(clock())
         self.downlink = Downlink(self.state_dir, max_pull_bytes=max_pull_bytes)
         self.writer = StateWriter(self.state_dir, every=snapshot_every, keep=keep_snapshots)
+        self.store, self._on_lost, self.store_lease_seconds = store, on_lost, store_lease_seconds
+        self._lease: Lease | None = None
         owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
         self.pushes = Pushes(owners, clock=clock, name=name)
         self.pulls = Pulls(
@@ -168,6 +178,11 @@ class RunState:
         if self._dir_lock is None:  # one writer per state dir, from here until close()
             self._dir_lock = StateLock(self.state_dir).acquire("starting a coordinator on it")
         try:
+            if self.store is not None and self._lease is None:  # one writer per run in the store too
+                self._lease = Lease(self.store, self.store_lease_seconds, on_lost=self._on_lost).acquire()
+                mirror = Mirror(self.store, self.state_dir, self._lease)
+                mirror.pull()
+                self.writer.mirror = mirror
             return self._restore()
         except BaseException:
             self.close()
@@ -194,6 +209,9 @@ class RunState:
     def close(self) -> None:
         """Wait for the background checkpoint being written (the server is stopping); let go of the dir."""
         self.writer.close()
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
         if self._dir_lock is not None:
             self._dir_lock.release()
             self._dir_lock = None

@@ -7,13 +7,14 @@ import contextlib
 import errno
 import logging
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from atoll.coordinator.config import RunConfig
+from atoll.coordinator.disk.objects import ObjectStore
 from atoll.coordinator.run.decider import run_decider
 from atoll.coordinator.run.run_state import RunState
 from atoll.coordinator.state.outer import NonFiniteTheta
@@ -65,8 +66,13 @@ class CoordinatorServer:
         bulk_port: int | None = 0,
         given: Iterable[str] | None = None,
         name: str = "",
+        store: ObjectStore | None = None,
+        on_lost: Callable[[str], None] | None = None,
+        store_lease_seconds: float = 15.0,
     ) -> None:
-        """``admin_port``: serve the admin HTTP endpoints there (0 picks a port; None: no admin server).
+        """``store``: the run's state lives there (``--state-dir s3://...``), ``state_dir`` is its local
+        working copy; ``on_lost(why)``: called when this coordinator loses the store's lease.
+        ``admin_port``: serve the admin HTTP endpoints there (0 picks a port; None: no admin server).
         ``shard``/``partition``: this coordinator's shard and how tensors map to shards (atoll.sharding).
         ``given``: the RunConfig fields the operator set explicitly (None: all of them); on an existing
         state dir those of the run's math must match it, and its operational ones take them.
@@ -86,6 +92,9 @@ class CoordinatorServer:
             max_pull_bytes=max_pull_bytes,
             given=None if given is None else frozenset(given),
             name=name,
+            store=store,
+            on_lost=on_lost,
+            store_lease_seconds=store_lease_seconds,
         )
         self.stream_idle_seconds = stream_idle_seconds
         self.requested_bulk_port = bulk_port

@@ -1,0 +1,286 @@
+"""The run's state in an S3-compatible object store: ``--state-dir s3://bucket/prefix``.
+
+The store is the run's durable state; the coordinator works on a machine-local copy of it
+(:mod:`~atoll.coordinator.disk.mirror`), so every reader and writer of the state dir stays as it is.
+This module is the store itself (:class:`ObjectStore`: objects under one prefix) and the one-writer
+rule without a shared disk (:class:`Lease`).
+
+Client: boto3. Measured against obstore on SeaweedFS on this 2-core machine (130 MB objects,
+loopback): PUT 0.98 s against 0.80 s, GET 0.27 s against 0.21 s; boto3 was chosen for the
+standard AWS credential chain as every operator knows it (environment, ``~/.aws/config`` and
+``credentials``, profiles, SSO, instance roles) and for conditional writes by name
+(``IfNoneMatch``/``IfMatch``). The endpoint comes from the same chain: ``AWS_ENDPOINT_URL`` (or
+``AWS_ENDPOINT_URL_S3``, or ``endpoint_url`` in the profile) for a store that is not AWS; TLS when
+that URL is ``https://``. boto3 is an optional dependency: ``pip install 'atoll[s3]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from atoll.coordinator.disk.snapshots import StateError
+
+SCHEME = "s3://"
+LEASE = "lease.json"
+
+log = logging.getLogger("atoll.coordinator")
+
+
+def is_url(where) -> bool:
+    return isinstance(where, str) and where.startswith(SCHEME)
+
+
+class StoreError(StateError):
+    """The store refused or failed an operation; one line naming the object."""
+
+
+class Conflict(StoreError):
+    """A conditional write lost: the object exists, or changed since it was read."""
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    bucket: str
+    prefix: str
+    """Without a trailing slash; every object of the state is ``prefix/<relative path>``."""
+
+    @classmethod
+    def from_url(cls, url: str) -> ObjectStore:
+        rest = url[len(SCHEME) :] if is_url(url) else ""
+        bucket, _, prefix = rest.partition("/")
+        if not bucket or not prefix.strip("/"):
+            raise StoreError(f"{url!r}: a state in object storage is s3://BUCKET/PREFIX (a prefix is required)")
+        return cls(bucket, prefix.strip("/"))
+
+    @property
+    def url(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.prefix}"
+
+    def child(self, name: str) -> ObjectStore:
+        return ObjectStore(self.bucket, f"{self.prefix}/{name}")
+
+    def key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}"
+
+    @property
+    def client(self):
+        return _client()
+
+    # ---- objects ---------------------------------------------------------------------------------
+    def put_file(self, path: Path, rel: str, *, create_only: bool = False) -> str:
+        """Upload a local file as ``rel``; its ETag. ``create_only``: Conflict if ``rel`` exists."""
+        with open(path, "rb") as f:
+            return self._put(rel, f, create_only=create_only)
+
+    def put_bytes(self, rel: str, data: bytes, *, create_only: bool = False, if_match: str | None = None) -> str:
+        return self._put(rel, data, create_only=create_only, if_match=if_match)
+
+    def _put(self, rel: str, body, *, create_only: bool = False, if_match: str | None = None) -> str:
+        kw = {"IfNoneMatch": "*"} if create_only else {"IfMatch": if_match} if if_match else {}
+        try:
+            return self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body, **kw)["ETag"]
+        except Exception as err:
+            raise _error(err, self.url, rel) from None
+
+    def get(self, rel: str) -> tuple[bytes, str] | None:
+        """(bytes, ETag) of ``rel``, or None when it does not exist."""
+        try:
+            got = self.client.get_object(Bucket=self.bucket, Key=self.key(rel))
+            return got["Body"].read(), got["ETag"]
+        except Exception as err:
+            if _code(err) in ("NoSuchKey", "404"):
+                return None
+            raise _error(err, self.url, rel) from None
+
+    def download(self, rel: str, path: Path) -> None:
+        """``rel`` into the local ``path`` (a temporary file renamed over it: never a partial one)."""
+        tmp = path.with_name(f".{path.name}.download")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.client.download_file(self.bucket, self.key(rel), str(tmp))
+            os.replace(tmp, path)
+        except Exception as err:
+            tmp.unlink(missing_ok=True)
+            raise _error(err, self.url, rel) from None
+
+    def listing(self) -> dict[str, int]:
+        """Every object under the prefix: relative path -> size."""
+        out: dict[str, int] = {}
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/")
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    out[obj["Key"][len(self.prefix) + 1 :]] = int(obj["Size"])
+        except Exception as err:
+            raise _error(err, self.url, "") from None
+        return out
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key(rel))
+        except Exception as err:
+            raise _error(err, self.url, rel) from None
+
+
+_CLIENT = None
+_CLIENT_LOCK = threading.Lock()
+
+
+def _client():
+    """One boto3 client per process (thread-safe; its connection pool is shared)."""
+    global _CLIENT
+    with _CLIENT_LOCK:
+        if _CLIENT is None:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError:
+                raise StoreError("a state in object storage needs boto3: pip install 'atoll[s3]'") from None
+            config = Config(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=16)
+            _CLIENT = boto3.session.Session().client("s3", config=config)
+        return _CLIENT
+
+
+def close_client() -> None:
+    """Close the process's client (its pooled connections): a server shutting down waits for them."""
+    global _CLIENT
+    with _CLIENT_LOCK:
+        if _CLIENT is not None:
+            _CLIENT.close()
+            _CLIENT = None
+
+
+def _code(err) -> str:
+    response = getattr(err, "response", None) or {}
+    return str(response.get("Error", {}).get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+
+
+def _error(err, url: str, rel: str) -> StoreError:
+    code = _code(err)
+    where = f"{url}/{rel}" if rel else url
+    if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+        return Conflict(f"{where}: changed by another writer ({code})")
+    return StoreError(f"{where}: {type(err).__name__}: {err}")
+
+
+# ---- one writer per run ---------------------------------------------------------------------------
+class Lease:
+    """``prefix/lease.json``, held by one coordinator: created with a create-only PUT, renewed with a
+    PUT conditional on the ETag it last wrote, taken over only once expired, and only by a PUT
+    conditional on the ETag of the expired lease it read: of two coordinators that race for it, one
+    write wins. A holder that fails to renew in time stops writing (:attr:`lost`; ``on_lost``).
+
+    The expiry is the holder's wall clock plus ``seconds``; a contender waits ``skew`` more seconds on
+    its own clock before it calls a lease expired (clocks of the two machines may differ by that;
+    default: 5 s, or half the lease if that is shorter).
+    Log records are written create-only too (:class:`~atoll.coordinator.disk.mirror.Mirror`): even
+    a holder that missed its loss cannot write a round another one wrote."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        seconds: float = 30.0,
+        *,
+        skew: float | None = None,
+        clock: Callable[[], float] = time.time,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        self.store, self.seconds, self.clock, self.on_lost = store, seconds, clock, on_lost
+        self.skew = min(5.0, seconds / 2) if skew is None else skew
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.etag: str | None = None
+        self.lost: str | None = None
+        """Why this coordinator no longer holds the lease (None while it does)."""
+        self._renewed = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _body(self) -> bytes:
+        now = self.clock()
+        return json.dumps({"owner": self.owner, "expires": now + self.seconds, "seconds": self.seconds}).encode()
+
+    def acquire(self) -> Lease:
+        """Take the lease, or StateError naming its holder and when it expires."""
+        got = self.store.get(LEASE)
+        try:
+            if got is None:
+                self.etag = self.store.put_bytes(LEASE, self._body(), create_only=True)
+            else:
+                held = json.loads(got[0] or b"{}")
+                expires = float(held.get("expires", 0))
+                left = expires + self.skew - self.clock()
+                if left > 0:
+                    raise StateError(
+                        f"{self.store.url} is held by coordinator {held.get('owner', '?')} for {left:.0f} s more "
+                        f"(its lease, {self.store.url}/{LEASE}); two coordinators never write one run: stop it, "
+                        "or start this one once the lease has expired"
+                    )
+                self.etag = self.store.put_bytes(LEASE, self._body(), if_match=got[1])
+                if expires:  # (0: given back by a clean stop)
+                    log.warning(
+                        "took over %s from coordinator %s (its lease expired)", self.store.url, held.get("owner")
+                    )
+        except Conflict:
+            raise StateError(f"{self.store.url}: another coordinator took the lease at the same moment") from None
+        self._renewed = time.monotonic()
+        self._thread = threading.Thread(target=self._renew_loop, name="atoll-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def check(self) -> None:
+        """StoreError unless the lease is held and was renewed within its time (before a durable write)."""
+        if self.lost is None and time.monotonic() - self._renewed > self.seconds:
+            self._lose(f"the lease was not renewed for {time.monotonic() - self._renewed:.0f} s")
+        if self.lost is not None:
+            raise StoreError(f"{self.store.url}: this coordinator no longer holds the run ({self.lost})")
+
+    def renew(self) -> None:
+        """Extend the lease by a write conditional on the last one (Conflict: someone took it)."""
+        try:
+            self.etag = self.store.put_bytes(LEASE, self._body(), if_match=self.etag)
+        except Conflict:
+            self._lose("another coordinator took the lease")
+            raise
+        self._renewed = time.monotonic()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                self.renew()
+            except Conflict:
+                return
+            except StoreError as err:  # the store is unreachable: keep trying until the lease runs out
+                log.warning("could not renew the lease on %s: %s", self.store.url, err)
+                if time.monotonic() - self._renewed > self.seconds:
+                    self._lose(f"the store was unreachable for {self.seconds:.0f} s")
+                    return
+
+    def _lose(self, why: str) -> None:
+        if self.lost is None:
+            self.lost = why
+            log.error("%s: this coordinator lost the run's lease (%s); it stops writing", self.store.url, why)
+            if self.on_lost is not None:
+                self.on_lost(why)
+
+    def release(self) -> None:
+        """Stop renewing and give the lease back (a clean stop: the next coordinator need not wait)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.lost is None and self.etag is not None:
+            try:  # only our own lease: expire it with a conditional write (a delete is not conditional everywhere)
+                expired = json.dumps({"owner": self.owner, "expires": 0}).encode()
+                self.store.put_bytes(LEASE, expired, if_match=self.etag)
+            except StoreError as err:
+                log.warning("could not give back the lease on %s: %s", self.store.url, err)
+        self.etag = None

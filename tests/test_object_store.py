@@ -1,0 +1,198 @@
+"""The coordinator's state in an S3-compatible object store (``--state-dir s3://bucket/prefix``),
+against a real server (SeaweedFS, tests/s3server.py): one writer per run by a lease, a round durable
+once its record is in the store, a coordinator that lost its machine replaced by another that
+resumes bitwise, and the operator's tools on the store."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+from conftest import coordinator_flags, exact_config, island_flags, make_diloco, wait_for
+from s3server import free_ports
+from safetensors.torch import load_file
+
+from atoll.cli import main as cli_main
+from atoll.coordinator.disk.mirror import Mirror
+from atoll.coordinator.disk.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
+from atoll.coordinator.disk.snapshots import StateError
+from atoll.islands._transport.client import RetryPolicy
+
+pytestmark = pytest.mark.usefixtures("s3_server")
+
+
+def test_a_url_names_a_bucket_and_a_prefix():
+    assert ObjectStore.from_url("s3://runs/exp/7").key("log/x") == "exp/7/log/x"
+    for bad in ("s3://runs", "s3://runs/", "s3:///p"):
+        with pytest.raises(StoreError, match="s3://BUCKET/PREFIX"):
+            ObjectStore.from_url(bad)
+
+
+def test_the_lease_admits_one_coordinator_and_changes_hands_only_once_expired(s3_url):
+    store = ObjectStore.from_url(s3_url)
+    now = [1_000.0]
+
+    def lease():
+        return Lease(store, 30.0, skew=2.0, clock=lambda: now[0])
+
+    a = lease().acquire()
+    try:
+        with pytest.raises(StateError, match=r"is held by coordinator .* for 32 s more"):
+            lease().acquire()
+        now[0] += 31  # past its expiry by a's clock, not by the skew a contender allows for
+        with pytest.raises(StateError, match="is held"):
+            lease().acquire()
+        now[0] += 2
+        b = lease().acquire()  # a missed its renewals (a dead machine): taken over
+        try:
+            with pytest.raises(Conflict):
+                a.renew()  # a comes back: the lease is b's
+            assert a.lost == "another coordinator took the lease"
+            with pytest.raises(StoreError, match="no longer holds the run"):
+                a.check()
+            b.check()
+        finally:
+            b.release()
+        now[0] += 1
+        c = lease().acquire()  # given back cleanly: no wait at all
+        c.release()
+    finally:
+        a.release()
+
+
+def test_a_round_record_is_written_to_the_store_once(s3_url, tmp_path):
+    store = ObjectStore.from_url(s3_url)
+    for name in ("a", "b"):
+        (tmp_path / name / "log").mkdir(parents=True)
+        (tmp_path / name / "log" / "round-00000003.safetensors").write_bytes(name.encode() * 100)
+    Mirror(store, tmp_path / "a").put_record(tmp_path / "a" / "log" / "round-00000003.safetensors")
+    with pytest.raises(StoreError, match="exists already: another coordinator wrote this round"):
+        Mirror(store, tmp_path / "b").put_record(tmp_path / "b" / "log" / "round-00000003.safetensors")
+    assert store.get("log/round-00000003.safetensors")[0] == b"a" * 100
+
+
+def run_rounds(srv, rounds: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sync = make_diloco(model, srv.address, island_id="a", retry=RetryPolicy(give_up_seconds=20)).start()
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        while sync.round < rounds:
+            loss = model(torch.randn(4, 8, generator=gen)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sync.step(tokens=4, loss=loss.item())
+    finally:
+        sync.close()
+
+
+def state_of(srv):
+    def grab(s):
+        return (
+            s.round,
+            {k: v.clone() for k, v in s.model.params.items()},
+            {k: v.clone() for k, v in s.model.state_tensors().items()},
+            [dict(h) for h in s.ledger.history],
+        )
+
+    return srv.inspect(grab)
+
+
+def test_a_coordinator_that_lost_its_disk_is_replaced_bitwise_from_the_store(s3_url, start_server, tmp_path):
+    """Rounds on a coordinator whose state is in the store; its machine-local files deleted; another
+    coordinator (another working dir) resumes at the last published round with θ, momentum and
+    history bitwise, and trains on."""
+    store = ObjectStore.from_url(s3_url)
+    config = exact_config(run_id="t", sync_every=2, outer_momentum=0.9)
+    first = start_server(config, tmp_path / "work-1", store=store, store_lease_seconds=5.0, snapshot_every=2)
+    run_rounds(first, 5)
+    before = state_of(first)
+    assert before[0] == 5
+    listed = store.listing()
+    assert "head.json" in listed and any(k.startswith("log/round-") for k in listed) and LEASE in listed
+    first.stop()  # a clean stop gives the lease back
+    shutil.rmtree(tmp_path / "work-1")
+
+    second = start_server(config, tmp_path / "work-2", store=store, store_lease_seconds=5.0, snapshot_every=2)
+    after = state_of(second)
+    assert after[0] == before[0]
+    assert all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+    assert all(torch.equal(before[2][k], after[2][k]) for k in before[2])
+    # (the newest round's publish and persist times are measured after its record was made durable)
+    newest = {k: v for k, v in before[3][-1].items() if k not in ("publish_seconds", "persist_seconds")}
+    assert after[3] == [*before[3][:-1], newest]
+    run_rounds(second, 7, seed=1)
+    assert second.inspect(lambda s: s.round) == 7
+    second.stop()
+
+    out = tmp_path / "theta.safetensors"  # the operator's export reads the store
+    assert cli_main(["export", "--state-dir", s3_url, "--out", str(out)]) == 0
+    exported = load_file(str(out))
+    assert set(exported) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+def test_a_second_coordinator_on_a_held_run_is_refused_naming_the_holder(s3_url, start_server, tmp_path, capsys):
+    store = ObjectStore.from_url(s3_url)
+    config = exact_config(run_id="t", sync_every=2)
+    first = start_server(config, tmp_path / "one", store=store, store_lease_seconds=30.0)
+    try:
+        with pytest.raises(StateError, match="is held by coordinator"):
+            start_server(config, tmp_path / "two", store=store)
+        # the rollback tool too: the run is live (listing the snapshots reads a copy: allowed)
+        assert cli_main(["rollback", "--state-dir", s3_url, "--round", "0"]) == 1
+        assert "is held by coordinator" in capsys.readouterr().err
+    finally:
+        first.stop()
+
+
+def test_failover_after_sigkill_islands_carry_on_and_no_round_is_lost(group, s3_server, s3_url, tmp_path):
+    """Real processes: the coordinator is SIGKILLed mid-run and its working dir deleted; a replacement
+    started at once is refused while the dead one's lease runs; started once it expired, on the same
+    address (the DNS name islands resolve again) with another working dir, it resumes from the store
+    and the islands finish every round without a restart."""
+    env = s3_server.env()
+    port, bulk = free_ports(2)
+    flags = [*coordinator_flags(sync_every=20, quorum=2), "--bulk-port", str(bulk), "--store-lease-seconds", "4"]
+    coord, address = group.start_coordinator(
+        s3_url, [*flags, "--work-dir", str(tmp_path / "work-1")], port=port, env=env
+    )
+    rounds = 6
+    islands = [group.start(f"island-{i}", island_flags(address, f"island-{i}", rounds=rounds)) for i in range(2)]
+
+    def both_finished(r):
+        return lambda ev: (
+            {e["island"] for e in ev if e["event"] == "round" and e["round"] == r}
+            == {
+                "island-0",
+                "island-1",
+            }
+        )
+
+    events = []
+    from conftest import collect_events
+
+    events += collect_events(islands, until=both_finished(1), timeout=240)
+    coord.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    coord.wait(10)
+    shutil.rmtree(tmp_path / "work-1")
+    with pytest.raises(Exception, match=r"held by coordinator|exited|did not"):
+        group.start_coordinator(
+            s3_url, [*flags, "--work-dir", str(tmp_path / "work-x")], name="too-early", port=port, env=env, timeout=30
+        )
+    wait_for(lambda: time.monotonic() - killed > 4 + 2 + 0.5, timeout=30, what="the dead coordinator's lease to expire")
+    coord2, address2 = group.start_coordinator(
+        s3_url, [*flags, "--work-dir", str(tmp_path / "work-2")], name="replacement", port=port, env=env
+    )
+    assert address2 == address
+    events += collect_events(islands, until=lambda ev: sum(e["event"] == "done" for e in ev) == 2, timeout=300)
+    assert [p.wait(30) for p in islands] == [0, 0]
+    coord2.stop()
+    history = [e["round"] for e in events if e["event"] == "round" and e["island"] == "island-0"]
+    assert history == list(range(rounds)), history
+    assert "restored run" in coord2.log_tail(100_000)
