@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import coordinator_flags, exact_config, island_flags, make_diloco, wait_for
+from conftest import collect_events, coordinator_flags, exact_config, island_flags, make_diloco, wait_for
 from safetensors.torch import load_file
 
 from atoll.cli import main as cli_main
@@ -174,7 +174,6 @@ def test_failover_after_sigkill_islands_carry_on_and_no_round_is_lost(group, s3_
         )
 
     events = []
-    from conftest import collect_events
 
     events += collect_events(islands, until=both_finished(1), timeout=240)
     coord.signal(signal.SIGKILL)
@@ -196,3 +195,61 @@ def test_failover_after_sigkill_islands_carry_on_and_no_round_is_lost(group, s3_
     history = [e["round"] for e in events if e["event"] == "round" and e["island"] == "island-0"]
     assert history == list(range(rounds)), history
     assert "restored run" in coord2.log_tail(100_000)
+
+
+def test_the_guides_object_store_and_failover_steps_run_as_written(group, s3_server, s3_url, tmp_path):
+    """docs/two-site-run.md section 5, its commands as written (the bucket, endpoint, dirs and port
+    swapped for the test server's, the lease cut to 3 s, a quorum of the one island): a coordinator on
+    the store, SIGKILLed with an island training; the replacement refused while the lease runs, then
+    resuming; the export."""
+    import re
+    import subprocess
+    import sys
+
+    from test_two_site_doc import DOC, ENV, argv
+
+    found = dict(re.findall(r"<!-- store-test: ([^>]+?) -->\n```sh\n(.*?)```", DOC.read_text(), re.S))
+    assert list(found) == ["coordinator", "replacement", "export"]
+    (port,) = free_ports(1)
+    env = {**ENV, **s3_server.env()}
+
+    def command(what: str) -> list[str]:
+        text = found[what].replace("s3://atoll-runs/llm-1", s3_url).replace("/var/lib/atoll/", f"{tmp_path}/")
+        text = text.replace("7070", str(port)).replace("--store-lease-seconds 15", "--store-lease-seconds 3")
+        text = text.replace("--quorum 2", "--quorum 1")  # (one island here)
+        lines = [ln for ln in text.splitlines() if not ln.startswith("export AWS_ENDPOINT_URL")]
+        if what == "coordinator":
+            assert "export AWS_ENDPOINT_URL=" in text  # (the test server's is in the environment)
+        return argv("\n".join(lines), tmp_path)
+
+    def start(what: str, name: str):
+        port_file = tmp_path / f"{name}.port"
+        args = command(what)
+        assert args[:2] == ["atoll", "coordinator"]
+        proc = group.start(name, [*args[1:], "--port-file", str(port_file), "--total-rounds", "4"], env=env)
+        return proc, port_file
+
+    coord, port_file = start("coordinator", "coordinator")
+    wait_for(lambda: port_file.exists(), timeout=60, what="the coordinator's port")
+    flags = island_flags(f"localhost:{port}", "site-a", rounds=None, codec="int8")
+    island = group.start("site-a", [f if f != "e2e" else "llm-1" for f in flags])
+    events = collect_events([island], until=lambda ev: any(e["event"] == "round" for e in ev), timeout=120)
+    coord.signal(signal.SIGKILL)
+    coord.wait(10)
+    killed = time.monotonic()
+    early, _ = start("replacement", "too-early")
+    assert early.wait(60) == 1
+    assert "is held by coordinator" in early.log_tail(5000)
+    wait_for(lambda: time.monotonic() - killed > 3 + 1.5 + 0.5, timeout=20, what="the lease to expire")
+    replacement, port_file = start("replacement", "replacement")
+    events += collect_events([island], until=lambda ev: any(e["event"] == "done" for e in ev), timeout=240)
+    assert island.wait(60) == 0
+    assert [e["round"] for e in events if e["event"] == "round"] == [0, 1, 2, 3]
+    assert "restored run" in replacement.log_tail(100_000)
+    replacement.stop()
+    args = command("export")
+    out = subprocess.run(
+        [sys.executable, "-m", "atoll", *args[1:]], cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert "at round 4" in out.stdout and (tmp_path / "theta.safetensors").exists()
