@@ -101,7 +101,7 @@ def _local_copy(where: str, *, write: str | None = None):
     temporary dir. ``write`` (what the tool does): take the run's lease first, and put the changes
     back in the store after the block (a coordinator holding it refuses the tool)."""
     from atoll.coordinator.disk.mirror import Mirror
-    from atoll.coordinator.disk.objects import Lease, ObjectStore, is_url
+    from atoll.objects import Lease, ObjectStore, is_url
 
     if not is_url(where):
         yield Path(where)

@@ -123,7 +123,7 @@ def s3_server(tmp_path_factory):
     try:
         yield server
     finally:
-        from atoll.coordinator.disk.objects import close_client
+        from atoll.objects import close_client
 
         close_client()
         server.stop()
@@ -132,7 +132,7 @@ def s3_server(tmp_path_factory):
 @pytest.fixture
 def s3_url(s3_server, monkeypatch, request):
     """A fresh ``s3://bucket/prefix`` on the session's server, with the environment that reaches it."""
-    from atoll.coordinator.disk.objects import close_client
+    from atoll.objects import close_client
 
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)

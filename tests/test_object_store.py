@@ -16,10 +16,9 @@ from safetensors.torch import load_file
 
 from atoll.cli import main as cli_main
 from atoll.coordinator.disk.mirror import Mirror
-from atoll.coordinator.disk.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
-from atoll.coordinator.disk.snapshots import StateError
 from atoll.harness.seaweed import free_ports
 from atoll.islands._transport.client import RetryPolicy
+from atoll.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
 
 pytestmark = pytest.mark.usefixtures("s3_server")
 
@@ -40,10 +39,10 @@ def test_the_lease_admits_one_coordinator_and_changes_hands_only_once_expired(s3
 
     a = lease().acquire()
     try:
-        with pytest.raises(StateError, match=r"is held by coordinator .* for 32 s more"):
+        with pytest.raises(StoreError, match=r"is held by coordinator .* for 32 s more"):
             lease().acquire()
         now[0] += 31  # past its expiry by a's clock, not by the skew a contender allows for
-        with pytest.raises(StateError, match="is held"):
+        with pytest.raises(StoreError, match="is held"):
             lease().acquire()
         now[0] += 2
         b = lease().acquire()  # a missed its renewals (a dead machine): taken over
@@ -141,7 +140,7 @@ def test_a_second_coordinator_on_a_held_run_is_refused_naming_the_holder(s3_url,
     config = exact_config(run_id="t", sync_every=2)
     first = start_server(config, tmp_path / "one", store=store, store_lease_seconds=30.0)
     try:
-        with pytest.raises(StateError, match="is held by coordinator"):
+        with pytest.raises(StoreError, match="is held by coordinator"):
             start_server(config, tmp_path / "two", store=store)
         # the rollback tool too: the run is live (listing the snapshots reads a copy: allowed)
         assert cli_main(["rollback", "--state-dir", s3_url, "--round", "0"]) == 1

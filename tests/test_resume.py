@@ -4,9 +4,11 @@ refuse a state that is not theirs."""
 from __future__ import annotations
 
 import copy
+import shutil
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from conftest import ServerThread, inner_step, make_diloco, wait_for
 from small_island import H, batches, config, island, make_model
 
 from atoll.islands import DiLoCo
+from atoll.objects import ObjectStore
 
 
 def theta(model) -> dict[str, torch.Tensor]:
@@ -208,18 +211,31 @@ def test_sigterm_while_waiting_for_the_outer_step_keeps_the_exchange_for_a_check
     assert srv.inspect(lambda s: s.accumulator.committed_islands()) == ["pre"]  # its push counts
 
 
-def test_island_checkpoint_in_a_users_own_loop_resumes_bitwise(start_server, tmp_path):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_island_checkpoint_in_a_users_own_loop_resumes_bitwise(start_server, tmp_path, where, request):
     """The library's checkpoint helper in a loop of the user's: model, AdamW, DiLoCo state, RNG and the
     loop's data generator, saved at each push; a process that dies mid-round and a new one that loads
-    it end where the uninterrupted run does, bitwise."""
+    it end where the uninterrupted run does, bitwise. In an object store (``s3://``, a real server)
+    the new process runs on "another machine": another working dir, the first one deleted."""
     from atoll.islands import IslandCheckpoint
+
+    url = request.getfixturevalue("s3_url") if where == "s3" else None
+    machines = iter(range(100))
 
     def run(address, ckpt_dir, steps, crash_at=None):
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(11)
+        work = tmp_path / f"machine-{next(machines)}"
+        if url is not None:
+            ckpt_dir = f"{url}/{Path(ckpt_dir).name}"
         ckpt = IslandCheckpoint(
-            ckpt_dir, model, opt, state=lambda: {"gen": gen.get_state()}, load_state=lambda s: gen.set_state(s["gen"])
+            ckpt_dir,
+            model,
+            opt,
+            state=lambda: {"gen": gen.get_state()},
+            load_state=lambda s: gen.set_state(s["gen"]),
+            work_dir=work,
         )
         sync = make_diloco(model, address, island_id="solo", before_push=ckpt.save)
         resumed = ckpt.load(sync)
@@ -229,6 +245,8 @@ def test_island_checkpoint_in_a_users_own_loop_resumes_bitwise(start_server, tmp
                 if sync.inner_steps == crash_at:
                     sync.close(leave=False)  # as if killed: no Leave, the lease lapses
                     ckpt.wait()
+                    if url is not None:
+                        shutil.rmtree(work)  # and its machine is gone
                     return None, resumed
                 x, y = torch.randn(32, 8, generator=gen), torch.randn(32, 4, generator=gen)
                 sync.step(tokens=32, loss=inner_step(model, opt, (x, y)))
@@ -245,6 +263,10 @@ def test_island_checkpoint_in_a_users_own_loop_resumes_bitwise(start_server, tmp
     assert run(srv.address, tmp_path / "ck", 3 * H, crash_at=H + 2) == (None, False)
     got, resumed = run(srv.address, tmp_path / "ck", 3 * H)
     assert resumed and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    if url is not None:  # what is in the store: the newest checkpoints, each complete
+        listed = ObjectStore.from_url(f"{url}/ck").listing()
+        steps = sorted({rel.split("/")[0] for rel in listed})
+        assert 1 <= len(steps) <= 2 and all(f"{s}/done-0" in listed and f"{s}/.metadata" in listed for s in steps)
 
 
 @pytest.mark.parametrize("mode", ["overlap", "decoupled"])

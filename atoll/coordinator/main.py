@@ -10,11 +10,11 @@ import tempfile
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.disk.objects import ObjectStore, is_url
 from atoll.coordinator.transport.corelog import CoreLog
 from atoll.coordinator.transport.server import CoordinatorServer
 from atoll.files import write_atomic
 from atoll.memory import tune_for_bulk_buffers
+from atoll.objects import ObjectStore, is_url
 
 log = logging.getLogger("atoll.coordinator")
 

@@ -14,6 +14,7 @@ killed island restarted with the same arguments resumes where it was: it re-push
 had pushed (the coordinator answers "duplicate" if it has it) and continues with exactly the
 optimizer moments, data position and random state of the uninterrupted run.
 
+``DIR`` is a local dir or ``s3://bucket/prefix`` (:mod:`atoll.islands._ckpt_store`).
 ``DIR/step-<inner steps>/`` holds a torch.distributed.checkpoint of the model and optimizer (as the
 island shards them: FSDP2 and TP DTensors via ``get_state_dict``), and per rank ``rank-<r>.pt``
 (torch.save of the rest) and a ``done-<r>`` marker written last. A checkpoint counts only once every
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -37,6 +39,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from atoll.files import write_atomic
+from atoll.islands._ckpt_store import CheckpointStore
+from atoll.objects import ObjectStore, is_url
 
 log = logging.getLogger("atoll.island")
 
@@ -45,7 +49,18 @@ SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized, a
 
 
 class IslandCheckpointer:
-    def __init__(self, directory: str | Path, *, rank: int = 0, world: int = 1, keep: int = 2) -> None:
+    def __init__(
+        self, directory: str | Path, *, rank: int = 0, world: int = 1, keep: int = 2, work_dir: Path | None = None
+    ) -> None:
+        """``directory``: a local dir, or ``s3://bucket/prefix`` in an object store
+        (:mod:`atoll.islands._ckpt_store`), written through a working dir on this machine (``work_dir``,
+        default under the temp dir; one per rank)."""
+        self.remote: CheckpointStore | None = None
+        if is_url(directory):
+            store = ObjectStore.from_url(str(directory))
+            base = work_dir or Path(tempfile.gettempdir()) / "atoll-checkpoints" / store.bucket / store.prefix
+            self.remote = CheckpointStore(store, rank, world, PREFIX)
+            directory = Path(base) / f"rank-{rank}"
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world, self.keep = rank, world, keep
@@ -85,6 +100,8 @@ class IslandCheckpointer:
             torch.save(extra, buf)
             write_atomic(path / f"rank-{self.rank}.pt", [buf.getbuffer()])
             write_atomic(path / f"done-{self.rank}", [b"ok\n"])
+            if self.remote is not None:
+                self.remote.upload(path)
             if self.rank == 0:
                 self._prune()
         except BaseException as err:  # raised by the next save or wait()
@@ -116,6 +133,8 @@ class IslandCheckpointer:
         for p in self.dir.glob(f"{PREFIX}*"):
             if p not in keep and p.name < newest.name:
                 shutil.rmtree(p, ignore_errors=True)
+        if self.remote is not None:
+            self.remote.prune({p.name for p in keep} | set(self.remote.complete()[-self.keep :]))
 
     def _quiet(self) -> None:
         """One rank: DCP warns at every save and load that it assumes a single process, even when told
@@ -126,6 +145,12 @@ class IslandCheckpointer:
     # ---- loading --------------------------------------------------------------------------------
     def latest(self) -> Path | None:
         """The newest complete checkpoint (rank 0 decides; every rank loads the same)."""
+        if self.remote is not None:  # the store's newest, fetched to this rank's working dir
+            complete = self.remote.complete() if self.rank == 0 else []
+            choice = [complete[-1] if complete else ""]
+            if self.world > 1:
+                dist.broadcast_object_list(choice, src=0, group=self.group)
+            return self.remote.fetch(choice[0], self.dir) if choice[0] else None
         complete = self._complete()
         choice = [str(complete[-1]) if complete else ""]
         if self.world > 1:
@@ -172,10 +197,13 @@ class IslandCheckpoint:
         state=None,
         load_state=None,
         keep: int = 2,
+        work_dir: Path | None = None,
     ) -> None:
+        """``directory``: a local dir, or ``s3://bucket/prefix`` (``pip install 'atoll[s3]'``; written
+        through ``work_dir`` on this machine, default under the temp dir)."""
         distributed = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        self.writer = IslandCheckpointer(directory, rank=rank, world=world, keep=keep)
+        self.writer = IslandCheckpointer(directory, rank=rank, world=world, keep=keep, work_dir=work_dir)
         self.model, self.optimizer = model, optimizer
         self.state, self.load_state = state, load_state
         self.seconds = 0.0

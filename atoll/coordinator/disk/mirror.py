@@ -5,7 +5,7 @@ With ``--state-dir s3://bucket/prefix`` the coordinator reads and writes its sta
 :mod:`~atoll.coordinator.disk.snapshots`), in a local working dir (``--work-dir``), and the store
 is what survives the machine:
 
-- at start, after taking the run's :class:`~atoll.coordinator.disk.objects.Lease`, :meth:`Mirror.pull`
+- at start, after taking the run's :class:`~atoll.objects.Lease`, :meth:`Mirror.pull`
   makes the working dir the store's copy (what is missing or differs is downloaded; what the store
   does not hold is removed), then the restore reads it and checks every file as on a local disk;
 - a round is durable when its log record's PUT has completed (:meth:`Mirror.put_record`), before it
@@ -23,7 +23,7 @@ import logging
 import time
 from pathlib import Path
 
-from atoll.coordinator.disk.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
+from atoll.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
 
 log = logging.getLogger("atoll.coordinator")
 

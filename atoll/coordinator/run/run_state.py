@@ -40,7 +40,6 @@ from atoll.coordinator.config import RunConfig, apply_operational
 from atoll.coordinator.disk import snapshots, wal
 from atoll.coordinator.disk.lock import StateLock
 from atoll.coordinator.disk.mirror import Mirror
-from atoll.coordinator.disk.objects import Lease, ObjectStore
 from atoll.coordinator.disk.writer import StateWriter
 from atoll.coordinator.errors import Reason, refuse
 from atoll.coordinator.messages import (
@@ -68,6 +67,7 @@ from atoll.coordinator.state.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger
 from atoll.coordinator.state.membership import Membership, island_state, usual_weight
 from atoll.coordinator.state.model import GlobalModel
 from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
+from atoll.objects import Lease, ObjectStore
 from atoll.sharding import PARTITIONS
 
 log = logging.getLogger("atoll.coordinator")

@@ -14,7 +14,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.disk.objects import ObjectStore
 from atoll.coordinator.run.decider import run_decider
 from atoll.coordinator.run.run_state import RunState
 from atoll.coordinator.state.outer import NonFiniteTheta
@@ -23,6 +22,7 @@ from atoll.coordinator.transport.counters import Counters
 from atoll.coordinator.transport.security import IslandTokens, TlsConfig, TokenInterceptor
 from atoll.coordinator.transport.service import STREAM_IDLE_SECONDS, CoordinatorServicer, add_servicer
 from atoll.errors import PortInUse
+from atoll.objects import ObjectStore
 from atoll.protos.rpc import SERVER_OPTIONS, SERVICE_NAME
 
 log = logging.getLogger("atoll.coordinator")

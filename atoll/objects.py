@@ -1,7 +1,8 @@
-"""The run's state in an S3-compatible object store: ``--state-dir s3://bucket/prefix``.
+"""State in an S3-compatible object store: the coordinator's (``--state-dir s3://bucket/prefix``) and
+the islands' checkpoints (``--checkpoint-dir s3://...``).
 
-The store is the run's durable state; the coordinator works on a machine-local copy of it
-(:mod:`~atoll.coordinator.disk.mirror`), so every reader and writer of the state dir stays as it is.
+The store is the durable copy; each works on a machine-local copy of it (the coordinator:
+:mod:`~atoll.coordinator.disk.mirror`), so every reader and writer of the files stays as it is.
 This module is the store itself (:class:`ObjectStore`: objects under one prefix) and the one-writer
 rule without a shared disk (:class:`Lease`).
 
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from atoll.coordinator.disk.snapshots import StateError
+from atoll.errors import UserError
 
 SCHEME = "s3://"
 LEASE = "lease.json"
@@ -39,8 +40,8 @@ def is_url(where) -> bool:
     return isinstance(where, str) and where.startswith(SCHEME)
 
 
-class StoreError(StateError):
-    """The store refused or failed an operation; one line naming the object."""
+class StoreError(UserError):
+    """The store refused or failed an operation, or a run's lease is held; one line naming the object."""
 
 
 class Conflict(StoreError):
@@ -216,7 +217,7 @@ class Lease:
         return json.dumps({"owner": self.owner, "expires": now + self.seconds, "seconds": self.seconds}).encode()
 
     def acquire(self) -> Lease:
-        """Take the lease, or StateError naming its holder and when it expires."""
+        """Take the lease, or StoreError naming its holder and when it expires."""
         got = self.store.get(LEASE)
         try:
             if got is None:
@@ -226,7 +227,7 @@ class Lease:
                 expires = float(held.get("expires", 0))
                 left = expires + self.skew - self.clock()
                 if left > 0:
-                    raise StateError(
+                    raise StoreError(
                         f"{self.store.url} is held by coordinator {held.get('owner', '?')} for {left:.0f} s more "
                         f"(its lease, {self.store.url}/{LEASE}); two coordinators never write one run: stop it, "
                         "or start this one once the lease has expired"
@@ -237,7 +238,7 @@ class Lease:
                         "took over %s from coordinator %s (its lease expired)", self.store.url, held.get("owner")
                     )
         except Conflict:
-            raise StateError(f"{self.store.url}: another coordinator took the lease at the same moment") from None
+            raise StoreError(f"{self.store.url}: another coordinator took the lease at the same moment") from None
         self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._renew_loop, name="atoll-lease", daemon=True)
         self._thread.start()
