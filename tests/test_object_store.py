@@ -23,6 +23,15 @@ from atoll.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
 pytestmark = pytest.mark.usefixtures("s3_server")
 
 
+def test_a_coordinator_address_may_name_standbys():
+    from atoll.islands._transport.client import alternatives, parse_addresses
+
+    assert parse_addresses("a:1|b:2,c:3") == ["a:1|b:2", "c:3"]
+    assert alternatives("a:1| b:2") == ["a:1", "b:2"]
+    with pytest.raises(ValueError, match="has no port"):
+        parse_addresses("a:1|b")
+
+
 def test_a_url_names_a_bucket_and_a_prefix():
     assert ObjectStore.from_url("s3://runs/exp/7").key("log/x") == "exp/7/log/x"
     for bad in ("s3://runs", "s3://runs/", "s3:///p"):
@@ -151,17 +160,18 @@ def test_a_second_coordinator_on_a_held_run_is_refused_naming_the_holder(s3_url,
 
 def test_failover_after_sigkill_islands_carry_on_and_no_round_is_lost(group, s3_server, s3_url, tmp_path):
     """Real processes: the coordinator is SIGKILLed mid-run and its working dir deleted; a replacement
-    started at once is refused while the dead one's lease runs; started once it expired, on the same
-    address (the DNS name islands resolve again) with another working dir, it resumes from the store
-    and the islands finish every round without a restart."""
+    started at once is refused while the dead one's lease runs; started once it expired, on another
+    port with another working dir, it resumes from the store, and the islands, given both addresses
+    (``a|b``), move to it by themselves and finish every round without a restart."""
     env = s3_server.env()
-    port, bulk = free_ports(2)
-    flags = [*coordinator_flags(sync_every=20, quorum=2), "--bulk-port", str(bulk), "--store-lease-seconds", "4"]
+    port, bulk, port2, bulk2 = free_ports(4)
+    flags = [*coordinator_flags(sync_every=20, quorum=2), "--store-lease-seconds", "4"]
     coord, address = group.start_coordinator(
-        s3_url, [*flags, "--work-dir", str(tmp_path / "work-1")], port=port, env=env
+        s3_url, [*flags, "--bulk-port", str(bulk), "--work-dir", str(tmp_path / "work-1")], port=port, env=env
     )
+    both = f"{address}|127.0.0.1:{port2}"
     rounds = 6
-    islands = [group.start(f"island-{i}", island_flags(address, f"island-{i}", rounds=rounds)) for i in range(2)]
+    islands = [group.start(f"island-{i}", island_flags(both, f"island-{i}", rounds=rounds)) for i in range(2)]
 
     def both_finished(r):
         return lambda ev: (
@@ -172,28 +182,32 @@ def test_failover_after_sigkill_islands_carry_on_and_no_round_is_lost(group, s3_
             }
         )
 
-    events = []
-
-    events += collect_events(islands, until=both_finished(1), timeout=240)
+    events = collect_events(islands, until=both_finished(1), timeout=240)
     coord.signal(signal.SIGKILL)
     killed = time.monotonic()
     coord.wait(10)
     shutil.rmtree(tmp_path / "work-1")
+    standby = [*flags, "--bulk-port", str(bulk2)]
     with pytest.raises(Exception, match=r"held by coordinator|exited|did not"):
         group.start_coordinator(
-            s3_url, [*flags, "--work-dir", str(tmp_path / "work-x")], name="too-early", port=port, env=env, timeout=30
+            s3_url,
+            [*standby, "--work-dir", str(tmp_path / "work-x")],
+            name="too-early",
+            port=port2,
+            env=env,
+            timeout=30,
         )
     wait_for(lambda: time.monotonic() - killed > 4 + 2 + 0.5, timeout=30, what="the dead coordinator's lease to expire")
-    coord2, address2 = group.start_coordinator(
-        s3_url, [*flags, "--work-dir", str(tmp_path / "work-2")], name="replacement", port=port, env=env
+    coord2, _ = group.start_coordinator(
+        s3_url, [*standby, "--work-dir", str(tmp_path / "work-2")], name="replacement", port=port2, env=env
     )
-    assert address2 == address
     events += collect_events(islands, until=lambda ev: sum(e["event"] == "done" for e in ev) == 2, timeout=300)
     assert [p.wait(30) for p in islands] == [0, 0]
     coord2.stop()
     history = [e["round"] for e in events if e["event"] == "round" and e["island"] == "island-0"]
     assert history == list(range(rounds)), history
     assert "restored run" in coord2.log_tail(100_000)
+    assert all(f"trying 127.0.0.1:{port2}" in p.log_path.read_text(errors="replace") for p in islands)
 
 
 def test_the_guides_object_store_and_failover_steps_run_as_written(group, s3_server, s3_url, tmp_path):

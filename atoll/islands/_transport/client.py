@@ -61,13 +61,23 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def parse_addresses(coordinator: str) -> list[str]:
-    """A coordinator, or its shards comma-separated, each validated (ValueError)."""
+    """A coordinator, or its shards comma-separated, each validated (ValueError). Each may name
+    standbys after ``|`` (``coord-a:7070|coord-b:7070``): where the run's state is in an object store,
+    a coordinator on another machine takes over the run (:func:`alternatives`)."""
     addresses = [a.strip() for a in coordinator.split(",") if a.strip()]
     if not addresses:
         raise ValueError("coordinator must be host:port, or a comma-separated list of its shards")
     for a in addresses:
-        parse_address(a)
+        alternatives(a)
     return addresses
+
+
+def alternatives(address: str) -> list[str]:
+    """``host:port``, or several ``|``-separated (one coordinator and its standbys), each validated."""
+    out = [a.strip() for a in address.split("|")]
+    for a in out:
+        parse_address(a)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,25 +171,22 @@ class CoordinatorClient:
     ) -> None:
         """``bulk_streams``: the TCP connections each push and pull is striped over on the bulk port
         (None: from the measured round trip, :func:`~atoll.islands._transport.opening.auto_streams`)."""
-        parse_address(address)
+        self.alternatives = alternatives(address)
+        """This coordinator's addresses: the one in use first; after it, standbys tried in turn while
+        it is unreachable (a coordinator that took the run over from the object store)."""
         if bulk_streams is not None and not 1 <= bulk_streams <= 16:
             raise ValueError(f"bulk_streams={bulk_streams}: 1 to 16, or None to choose from the round trip")
         self.bulk_streams = bulk_streams
         self.rtt: float | None = None
         """The shortest round trip to the bulk port seen so far (a TCP handshake's)."""
-        self.address = address
+        self.address = self.alternatives[0]
         self.retry = retry or RetryPolicy()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        if tls is not None:
-            name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-            self._channel = grpc.secure_channel(address, tls.credentials(), options=CLIENT_OPTIONS + name)
-        else:
-            self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
-        self._push_call, self._pull_call = tensor_calls(self._channel)
+        self.tls = tls
+        self._retired: list = []
+        self._open_channel()
         self._auth = f"Bearer {token}" if token else ""
         self._said_unchecked = False
-        self.tls = tls
         self._bulk_tls = tls.ssl_context() if tls is not None else None
         self.bulk: BulkPort | None = None
         """The coordinator's bulk port, once a Join advertised one (over TLS when gRPC is): pushes and
@@ -191,8 +198,33 @@ class CoordinatorClient:
         self.buffers = BufferPool(PULL_BUFFER_BYTES)
         """Entry buffers of pulls applied entry by entry, reused round after round (no page faults)."""
 
+    def _open_channel(self) -> None:
+        tls = self.tls
+        if tls is not None:
+            name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+            self._channel = grpc.secure_channel(self.address, tls.credentials(), options=CLIENT_OPTIONS + name)
+        else:
+            self._channel = grpc.insecure_channel(self.address, options=CLIENT_OPTIONS)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._push_call, self._pull_call = tensor_calls(self._channel)
+
+    def _try_standby(self) -> None:
+        """The coordinator in use is unreachable: the next of its addresses (its bulk port and kept
+        connections go with it; the next Join says the new one's)."""
+        if len(self.alternatives) < 2:
+            return
+        i = self.alternatives.index(self.address)
+        old, self.address = self.address, self.alternatives[(i + 1) % len(self.alternatives)]
+        self._retired.append(self._channel)  # (another thread may be in a call on it: closed at close())
+        self._open_channel()
+        self.bulk = None
+        self.kept.close()
+        log.warning("coordinator %s unreachable: trying %s", old, self.address)
+
     def close(self) -> None:
-        self._channel.close()
+        for channel in [*self._retired, self._channel]:
+            channel.close()
+        self._retired = []
         self.kept.close()
 
     def call(self, what: str, fn: Callable[[], T], *, give_up_seconds: float | None = None, probe: bool = False) -> T:
@@ -222,6 +254,8 @@ class CoordinatorClient:
                         )
                     raise
                 busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._try_standby()
                 if (
                     not busy
                     and waited >= self.retry.warn_after_seconds
