@@ -31,9 +31,9 @@ from atoll.compression import get_codec  # noqa: E402
 from atoll.coordinator.config import RunConfig  # noqa: E402
 from atoll.coordinator.disk import snapshots, wal  # noqa: E402
 from atoll.coordinator.disk.mirror import Mirror  # noqa: E402
-from atoll.coordinator.disk.objects import ObjectStore, close_client  # noqa: E402
 from atoll.harness.seaweed import SeaweedS3  # noqa: E402
 from atoll.models import TinyGPT, preset  # noqa: E402
+from atoll.objects import ObjectStore, close_client  # noqa: E402
 
 
 def model_theta(name: str) -> dict[str, torch.Tensor]:

@@ -35,7 +35,8 @@ from atoll.workload.progress import Reporter
 @dataclass(frozen=True, kw_only=True)
 class IslandArgs:
     coordinator: str
-    """host:port of the coordinator (its fragments comma-separated with --streaming)."""
+    """host:port of the coordinator (its fragments comma-separated with --streaming); standbys after |
+    (coord-a:7070|coord-b:7070), tried in turn while it is unreachable."""
     island_id: str
     """This island's name in the run (each island process its own)."""
     run_id: str = "atoll"
