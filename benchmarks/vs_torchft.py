@@ -234,13 +234,23 @@ def run_system(a) -> None:
         else:
             port_file = Path(tmp) / "port"
             codec = ["--codec", a.codec, "--downlink-codec", a.codec]
+            state, env = str(Path(tmp) / "state"), None
+            if a.state_store:  # the state in an object store (issue 36): a SeaweedFS server in this namespace
+                from atoll.harness.seaweed import SeaweedS3
+
+                store = SeaweedS3(Path(tmp) / "seaweed").start()
+                store.make_bucket("vs")
+                state, env = "s3://vs/run", {**os.environ, **store.env()}
+                state_args = ["--work-dir", str(Path(tmp) / "work")]
             coord = subprocess.Popen(
                 [sys.executable, "-m", "atoll", "coordinator", "--host", "127.0.0.1", "--port", "0",
-                 "--state-dir", str(Path(tmp) / "state"), "--port-file", str(port_file), "--run-id", "vs",
+                 "--state-dir", state, *(state_args if a.state_store else []),
+                 "--port-file", str(port_file), "--run-id", "vs",
                  "--admin-port", "0", "--admin-port-file", str(Path(tmp) / "admin"),
                  "--sync-every", str(a.sync_every), "--outer-lr", "0.7", "--outer-momentum", "0.9",
                  "--quorum", "2", "--lease-seconds", "120", *codec, "--threads", "1", "--log-level", "WARNING"],
                 stdout=subprocess.DEVNULL,
+                env=env,
             )  # fmt: skip
             while not (port_file.exists() and (Path(tmp) / "admin").exists()):
                 if coord.poll() is not None:
@@ -281,6 +291,8 @@ def run_system(a) -> None:
             payload = counters["bytes_in"] + counters["bytes_out"]
             coord.terminate()
             coord.wait(30)
+            if a.state_store:
+                store.stop()
         if lighthouse is not None:
             lighthouse.shutdown()
     print(
@@ -443,6 +455,12 @@ def main() -> None:
         help="the noise gradients drawn into new tensors every step (the issue's workload) or into buffers "
         "kept for the run (no page faults of the workload's own)",
     )
+    p.add_argument(
+        "--state-store",
+        action="store_true",
+        help="atoll's coordinator keeps its state in an S3-compatible store (a local SeaweedFS server) "
+        "rather than on the disk: a round is published once its record's PUT completed",
+    )
     p.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     p.add_argument("--system", default="", help=argparse.SUPPRESS)
     p.add_argument("--codec", default="identity", help=argparse.SUPPRESS)
@@ -481,7 +499,8 @@ def main() -> None:
         ratios = []
         for pair in range(a.pairs):
             order = ["atoll", "torchft"] if pair % 2 == 0 else ["torchft", "atoll"]
-            runs = {s: isolated(["--role", "run", "--system", s, "--codec", codec, *common]) for s in order}
+            store = ["--state-store"] if a.state_store else []
+            runs = {s: isolated(["--role", "run", "--system", s, "--codec", codec, *common, *store]) for s in order}
             at, tf = runs["atoll"], runs["torchft"]
             ratio = steady(at) / steady(tf)
             ratios.append(ratio)

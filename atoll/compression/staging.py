@@ -288,10 +288,12 @@ class StageBuffers:
         staging._compute_waits(done)
         self._last = done
         window = Window(base, view.nbytes, mirror)
-        with active(window):
-            yield window
-        if done is not None:
-            done.synchronize()  # the host's bytes are read (the DMA only; the decode runs on)
+        try:
+            with active(window):
+                yield window
+        finally:
+            if done is not None:
+                done.synchronize()  # the host's bytes are read (the DMA only; the decode runs on)
 
     def _mirror(self, nbytes: int) -> torch.Tensor:
         if self.mirror is None or self.mirror.numel() < nbytes:
