@@ -5,6 +5,7 @@ resumes bitwise, and the operator's tools on the store."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import time
@@ -266,3 +267,64 @@ def test_the_guides_object_store_and_failover_steps_run_as_written(group, s3_ser
     )
     assert out.returncode == 0, out.stderr
     assert "at round 4" in out.stdout and (tmp_path / "theta.safetensors").exists()
+
+
+def test_a_rollback_in_the_store_is_what_the_next_coordinator_restores(s3_url, start_server, tmp_path, capsys):
+    store = ObjectStore.from_url(s3_url)
+    config = exact_config(run_id="t", sync_every=2)
+    srv = start_server(
+        config, tmp_path / "w1", store=store, store_lease_seconds=5.0, snapshot_every=2, keep_snapshots=3
+    )
+    run_rounds(srv, 6)
+    srv.stop()
+    assert cli_main(["rollback", "--state-dir", s3_url]) == 0
+    listed = [int(r) for r in re.findall(r"^round (\d+) .* ok$", capsys.readouterr().out, re.M)]
+    assert len(listed) >= 2, listed
+    target = sorted(listed)[-2]
+    assert cli_main(["rollback", "--state-dir", s3_url, "--round", str(target)]) == 0
+    assert any(k.startswith("discarded/") for k in store.listing())  # set aside in the store, not lost
+    again = start_server(config, tmp_path / "w2", store=store, store_lease_seconds=5.0)
+    assert again.inspect(lambda s: s.round) == target
+    again.stop()
+
+
+def test_a_stalled_coordinator_that_wakes_after_a_takeover_writes_nothing(group, s3_server, s3_url, tmp_path):
+    """Split brain, the hard order of events: the coordinator is frozen (SIGSTOP) with islands
+    training, its lease expires, a standby takes the run over and publishes rounds; then the frozen
+    one wakes (SIGCONT). It finds the lease taken and exits without writing, and every round is in the
+    store exactly once."""
+    env = s3_server.env()
+    port, bulk, port2, bulk2 = free_ports(4)
+    flags = [*coordinator_flags(sync_every=20, quorum=2), "--store-lease-seconds", "3"]
+    first, address = group.start_coordinator(
+        s3_url, [*flags, "--bulk-port", str(bulk), "--work-dir", str(tmp_path / "w1")], port=port, env=env
+    )
+    rounds = 6
+    both = f"{address}|127.0.0.1:{port2}"
+    islands = [group.start(f"island-{i}", island_flags(both, f"island-{i}", rounds=rounds)) for i in range(2)]
+    events = collect_events(
+        islands, until=lambda ev: any(e["event"] == "round" and e["round"] == 1 for e in ev), timeout=240
+    )
+    first.signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_for(lambda: time.monotonic() - stopped > 3 + 1.5 + 0.5, timeout=20, what="the frozen one's lease to expire")
+    second, _ = group.start_coordinator(
+        s3_url,
+        [*flags, "--bulk-port", str(bulk2), "--work-dir", str(tmp_path / "w2")],
+        name="standby",
+        port=port2,
+        env=env,
+    )
+    events += collect_events(
+        islands, until=lambda ev: any(e["event"] == "round" and e["round"] == 3 for e in ev), timeout=240
+    )
+    first.signal(signal.SIGCONT)
+    assert first.wait(60) == 1
+    assert "lost the run's lease" in first.log_tail(100_000)
+    events += collect_events(islands, until=lambda ev: sum(e["event"] == "done" for e in ev) == 2, timeout=300)
+    assert [p.wait(30) for p in islands] == [0, 0]
+    second.stop()
+    for k in ("island-0", "island-1"):
+        assert [e["round"] for e in events if e["event"] == "round" and e["island"] == k] == list(range(rounds))
+    records = sorted(k for k in ObjectStore.from_url(s3_url).listing() if k.startswith("log/round-"))
+    assert len(records) == len(set(records))
