@@ -17,6 +17,7 @@ that URL is ``https://``. boto3 is an optional dependency: ``pip install 'atoll[
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,9 @@ from atoll.errors import UserError
 
 SCHEME = "s3://"
 LEASE = "lease.json"
+PART_BYTES = 256 << 20
+"""Files this large and larger are uploaded in parts of this size (S3: at most 5 GB in one PUT)."""
+PARALLEL_PARTS = 4
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -78,9 +83,42 @@ class ObjectStore:
 
     # ---- objects ---------------------------------------------------------------------------------
     def put_file(self, path: Path, rel: str, *, create_only: bool = False) -> str:
-        """Upload a local file as ``rel``; its ETag. ``create_only``: Conflict if ``rel`` exists."""
+        """Upload a local file as ``rel``; its ETag. ``create_only``: Conflict if ``rel`` exists. A file
+        of ``PART_BYTES`` or more goes up in parts, ``PARALLEL_PARTS`` at a time (S3 takes at most 5 GB
+        in one PUT; a 1B model's snapshot is more), completed create-only where asked."""
+        size = Path(path).stat().st_size
+        if size >= PART_BYTES:
+            return self._put_parts(Path(path), rel, size, create_only=create_only)
         with open(path, "rb") as f:
             return self._put(rel, f, create_only=create_only)
+
+    def _put_parts(self, path: Path, rel: str, size: int, *, create_only: bool) -> str:
+        client, key = self.client, self.key(rel)
+        try:
+            upload = client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        except Exception as err:
+            raise _error(err, self.url, rel) from None
+
+        def part(n: int) -> dict:
+            start = (n - 1) * PART_BYTES
+            with open(path, "rb") as f:
+                f.seek(start)
+                body = f.read(min(PART_BYTES, size - start))
+            got = client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=n, Body=body)
+            return {"PartNumber": n, "ETag": got["ETag"]}
+
+        try:
+            with ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="atoll-put") as pool:
+                parts = list(pool.map(part, range(1, -(-size // PART_BYTES) + 1)))
+            kw = {"IfNoneMatch": "*"} if create_only else {}
+            done = client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}, **kw
+            )
+            return done["ETag"]
+        except Exception as err:
+            with contextlib.suppress(Exception):
+                client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+            raise _error(err, self.url, rel) from None
 
     def put_bytes(self, rel: str, data: bytes, *, create_only: bool = False, if_match: str | None = None) -> str:
         return self._put(rel, data, create_only=create_only, if_match=if_match)

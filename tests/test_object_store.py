@@ -328,3 +328,17 @@ def test_a_stalled_coordinator_that_wakes_after_a_takeover_writes_nothing(group,
         assert [e["round"] for e in events if e["event"] == "round" and e["island"] == k] == list(range(rounds))
     records = sorted(k for k in ObjectStore.from_url(s3_url).listing() if k.startswith("log/round-"))
     assert len(records) == len(set(records))
+
+
+def test_a_large_file_goes_up_in_parts_and_a_record_in_parts_is_still_written_once(s3_url, tmp_path, monkeypatch):
+    import atoll.objects as objects
+
+    monkeypatch.setattr(objects, "PART_BYTES", 5 << 20)  # S3's smallest part: a 12 MiB file is 3 parts
+    store = ObjectStore.from_url(s3_url)
+    data = bytes(range(256)) * (12 << 12)
+    (tmp_path / "big").write_bytes(data)
+    store.put_file(tmp_path / "big", "snapshot-big")
+    assert store.get("snapshot-big")[0] == data
+    store.put_file(tmp_path / "big", "log/round-00000001.safetensors", create_only=True)
+    with pytest.raises(Conflict):
+        store.put_file(tmp_path / "big", "log/round-00000001.safetensors", create_only=True)
