@@ -44,9 +44,13 @@ def main() -> None:
     p.add_argument("--model", default="gpt-125m")
     p.add_argument("--lease", type=float, default=5.0, help="--store-lease-seconds (default: 5)")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--work-dir", type=Path, default=None, help="keep the processes' logs there")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="atoll-failover-") as tmp:
         tmp = Path(tmp)
+        if args.work_dir is not None:
+            shutil.rmtree(args.work_dir, ignore_errors=True)
+            tmp = args.work_dir
         store = SeaweedS3(tmp / "seaweed").start()
         try:
             store.make_bucket("bench")
@@ -106,23 +110,19 @@ def main() -> None:
                             raise
                         time.sleep(1.0)
                 serving = time.monotonic() - killed
-                round_at_kill = 2
-                while published(f"127.0.0.1:{admin2}") <= round_at_kill:
+                restored = published(f"127.0.0.1:{admin2}")  # the open round it restored
+                while published(f"127.0.0.1:{admin2}") <= restored:  # until it closes one itself
                     if time.monotonic() > deadline:
                         raise RuntimeError("no round after the failover: " + replacement.log_tail())
                     time.sleep(0.1)
                 moved_on = time.monotonic() - killed
                 log = replacement.log_tail(1_000_000)
-                pulled = re.search(r"state from \S+: (\d+) objects, ([\d.]+) MB downloaded in ([\d.]+) s", log)
+                got = re.search(r"state from \S+: (\d+) objects, ([\d.]+) MB downloaded in ([\d.]+) s", log)
+                how = f"; it pulled {got.group(2)} MB ({got.group(1)} objects) in {got.group(3)} s" if got else ""
                 print(
                     f"model {args.model}, lease {args.lease:g} s: the replacement served {serving:.1f} s after the "
-                    f"kill ({attempts} starts, the earlier ones refused for the lease), and published round "
-                    f"{published(f'127.0.0.1:{admin2}')} {moved_on:.1f} s after it"
-                    + (
-                        f"; it pulled {pulled.group(2)} MB ({pulled.group(1)} objects) in {pulled.group(3)} s"
-                        if pulled
-                        else ""
-                    )
+                    f"kill ({attempts} starts, the earlier ones refused for the lease) with round {restored} open, "
+                    f"and closed that round {moved_on:.1f} s after the kill{how}"
                 )
                 for i in islands:
                     i.stop()

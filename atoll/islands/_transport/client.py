@@ -208,18 +208,19 @@ class CoordinatorClient:
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._push_call, self._pull_call = tensor_calls(self._channel)
 
-    def _try_standby(self) -> None:
+    def _try_standby(self) -> bool:
         """The coordinator in use is unreachable: the next of its addresses (its bulk port and kept
-        connections go with it; the next Join says the new one's)."""
+        connections go with it; the next Join says the new one's). False when it has none."""
         if len(self.alternatives) < 2:
-            return
+            return False
         i = self.alternatives.index(self.address)
         old, self.address = self.address, self.alternatives[(i + 1) % len(self.alternatives)]
         self._retired.append(self._channel)  # (another thread may be in a call on it: closed at close())
         self._open_channel()
         self.bulk = None
         self.kept.close()
-        log.warning("coordinator %s unreachable: trying %s", old, self.address)
+        log.info("coordinator %s unreachable: trying %s", old, self.address)
+        return True
 
     def close(self) -> None:
         for channel in [*self._retired, self._channel]:
@@ -236,6 +237,8 @@ class CoordinatorClient:
         started = time.monotonic()
         warned_at = None
         backoff = self.retry.initial_backoff_seconds
+        cycle = {self.address}
+        """The addresses tried since the last wait: a standby is tried at once, the wait comes once all were."""
         while True:
             try:
                 return fn()
@@ -254,8 +257,10 @@ class CoordinatorClient:
                         )
                     raise
                 busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self._try_standby()
+                if code == grpc.StatusCode.UNAVAILABLE and self._try_standby() and self.address not in cycle:
+                    cycle.add(self.address)
+                    continue
+                cycle = {self.address}
                 if (
                     not busy
                     and waited >= self.retry.warn_after_seconds
