@@ -257,6 +257,7 @@ class Lease:
     def acquire(self) -> Lease:
         """Take the lease, or StoreError naming its holder and when it expires."""
         got = self.store.get(LEASE)
+        started = time.monotonic()
         try:
             if got is None:
                 self.etag = self.store.put_bytes(LEASE, self._body(), create_only=True)
@@ -277,7 +278,7 @@ class Lease:
                     )
         except Conflict:
             raise StoreError(f"{self.store.url}: another coordinator took the lease at the same moment") from None
-        self._renewed = time.monotonic()
+        self._renewed = started
         self._thread = threading.Thread(target=self._renew_loop, name="atoll-lease", daemon=True)
         self._thread.start()
         return self
@@ -290,13 +291,15 @@ class Lease:
             raise StoreError(f"{self.store.url}: this coordinator no longer holds the run ({self.lost})")
 
     def renew(self) -> None:
-        """Extend the lease by a write conditional on the last one (Conflict: someone took it)."""
+        """Extend the lease by a write conditional on the last one (Conflict: someone took it). The
+        lease counts from before the write (its expiry is written then), however long the PUT takes."""
+        started = time.monotonic()
         try:
             self.etag = self.store.put_bytes(LEASE, self._body(), if_match=self.etag)
         except Conflict:
             self._lose("another coordinator took the lease")
             raise
-        self._renewed = time.monotonic()
+        self._renewed = started
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -309,6 +312,11 @@ class Lease:
                 if time.monotonic() - self._renewed > self.seconds:
                     self._lose(f"the store was unreachable for {self.seconds:.0f} s")
                     return
+
+    def lose(self, why: str) -> None:
+        """This coordinator found out otherwise that another one writes the run (a record it was about to
+        write exists): as a failed renewal."""
+        self._lose(why)
 
     def _lose(self, why: str) -> None:
         if self.lost is None:

@@ -239,8 +239,8 @@ def run_system(a) -> None:
                 from atoll.harness.seaweed import SeaweedS3
 
                 store = SeaweedS3(Path(tmp) / "seaweed").start()
-                store.make_bucket("vs")
-                state, env = "s3://vs/run", {**os.environ, **store.env()}
+                store.make_bucket("atoll-vs")
+                state, env = "s3://atoll-vs/run", {**os.environ, **store.env()}
                 state_args = ["--work-dir", str(Path(tmp) / "work")]
             coord = subprocess.Popen(
                 [sys.executable, "-m", "atoll", "coordinator", "--host", "127.0.0.1", "--port", "0",

@@ -342,3 +342,23 @@ def test_a_large_file_goes_up_in_parts_and_a_record_in_parts_is_still_written_on
     store.put_file(tmp_path / "big", "log/round-00000001.safetensors", create_only=True)
     with pytest.raises(Conflict):
         store.put_file(tmp_path / "big", "log/round-00000001.safetensors", create_only=True)
+
+
+def test_a_record_another_coordinator_wrote_stops_this_one(s3_url, tmp_path):
+    """The fence behind the lease: a coordinator about to make a round durable finds its record in the
+    store already (another one took the run while it stalled): it loses the run, and says so."""
+    store = ObjectStore.from_url(s3_url)
+    for name in ("a", "b"):
+        (tmp_path / name / "log").mkdir(parents=True)
+        (tmp_path / name / "log" / "round-00000004.safetensors").write_bytes(name.encode() * 10)
+    Mirror(store, tmp_path / "a").put_record(tmp_path / "a" / "log" / "round-00000004.safetensors")
+    lost = []
+    lease = Lease(store, 30.0, on_lost=lost.append).acquire()
+    try:
+        with pytest.raises(StoreError, match="exists already"):
+            Mirror(store, tmp_path / "b", lease).put_record(tmp_path / "b" / "log" / "round-00000004.safetensors")
+        assert lost and "another coordinator wrote this round" in lost[0]
+        with pytest.raises(StoreError, match="no longer holds the run"):
+            lease.check()
+    finally:
+        lease.release()

@@ -11,7 +11,11 @@ is what survives the machine:
 - a round is durable when its log record's PUT has completed (:meth:`Mirror.put_record`), before it
   is published, as the local fsync was: a create-only PUT, so no two coordinators write one round;
 - what the background writes after a publish (``head.json``, the optimizer state, a snapshot) and
-  what it prunes follow it in the same background thread (:meth:`Mirror.sync`).
+  what it prunes follow it on the mirror's own thread (:meth:`Mirror.sync_later`), which the next
+  outer step does not wait for; a clean stop waits for it (:meth:`Mirror.close`). A coordinator
+  lost before it caught up restores from the newest files that were up (the records are all there:
+  θ and history exactly; momentum perhaps of an earlier round, said in a WARNING, as on a disk
+  whose background write a crash cut).
 
 S3 is strongly read-after-write consistent, so a coordinator that starts after another stopped sees
 every record that one made durable.
@@ -20,6 +24,7 @@ every record that one made durable.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -46,7 +51,14 @@ class Mirror:
         self.store, self.local, self.lease = store, Path(local), lease
         self._sent: dict[str, tuple[int, int]] = {}
         """(size, mtime_ns) of each local file as last uploaded (or downloaded)."""
+        self._lock = threading.Lock()
         self.uploaded_bytes = 0
+        self.failed: str | None = None
+        """Why the last background sync failed (None: it worked); the next one retries what is missing."""
+        self._cond = threading.Condition()
+        self._asked = self._done = 0
+        self._closing = False
+        self._thread: threading.Thread | None = None
 
     def pull(self) -> int:
         """Make the working dir the store's copy; returns the bytes downloaded."""
@@ -63,7 +75,8 @@ class Mirror:
                 self.store.download(rel, path)
                 got += size
             st = path.stat()
-            self._sent[rel] = (st.st_size, st.st_mtime_ns)
+            with self._lock:
+                self._sent[rel] = (st.st_size, st.st_mtime_ns)
         if remote:
             log.info(
                 "state from %s: %d objects, %.1f MB downloaded in %.2f s",
@@ -82,27 +95,88 @@ class Mirror:
         try:
             self.store.put_file(path, rel, create_only=True)
         except Conflict:
-            raise StoreError(
-                f"{self.store.url}/{rel} exists already: another coordinator wrote this round (this one lost the run)"
-            ) from None
+            why = f"{self.store.url}/{rel} exists already: another coordinator wrote this round"
+            if self.lease is not None:
+                self.lease.lose(why)  # it stops: retrying the save could never succeed
+            raise StoreError(f"{why} (this one lost the run)") from None
         st = Path(path).stat()
-        self._sent[rel] = (st.st_size, st.st_mtime_ns)
-        self.uploaded_bytes += st.st_size
+        with self._lock:
+            self._sent[rel] = (st.st_size, st.st_mtime_ns)
+            self.uploaded_bytes += st.st_size
 
     def sync(self) -> None:
-        """Upload the local state files that are new or changed (not log records: see put_record) and
-        delete the objects whose local file is gone (pruned)."""
+        """Upload the local state files that are new or changed (not log records: see put_record), then
+        delete the objects whose local file is gone (pruned): a record goes only after the snapshot
+        that replaces it is up. A file pruned while this runs is skipped."""
         if self.lease is not None:
             self.lease.check()
         local = _local_files(self.local)
         for rel, path in sorted(local.items()):
             if rel.startswith(RECORDS):
                 continue
-            st = path.stat()
-            if self._sent.get(rel) != (st.st_size, st.st_mtime_ns):
-                self.store.put_file(path, rel)
-                self._sent[rel] = (st.st_size, st.st_mtime_ns)
-                self.uploaded_bytes += st.st_size
-        for rel in [r for r in self._sent if r not in local]:
+            try:
+                st = path.stat()
+                with self._lock:
+                    sent = self._sent.get(rel)
+                if sent != (st.st_size, st.st_mtime_ns):
+                    self.store.put_file(path, rel)
+            except FileNotFoundError:  # pruned meanwhile
+                continue
+            with self._lock:
+                if sent != (st.st_size, st.st_mtime_ns):
+                    self._sent[rel] = (st.st_size, st.st_mtime_ns)
+                    self.uploaded_bytes += st.st_size
+        with self._lock:
+            gone = [r for r in self._sent if not (self.local / r).exists()]  # (a record put meanwhile is there)
+        for rel in gone:
             self.store.delete(rel)
-            del self._sent[rel]
+            with self._lock:
+                self._sent.pop(rel, None)
+
+    # ---- in the background ------------------------------------------------------------------------
+    def sync_later(self) -> None:
+        """:meth:`sync` on the mirror's own thread: what the background writer wrote goes up while the
+        run goes on (the next outer step does not wait for it: the optimizer state alone is 2|θ| a
+        round). A sync asked while one runs is one more after it; superseded files (an optimizer file
+        a newer one replaced, pruned meanwhile) never go up."""
+        with self._cond:
+            self._asked += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._uploads, name="atoll-uploads", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every sync asked so far is done."""
+        with self._cond:
+            target = self._asked
+            while self._done < target and self._thread is not None:
+                self._cond.wait(0.5)
+
+    def close(self) -> None:
+        """Flush and stop the background thread (a clean stop leaves the store complete)."""
+        self.flush()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def _uploads(self) -> None:
+        while True:
+            with self._cond:
+                while self._asked == self._done and not self._closing:
+                    self._cond.wait()
+                if self._asked == self._done:
+                    return
+                target = self._asked
+            try:
+                self.sync()
+                self.failed = None
+            except Exception as err:  # retried by the next sync; the records (the commits) went up already
+                self.failed = str(err)
+                log.error("uploading the state to %s failed: %s (retried after the next round)", self.store.url, err)
+            with self._cond:
+                self._done = target
+                self._cond.notify_all()

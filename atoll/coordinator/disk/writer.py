@@ -104,7 +104,7 @@ class StateWriter:
                 wal.write_optimizer(self.state_dir, snap.round, snap.extra)
             wal.prune(self.state_dir, snapshot_round=newest, keep_from=keep_from)
             if self.mirror is not None:
-                self.mirror.sync()
+                self.mirror.sync_later()  # up in the background: the next outer step does not wait
 
         self._thread = threading.Thread(target=self._run, args=(write,), name="atoll-checkpoints", daemon=True)
         self._thread.start()
@@ -124,6 +124,8 @@ class StateWriter:
         if self._stream is not None:
             self._stream.abandon()
             self._stream = None
+        if self.mirror is not None:
+            self.mirror.close()
 
     def wait(self) -> None:
         if self._thread is not None:
