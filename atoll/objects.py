@@ -37,6 +37,9 @@ LEASE = "lease.json"
 PART_BYTES = 256 << 20
 """Files this large and larger are uploaded in parts of this size (S3: at most 5 GB in one PUT)."""
 PARALLEL_PARTS = 4
+BACKGROUND_PART_BYTES = 32 << 20
+"""A background upload (:meth:`ObjectStore.put_file` with ``yield_to``) goes in parts this large, one at
+a time, so a commit on the critical path waits for one part at most."""
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -82,17 +85,27 @@ class ObjectStore:
         return _client()
 
     # ---- objects ---------------------------------------------------------------------------------
-    def put_file(self, path: Path, rel: str, *, create_only: bool = False) -> str:
+    def put_file(self, path: Path, rel: str, *, create_only: bool = False, yield_to=None) -> str:
         """Upload a local file as ``rel``; its ETag. ``create_only``: Conflict if ``rel`` exists. A file
         of ``PART_BYTES`` or more goes up in parts, ``PARALLEL_PARTS`` at a time (S3 takes at most 5 GB
-        in one PUT; a 1B model's snapshot is more), completed create-only where asked."""
+        in one PUT; a 1B model's snapshot is more), completed create-only where asked. ``yield_to()``:
+        called before each part (and before a whole file): an upload in the background waits there
+        while one on the critical path runs."""
         size = Path(path).stat().st_size
-        if size >= PART_BYTES:
-            return self._put_parts(Path(path), rel, size, create_only=create_only)
+        if yield_to is not None:
+            yield_to()
+        if size >= PART_BYTES or (yield_to is not None and size >= BACKGROUND_PART_BYTES):
+            part_bytes = PART_BYTES if yield_to is None else BACKGROUND_PART_BYTES
+            return self._put_parts(
+                Path(path), rel, size, create_only=create_only, part_bytes=part_bytes, yield_to=yield_to
+            )
         with open(path, "rb") as f:
             return self._put(rel, f, create_only=create_only)
 
-    def _put_parts(self, path: Path, rel: str, size: int, *, create_only: bool) -> str:
+    def _put_parts(
+        self, path: Path, rel: str, size: int, *, create_only: bool, part_bytes: int | None = None, yield_to=None
+    ) -> str:
+        part_bytes = part_bytes or PART_BYTES
         client, key = self.client, self.key(rel)
         try:
             upload = client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
@@ -100,16 +113,18 @@ class ObjectStore:
             raise _error(err, self.url, rel) from None
 
         def part(n: int) -> dict:
-            start = (n - 1) * PART_BYTES
+            if yield_to is not None:
+                yield_to()
+            start = (n - 1) * part_bytes
             with open(path, "rb") as f:
                 f.seek(start)
-                body = f.read(min(PART_BYTES, size - start))
+                body = f.read(min(part_bytes, size - start))
             got = client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=n, Body=body)
             return {"PartNumber": n, "ETag": got["ETag"]}
 
         try:
-            with ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="atoll-put") as pool:
-                parts = list(pool.map(part, range(1, -(-size // PART_BYTES) + 1)))
+            with ThreadPoolExecutor(PARALLEL_PARTS if yield_to is None else 1, thread_name_prefix="atoll-put") as pool:
+                parts = list(pool.map(part, range(1, -(-size // part_bytes) + 1)))
             kw = {"IfNoneMatch": "*"} if create_only else {}
             done = client.complete_multipart_upload(
                 Bucket=self.bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}, **kw

@@ -59,6 +59,9 @@ class Mirror:
         self._asked = self._done = 0
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._committing = 0
+        """Record PUTs in flight: the background's uploads wait between parts while there are any."""
+        self._idle = threading.Condition()
 
     def pull(self) -> int:
         """Make the working dir the store's copy; returns the bytes downloaded."""
@@ -92,6 +95,8 @@ class Mirror:
         if self.lease is not None:
             self.lease.check()
         rel = Path(path).relative_to(self.local).as_posix()
+        with self._idle:
+            self._committing += 1
         try:
             self.store.put_file(path, rel, create_only=True)
         except Conflict:
@@ -99,6 +104,10 @@ class Mirror:
             if self.lease is not None:
                 self.lease.lose(why)  # it stops: retrying the save could never succeed
             raise StoreError(f"{why} (this one lost the run)") from None
+        finally:
+            with self._idle:
+                self._committing -= 1
+                self._idle.notify_all()
         st = Path(path).stat()
         with self._lock:
             self._sent[rel] = (st.st_size, st.st_mtime_ns)
@@ -119,7 +128,7 @@ class Mirror:
                 with self._lock:
                     sent = self._sent.get(rel)
                 if sent != (st.st_size, st.st_mtime_ns):
-                    self.store.put_file(path, rel)
+                    self.store.put_file(path, rel, yield_to=self._after_commits)
             except FileNotFoundError:  # pruned meanwhile
                 continue
             with self._lock:
@@ -132,6 +141,12 @@ class Mirror:
             self.store.delete(rel)
             with self._lock:
                 self._sent.pop(rel, None)
+
+    def _after_commits(self) -> None:
+        """Wait while a record is going up: the store's bandwidth is the commit's first."""
+        with self._idle:
+            while self._committing:
+                self._idle.wait()
 
     # ---- in the background ------------------------------------------------------------------------
     def sync_later(self) -> None:
