@@ -133,6 +133,8 @@ class ObjectStore:
         except Exception as err:
             with contextlib.suppress(Exception):
                 client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+            if isinstance(err, FileNotFoundError):
+                raise  # the file went meanwhile (superseded and pruned): the caller's to know
             raise _error(err, self.url, rel) from None
 
     def put_bytes(self, rel: str, data: bytes, *, create_only: bool = False, if_match: str | None = None) -> str:
@@ -199,8 +201,8 @@ def _client():
                 from botocore.config import Config
             except ImportError:
                 raise StoreError("a state in object storage needs boto3: pip install 'atoll[s3]'") from None
-            # The payloads carry their own CRC-32C (checked at load): no second checksum pass over them
-            # on every PUT (botocore's default since 1.36), which cost ~0.1 s per 100 MB here.
+            # The files carry their own CRC-32C per tensor (checked at load): no second checksum pass
+            # over them on every PUT (botocore's default since 1.36).
             config = Config(
                 retries={"max_attempts": 5, "mode": "standard"},
                 max_pool_connections=16,

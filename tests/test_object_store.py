@@ -78,6 +78,8 @@ def test_a_round_record_is_written_to_the_store_once(s3_url, tmp_path):
         (tmp_path / name / "log").mkdir(parents=True)
         (tmp_path / name / "log" / "round-00000003.safetensors").write_bytes(name.encode() * 100)
     Mirror(store, tmp_path / "a").put_record(tmp_path / "a" / "log" / "round-00000003.safetensors")
+    # the same bytes again (a PUT retried after its answer was lost): it is ours, nothing is wrong
+    Mirror(store, tmp_path / "a").put_record(tmp_path / "a" / "log" / "round-00000003.safetensors")
     with pytest.raises(StoreError, match="exists already: another coordinator wrote this round"):
         Mirror(store, tmp_path / "b").put_record(tmp_path / "b" / "log" / "round-00000003.safetensors")
     assert store.get("log/round-00000003.safetensors")[0] == b"a" * 100

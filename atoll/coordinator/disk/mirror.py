@@ -100,6 +100,9 @@ class Mirror:
         try:
             self.store.put_file(path, rel, create_only=True)
         except Conflict:
+            got = self.store.get(rel)
+            if got is not None and got[0] == Path(path).read_bytes():
+                return self._sent_now(path, rel)  # our own PUT, retried after its answer was lost
             why = f"{self.store.url}/{rel} exists already: another coordinator wrote this round"
             if self.lease is not None:
                 self.lease.lose(why)  # it stops: retrying the save could never succeed
@@ -108,6 +111,9 @@ class Mirror:
             with self._idle:
                 self._committing -= 1
                 self._idle.notify_all()
+        self._sent_now(path, rel)
+
+    def _sent_now(self, path: Path, rel: str) -> None:
         st = Path(path).stat()
         with self._lock:
             self._sent[rel] = (st.st_size, st.st_mtime_ns)
