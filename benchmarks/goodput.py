@@ -122,7 +122,7 @@ def status(admin_port: int) -> dict:
 
 def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
     work.mkdir(parents=True)
-    flags = [*COMMON, "--sync-every", str(a.sync_every), *POLICIES[policy]]
+    flags = [*COMMON, "--sync-every", str(a.sync_every), *POLICIES[policy], *a.coordinator_flags.split()]
     admin_file = work / "admin.port"
     flags += ["--admin-port", "0", "--admin-port-file", str(admin_file), "--keep-snapshots", "100000"]
     flags += ["--bulk-port", "-1"]  # C's link is the proxy of the gRPC port: a bulk port would go around it
@@ -179,6 +179,10 @@ def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
         "island_curve": [(t, tokens_by_round.get(r, 0), loss) for t, r, loss in curve],
         "curve": theta,
         "eval_loss": theta[-1][2],
+        "history": [  # what each round was made of (with --coordinator-flags="--snapshot-every 1", beside "curve")
+            {k: h.get(k) for k in ("round", "islands", "late", "steps_by_island", "tokens_by_island", "share")}
+            for h in history
+        ],
     }
 
 
@@ -239,6 +243,11 @@ def main() -> None:
     p.add_argument("--plot-dir", type=Path, default=None)
     p.add_argument("--work-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="write every figure and curve here")
+    p.add_argument(
+        "--coordinator-flags",
+        default="",
+        help='more coordinator flags for every policy, e.g. "--snapshot-every 1" (θ\'s loss after every round)',
+    )
     a = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="atoll-goodput-") as tmp:
