@@ -238,7 +238,7 @@ def run_system(a) -> None:
             if a.state_store:  # the state in an object store (issue 36): a SeaweedFS server in this namespace
                 from atoll.harness.seaweed import SeaweedS3
 
-                store = SeaweedS3(Path(tmp) / "seaweed").start()
+                store = SeaweedS3(Path(tmp) / "seaweed").start()  # (dies with this process, whatever happens)
                 store.make_bucket("atoll-vs")
                 state, env = "s3://atoll-vs/run", {**os.environ, **store.env()}
                 state_args = ["--work-dir", str(Path(tmp) / "work")]

