@@ -102,10 +102,7 @@ class ObjectStore:
         with open(path, "rb") as f:
             return self._put(rel, f, create_only=create_only)
 
-    def _put_parts(
-        self, path: Path, rel: str, size: int, *, create_only: bool, part_bytes: int | None = None, yield_to=None
-    ) -> str:
-        part_bytes = part_bytes or PART_BYTES
+    def _put_parts(self, path: Path, rel: str, size: int, *, create_only: bool, part_bytes: int, yield_to=None) -> str:
         client, key = self.client, self.key(rel)
         try:
             upload = client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]

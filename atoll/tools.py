@@ -101,23 +101,19 @@ def _local_copy(where: str, *, write: str | None = None):
     temporary dir. ``write`` (what the tool does): take the run's lease first, and put the changes
     back in the store after the block (a coordinator holding it refuses the tool)."""
     from atoll.coordinator.disk.mirror import Mirror
-    from atoll.objects import Lease, ObjectStore, is_url
+    from atoll.objects import ObjectStore, is_url
 
     if not is_url(where):
         yield Path(where)
         return
-    store = ObjectStore.from_url(where)
-    lease = Lease(store).acquire() if write else None
-    try:
-        with tempfile.TemporaryDirectory(prefix="atoll-state-") as tmp:
-            mirror = Mirror(store, Path(tmp), lease)
-            mirror.pull()
+    with tempfile.TemporaryDirectory(prefix="atoll-state-") as tmp:
+        mirror = Mirror.open(ObjectStore.from_url(where), Path(tmp), lease_seconds=30.0 if write else None)
+        try:
             yield Path(tmp)
             if write:
                 mirror.sync()
-    finally:
-        if lease is not None:
-            lease.release()
+        finally:
+            mirror.close()
 
 
 def export(ns: argparse.Namespace) -> int:

@@ -63,6 +63,19 @@ class Mirror:
         """Record PUTs in flight: the background's uploads wait between parts while there are any."""
         self._idle = threading.Condition()
 
+    @classmethod
+    def open(cls, store: ObjectStore, local: Path, *, lease_seconds: float | None, on_lost=None) -> Mirror:
+        """The store's copy in ``local`` (:meth:`pull`), under the run's lease of ``lease_seconds``, taken
+        first (None: no lease, to read only); :meth:`close` gives it back."""
+        lease = Lease(store, lease_seconds, on_lost=on_lost).acquire() if lease_seconds is not None else None
+        mirror = cls(store, local, lease)
+        try:
+            mirror.pull()
+        except BaseException:
+            mirror.close()
+            raise
+        return mirror
+
     def pull(self) -> int:
         """Make the working dir the store's copy; returns the bytes downloaded."""
         started, got = time.perf_counter(), 0
@@ -175,7 +188,8 @@ class Mirror:
                 self._cond.wait(0.5)
 
     def close(self) -> None:
-        """Flush and stop the background thread (a clean stop leaves the store complete)."""
+        """Flush and stop the background thread (a clean stop leaves the store complete), then give the
+        lease back."""
         self.flush()
         with self._cond:
             self._closing = True
@@ -183,6 +197,9 @@ class Mirror:
             thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
 
     def _uploads(self) -> None:
         while True:

@@ -124,8 +124,9 @@ class StateWriter:
         if self._stream is not None:
             self._stream.abandon()
             self._stream = None
-        if self.mirror is not None:
-            self.mirror.close()
+        mirror, self.mirror = self.mirror, None
+        if mirror is not None:
+            mirror.close()  # (and its lease given back)
 
     def wait(self) -> None:
         if self._thread is not None:

@@ -67,7 +67,7 @@ from atoll.coordinator.state.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger
 from atoll.coordinator.state.membership import Membership, island_state, usual_weight
 from atoll.coordinator.state.model import GlobalModel
 from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
-from atoll.objects import Lease, ObjectStore
+from atoll.objects import ObjectStore
 from atoll.sharding import PARTITIONS
 
 log = logging.getLogger("atoll.coordinator")
@@ -123,7 +123,6 @@ class RunState:
         self.downlink = Downlink(self.state_dir, max_pull_bytes=max_pull_bytes)
         self.writer = StateWriter(self.state_dir, every=snapshot_every, keep=keep_snapshots)
         self.store, self._on_lost, self.store_lease_seconds = store, on_lost, store_lease_seconds
-        self._lease: Lease | None = None
         owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
         self.pushes = Pushes(owners, clock=clock, name=name)
         self.pulls = Pulls(
@@ -178,11 +177,10 @@ class RunState:
         if self._dir_lock is None:  # one writer per state dir, from here until close()
             self._dir_lock = StateLock(self.state_dir).acquire("starting a coordinator on it")
         try:
-            if self.store is not None and self._lease is None:  # one writer per run in the store too
-                self._lease = Lease(self.store, self.store_lease_seconds, on_lost=self._on_lost).acquire()
-                mirror = Mirror(self.store, self.state_dir, self._lease)
-                mirror.pull()
-                self.writer.mirror = mirror
+            if self.store is not None and self.writer.mirror is None:  # one writer per run in the store too
+                self.writer.mirror = Mirror.open(
+                    self.store, self.state_dir, lease_seconds=self.store_lease_seconds, on_lost=self._on_lost
+                )
             return self._restore()
         except BaseException:
             self.close()
@@ -209,9 +207,6 @@ class RunState:
     def close(self) -> None:
         """Wait for the background checkpoint being written (the server is stopping); let go of the dir."""
         self.writer.close()
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
         if self._dir_lock is not None:
             self._dir_lock.release()
             self._dir_lock = None
