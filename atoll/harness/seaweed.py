@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -68,6 +69,8 @@ class SeaweedS3:
         self.proc: subprocess.Popen | None = None
         self.endpoint = ""
         self.log = root / "weed.log"
+        self._sockets: str | None = None
+        """Its local sockets' dir: short (a socket's path is at most 107 bytes), removed by :meth:`stop`."""
 
     def env(self) -> dict[str, str]:
         """What a client (the coordinator, a tool) needs in its environment to reach it."""
@@ -89,8 +92,11 @@ class SeaweedS3:
             ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
             args = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
             args += [f"-{k}={v}" for k, v in ports.items()]
+            self._sockets = self._sockets or tempfile.mkdtemp(prefix="atoll-weed-")
+            args += [f"-s3.localSocket={self._sockets}/s3.sock", f"-filer.localSocket={self._sockets}/filer.sock"]
             args += ["-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
             env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+            env["TMPDIR"] = str(self.root)  # its log files beside its data, not in the machine's /tmp
             with open(self.log, "ab") as log:
                 self.proc = subprocess.Popen(
                     args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root, preexec_fn=_die_with_parent
@@ -119,6 +125,9 @@ class SeaweedS3:
                 self.proc.kill()
                 self.proc.wait(10)
         self.proc = None
+        if self._sockets is not None:
+            shutil.rmtree(self._sockets, ignore_errors=True)
+            self._sockets = None
 
     def make_bucket(self, name: str) -> None:
         import boto3
