@@ -455,3 +455,20 @@ def test_connections_are_kept_from_call_to_call(start_server, raw_island, tmp_pa
         b.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=r, tokens=3)
         assert [bytes(p) for _, p in b.pull(have_round=r)[1]] == pulled[r]
     assert srv2.server.counters.bulk_kept_calls == 0 and b.client.kept.idle(b.client.bulk) == 0
+
+
+def test_connections_given_back_after_the_island_closed_are_closed_not_kept():
+    """A call still running when the island closes (an abandoned exchange's pull) gives its connection
+    back after ``close()``: it is closed then, not kept where nothing would ever close it."""
+    from atoll.islands._transport.kept import KeptConnections
+
+    kept = KeptConnections()
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    kept.give("port", [a])
+    kept.close()
+    assert a.fileno() == -1  # the idle one
+    kept.give("port", [c])  # the late one
+    assert c.fileno() == -1 and kept.idle("port") == 0
+    b.close()
+    d.close()

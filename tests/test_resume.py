@@ -106,6 +106,54 @@ def test_an_island_restarted_from_its_state_ends_bitwise_where_it_would_have(sta
     assert srv.inspect(lambda s: s.round) == 5
 
 
+@pytest.mark.parametrize("dies_after", [1, 2, 3])
+def test_an_overlapping_island_restarted_with_its_exchange_in_flight_ends_bitwise(start_server, tmp_path, dies_after):
+    """An island overlapping its exchange with 2 inner steps checkpoints at its push of round 1 and dies
+    ``dies_after`` steps later: before the update was merged into its parameters, as it was, or after.
+    Restarted from the checkpoint, it re-pushes the flight (the coordinator has it), takes the same
+    two overlapped steps again and merges the same update: after 5 rounds the island and the
+    coordinator hold bitwise the θ of a run that was never interrupted."""
+    overlap, steps = 2, 5 * H
+    data = batches(steps)
+    ref = start_server(config(), tmp_path / "ref")
+    model, opt, sync = island(ref.address, overlap_steps=overlap)
+    sync.start()
+    for b in data:
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    sync.drain()
+    sync.close()
+    want, want_coord = theta(model), ref.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+
+    srv = start_server(config(), tmp_path / "run")
+    saved = {}
+
+    def checkpoint(s: DiLoCo) -> None:
+        saved.update(step=s.inner_steps, model=copy.deepcopy(model.state_dict()), opt=copy.deepcopy(opt.state_dict()))
+        saved["diloco"] = copy.deepcopy(s.state_dict())
+
+    model, opt, sync = island(srv.address, before_push=checkpoint, overlap_steps=overlap)
+    sync.start()
+    for b in data[: 2 * H + dies_after]:
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    assert saved["step"] == 2 * H and saved["diloco"]["flights"][0]["round"] == 1
+    sync.close(leave=False)  # the process is gone (its exchange, if still in flight, abandoned)
+
+    model, opt, sync = island(srv.address, overlap_steps=overlap)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    sync.load_state_dict(saved["diloco"])
+    sync.start()
+    for b in data[saved["step"] :]:
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    sync.drain()
+    sync.close()
+    coord = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+    assert all(torch.equal(coord[k], want_coord[k]) for k in want_coord)
+    got = theta(model)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+
+
 def test_a_state_of_another_island_is_refused(start_server):
     srv = start_server(config())
     model, opt, sync = island(srv.address)

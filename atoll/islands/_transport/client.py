@@ -218,7 +218,8 @@ class CoordinatorClient:
         self._retired.append(self._channel)  # (another thread may be in a call on it: closed at close())
         self._open_channel()
         self.bulk = None
-        self.kept.close()
+        kept, self.kept = self.kept, KeptConnections()
+        kept.close()  # (a call still running on an old connection closes it when it ends)
         log.info("coordinator %s unreachable: trying %s", old, self.address)
         return True
 

@@ -39,6 +39,7 @@ class KeptConnections:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: dict[object, list[tuple[socket.socket, float]]] = {}
+        self._closed = False
 
     def take(self, port, n: int, keep_seconds: float) -> list[socket.socket]:
         """Up to ``n`` idle connections to ``port`` still open, the most recently used first (their
@@ -55,9 +56,15 @@ class KeptConnections:
         return taken
 
     def give(self, port, socks: list[socket.socket]) -> None:
+        """Keep ``socks`` for the next call; closed at once after :meth:`close` (a call that was still
+        running when the island closed ends after it)."""
         now = time.monotonic()
         with self._lock:
-            self._idle.setdefault(port, []).extend((sock, now) for sock in socks)
+            if not self._closed:
+                self._idle.setdefault(port, []).extend((sock, now) for sock in socks)
+                return
+        for sock in socks:
+            sock.close()
 
     def idle(self, port) -> int:
         """Connections to ``port`` waiting for a call (tests and benchmarks read it)."""
@@ -66,6 +73,7 @@ class KeptConnections:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             socks = [sock for idle in self._idle.values() for sock, _ in idle]
             self._idle.clear()
         for sock in socks:
