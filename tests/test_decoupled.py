@@ -123,3 +123,110 @@ def test_a_decoupled_round_of_some_islands_steps_by_its_share(start_server, raw_
         assert [rec["share"] for rec in records[-3:]] == pytest.approx(shares)
     else:
         assert all("share" not in rec for rec in records)
+
+
+def delayed_nesterov_reference(theta, rounds, lr, mu):
+    """NumPy's Delayed Nesterov (float64): each round (g, share) steps by -lr*g; once the shares since
+    the momentum last advanced add up to 1, m <- mu*m + G/S and that round steps by -lr*(g + mu*m)."""
+    import numpy as np
+
+    theta, m, pending, s = theta.astype(np.float64), np.zeros_like(theta, np.float64), 0.0, 0.0
+    out = []
+    for g, share in rounds:
+        pending, s = pending + g, s + share
+        if s >= 1.0 - 1e-9:
+            m = mu * m + pending / s
+            theta = theta - lr * (g + mu * m)
+            pending, s = 0.0, 0.0
+        else:
+            theta = theta - lr * g
+        out.append(theta)
+    return out
+
+
+def test_delayed_nesterov_applies_the_momentum_once_per_full_rounds_share():
+    """The optimizer alone against NumPy, whole tensors and a chunk at a time (the outer step's way);
+    with every round full it is Nesterov SGD bit for bit; its pending state survives state_tensors."""
+    import numpy as np
+
+    from atoll.coordinator.state.outer import DelayedNesterov, NesterovSGD
+
+    gen = torch.Generator().manual_seed(2)
+    theta0 = torch.randn(1000, generator=gen)
+    shares = [1.0, 0.25, 0.5, 0.25, 0.75, 0.5, 1.0]
+    grads = [torch.randn(1000, generator=gen) * s for s in shares]  # (a round's gradient is share-scaled)
+    rounds = [(g.numpy(), s) for g, s in zip(grads, shares, strict=True)]
+    want = delayed_nesterov_reference(theta0.numpy(), rounds, 0.7, 0.9)
+    for chunk in (None, 300):
+        opt = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=True)
+        theta = theta0.clone()
+        for r, (g, share) in enumerate(zip(grads, shares, strict=True)):
+            opt.begin_round(share)
+            u = g.clone()
+            if chunk is None:
+                opt.step_("w", u)
+            else:
+                for start in range(0, 1000, chunk):
+                    opt.step_("w", u.narrow(0, start, min(chunk, 1000 - start)), start)
+            opt.end_round()
+            theta += u
+            np.testing.assert_allclose(theta.numpy(), want[r], rtol=1e-5, atol=1e-5)
+        if chunk is None:  # rounds 5 and 6: 0.5 pending, then a full round closes it
+            assert opt.pending_share == 0.0
+            saved = {k: v.clone() for k, v in opt.state_tensors().items()}
+    again = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=True)
+    again.begin_round(0.25)
+    again.end_round()
+    again.load_state_tensors(saved)
+    assert again.pending_share == 0.0 and torch.equal(again.buffers["w"], opt.buffers["w"])
+    # Every round full: Nesterov SGD, the same bits.
+    dn, plain = (k({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=True) for k in (DelayedNesterov, NesterovSGD))
+    for g in grads:
+        dn.begin_round(1.0)
+        a, b = dn.step_("w", g.clone()), plain.step_("w", g.clone())
+        dn.end_round()
+        assert torch.equal(a, b)
+
+
+def test_a_decoupled_run_with_delayed_nesterov_matches_numpy(start_server, raw_island, tmp_path):
+    """Through the coordinator, rounds of one island each (quorum 1): θ after each round is NumPy's
+    Delayed Nesterov with the rounds' shares, and a coordinator restarted in the middle of a momentum
+    cycle (half a round's share pending) goes on from exactly where it was."""
+    import numpy as np
+
+    from atoll.protos import coordinator_pb2 as pb
+
+    shapes = {"w": (3, 4)}
+    cfg = exact_config(
+        run_id="t", sync_every=1, quorum=1, outer_mode="decoupled", decoupled_step="delayed", outer_lr=0.7,
+        outer_momentum=0.9, grace_window="0", lease_seconds=60.0,
+    )  # fmt: skip
+    srv = start_server(cfg, tmp_path)
+    a, b = raw_island(srv.address, "a", shapes), raw_island(srv.address, "b", shapes)
+    a.join()
+    b.join()
+    theta0 = torch.randn(3, 4)
+    a.push({"w": theta0}, round_=0, kind=pb.PUSH_KIND_INIT)
+    # (island, round, tokens, share): b is unknown in round 0 (a full round); then 300/400, 100/400, ...
+    # After the restart the new coordinator knows no island's usual weight yet: full rounds, as with share.
+    plan = [("a", 0, 100, 1.0), ("b", 1, 300, 0.75), ("a", 2, 100, 0.25), ("b", 3, 300, 0.75)]
+    plan += [("a", 4, 100, 1.0), ("b", 5, 300, 0.75)]
+    rounds = []
+    for i, (who, r, tokens, share) in enumerate(plan):
+        if i == 4:  # a coordinator restart with 0.75 of a round's share pending (a new port): it stays
+            assert srv.inspect(lambda s: s.model.optimizer.pending_share) == pytest.approx(0.75)
+            srv.stop()
+            srv = start_server(cfg, tmp_path)
+            a, b = raw_island(srv.address, "a", shapes), raw_island(srv.address, "b", shapes)
+            a.join()
+            b.join()
+        d = torch.randn(3, 4)
+        isl = a if who == "a" else b
+        assert isl.push({"w": d}, round_=r, tokens=tokens).committed
+        assert isl.pull(r)[0].round == r + 1
+        rounds.append((share * d.numpy(), share))
+        want = delayed_nesterov_reference(theta0.numpy(), rounds, 0.7, 0.9)[-1]
+        got = srv.inspect(lambda s: s.model.params["w"].clone())
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5, err_msg=f"round {r}")
+    records = srv.inspect(lambda s: [dict(h) for h in s.history])
+    assert [rec["share"] for rec in records[-len(plan) :]] == pytest.approx([p[3] for p in plan])

@@ -11,7 +11,7 @@ from atoll.compression import get_codec
 from atoll.coordinator.policy import grace
 
 OUTER_MODES = ("sync", "decoupled")
-DECOUPLED_STEPS = ("share", "full")
+DECOUPLED_STEPS = ("share", "full", "delayed")
 TOKENS_PER_STEP_BOUND = 1 << 24
 """Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
 any published LLM run): a push claiming more than H x this is refused."""
@@ -56,7 +56,10 @@ class RunConfig:
     round (Σ w_i s_i Δ_i over the larger of the round's weight and the live islands' usual weights
     together), so each contribution moves θ as it would in a round of everyone; full: as far as a
     round of everyone (the mean of what came), which stepped ~N times as far per unit of work with N
-    islands (benchmarks/RESULTS.md, "the quality map")."""
+    islands (benchmarks/RESULTS.md, "the quality map"); delayed: by its share as ``share``, and the
+    outer momentum advanced and applied only once the rounds since it last was add up to a full
+    round's share (Delayed Nesterov, :class:`~atoll.coordinator.state.outer.DelayedNesterov`; with
+    ``share`` the momentum is applied at every small round, N times per round's worth of work)."""
     late_policy: str = "fold"
     """A push for a closed round: fold it into the open round (down-weighted; the default), or drop it."""
     staleness_weight: float = 0.5
@@ -101,6 +104,8 @@ class RunConfig:
             raise ValueError(f"outer_mode must be one of {', '.join(OUTER_MODES)}, got {self.outer_mode!r}")
         if self.decoupled_step not in DECOUPLED_STEPS:
             raise ValueError(f"decoupled_step must be one of {', '.join(DECOUPLED_STEPS)}, got {self.decoupled_step!r}")
+        if self.outer_mode == "decoupled" and self.decoupled_step == "delayed" and not self.nesterov:
+            raise ValueError("decoupled_step 'delayed' (Delayed Nesterov) needs nesterov momentum")
         if self.late_policy not in ("drop", "fold"):
             raise ValueError(f"late_policy must be 'drop' or 'fold', got {self.late_policy!r}")
         if self.aggregation not in ("mean", "clipped_mean", "median"):

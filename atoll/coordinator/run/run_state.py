@@ -364,7 +364,7 @@ class RunState:
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             summary, weight = acc.record(), acc.weight_total()
             share = None
-            if c.outer_mode == "decoupled" and c.decoupled_step == "share":  # a round of some islands
+            if c.outer_mode == "decoupled" and c.decoupled_step != "full":  # a round of some islands
                 full = usual_weight(self.membership.islands.values(), self.membership.clock())
                 share = min(weight / full, 1.0) if full > 0 else 1.0
                 weight = max(weight, full)  # Σ w_i s_i Δ_i / W: each contribution its share of a full step
@@ -374,7 +374,8 @@ class RunState:
                 self.ledger.producing_step(r, sizes, summary["loss"]) as made,
                 self.writer.streaming(r, made, hint) as made,  # the record is written meanwhile
             ):
-                params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made)
+                part = 1.0 if share is None else share  # (Delayed Nesterov counts the shares)
+                params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made, part)
             record = {
                 "round": r,
                 **summary,

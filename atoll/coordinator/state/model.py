@@ -13,7 +13,7 @@ import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
+from atoll.coordinator.state.outer import DelayedNesterov, FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import Leases
 
 
@@ -76,7 +76,9 @@ class GlobalModel:
         self.aliases = dict(aliases or {})
         c = self._config
         shapes = {k: s for k, s in self.specs.items() if k not in self.buffers}
-        self.optimizer = NesterovSGD(shapes, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
+        delayed = c.outer_mode == "decoupled" and c.decoupled_step == "delayed"
+        kind = DelayedNesterov if delayed else NesterovSGD
+        self.optimizer = kind(shapes, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
         self.downlink_ef = {k: torch.zeros(s) for k, s in self.specs.items()} if self.downlink.lossy else {}
         self._downlink_state = {}
         self.finite.reset()
@@ -123,12 +125,18 @@ class GlobalModel:
         weight_total: float,
         robust_grads: dict[str, torch.Tensor] | None = None,
         made=None,
+        share: float = 1.0,
     ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray]]:
         """θ_{r+1} and the encoded outer update, from a round's Σ w_i Δ_i (``sums``, which becomes
         θ_{r+1}: no second copy of the model) or its robust aggregate; θ_r and the optimizer's
         momentum advance only here. ``made(name, payload)``: each tensor's payload as soon as it is
         final. See :func:`atoll.coordinator.state.outer.outer_step_`. θ_{r+1} is checked finite
-        (:class:`~atoll.coordinator.state.outer.FiniteTheta`: NonFiniteTheta, and nothing is sealed)."""
+        (:class:`~atoll.coordinator.state.outer.FiniteTheta`: NonFiniteTheta, and nothing is sealed).
+        ``share``: the round's share of a full round (decoupled rounds of some islands), which Delayed
+        Nesterov counts to know when its momentum advances."""
+        delayed = isinstance(self.optimizer, DelayedNesterov)
+        if delayed:
+            self.optimizer.begin_round(share)
         payloads = outer_step_(
             sums,
             self.params,
@@ -143,6 +151,8 @@ class GlobalModel:
             leases=self.leases,
             made=made,
         )
+        if delayed:
+            self.optimizer.end_round()
         self._spares = dict(payloads)
         for name, payload in payloads.items():
             self.finite.check(name, self.params[name], sums[name], payload, self.downlink)

@@ -146,6 +146,67 @@ class NesterovSGD:
             self.buffers[name].copy_(tensors[f"momentum/{name}"])
 
 
+class DelayedNesterov(NesterovSGD):
+    """Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling"),
+    for decoupled rounds made of some of the islands: each round steps by its own (share-scaled)
+    mean, ``u = -lr * g``, and the momentum, which would otherwise be applied at every one of these
+    small rounds (N times per round's worth of work with N islands: the overshoot the paper names as
+    asynchronous Local-SGD's main problem), advances and is applied only once the rounds since it
+    last did add up to a full round's share: ``m <- mu * m + G / S`` (G the sum of their gradients,
+    S of their shares) and ``u = -lr * (g + mu * m)``. A run whose every round is full (share 1) is
+    exactly Nesterov SGD.
+
+    :meth:`begin_round` gives each round's share before its tensors are stepped."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], *, lr: float, momentum: float, nesterov: bool) -> None:
+        if not nesterov:
+            raise ValueError("Delayed Nesterov needs Nesterov momentum")
+        super().__init__(shapes, lr=lr, momentum=momentum, nesterov=True)
+        self.pending = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in shapes.items()}
+        """G: the sum of the gradients of the rounds since the momentum last advanced."""
+        self.pending_share = 0.0
+        """S: the sum of those rounds' shares."""
+        self._advance: float | None = None
+        """This round's 1 / S when it advances the momentum, else None."""
+
+    def begin_round(self, share: float) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"a round's share must be in (0, 1], got {share}")
+        self.pending_share += share
+        self._advance = 1.0 / self.pending_share if self.pending_share >= 1.0 - 1e-9 else None
+
+    def end_round(self) -> None:
+        if self._advance is not None:
+            self.pending_share = 0.0
+
+    def step_(self, name: str, g: torch.Tensor, start: int = 0) -> torch.Tensor:
+        m, acc = self.buffers[name], self.pending[name]
+        if g.shape != m.shape:
+            m, acc = (t.view(-1).narrow(0, start, g.numel()) for t in (m, acc))
+        acc.add_(g)
+        if self._advance is not None:
+            m.mul_(self.momentum).add_(acc, alpha=self._advance)
+            acc.zero_()
+            g.add_(m, alpha=self.momentum)
+        return g.mul_(-self.lr)
+
+    @property
+    def fuses(self) -> bool:
+        return False
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = super().state_tensors()
+        out.update({f"pending/{k}": v for k, v in self.pending.items()})
+        out["pending_share"] = torch.tensor([self.pending_share], dtype=torch.float64)
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_state_tensors(tensors)
+        for name in self.pending:
+            self.pending[name].copy_(tensors[f"pending/{name}"])
+        self.pending_share = float(tensors["pending_share"][0])
+
+
 @functools.cache
 def _fused_sgd_runs() -> bool:
     """Whether this torch has the CPU fused SGD kernel (torch 2.4 and later), tried once on 8 values."""
