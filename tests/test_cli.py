@@ -211,12 +211,14 @@ def test_the_coordinators_torch_threads_are_a_flag_and_shown_in_its_status(group
 @pytest.mark.parametrize(
     "flag, value", [("--bulk-port", "70000"), ("--bulk-port", "-2"), ("--port", "65536"), ("--admin-port", "-1")]
 )
-def test_a_port_out_of_range_is_one_line(flag, value):
-    """(Before: --bulk-port 70000 died with a traceback from the socket layer.)"""
-    cmd = [sys.executable, "-m", "atoll", "coordinator", "--state-dir", "unused", flag, value]
+def test_a_port_out_of_range_is_one_line(flag, value, tmp_path):
+    """(Before: --bulk-port 70000 died with a traceback from the socket layer.) Refused before the
+    state dir is touched (an earlier version had left this test's dir and lock in the repository)."""
+    cmd = [sys.executable, "-m", "atoll", "coordinator", "--state-dir", str(tmp_path / "unused"), flag, value]
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert f"{flag} must be in" in refused.stderr and value in refused.stderr
+    assert not (tmp_path / "unused").exists()
 
 
 def test_sync_every_on_an_island_says_the_run_decides_h(capsys):
