@@ -15,7 +15,9 @@ Policies (coordinator flags):
 - decoupled: ``--outer-mode decoupled`` with the quorum below (a round of some islands steps by its
   share of a full round: ``--decoupled-step share``, the default);
 - decoupled-full: the same with ``--decoupled-step full`` (every round steps as far as a round of
-  everyone: the rule before the map).
+  everyone: the rule before the map);
+- decoupled-delayed: the same with ``--decoupled-step delayed`` (steps by share, the outer momentum
+  applied once per full round's share: Delayed Nesterov).
 
 ``--quorum``: 1, or ``half`` (half the islands, rounded up); barrier ignores it. Each (policy, quorum,
 H, seed) is one run of ``--seconds`` of wall time; the seed sets θ_0 and every island's data order.
@@ -55,7 +57,8 @@ def policy_flags(policy: str, quorum: int, islands: int) -> list[str]:
     if policy == "sync":
         return ["--quorum", str(quorum)]
     decoupled = ["--quorum", str(quorum), "--outer-mode", "decoupled"]
-    return decoupled + (["--decoupled-step", "full"] if policy == "decoupled-full" else [])
+    steps = {"decoupled": [], "decoupled-full": ["full"], "decoupled-delayed": ["delayed"]}[policy]
+    return decoupled + [f for step in steps for f in ("--decoupled-step", step)]
 
 
 def island_argv(name: str, address: str, work: Path, seed: int, data: str) -> list[str]:
@@ -153,7 +156,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--speeds", default="1,1,4", help="each island's slowness, comma-separated (1: full speed)")
     p.add_argument("--sync-every", type=int, nargs="+", default=[10, 50])
-    p.add_argument("--policies", nargs="+", default=["barrier", "sync", "decoupled"])
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=["barrier", "sync", "decoupled"],
+        choices=["barrier", "sync", "decoupled", "decoupled-full", "decoupled-delayed"],
+    )
     p.add_argument("--quorum", nargs="+", default=["1"], help="1 and/or half")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--seconds", type=float, default=45.0, help="wall budget of each run")
