@@ -107,7 +107,7 @@ class ObjectStore:
         try:
             upload = client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
         except Exception as err:
-            raise _error(err, self.url, rel) from None
+            raise store_error(err, self.url, rel) from None
 
         def part(n: int) -> dict:
             if yield_to is not None:
@@ -132,7 +132,7 @@ class ObjectStore:
                 client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
             if isinstance(err, FileNotFoundError):
                 raise  # the file went meanwhile (superseded and pruned): the caller's to know
-            raise _error(err, self.url, rel) from None
+            raise store_error(err, self.url, rel) from None
 
     def put_bytes(self, rel: str, data: bytes, *, create_only: bool = False, if_match: str | None = None) -> str:
         return self._put(rel, data, create_only=create_only, if_match=if_match)
@@ -142,7 +142,7 @@ class ObjectStore:
         try:
             return self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body, **kw)["ETag"]
         except Exception as err:
-            raise _error(err, self.url, rel) from None
+            raise store_error(err, self.url, rel) from None
 
     def get(self, rel: str) -> tuple[bytes, str] | None:
         """(bytes, ETag) of ``rel``, or None when it does not exist."""
@@ -152,7 +152,7 @@ class ObjectStore:
         except Exception as err:
             if _code(err) in ("NoSuchKey", "404"):
                 return None
-            raise _error(err, self.url, rel) from None
+            raise store_error(err, self.url, rel) from None
 
     def download(self, rel: str, path: Path) -> None:
         """``rel`` into the local ``path`` (a temporary file renamed over it: never a partial one)."""
@@ -163,7 +163,7 @@ class ObjectStore:
             os.replace(tmp, path)
         except Exception as err:
             tmp.unlink(missing_ok=True)
-            raise _error(err, self.url, rel) from None
+            raise store_error(err, self.url, rel) from None
 
     def listing(self) -> dict[str, int]:
         """Every object under the prefix: relative path -> size."""
@@ -174,14 +174,14 @@ class ObjectStore:
                 for obj in page.get("Contents", ()):
                     out[obj["Key"][len(self.prefix) + 1 :]] = int(obj["Size"])
         except Exception as err:
-            raise _error(err, self.url, "") from None
+            raise store_error(err, self.url, "") from None
         return out
 
     def delete(self, rel: str) -> None:
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self.key(rel))
         except Exception as err:
-            raise _error(err, self.url, rel) from None
+            raise store_error(err, self.url, rel) from None
 
 
 _CLIENT = None
@@ -224,7 +224,8 @@ def _code(err) -> str:
     return str(response.get("Error", {}).get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
 
 
-def _error(err, url: str, rel: str) -> StoreError:
+def store_error(err, url: str, rel: str) -> StoreError:
+    """A boto3 failure as one line naming the object: Conflict for a lost conditional write."""
     code = _code(err)
     where = f"{url}/{rel}" if rel else url
     if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):

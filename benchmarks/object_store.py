@@ -8,6 +8,12 @@ update (the round's log record, exactly what the coordinator writes before it pu
 - the round made durable on the local disk (``wal.append``: written, fsynced) against the same plus
   its create-only PUT to the store (``Mirror.put_record``), interleaved ``--repeat`` times; the
   ratio is the cost on the critical path of every round;
+- the same inside a round, as the coordinator does it: the outer step (``GlobalModel.step``, int8
+  downlink) makes the update while its record is streamed to the local disk, alone or also to the
+  store (a multipart upload as the payloads come, :mod:`atoll.coordinator.disk.upload`), then the round
+  is made durable (``StateWriter.log_round``); beside it the step with no record at all. Per way: the
+  seconds from the step's end to durable, and what the record costs over the step alone; their ratio
+  (store / disk) is the cost on the critical path of every round;
 - a replacement coordinator's start: the state pulled from the store into an empty working dir
   (a snapshot of θ with momentum, and the log after it) and restored, against a restore from a
   local dir that already holds it.
@@ -31,7 +37,10 @@ from atoll.compression import get_codec  # noqa: E402
 from atoll.coordinator.config import RunConfig  # noqa: E402
 from atoll.coordinator.disk import snapshots, wal  # noqa: E402
 from atoll.coordinator.disk.mirror import Mirror  # noqa: E402
+from atoll.coordinator.disk.writer import StateWriter  # noqa: E402
+from atoll.coordinator.state.model import GlobalModel  # noqa: E402
 from atoll.harness.seaweed import SeaweedS3  # noqa: E402
+from atoll.memory import tune_for_bulk_buffers  # noqa: E402
 from atoll.models import TinyGPT, preset  # noqa: E402
 from atoll.objects import ObjectStore, close_client  # noqa: E402
 
@@ -43,11 +52,53 @@ def model_theta(name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().contiguous() for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
+def in_the_round(theta: dict[str, torch.Tensor], config: RunConfig, store: ObjectStore, tmp: Path, repeat: int) -> None:
+    """The outer step with its record streamed to the disk, or to the disk and the store, or not at all
+    (interleaved, ``repeat`` rounds each after a warm-up); see the module's docstring."""
+    model = GlobalModel(config)
+    model.define({k: tuple(v.shape) for k, v in theta.items()}, frozenset(), None)
+    model.install(theta)
+    gen = torch.Generator().manual_seed(1)
+    base = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in theta.items()}
+    writers = {"none": None, "disk": StateWriter(tmp / "round-disk", every=10**6, keep=1)}
+    writers["store"] = StateWriter(tmp / "round-store", every=10**6, keep=1)
+    writers["store"].mirror = Mirror(store.child("in-the-round"), tmp / "round-store")
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in writers}
+    for r in range(repeat + 1):
+        for way in list(writers) if r % 2 == 0 else list(reversed(writers)):
+            sums, w = {k: v.clone() for k, v in base.items()}, writers[way]
+            started = time.perf_counter()
+            if w is None:
+                model.step(sums, 1.0, None, lambda name, payload: None)
+                stepped = time.perf_counter()
+            else:
+                hint = wal.head_hint(model.update_sizes(), lambda: {}, [{"round": r}])
+                with w.streaming(r, lambda name, payload: None, hint) as made:
+                    _, payloads = model.step(sums, 1.0, None, made)
+                stepped = time.perf_counter()
+                w.log_round(r, payloads, {"round": r}, {}, config)
+            if r:  # (round 0: the warm-up)
+                times[way].append((stepped - started, time.perf_counter() - stepped))
+    alone = statistics.median(s for s, _ in times["none"])
+    cost = {}
+    for way in ("disk", "store"):
+        after = statistics.median(a for _, a in times[way])
+        cost[way] = statistics.median(s + a for s, a in times[way]) - alone
+        step = statistics.median(s for s, _ in times[way])
+        print(
+            f"in the round, record to the {way}: step {step * 1e3:.0f} ms (alone {alone * 1e3:.0f} ms), then "
+            f"durable in {after * 1e3:.0f} ms; over the step alone {cost[way] * 1e3:.0f} ms"
+        )
+    ratio = cost["store"] / cost["disk"]
+    print(f"in the round: the store's cost on the critical path {ratio:.2f}x the disk's (goal <= 1.5x)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", default="gpt-125m")
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
+    tune_for_bulk_buffers()  # as the daemon does
     theta = model_theta(args.model)
     numel = sum(v.numel() for v in theta.values())
     codec = get_codec("int8")
@@ -79,6 +130,7 @@ def main() -> None:
                 f"{sm / lm:.2f}x (goal <= 1.5x); each pair: "
                 + ", ".join(f"{s / lo:.2f}x" for lo, s in zip(local_t, store_t, strict=True))
             )
+            in_the_round(theta, config, store, tmp, args.repeat)
             # A snapshot of θ with momentum, then a replacement's start from the store.
             snap = snapshots.Snapshot(
                 params={k: v.clone() for k, v in theta.items()},

@@ -364,3 +364,54 @@ def test_a_record_another_coordinator_wrote_stops_this_one(s3_url, tmp_path):
             lease.check()
     finally:
         lease.release()
+
+
+def test_a_record_goes_up_while_the_step_makes_it_and_is_the_local_file_byte_for_byte(s3_url, tmp_path, monkeypatch):
+    """With the state in a store, a round's record is sent as the outer step hands over its payloads (a
+    multipart upload: parts while it runs, the header with the first bytes and the rest at the end),
+    completed create-only. The object is the local record file, byte for byte, and reads back as the
+    round's update; a second coordinator's record of the same round, also streamed, is refused."""
+    import atoll.coordinator.disk.upload as upload_mod
+    from atoll.compression import get_codec
+    from atoll.coordinator.config import RunConfig
+    from atoll.coordinator.disk import wal
+    from atoll.coordinator.disk.writer import StateWriter
+
+    puts = []
+    real_put = upload_mod.RecordUpload._put
+
+    def counted(self, upload, number, body):
+        puts.append((number, len(body)))
+        return real_put(self, upload, number, body)
+
+    monkeypatch.setattr(upload_mod.RecordUpload, "_put", counted)
+    store = ObjectStore.from_url(s3_url)
+    codec = get_codec("int8")
+    gen = torch.Generator().manual_seed(6)
+    update = {f"t{i}": codec.encode(torch.randn(n, generator=gen)) for i, n in enumerate([7 << 20, 3, 9 << 20, 1000])}
+    config = RunConfig(run_id="r", codec="int8")
+
+    def write_round(local, loss: float = 1.0):
+        writer = StateWriter(local, every=100, keep=1)
+        writer.mirror = Mirror(store, local)
+        hint = wal.head_hint({k: len(p) for k, p in update.items()}, lambda: {}, [{"round": 2}])
+        assert hint is not None  # (an update this large is streamed)
+        with writer.streaming(2, lambda name, payload: None, hint) as made:
+            for name, payload in update.items():
+                made(name, payload)
+        writer.log_round(2, update, {"round": 2, "loss": loss}, {}, config)
+        return local / wal.LOG / wal.record_name(2)
+
+    path = write_round(tmp_path / "a")
+    got = store.get("log/round-00000002.safetensors")[0]
+    assert got == path.read_bytes() and len(got) > 16 << 20
+    assert sorted(n for n, _ in puts) == list(range(1, len(puts) + 1)) and len(puts) >= 3
+    assert puts[-1][0] == 1 or 1 in [n for n, _ in puts[-2:]]  # the header's part went up last
+    (tmp_path / "check" / wal.LOG).mkdir(parents=True)
+    (tmp_path / "check" / wal.LOG / path.name).write_bytes(got)
+    rec = wal.read(tmp_path / "check" / wal.LOG / path.name)  # every checksum verified
+    assert {k: bytes(v) for k, v in rec.payloads.items()} == {k: bytes(p) for k, p in update.items()}
+    with pytest.raises(StoreError, match="exists already: another coordinator wrote this round"):
+        write_round(tmp_path / "b", loss=2.0)  # (another round 2: its history differs)
+    assert store.get("log/round-00000002.safetensors")[0] == got
+    assert not store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads")  # the refused one aborted

@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from atoll.coordinator.disk.upload import RecordUpload
 from atoll.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
 
 log = logging.getLogger("atoll.coordinator")
@@ -103,15 +104,53 @@ class Mirror:
             )
         return got
 
-    def put_record(self, path: Path) -> None:
-        """Round ``r``'s log record to the store, create-only: durable once this returns."""
-        if self.lease is not None:
-            self.lease.check()
-        rel = Path(path).relative_to(self.local).as_posix()
+    def stream_record(self, rel: str, head_bytes: int) -> RecordUpload:
+        """A record that goes up while the step makes it (:mod:`~atoll.coordinator.disk.upload`); the
+        background's uploads wait meanwhile, as for :meth:`put_record`. Given to :meth:`put_record`, or
+        to :meth:`abandon_record`."""
         with self._idle:
             self._committing += 1
+        return RecordUpload(self.store, rel, head_bytes)
+
+    def abandon_record(self, upload: RecordUpload) -> None:
         try:
-            self.store.put_file(path, rel, create_only=True)
+            upload.abandon()
+        finally:
+            self._commit_done()
+
+    def _commit_done(self) -> None:
+        with self._idle:
+            self._committing -= 1
+            self._idle.notify_all()
+
+    def put_record(self, path: Path, upload: RecordUpload | None = None) -> None:
+        """Round ``r``'s log record to the store, create-only: durable once this returns. ``upload``: the
+        record sent while the step made it (:meth:`stream_record`), completed here; if that fails, the
+        file is put whole."""
+        if self.lease is not None:
+            try:
+                self.lease.check()
+            except BaseException:
+                if upload is not None:
+                    self.abandon_record(upload)
+                raise
+        rel = Path(path).relative_to(self.local).as_posix()
+        if upload is None:
+            with self._idle:
+                self._committing += 1
+        try:
+            if upload is not None:
+                try:
+                    with open(path, "rb") as f:
+                        head = f.read(upload.head_bytes)
+                    upload.finish(head, Path(path).stat().st_size)
+                except Conflict:
+                    raise
+                except (StoreError, OSError) as err:
+                    log.info("%s: the record sent during the step did not go up (%s); putting it whole", rel, err)
+                    self.store.put_file(path, rel, create_only=True)
+            else:
+                self.store.put_file(path, rel, create_only=True)
         except Conflict:
             got = self.store.get(rel)
             if got is not None and got[0] == Path(path).read_bytes():
@@ -121,9 +160,7 @@ class Mirror:
                 self.lease.lose(why)  # it stops: retrying the save could never succeed
             raise StoreError(f"{why} (this one lost the run)") from None
         finally:
-            with self._idle:
-                self._committing -= 1
-                self._idle.notify_all()
+            self._commit_done()
         self._sent_now(path, rel)
 
     def _sent_now(self, path: Path, rel: str) -> None:

@@ -145,7 +145,10 @@ class RecordStream:
         d = Path(state_dir) / LOG
         d.mkdir(parents=True, exist_ok=True)
         self.round = round_
-        self._head_hint = head_hint
+        self.head_bytes = whole_blocks(head_hint + 8)
+        """Bytes set aside for the header, before the update's first payload."""
+        self.finished = False
+        """:meth:`finish` made it the round's record (the file is this stream's layout)."""
         self._file: StreamedFile | None = None
         self._path = d / record_name(round_)
         self._parts: list[tuple[str, object]] = []
@@ -158,7 +161,7 @@ class RecordStream:
             return
         try:
             if self._file is None:
-                self._file = StreamedFile(self._path, whole_blocks(self._head_hint + 8))
+                self._file = StreamedFile(self._path, self.head_bytes)
         except OSError as err:
             self._broken = True
             log.info("round %d's record will be written whole (%s)", self.round, err)
@@ -181,6 +184,7 @@ class RecordStream:
             f.abandon()
             log.info("round %d's record is written whole (%s)", round_, err)
             return False
+        self.finished = True
         return True
 
     def abandon(self) -> None:

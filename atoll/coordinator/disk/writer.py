@@ -22,6 +22,7 @@ from pathlib import Path
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.disk import snapshots, wal
 from atoll.coordinator.disk.mirror import Mirror
+from atoll.coordinator.disk.upload import RecordUpload
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -38,6 +39,8 @@ class StateWriter:
         self._thread: threading.Thread | None = None
         self._stream: wal.RecordStream | None = None
         """The record of the round being stepped, written as its update is made."""
+        self._upload: RecordUpload | None = None
+        """The same record going up to the store as it is made (with a mirror)."""
         self.mirror: Mirror | None = None
         """The store this dir is the working copy of (``--state-dir s3://...``): a record is durable
         once it is there, the background's files follow it."""
@@ -54,13 +57,21 @@ class StateWriter:
 
     def log_round(self, round_: int, payloads: dict, record: dict, islands: dict, config: RunConfig) -> None:
         stream, self._stream = self._stream, None
+        upload, self._upload = self._upload, None
         try:
             wal.append(self.state_dir, round_, payloads, record, islands, config, stream=stream)
+        except BaseException:
+            if upload is not None:
+                self.mirror.abandon_record(upload)
+            raise
         finally:
             if stream is not None:
                 stream.abandon()  # finished or not: nothing of it is left behind
-        if self.mirror is not None:  # durable once in the store
-            self.mirror.put_record(self.state_dir / wal.LOG / wal.record_name(round_))
+        if self.mirror is not None:  # durable once in the store (sent while the step ran, if it streamed)
+            streamed = upload if stream is not None and stream.finished else None
+            if upload is not None and streamed is None:
+                self.mirror.abandon_record(upload)
+            self.mirror.put_record(self.state_dir / wal.LOG / wal.record_name(round_), upload=streamed)
 
     @contextlib.contextmanager
     def streaming(self, round_: int, made, head_hint: int | None) -> Iterator:
@@ -71,19 +82,24 @@ class StateWriter:
         if made is None or head_hint is None:
             yield made
             return
-        if self._stream is not None:
-            self._stream.abandon()
+        self._drop_stream()
         stream = self._stream = wal.RecordStream(self.state_dir, round_, head_hint)
+        upload = None
+        if self.mirror is not None:  # the record goes up to the store as it is made, too
+            upload = self._upload = self.mirror.stream_record(
+                wal.LOG + "/" + wal.record_name(round_), stream.head_bytes
+            )
 
         def both(name: str, payload) -> None:
             stream.add(name, payload)
+            if upload is not None:
+                upload.add(payload)
             made(name, payload)
 
         try:
             yield both
         except BaseException:
-            stream.abandon()
-            self._stream = None
+            self._drop_stream()
             raise
 
     # ---- after a publish ------------------------------------------------------------------------
@@ -121,12 +137,19 @@ class StateWriter:
         """The server stops: the background write finishes, a record being streamed is dropped (its
         round was never published)."""
         self.wait()
-        if self._stream is not None:
-            self._stream.abandon()
-            self._stream = None
+        self._drop_stream()
         mirror, self.mirror = self.mirror, None
         if mirror is not None:
             mirror.close()  # (and its lease given back)
+
+    def _drop_stream(self) -> None:
+        """The record being streamed will not be this round's (the step failed, or the server stops)."""
+        stream, self._stream = self._stream, None
+        upload, self._upload = self._upload, None
+        if stream is not None:
+            stream.abandon()
+        if upload is not None:
+            self.mirror.abandon_record(upload)
 
     def wait(self) -> None:
         if self._thread is not None:
