@@ -76,7 +76,7 @@ class RecordUpload:
             upload = self._begin()
             first = self._pool.submit(self._put, upload, 1, bytes(head) + bytes(self._first))
             if self._part:
-                self._parts.append(self._pool.submit(self._put, upload, len(self._parts) + 2, bytes(self._part)))
+                self._parts.append(self._pool.submit(self._put, upload, len(self._parts) + 2, self._part))
             parts = [first.result(), *(f.result() for f in self._parts)]
             client, key = self.store.client, self.store.key(self.rel)
             try:
@@ -129,12 +129,12 @@ class RecordUpload:
                     self._part += data[:take]
                     data = data[take:]
                     if len(self._part) == PART_BYTES:
-                        self._send(bytes(self._part))
+                        self._send(self._part)  # (never changed again: the next part is a new buffer)
                         self._part = bytearray()
             except BaseException as err:  # raised by finish()
                 self._error = err
 
-    def _send(self, body: bytes) -> None:
+    def _send(self, body: bytearray) -> None:
         """Put one whole part in between (numbered from 2: part 1 is the head's), at most IN_FLIGHT at once."""
         upload = self._begin()
         while len([f for f in self._parts if not f.done()]) >= IN_FLIGHT:
@@ -153,7 +153,7 @@ class RecordUpload:
             self._upload = got["UploadId"]
         return self._upload
 
-    def _put(self, upload: str, number: int, body: bytes) -> dict:
+    def _put(self, upload: str, number: int, body) -> dict:
         try:
             got = self.store.client.upload_part(
                 Bucket=self.store.bucket, Key=self.store.key(self.rel), UploadId=upload, PartNumber=number, Body=body
