@@ -86,6 +86,24 @@ def test_a_slow_decoupled_island_pushes_early_and_is_folded_with_its_staleness(s
         slow.close()
 
 
+def two_raw_islands(start_server, raw_island, tmp_path, *, step: str, lr: float, momentum: float):
+    """A decoupled run (quorum 1, exact arithmetic) of islands a and b on one (3, 4) tensor, θ_0 pushed
+    by a: (config, server, a, b, θ_0)."""
+    from atoll.protos import coordinator_pb2 as pb
+
+    cfg = exact_config(
+        run_id="t", sync_every=1, quorum=1, outer_mode="decoupled", decoupled_step=step, outer_lr=lr,
+        outer_momentum=momentum, grace_window="0", lease_seconds=60.0,
+    )  # fmt: skip
+    srv = start_server(cfg, tmp_path)
+    a, b = raw_island(srv.address, "a", {"w": (3, 4)}), raw_island(srv.address, "b", {"w": (3, 4)})
+    a.join()
+    b.join()
+    theta = torch.randn(3, 4)
+    a.push({"w": theta}, round_=0, kind=pb.PUSH_KIND_INIT)
+    return cfg, srv, a, b, theta
+
+
 @pytest.mark.parametrize("step", ["share", "full"])
 def test_a_decoupled_round_of_some_islands_steps_by_its_share(start_server, raw_island, tmp_path, step):
     """Quorum 1: a round made of one island's delta moved θ as far as a round of everyone, so with N
@@ -95,19 +113,7 @@ def test_a_decoupled_round_of_some_islands_steps_by_its_share(start_server, raw_
     Exact values: lr 1, no momentum."""
     import numpy as np
 
-    from atoll.protos import coordinator_pb2 as pb
-
-    shapes = {"w": (3, 4)}
-    cfg = exact_config(
-        run_id="t", sync_every=1, quorum=1, outer_mode="decoupled", decoupled_step=step, outer_lr=1.0,
-        outer_momentum=0.0, grace_window="0", lease_seconds=60.0,
-    )  # fmt: skip
-    srv = start_server(cfg, tmp_path)
-    a, b = raw_island(srv.address, "a", shapes), raw_island(srv.address, "b", shapes)
-    a.join()
-    b.join()
-    theta = torch.randn(3, 4)
-    a.push({"w": theta}, round_=0, kind=pb.PUSH_KIND_INIT)
+    _, srv, a, b, theta = two_raw_islands(start_server, raw_island, tmp_path, step=step, lr=1.0, momentum=0.0)
     deltas = [("a", 0, 100), ("b", 1, 300), ("a", 2, 100)]  # (island, round, tokens), each closes its round
     shares = [1.0, 300 / 400, 100 / 400] if step == "share" else [1.0, 1.0, 1.0]  # b unknown in round 0
     for (who, r, tokens), share in zip(deltas, shares, strict=True):
@@ -194,19 +200,8 @@ def test_a_decoupled_run_with_delayed_nesterov_matches_numpy(start_server, raw_i
     cycle (half a round's share pending) goes on from exactly where it was."""
     import numpy as np
 
-    from atoll.protos import coordinator_pb2 as pb
-
+    cfg, srv, a, b, theta0 = two_raw_islands(start_server, raw_island, tmp_path, step="delayed", lr=0.7, momentum=0.9)
     shapes = {"w": (3, 4)}
-    cfg = exact_config(
-        run_id="t", sync_every=1, quorum=1, outer_mode="decoupled", decoupled_step="delayed", outer_lr=0.7,
-        outer_momentum=0.9, grace_window="0", lease_seconds=60.0,
-    )  # fmt: skip
-    srv = start_server(cfg, tmp_path)
-    a, b = raw_island(srv.address, "a", shapes), raw_island(srv.address, "b", shapes)
-    a.join()
-    b.join()
-    theta0 = torch.randn(3, 4)
-    a.push({"w": theta0}, round_=0, kind=pb.PUSH_KIND_INIT)
     # (island, round, tokens, share): b is unknown in round 0 (a full round); then 300/400, 100/400, ...
     # After the restart the new coordinator knows no island's usual weight yet: full rounds, as with share.
     plan = [("a", 0, 100, 1.0), ("b", 1, 300, 0.75), ("a", 2, 100, 0.25), ("b", 3, 300, 0.75)]
