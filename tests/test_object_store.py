@@ -415,3 +415,35 @@ def test_a_record_goes_up_while_the_step_makes_it_and_is_the_local_file_byte_for
         write_round(tmp_path / "b", loss=2.0)  # (another round 2: its history differs)
     assert store.get("log/round-00000002.safetensors")[0] == got
     assert not store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads")  # the refused one aborted
+
+
+def test_a_streamed_record_the_store_refused_a_part_of_is_put_whole(s3_url, tmp_path, monkeypatch, caplog):
+    """A part the store refuses while the step runs costs nothing but time: the round's record is then
+    put whole after the step, as before the streaming, and the broken upload is aborted."""
+    import atoll.coordinator.disk.upload as upload_mod
+    from atoll.compression import get_codec
+    from atoll.coordinator.config import RunConfig
+    from atoll.coordinator.disk import wal
+    from atoll.coordinator.disk.writer import StateWriter
+
+    real_put = upload_mod.RecordUpload._put
+
+    def refuse_part_3(self, upload, number, body):
+        if number == 3:
+            raise StoreError("part 3: refused (a test)")
+        return real_put(self, upload, number, body)
+
+    monkeypatch.setattr(upload_mod.RecordUpload, "_put", refuse_part_3)
+    store = ObjectStore.from_url(s3_url)
+    update = {"t": get_codec("int8").encode(torch.randn(30 << 20))}
+    writer = StateWriter(tmp_path / "a", every=100, keep=1)
+    writer.mirror = Mirror(store, tmp_path / "a")
+    hint = wal.head_hint({k: len(p) for k, p in update.items()}, lambda: {}, [{"round": 0}])
+    with writer.streaming(0, lambda name, payload: None, hint) as made:
+        made("t", update["t"])
+    with caplog.at_level("INFO", logger="atoll.coordinator"):
+        writer.log_round(0, update, {"round": 0}, {}, RunConfig(run_id="r", codec="int8"))
+    assert "did not go up (part 3: refused (a test)); putting it whole" in caplog.text
+    path = tmp_path / "a" / wal.LOG / wal.record_name(0)
+    assert store.get("log/round-00000000.safetensors")[0] == path.read_bytes()
+    assert not store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads")

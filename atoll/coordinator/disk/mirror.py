@@ -139,18 +139,7 @@ class Mirror:
             with self._idle:
                 self._committing += 1
         try:
-            if upload is not None:
-                try:
-                    with open(path, "rb") as f:
-                        head = f.read(upload.head_bytes)
-                    upload.finish(head, Path(path).stat().st_size)
-                except Conflict:
-                    raise
-                except (StoreError, OSError) as err:
-                    log.info("%s: the record sent during the step did not go up (%s); putting it whole", rel, err)
-                    self.store.put_file(path, rel, create_only=True)
-            else:
-                self.store.put_file(path, rel, create_only=True)
+            self._commit(Path(path), rel, upload)
         except Conflict:
             got = self.store.get(rel)
             if got is not None and got[0] == Path(path).read_bytes():
@@ -162,6 +151,20 @@ class Mirror:
         finally:
             self._commit_done()
         self._sent_now(path, rel)
+
+    def _commit(self, path: Path, rel: str, upload: RecordUpload | None) -> None:
+        """The record's create-only write: the streamed upload completed, or else the file put whole."""
+        if upload is not None:
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(upload.head_bytes)
+                upload.finish(head, path.stat().st_size)
+                return
+            except Conflict:
+                raise
+            except (StoreError, OSError) as err:
+                log.info("%s: the record sent during the step did not go up (%s); putting it whole", rel, err)
+        self.store.put_file(path, rel, create_only=True)
 
     def _sent_now(self, path: Path, rel: str) -> None:
         st = Path(path).stat()
