@@ -203,9 +203,9 @@ def test_a_decoupled_run_with_delayed_nesterov_matches_numpy(start_server, raw_i
     cfg, srv, a, b, theta0 = two_raw_islands(start_server, raw_island, tmp_path, step="delayed", lr=0.7, momentum=0.9)
     shapes = {"w": (3, 4)}
     # (island, round, tokens, share): b is unknown in round 0 (a full round); then 300/400, 100/400, ...
-    # After the restart the new coordinator knows no island's usual weight yet: full rounds, as with share.
+    # and so on after the restart, which restores the islands' usual weights with the membership.
     plan = [("a", 0, 100, 1.0), ("b", 1, 300, 0.75), ("a", 2, 100, 0.25), ("b", 3, 300, 0.75)]
-    plan += [("a", 4, 100, 1.0), ("b", 5, 300, 0.75)]
+    plan += [("a", 4, 100, 0.25), ("a", 5, 100, 0.25), ("b", 6, 300, 0.75)]
     rounds = []
     for i, (who, r, tokens, share) in enumerate(plan):
         if i == 4:  # a coordinator restart with 0.75 of a round's share pending (a new port): it stays

@@ -213,6 +213,7 @@ class Membership:
                     "last_committed_round": i.last_committed_round,
                     "arrival": i.arrival.to_json(),
                     "cycle": i.cycle.to_json(),
+                    "usual_weight": i.usual_weight,
                 }
                 for i in self.islands.values()
             },
@@ -236,4 +237,5 @@ class Membership:
                 arrival=Arrival.from_json(rec.get("arrival")),
                 cycle=Arrival.from_json(rec.get("cycle")),
                 goodput=Goodput(joined_at=now),
+                usual_weight=float(rec.get("usual_weight", 0.0)),  # (a decoupled round's share needs it)
             )
