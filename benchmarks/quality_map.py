@@ -12,12 +12,14 @@ Policies (coordinator flags):
 
 - barrier: every round waits for every island (quorum = the islands, no grace, late deltas dropped);
 - sync: sync mode with the quorum below (``--quorum``), its adaptive grace window, late deltas folded;
-- decoupled: ``--outer-mode decoupled`` with the quorum below (a round of some islands steps by its
-  share of a full round: ``--decoupled-step share``, the default);
-- decoupled-full: the same with ``--decoupled-step full`` (every round steps as far as a round of
-  everyone: the rule before the map);
-- decoupled-delayed: the same with ``--decoupled-step delayed`` (steps by share, the outer momentum
-  applied once per full round's share: Delayed Nesterov).
+- decoupled: ``--outer-mode decoupled`` with the quorum below and the default rule for a round of
+  some islands (``--decoupled-step delayed`` since the map measured it; ``share`` before);
+- decoupled-share: ``--decoupled-step share`` (a round of some islands steps by its share of a full
+  round, the outer momentum applied at every round);
+- decoupled-full: ``--decoupled-step full`` (every round steps as far as a round of everyone: the
+  rule before the map);
+- decoupled-delayed: ``--decoupled-step delayed`` (steps by share, the outer momentum applied once
+  per full round's share: Delayed Nesterov).
 
 ``--quorum``: 1, or ``half`` (half the islands, rounded up); barrier ignores it. Each (policy, quorum,
 H, seed) is one run of ``--seconds`` of wall time; the seed sets θ_0 and every island's data order.
@@ -57,8 +59,8 @@ def policy_flags(policy: str, quorum: int, islands: int) -> list[str]:
     if policy == "sync":
         return ["--quorum", str(quorum)]
     decoupled = ["--quorum", str(quorum), "--outer-mode", "decoupled"]
-    steps = {"decoupled": [], "decoupled-full": ["full"], "decoupled-delayed": ["delayed"]}[policy]
-    return decoupled + [f for step in steps for f in ("--decoupled-step", step)]
+    step = policy.removeprefix("decoupled").removeprefix("-")  # "" for the default rule
+    return decoupled + (["--decoupled-step", step] if step else [])
 
 
 def island_argv(name: str, address: str, work: Path, seed: int, data: str) -> list[str]:
@@ -160,7 +162,7 @@ def main() -> None:
         "--policies",
         nargs="+",
         default=["barrier", "sync", "decoupled"],
-        choices=["barrier", "sync", "decoupled", "decoupled-full", "decoupled-delayed"],
+        choices=["barrier", "sync", "decoupled", "decoupled-share", "decoupled-full", "decoupled-delayed"],
     )
     p.add_argument("--quorum", nargs="+", default=["1"], help="1 and/or half")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

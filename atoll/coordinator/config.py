@@ -51,7 +51,7 @@ class RunConfig:
     arrival order). decoupled: islands never wait; each applies the update when it arrives, keeping the
     progress made since its push, and its next push is folded with its staleness (timing-dependent by
     design). ``quorum`` is then the minimum quorum of a round."""
-    decoupled_step: str = "share"
+    decoupled_step: str = "delayed"
     """decoupled: how far a round made of some of the islands steps. share: by its share of a full
     round (Σ w_i s_i Δ_i over the larger of the round's weight and the live islands' usual weights
     together), so each contribution moves θ as it would in a round of everyone; full: as far as a
@@ -59,7 +59,8 @@ class RunConfig:
     islands (benchmarks/RESULTS.md, "the quality map"); delayed: by its share as ``share``, and the
     outer momentum advanced and applied only once the rounds since it last was add up to a full
     round's share (Delayed Nesterov, :class:`~atoll.coordinator.state.outer.DelayedNesterov`; with
-    ``share`` the momentum is applied at every small round, N times per round's worth of work)."""
+    ``share`` the momentum is applied at every small round, N times per round's worth of work). The
+    default, delayed, reached the lowest θ loss on the quality map (benchmarks/RESULTS.md)."""
     late_policy: str = "fold"
     """A push for a closed round: fold it into the open round (down-weighted; the default), or drop it."""
     staleness_weight: float = 0.5
@@ -104,8 +105,6 @@ class RunConfig:
             raise ValueError(f"outer_mode must be one of {', '.join(OUTER_MODES)}, got {self.outer_mode!r}")
         if self.decoupled_step not in DECOUPLED_STEPS:
             raise ValueError(f"decoupled_step must be one of {', '.join(DECOUPLED_STEPS)}, got {self.decoupled_step!r}")
-        if self.outer_mode == "decoupled" and self.decoupled_step == "delayed" and not self.nesterov:
-            raise ValueError("decoupled_step 'delayed' (Delayed Nesterov) needs nesterov momentum")
         if self.late_policy not in ("drop", "fold"):
             raise ValueError(f"late_policy must be 'drop' or 'fold', got {self.late_policy!r}")
         if self.aggregation not in ("mean", "clipped_mean", "median"):

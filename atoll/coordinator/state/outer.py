@@ -153,15 +153,13 @@ class DelayedNesterov(NesterovSGD):
     small rounds (N times per round's worth of work with N islands: the overshoot the paper names as
     asynchronous Local-SGD's main problem), advances and is applied only once the rounds since it
     last did add up to a full round's share: ``m <- mu * m + G / S`` (G the sum of their gradients,
-    S of their shares) and ``u = -lr * (g + mu * m)``. A run whose every round is full (share 1) is
-    exactly Nesterov SGD.
+    S of their shares) and ``u = -lr * (g + mu * m)`` (without Nesterov, with m before it advanced).
+    A run whose every round is full (share 1) is exactly Nesterov SGD (or SGD with momentum).
 
     :meth:`begin_round` gives each round's share before its tensors are stepped."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], *, lr: float, momentum: float, nesterov: bool) -> None:
-        if not nesterov:
-            raise ValueError("Delayed Nesterov needs Nesterov momentum")
-        super().__init__(shapes, lr=lr, momentum=momentum, nesterov=True)
+        super().__init__(shapes, lr=lr, momentum=momentum, nesterov=nesterov)
         self.pending = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in shapes.items()}
         """G: the sum of the gradients of the rounds since the momentum last advanced."""
         self.pending_share = 0.0
@@ -185,9 +183,12 @@ class DelayedNesterov(NesterovSGD):
             m, acc = (t.view(-1).narrow(0, start, g.numel()) for t in (m, acc))
         acc.add_(g)
         if self._advance is not None:
+            if not self.nesterov:  # heavy ball: u = -lr * (g + mu * m) with the momentum before it advances
+                g.add_(m, alpha=self.momentum)
             m.mul_(self.momentum).add_(acc, alpha=self._advance)
             acc.zero_()
-            g.add_(m, alpha=self.momentum)
+            if self.nesterov:
+                g.add_(m, alpha=self.momentum)
         return g.mul_(-self.lr)
 
     @property
