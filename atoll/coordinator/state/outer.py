@@ -168,8 +168,8 @@ class DelayedNesterov(NesterovSGD):
         """This round's 1 / S when it advances the momentum, else None."""
 
     def begin_round(self, share: float) -> None:
-        if not 0.0 < share <= 1.0:
-            raise ValueError(f"a round's share must be in (0, 1], got {share}")
+        if not 0.0 <= share <= 1.0:  # (0: a round whose contributions weigh nothing moves nothing)
+            raise ValueError(f"a round's share must be in [0, 1], got {share}")
         self.pending_share += share
         self._advance = 1.0 / self.pending_share if self.pending_share >= 1.0 - 1e-9 else None
 
