@@ -18,12 +18,14 @@ that URL is ``https://``. boto3 is an optional dependency: ``pip install 'atoll[
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
 import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +85,12 @@ class ObjectStore:
     @property
     def client(self):
         return _client()
+
+    @property
+    def on_this_machine(self) -> bool:
+        """Whether the store's endpoint is a loopback address (a store serving from this machine's own
+        cores, as the tests' and benchmarks' SeaweedFS does)."""
+        return is_loopback(self.client.meta.endpoint_url)
 
     # ---- objects ---------------------------------------------------------------------------------
     def put_file(self, path: Path, rel: str, *, create_only: bool = False, yield_to=None) -> str:
@@ -182,6 +190,16 @@ class ObjectStore:
             self.client.delete_object(Bucket=self.bucket, Key=self.key(rel))
         except Exception as err:
             raise store_error(err, self.url, rel) from None
+
+
+def is_loopback(url: str) -> bool:
+    host = urllib.parse.urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 _CLIENT = None

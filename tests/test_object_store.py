@@ -33,6 +33,17 @@ def test_a_coordinator_address_may_name_standbys():
         parse_addresses("a:1|b")
 
 
+def test_a_store_on_loopback_serves_from_this_machine():
+    """(Its records then go up after the step, not while it runs: the store's work would take the
+    step's cores.)"""
+    from atoll.objects import is_loopback
+
+    for url in ("http://127.0.0.1:8333", "http://localhost:9000", "http://[::1]:9000", "http://127.8.0.1"):
+        assert is_loopback(url), url
+    for url in ("https://s3.us-east-1.amazonaws.com", "http://10.0.0.5:9000", "https://minio.example.org"):
+        assert not is_loopback(url), url
+
+
 def test_a_url_names_a_bucket_and_a_prefix():
     assert ObjectStore.from_url("s3://runs/exp/7").key("log/x") == "exp/7/log/x"
     for bad in ("s3://runs", "s3://runs/", "s3:///p"):
@@ -394,6 +405,7 @@ def test_a_record_goes_up_while_the_step_makes_it_and_is_the_local_file_byte_for
     def write_round(local, loss: float = 1.0):
         writer = StateWriter(local, every=100, keep=1)
         writer.mirror = Mirror(store, local)
+        writer.mirror.streams = True  # (on its own a store on loopback takes records after the step)
         hint = wal.head_hint({k: len(p) for k, p in update.items()}, lambda: {}, [{"round": 2}])
         assert hint is not None  # (an update this large is streamed)
         with writer.streaming(2, lambda name, payload: None, hint) as made:
@@ -438,6 +450,7 @@ def test_a_streamed_record_the_store_refused_a_part_of_is_put_whole(s3_url, tmp_
     update = {"t": get_codec("int8").encode(torch.randn(30 << 20))}
     writer = StateWriter(tmp_path / "a", every=100, keep=1)
     writer.mirror = Mirror(store, tmp_path / "a")
+    writer.mirror.streams = True
     hint = wal.head_hint({k: len(p) for k, p in update.items()}, lambda: {}, [{"round": 0}])
     with writer.streaming(0, lambda name, payload: None, hint) as made:
         made("t", update["t"])
