@@ -68,7 +68,8 @@ def in_the_round(theta: dict[str, torch.Tensor], config: RunConfig, store: Objec
     writers = {"none": None, "disk": StateWriter(tmp / "round-disk", every=10**6, keep=1)}
     for way, streams in (("store, streamed", True), ("store, after the step", False)):
         writers[way] = StateWriter(tmp / way.replace(", ", "-").replace(" ", "-"), every=10**6, keep=1)
-        writers[way].mirror = Mirror(store.child(way.replace(", ", "-").replace(" ", "-")), writers[way].state_dir)
+        beside = ObjectStore(store.bucket, way.replace(", ", "-").replace(" ", "-"))  # (not under the run's prefix)
+        writers[way].mirror = Mirror(beside, writers[way].state_dir)
         writers[way].mirror.streams = streams
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in writers}
     for r in range(repeat + 1):
