@@ -18,7 +18,6 @@ that URL is ``https://``. boto3 is an optional dependency: ``pip install 'atoll[
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atoll.errors import UserError
+from atoll.net import is_loopback_host
 
 SCHEME = "s3://"
 LEASE = "lease.json"
@@ -193,13 +193,7 @@ class ObjectStore:
 
 
 def is_loopback(url: str) -> bool:
-    host = urllib.parse.urlparse(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(urllib.parse.urlparse(url).hostname or "")
 
 
 _CLIENT = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hmac
-import ipaddress
 import json
 import logging
 import math
@@ -37,6 +36,7 @@ from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.state.membership import IslandState
 from atoll.coordinator.transport.counters import Counters
 from atoll.errors import PortInUse
+from atoll.net import is_loopback_host
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -197,19 +197,10 @@ def json_response(data) -> web.Response:
     return web.json_response(data, dumps=functools.partial(json.dumps, allow_nan=False))
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class AdminServer:
     def __init__(self, server, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
         """``server``: the :class:`~atoll.coordinator.transport.server.CoordinatorServer` (its state and counters)."""
-        if not _is_loopback(host) and not token:
+        if not is_loopback_host(host) and not token:
             raise ValueError(f"admin HTTP on non-loopback address {host!r} needs a token (--admin-token)")
         self.server = server
         self.host, self.requested_port, self.token = host, port, token
