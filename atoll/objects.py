@@ -111,11 +111,7 @@ class ObjectStore:
             return self._put(rel, f, create_only=create_only)
 
     def _put_parts(self, path: Path, rel: str, size: int, *, create_only: bool, part_bytes: int, yield_to=None) -> str:
-        client, key = self.client, self.key(rel)
-        try:
-            upload = client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
-        except Exception as err:
-            raise store_error(err, self.url, rel) from None
+        upload = self.begin_parts(rel)
 
         def part(n: int) -> dict:
             if yield_to is not None:
@@ -124,23 +120,51 @@ class ObjectStore:
             with open(path, "rb") as f:
                 f.seek(start)
                 body = f.read(min(part_bytes, size - start))
-            got = client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=n, Body=body)
-            return {"PartNumber": n, "ETag": got["ETag"]}
+            return self.put_part(rel, upload, n, body)
 
         try:
             with ThreadPoolExecutor(PARALLEL_PARTS if yield_to is None else 1, thread_name_prefix="atoll-put") as pool:
                 parts = list(pool.map(part, range(1, -(-size // part_bytes) + 1)))
-            kw = {"IfNoneMatch": "*"} if create_only else {}
-            done = client.complete_multipart_upload(
-                Bucket=self.bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}, **kw
-            )
-            return done["ETag"]
+            return self.complete_parts(rel, upload, parts, create_only=create_only)
         except Exception as err:
-            with contextlib.suppress(Exception):
-                client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
-            if isinstance(err, FileNotFoundError):
-                raise  # the file went meanwhile (superseded and pruned): the caller's to know
+            self.abort_parts(rel, upload)
+            if isinstance(err, (StoreError, FileNotFoundError)):
+                raise  # (FileNotFoundError: the file went meanwhile, superseded and pruned: the caller's to know)
             raise store_error(err, self.url, rel) from None
+
+    # ---- multipart uploads: a large file in parts, a log record as the step makes it -------------
+    def begin_parts(self, rel: str) -> str:
+        """A new multipart upload of ``rel``: its id."""
+        try:
+            return self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key(rel))["UploadId"]
+        except Exception as err:
+            raise store_error(err, self.url, rel) from None
+
+    def put_part(self, rel: str, upload: str, number: int, body) -> dict:
+        """Part ``number`` (from 1) of ``upload``; what :meth:`complete_parts` takes for it."""
+        try:
+            got = self.client.upload_part(
+                Bucket=self.bucket, Key=self.key(rel), UploadId=upload, PartNumber=number, Body=body
+            )
+        except Exception as err:
+            raise store_error(err, self.url, rel) from None
+        return {"PartNumber": number, "ETag": got["ETag"]}
+
+    def complete_parts(self, rel: str, upload: str, parts: list[dict], *, create_only: bool) -> str:
+        """The object made of ``parts`` (in order); its ETag. ``create_only``: Conflict if ``rel`` exists."""
+        kw = {"IfNoneMatch": "*"} if create_only else {}
+        try:
+            done = self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=self.key(rel), UploadId=upload, MultipartUpload={"Parts": parts}, **kw
+            )
+        except Exception as err:
+            raise store_error(err, self.url, rel) from None
+        return done["ETag"]
+
+    def abort_parts(self, rel: str, upload: str) -> None:
+        """Drop ``upload`` and its parts (best effort: a store that cannot be reached keeps them)."""
+        with contextlib.suppress(Exception):
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key(rel), UploadId=upload)
 
     def put_bytes(self, rel: str, data: bytes, *, create_only: bool = False, if_match: str | None = None) -> str:
         return self._put(rel, data, create_only=create_only, if_match=if_match)

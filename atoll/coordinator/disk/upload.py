@@ -27,7 +27,7 @@ import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from atoll.objects import ObjectStore, StoreError, store_error
+from atoll.objects import ObjectStore, StoreError
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -78,19 +78,9 @@ class RecordUpload:
             if self._part:
                 self._parts.append(self._pool.submit(self._put, upload, len(self._parts) + 2, self._part))
             parts = [first.result(), *(f.result() for f in self._parts)]
-            client, key = self.store.client, self.store.key(self.rel)
-            try:
-                done = client.complete_multipart_upload(
-                    Bucket=self.store.bucket,
-                    Key=key,
-                    UploadId=upload,
-                    MultipartUpload={"Parts": parts},
-                    IfNoneMatch="*",
-                )
-            except Exception as err:
-                raise store_error(err, self.store.url, self.rel) from None
+            etag = self.store.complete_parts(self.rel, upload, parts, create_only=True)
             self._upload = None  # complete: nothing to abort
-            return done["ETag"]
+            return etag
         except BaseException:
             self.abandon()
             raise
@@ -109,10 +99,7 @@ class RecordUpload:
         self._pool.shutdown(wait=True)
         upload, self._upload = self._upload, None
         if upload is not None:
-            with contextlib.suppress(Exception):
-                self.store.client.abort_multipart_upload(
-                    Bucket=self.store.bucket, Key=self.store.key(self.rel), UploadId=upload
-                )
+            self.store.abort_parts(self.rel, upload)
 
     # ---- the thread that cuts parts ---------------------------------------------------------------
     def _cut(self) -> None:
@@ -146,18 +133,8 @@ class RecordUpload:
 
     def _begin(self) -> str:
         if self._upload is None:
-            try:
-                got = self.store.client.create_multipart_upload(Bucket=self.store.bucket, Key=self.store.key(self.rel))
-            except Exception as err:
-                raise store_error(err, self.store.url, self.rel) from None
-            self._upload = got["UploadId"]
+            self._upload = self.store.begin_parts(self.rel)
         return self._upload
 
     def _put(self, upload: str, number: int, body) -> dict:
-        try:
-            got = self.store.client.upload_part(
-                Bucket=self.store.bucket, Key=self.store.key(self.rel), UploadId=upload, PartNumber=number, Body=body
-            )
-        except Exception as err:
-            raise store_error(err, self.store.url, self.rel) from None
-        return {"PartNumber": number, "ETag": got["ETag"]}
+        return self.store.put_part(self.rel, upload, number, body)
