@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -75,6 +76,11 @@ class ObjectStore:
     @property
     def url(self) -> str:
         return f"{SCHEME}{self.bucket}/{self.prefix}"
+
+    def default_work_dir(self, kind: str) -> Path:
+        """Where a machine-local working copy of this prefix goes unless one is given: under the
+        system's temp dir, ``atoll-<kind>/<bucket>/<prefix>``."""
+        return Path(tempfile.gettempdir()) / f"atoll-{kind}" / self.bucket / self.prefix
 
     def child(self, name: str) -> ObjectStore:
         return ObjectStore(self.bucket, f"{self.prefix}/{name}")

@@ -6,7 +6,6 @@ import asyncio
 import gc
 import logging
 import signal
-import tempfile
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
@@ -33,8 +32,7 @@ def where_state_lives(state_dir, work_dir: Path | None = None) -> tuple[Path, Ob
     if not is_url(state_dir):
         return Path(state_dir), None
     store = ObjectStore.from_url(state_dir)
-    local = work_dir or Path(tempfile.gettempdir()) / "atoll-state" / store.bucket / store.prefix
-    return Path(local), store
+    return Path(work_dir or store.default_work_dir("state")), store
 
 
 async def serve(

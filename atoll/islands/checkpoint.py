@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import threading
 import time
 import warnings
@@ -58,7 +57,7 @@ class IslandCheckpointer:
         self.remote: CheckpointStore | None = None
         if is_url(directory):
             store = ObjectStore.from_url(str(directory))
-            base = work_dir or Path(tempfile.gettempdir()) / "atoll-checkpoints" / store.bucket / store.prefix
+            base = work_dir or store.default_work_dir("checkpoints")
             self.remote = CheckpointStore(store, rank, world, PREFIX)
             directory = Path(base) / f"rank-{rank}"
         self.dir = Path(directory)
