@@ -66,9 +66,9 @@ def in_the_round(theta: dict[str, torch.Tensor], config: RunConfig, store: Objec
     gen = torch.Generator().manual_seed(1)
     base = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in theta.items()}
     writers = {"none": None, "disk": StateWriter(tmp / "round-disk", every=10**6, keep=1)}
-    for way, streams in (("store, streamed", True), ("store, after the step", False)):
-        writers[way] = StateWriter(tmp / way.replace(", ", "-").replace(" ", "-"), every=10**6, keep=1)
-        beside = ObjectStore(store.bucket, way.replace(", ", "-").replace(" ", "-"))  # (not under the run's prefix)
+    for way, name, streams in (("store, streamed", "streamed", True), ("store, after the step", "after", False)):
+        writers[way] = StateWriter(tmp / f"round-{name}", every=10**6, keep=1)
+        beside = ObjectStore(store.bucket, f"round-{name}")  # (not under the run's prefix)
         writers[way].mirror = Mirror(beside, writers[way].state_dir)
         writers[way].mirror.streams = streams
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in writers}
