@@ -4,8 +4,10 @@ islands of different speeds.
     python benchmarks/quality_map.py [--speeds 1,1,4] [--sync-every 10 50] [--policies barrier sync decoupled]
         [--quorum 1 half] [--seeds 0 1 2] [--seconds 45] [--json out.json] [--plot-dir benchmarks/plots]
 
-One coordinator and one reference island (``atoll island``, the tiny GPT on the bundled text, or
-with ``--data synthetic`` on goodput.py's synthetic corpus, which a short run barely starts to learn)
+One coordinator and one reference island (``atoll island``, the tiny GPT on the bundled text; with
+``--data text`` on text drawn from the bundled text's order-3 statistics, which a run cannot memorise
+(goodput.py's ``make_text_corpus``); with ``--data synthetic`` on goodput.py's Markov corpus, which
+a short run barely starts to learn)
 per entry of ``--speeds``; an island of speed k takes k times as long per inner step (the
 harness's ``slow`` fault). No other fault: this maps the policies, not the chaos (goodput.py has that).
 Policies (coordinator flags):
@@ -44,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from goodput import evaluate_theta, make_corpus  # noqa: E402  (benchmarks/goodput.py, beside this)
+from goodput import evaluate_theta, make_corpus, make_text_corpus  # noqa: E402  (benchmarks/goodput.py, beside this)
 
 from atoll.harness import ProcessGroup  # noqa: E402
 from atoll.harness.faults import Fault, island_faults_json  # noqa: E402
@@ -64,7 +66,7 @@ def policy_flags(policy: str, quorum: int, islands: int) -> list[str]:
 
 
 def island_argv(name: str, address: str, work: Path, seed: int, data: str) -> list[str]:
-    corpus = ["--data", str(work.parent / "corpus.bin")] if data == "synthetic" else []
+    corpus = ["--data", str(work.parent / "corpus.bin")] if data != "bundled" else []
     return [
         "island", *corpus, "--coordinator", address, "--island-id", name,
         "--run-id", "gp", "--inner-lr", "3e-3", "--heartbeat-seconds", "0.5", "--give-up-seconds", "300",
@@ -98,7 +100,7 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
         for p in procs:
             p.kill()
         coord.stop()
-    curve = evaluate_theta(work / "state", None if a.data == "synthetic" else "")
+    curve = evaluate_theta(work / "state", None if a.data != "bundled" else "")
     return {"policy": policy, "quorum": quorum, "sync_every": h, "seed": seed, "curve": curve}
 
 
@@ -167,7 +169,13 @@ def main() -> None:
     p.add_argument("--quorum", nargs="+", default=["1"], help="1 and/or half")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--seconds", type=float, default=45.0, help="wall budget of each run")
-    p.add_argument("--data", choices=["bundled", "synthetic"], default="bundled")
+    p.add_argument(
+        "--data",
+        choices=["bundled", "text", "synthetic"],
+        default="bundled",
+        help="bundled: the 16 KB text (memorised within a run); text: drawn from its order-3 statistics, "
+        "lasting (make_text_corpus); synthetic: goodput.py's Markov source",
+    )
     p.add_argument(
         "--coordinator-flags", default="", help="more coordinator flags for every run (the last of a flag wins)"
     )
@@ -181,6 +189,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="qmap-") as tmp:
         if a.data == "synthetic":
             make_corpus(Path(tmp) / "corpus.bin")
+        elif a.data == "text":
+            make_text_corpus(Path(tmp) / "corpus.bin")
         for h in a.sync_every:
             for policy in a.policies:
                 for quorum in [len(speeds)] if policy == "barrier" else quorums:
