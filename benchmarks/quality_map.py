@@ -22,6 +22,10 @@ Policies (coordinator flags):
   rule before the map);
 - decoupled-delayed: ``--decoupled-step delayed`` (steps by share, the outer momentum applied once
   per full round's share: Delayed Nesterov).
+- decoupled-dylu: decoupled (the default rule) with step counts from the islands' speeds (DyLU, Liu
+  et al. 2024): every island syncs on a time budget of H full-speed steps (``atoll island
+  --sync-every-seconds``, H x ``--step-seconds``), so a slow island pushes a shorter delta as often as
+  the fast ones rather than an H-step delta several rounds stale.
 
 ``--quorum``: 1, or ``half`` (half the islands, rounded up); barrier ignores it. Each (policy, quorum,
 H, seed) is one run of ``--seconds`` of wall time; the seed sets θ_0 and every island's data order.
@@ -62,11 +66,12 @@ def policy_flags(policy: str, quorum: int, islands: int) -> list[str]:
         return ["--quorum", str(quorum)]
     decoupled = ["--quorum", str(quorum), "--outer-mode", "decoupled"]
     step = policy.removeprefix("decoupled").removeprefix("-")  # "" for the default rule
-    return decoupled + (["--decoupled-step", step] if step else [])
+    return decoupled + (["--decoupled-step", step] if step and step != "dylu" else [])
 
 
-def island_argv(name: str, address: str, work: Path, seed: int, data: str) -> list[str]:
+def island_argv(name: str, address: str, work: Path, seed: int, data: str, budget: float | None) -> list[str]:
     corpus = ["--data", str(work.parent / "corpus.bin")] if data != "bundled" else []
+    corpus += ["--sync-every-seconds", f"{budget:g}"] if budget else []
     return [
         "island", *corpus, "--coordinator", address, "--island-id", name,
         "--run-id", "gp", "--inner-lr", "3e-3", "--heartbeat-seconds", "0.5", "--give-up-seconds", "300",
@@ -88,7 +93,11 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
                 faults.append(Fault(island=name, round=0, kind="slow", factor=float(speed), rounds=10**9))
             procs.append(
                 group.start(
-                    name, island_argv(name, address, work, seed, a.data), faults=island_faults_json(faults, name)
+                    name,
+                    island_argv(
+                        name, address, work, seed, a.data, h * a.step_seconds if policy.endswith("dylu") else None
+                    ),
+                    faults=island_faults_json(faults, name),
                 )
             )
         deadline = time.monotonic() + a.seconds
@@ -164,7 +173,22 @@ def main() -> None:
         "--policies",
         nargs="+",
         default=["barrier", "sync", "decoupled"],
-        choices=["barrier", "sync", "decoupled", "decoupled-share", "decoupled-full", "decoupled-delayed"],
+        choices=[
+            "barrier",
+            "sync",
+            "decoupled",
+            "decoupled-share",
+            "decoupled-full",
+            "decoupled-delayed",
+            "decoupled-dylu",
+        ],
+    )
+    p.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.0224,
+        help="decoupled-dylu: a full-speed island's inner step (0.0224 s: 3 islands at 1:1:4 on this 2-core "
+        "machine, decoupled); every island syncs after H times this many seconds",
     )
     p.add_argument("--quorum", nargs="+", default=["1"], help="1 and/or half")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
