@@ -22,6 +22,8 @@ Policies (coordinator flags):
   rule before the map);
 - decoupled-delayed: ``--decoupled-step delayed`` (steps by share, the outer momentum applied once
   per full round's share: Delayed Nesterov).
+- decoupled-whole: ``--decoupled-step whole`` (delayed, with a delta of n > H inner steps entering
+  whole rather than scaled by H/n, its island's usual weight its weight per H steps).
 - decoupled-dylu: decoupled (the default rule) with step counts from the islands' speeds (DyLU, Liu
   et al. 2024): every island syncs on a time budget of H full-speed steps (``atoll island
   --sync-every-seconds``, H x ``--step-seconds``), so a slow island pushes a shorter delta as often as
@@ -181,6 +183,7 @@ def main() -> None:
             "decoupled-full",
             "decoupled-delayed",
             "decoupled-dylu",
+            "decoupled-whole",
         ],
     )
     p.add_argument(

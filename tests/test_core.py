@@ -121,6 +121,30 @@ def test_a_delta_of_more_than_h_steps_enters_a_decoupled_mean_scaled_to_h_steps(
         np.testing.assert_allclose(s.model.params[n].numpy(), want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_long_delta_enters_whole_under_the_whole_rule_and_its_island_weighs_per_h_steps(tmp_path):
+    """(On the quality map an island that trained 4-14x H steps while its round waited, e.g. while round
+    0 waited for a slow island, had 1 − H/n of that progress dropped by the H/n scale: θ's loss stood
+    still for ~1M tokens.) Under ``whole`` the 3H-step delta enters whole with its tokens' weight, and
+    b's usual weight is its weight per H steps (2, not 6), so a's next round alone steps by 2/4 of a
+    round, not 2/8. Exact values: lr 1, no momentum."""
+    s = run_state(
+        tmp_path, outer_lr=1.0, outer_momentum=0.0, sync_every=2, outer_mode="decoupled", decoupled_step="whole"
+    )
+    join(s, "a")
+    join(s, "b")
+    theta0, da, db, da2 = rand(0), rand(1), rand(2), rand(3)
+    asyncio.run(push(s, "a", theta0, kind=PushKind.INIT))
+    asyncio.run(push(s, "a", da, tokens=2, inner_steps=2))
+    asyncio.run(push(s, "b", db, tokens=6, inner_steps=6))  # 3H steps
+    asyncio.run(s.close_round("test"))
+    asyncio.run(push(s, "a", da2, tokens=2, inner_steps=2, round_=1))
+    asyncio.run(s.close_round("test"))
+    assert [h["share"] for h in s.history] == [1.0, 0.5]
+    for n in SHAPES:
+        want = theta0[n].numpy() - (2 * da[n].numpy() + 6 * db[n].numpy()) / 8 - 0.5 * da2[n].numpy()
+        np.testing.assert_allclose(s.model.params[n].numpy(), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("at", ["theta0", "round"])
 def test_a_failed_save_keeps_it_sealed_and_the_same_path_publishes_it_later(tmp_path, monkeypatch, at):
     """θ_0's durable write is its snapshot, a round's its log record."""

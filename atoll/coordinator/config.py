@@ -11,7 +11,7 @@ from atoll.compression import get_codec
 from atoll.coordinator.policy import grace
 
 OUTER_MODES = ("sync", "decoupled")
-DECOUPLED_STEPS = ("share", "full", "delayed")
+DECOUPLED_STEPS = ("share", "full", "delayed", "whole")
 TOKENS_PER_STEP_BOUND = 1 << 24
 """Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
 any published LLM run): a push claiming more than H x this is refused."""
@@ -59,8 +59,12 @@ class RunConfig:
     islands (benchmarks/RESULTS.md, "the quality map"); delayed: by its share as ``share``, and the
     outer momentum advanced and applied only once the rounds since it last was add up to a full
     round's share (Delayed Nesterov, :class:`~atoll.coordinator.state.outer.DelayedNesterov`; with
-    ``share`` the momentum is applied at every small round, N times per round's worth of work). The
-    default, delayed, reached the lowest θ loss on the quality map (benchmarks/RESULTS.md)."""
+    ``share`` the momentum is applied at every small round, N times per round's worth of work);
+    whole: as ``delayed``, but a delta of n > H inner steps (its island trained on while its exchange
+    was out, or carried a push too stale to fold) enters whole with its tokens' weight, and the
+    island's usual weight is its weight per H steps, where the other rules enter it scaled by H/n
+    and so drop 1 − H/n of that island's progress (:func:`~atoll.coordinator.policy.weighting.step_scale`).
+    The quality map (benchmarks/RESULTS.md) picks the default."""
     late_policy: str = "fold"
     """A push for a closed round: fold it into the open round (down-weighted; the default), or drop it."""
     staleness_weight: float = 0.5

@@ -7,7 +7,9 @@ Round r's outer gradient is Σ w_i s_i Δ_i / Σ w_i over the contributions that
   inner steps weighs its steps times the others' tokens per step, never more than the run's token
   bound; a delta k rounds late (:func:`classify`: LATE) weighs ``staleness_weight ** k`` times that;
 - s_i, the step scale (:func:`step_scale`): decoupled runs enter a delta of n > H inner steps as
-  (H/n)·Δ_i, an estimate of the H-step update (sync runs: 1).
+  (H/n)·Δ_i, an estimate of the H-step update (sync runs: 1), except under the ``whole`` rule, where
+  it enters whole and its island's usual weight (the share of a round of some islands) is its weight
+  per H steps (:func:`per_round_weight`).
 """
 
 from __future__ import annotations
@@ -57,11 +59,20 @@ def weight(
     return w * staleness_weight**late_by if late_by else w
 
 
-def step_scale(decoupled: bool, sync_every: int, inner_steps: int) -> float:
+def step_scale(decoupled: bool, sync_every: int, inner_steps: int, whole: bool = False) -> float:
     """Decoupled: a delta of n > H inner steps (its island trained on while its exchange was out, or
     carried a dropped push) enters the mean scaled by H/n, an estimate of the H-step update, while its
-    weight stays its tokens. At full size it both outweighed and outsized the H-step deltas beside it,
-    and the outer step overshot (benchmarks/RESULTS.md). 1 in sync mode, and for n <= H."""
-    if not decoupled or inner_steps <= sync_every:
+    weight stays its tokens. At full size, in rounds that each stepped as far as a round of everyone
+    (the ``full`` rule), it both outweighed and outsized the H-step deltas beside it, and the outer
+    step overshot (benchmarks/RESULTS.md). The scale drops 1 − H/n of that island's progress for good
+    (it has re-based on the new θ): ``whole`` (a round steps by its share, capped at a full round's)
+    enters it whole. 1 in sync mode, and for n <= H."""
+    if not decoupled or whole or inner_steps <= sync_every:
         return 1.0
     return sync_every / inner_steps
+
+
+def per_round_weight(weight: float, sync_every: int, inner_steps: int) -> float:
+    """An island's usual weight under the ``whole`` rule: its contribution's weight per H inner steps,
+    so that one long delta does not shrink the share of every round after it."""
+    return weight * sync_every / inner_steps if inner_steps > sync_every else weight

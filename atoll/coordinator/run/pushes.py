@@ -166,7 +166,8 @@ class Pushes:
         try:
             checks.coverage(self.model.specs, ranks, f"island {plan.island_id!r} discarded for round {ledger.round}")
             weight = self._weight(plan, ledger.round - plan.round if late else 0)
-            scale = weighting.step_scale(c.outer_mode == "decoupled", c.sync_every, ranks[0].plan.inner_steps)
+            whole = c.decoupled_step == "whole"
+            scale = weighting.step_scale(c.outer_mode == "decoupled", c.sync_every, ranks[0].plan.inner_steps, whole)
             acc.admit(weight * scale * max(r.magnitude for r in ranks), f"island {plan.island_id!r}")
             if c.aggregation == "mean" and not c.max_delta_norm:
                 await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale)
@@ -183,6 +184,8 @@ class Pushes:
         )
         acc.commit(plan.island_id, plan.round, record, late)
         rec.usual_weight = self._weight(plan, 0) if late else weight
+        if c.decoupled_step == "whole":
+            rec.usual_weight = weighting.per_round_weight(rec.usual_weight, c.sync_every, first.inner_steps)
         if rec.last_push_at is not None:
             rec.cycle.observe(now - rec.last_push_at)
         rec.last_push_at = now
