@@ -106,8 +106,8 @@ def test_a_delta_of_more_than_h_steps_enters_a_decoupled_mean_scaled_to_h_steps(
     """(Before: in a decoupled run an island that trained 3H steps while its exchange was out pushed a
     delta three times the size and three times the weight of the others; the outer step overshot and
     θ's eval loss jumped, benchmarks/RESULTS.md.) It enters scaled by H/n, weighing its tokens; sync
-    mode is unchanged."""
-    s = run_state(tmp_path, outer_lr=1.0, outer_momentum=0.0, sync_every=2, outer_mode=mode)
+    mode is unchanged. (The ``whole`` rule, the default for new runs since, enters it whole: below.)"""
+    s = run_state(tmp_path, outer_lr=1.0, outer_momentum=0.0, sync_every=2, outer_mode=mode, decoupled_step="delayed")
     join(s, "a")
     join(s, "b")
     theta0, da, db = rand(0), rand(1), rand(2)
