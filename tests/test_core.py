@@ -122,7 +122,7 @@ def test_a_delta_of_more_than_h_steps_enters_a_decoupled_mean_scaled_to_h_steps(
 
 
 def test_a_long_delta_enters_whole_under_the_whole_rule_and_its_island_weighs_per_h_steps(tmp_path):
-    """(On the quality map an island that trained 4-14x H steps while its round waited, e.g. while round
+    """(On the quality map an island that trained 3-14x H steps while its round waited, e.g. while round
     0 waited for a slow island, had 1 − H/n of that progress dropped by the H/n scale: θ's loss stood
     still for ~1M tokens.) Under ``whole`` the 3H-step delta enters whole with its tokens' weight, and
     b's usual weight is its weight per H steps (2, not 6), so a's next round alone steps by 2/4 of a
