@@ -57,6 +57,8 @@ POLICIES = {
 
 
 VOCAB = 32
+STREAMS = 1000
+"""The synthetic corpora's independent streams."""
 
 
 def make_corpus(path: Path, tokens: int = 4_000_000, seed: int = 0) -> Path:
@@ -70,15 +72,24 @@ def make_corpus(path: Path, tokens: int = 4_000_000, seed: int = 0) -> Path:
 
     rng = np.random.default_rng(seed)
     cum = rng.dirichlet(np.full(VOCAB, 0.1), size=VOCAB * VOCAB).cumsum(axis=1)
-    streams = 1000
-    out = np.empty((streams, tokens // streams), dtype=np.uint16)
-    a, b = rng.integers(VOCAB, size=streams), rng.integers(VOCAB, size=streams)
+    a, b = rng.integers(VOCAB, size=STREAMS), rng.integers(VOCAB, size=STREAMS)
+    return _write_chains(path, cum, np.arange(VOCAB * VOCAB), a * VOCAB + b, VOCAB, 2, tokens, rng)
+
+
+def _write_chains(path: Path, cum, contexts, key, vocab: int, order: int, tokens: int, rng) -> Path:
+    """Markov chains, one per entry of ``key`` (each a context: the ``order`` symbols before, base
+    ``vocab``), ``tokens`` in all: each next symbol drawn from its context's row of ``cum``
+    (cumulative distributions, row i for ``contexts[i]``, sorted). uint16 ``.bin`` and vocab sidecar."""
+    import numpy as np
+
+    out = np.empty((len(key), tokens // len(key)), dtype=np.uint16)
     for t in range(out.shape[1]):
-        nxt = np.minimum((cum[a * VOCAB + b] < rng.random(streams)[:, None]).sum(axis=1), VOCAB - 1)
+        row = np.searchsorted(contexts, key)
+        nxt = np.minimum((cum[row] < rng.random(len(key))[:, None]).sum(axis=1), vocab - 1)
         out[:, t] = nxt
-        a, b = b, nxt
+        key = (key % vocab ** (order - 1)) * vocab + nxt
     out.tofile(path)
-    path.with_name(path.name + ".json").write_text(json.dumps({"vocab_size": VOCAB}))
+    path.with_name(path.name + ".json").write_text(json.dumps({"vocab_size": vocab}))
     return path
 
 
@@ -107,17 +118,7 @@ def make_text_corpus(path: Path, tokens: int = 4_000_000, order: int = 3, seed: 
     np.add.at(counts, (row_of, cyc[order : order + len(ids)]), 1)
     cum = (counts / counts.sum(axis=1, keepdims=True)).cumsum(axis=1)
     rng = np.random.default_rng(seed)
-    streams = 1000
-    out = np.empty((streams, tokens // streams), dtype=np.uint16)
-    key = keys[rng.integers(len(ids), size=streams)]
-    for t in range(out.shape[1]):
-        row = np.searchsorted(contexts, key)
-        nxt = np.minimum((cum[row] < rng.random(streams)[:, None]).sum(axis=1), vocab - 1)
-        out[:, t] = nxt
-        key = (key % vocab ** (order - 1)) * vocab + nxt
-    out.tofile(path)
-    path.with_name(path.name + ".json").write_text(json.dumps({"vocab_size": vocab}))
-    return path
+    return _write_chains(path, cum, contexts, keys[rng.integers(len(ids), size=STREAMS)], vocab, order, tokens, rng)
 
 
 def island_argv(name: str, address: str, work: Path) -> list[str]:
