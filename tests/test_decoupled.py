@@ -180,6 +180,15 @@ def test_delayed_nesterov_applies_the_momentum_once_per_full_rounds_share():
         if chunk is None:  # rounds 5 and 6: 0.5 pending, then a full round closes it
             assert opt.pending_share == 0.0
             saved = {k: v.clone() for k, v in opt.state_tensors().items()}
+    # Rounds holding more than a full round's work (the ``progress`` rule): G / S per full round.
+    long = [(torch.randn(1000, generator=gen), s) for s in (0.5, 1.75, 2.5, 0.25)]
+    want = delayed_nesterov_reference(theta0.numpy(), [(g.numpy(), s) for g, s in long], 0.7, 0.9)
+    over, theta = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=True), theta0.clone()
+    for r, (g, share) in enumerate(long):
+        over.begin_round(share)
+        theta += over.step_("w", g.clone())
+        over.end_round()
+        np.testing.assert_allclose(theta.numpy(), want[r], rtol=1e-5, atol=1e-5)
     again = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=True)
     again.begin_round(0.25)
     again.end_round()

@@ -11,7 +11,7 @@ from atoll.compression import get_codec
 from atoll.coordinator.policy import grace
 
 OUTER_MODES = ("sync", "decoupled")
-DECOUPLED_STEPS = ("share", "full", "delayed", "whole")
+DECOUPLED_STEPS = ("share", "full", "delayed", "whole", "progress")
 TOKENS_PER_STEP_BOUND = 1 << 24
 """Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
 any published LLM run): a push claiming more than H x this is refused."""

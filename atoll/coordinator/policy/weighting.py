@@ -9,7 +9,8 @@ Round r's outer gradient is Σ w_i s_i Δ_i / Σ w_i over the contributions that
 - s_i, the step scale (:func:`step_scale`): decoupled runs enter a delta of n > H inner steps as
   (H/n)·Δ_i, an estimate of the H-step update (sync runs: 1), except under the ``whole`` rule, where
   it enters whole and its island's usual weight (the share of a round of some islands) is its weight
-  per H steps (:func:`per_round_weight`).
+  per H steps (:func:`per_round_weight`);
+- the mean's denominator and the round's share of a full round (:func:`round_share`).
 """
 
 from __future__ import annotations
@@ -76,3 +77,19 @@ def per_round_weight(weight: float, sync_every: int, inner_steps: int) -> float:
     """An island's usual weight under the ``whole`` rule: its contribution's weight per H inner steps,
     so that one long delta does not shrink the share of every round after it."""
     return weight * sync_every / inner_steps if inner_steps > sync_every else weight
+
+
+def round_share(rule: str, weight: float, entered: float, full: float) -> tuple[float, float]:
+    """A decoupled round of some islands under ``rule`` (not ``full``): (its share of a full round, the
+    denominator D of its mean Σ w_i s_i Δ_i / D). ``weight``: Σ w_i, the work that entered; ``entered``:
+    Σ w_i s_i; ``full``: the live islands' usual weights together (0: none known yet).
+
+    ``progress``: D = max(Σ w_i s_i, full), so an island's progress since its last push enters as its
+    share of a round of everyone, a long delta whole and once (such a round's mean sums the islands'
+    progress over N; ``whole`` had entered a long delta alone at full size, N times that, and the
+    outer momentum took it: the one-round spikes under the chaos trace). The share is the work that
+    entered, uncapped, so Delayed Nesterov's momentum takes the round's gradient per full round of
+    work. The other rules: D = max(Σ w_i, full), the share capped at 1."""
+    if rule == "progress":
+        return (weight / full if full > 0 else 1.0), max(entered, full)
+    return (min(weight / full, 1.0) if full > 0 else 1.0), max(weight, full)

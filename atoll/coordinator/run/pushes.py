@@ -184,7 +184,7 @@ class Pushes:
         )
         acc.commit(plan.island_id, plan.round, record, late)
         rec.usual_weight = self._weight(plan, 0) if late else weight
-        if whole:
+        if c.decoupled_step in ("whole", "progress"):
             rec.usual_weight = weighting.per_round_weight(rec.usual_weight, c.sync_every, first.inner_steps)
         if rec.last_push_at is not None:
             rec.cycle.observe(now - rec.last_push_at)

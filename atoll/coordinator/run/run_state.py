@@ -53,7 +53,7 @@ from atoll.coordinator.messages import (
     PushOutcome,
     PushResult,
 )
-from atoll.coordinator.policy import grace
+from atoll.coordinator.policy import grace, weighting
 from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.policy.rounds import RoundPolicy
 from atoll.coordinator.run import checks, saved
@@ -366,8 +366,8 @@ class RunState:
             share = None
             if c.outer_mode == "decoupled" and c.decoupled_step != "full":  # a round of some islands
                 full = usual_weight(self.membership.islands.values(), self.membership.clock())
-                share = min(weight / full, 1.0) if full > 0 else 1.0
-                weight = max(weight, full)  # Σ w_i s_i Δ_i / W: each contribution its share of a full step
+                entered = acc.entered_weight(c.sync_every, whole=c.decoupled_step == "whole")
+                share, weight = weighting.round_share(c.decoupled_step, weight, entered, full)
             sizes = self.model.update_sizes()
             hint = wal.head_hint(sizes, lambda: self.membership.to_json()["islands"], self.history[-1:])
             with (

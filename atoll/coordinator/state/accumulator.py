@@ -16,7 +16,7 @@ import torch
 from atoll.compression.base import weighted
 from atoll.coordinator.errors import Reason, refuse
 from atoll.coordinator.policy.goodput import tokens_per_step
-from atoll.coordinator.policy.weighting import PushClass
+from atoll.coordinator.policy.weighting import PushClass, step_scale
 from atoll.coordinator.state import robust
 from atoll.coordinator.state.budget import InflightBudget, Reservation
 from atoll.coordinator.state.downlink import identity_size
@@ -171,6 +171,14 @@ class RoundAccumulator:
 
     def weight_total(self) -> float:
         return sum(c.weight for c in self.committed.values()) + sum(c.weight for c in self.late.values())
+
+    def entered_weight(self, sync_every: int, whole: bool) -> float:
+        """Σ w_i s_i over the round's contributions, s_i the step scale of a decoupled run's delta
+        (:func:`~atoll.coordinator.policy.weighting.step_scale`)."""
+        return sum(
+            c.weight * step_scale(True, sync_every, c.inner_steps, whole)
+            for c in (*self.committed.values(), *self.late.values())
+        )
 
     def drop_island(self, island_id: str) -> None:
         """Forget an island's staged (incomplete) pushes."""

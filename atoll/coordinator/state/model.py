@@ -76,7 +76,7 @@ class GlobalModel:
         self.aliases = dict(aliases or {})
         c = self._config
         shapes = {k: s for k, s in self.specs.items() if k not in self.buffers}
-        delayed = c.outer_mode == "decoupled" and c.decoupled_step in ("delayed", "whole")
+        delayed = c.outer_mode == "decoupled" and c.decoupled_step in ("delayed", "whole", "progress")
         kind = DelayedNesterov if delayed else NesterovSGD
         self.optimizer = kind(shapes, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
         self.downlink_ef = {k: torch.zeros(s) for k, s in self.specs.items()} if self.downlink.lossy else {}

@@ -154,7 +154,9 @@ class DelayedNesterov(NesterovSGD):
     asynchronous Local-SGD's main problem), advances and is applied only once the rounds since it
     last did add up to a full round's share: ``m <- mu * m + G / S`` (G the sum of their gradients,
     S of their shares) and ``u = -lr * (g + mu * m)`` (without Nesterov, with m before it advanced).
-    A run whose every round is full (share 1) is exactly Nesterov SGD (or SGD with momentum).
+    A run whose every round is full (share 1) is exactly Nesterov SGD (or SGD with momentum). A round
+    may hold more than a full round's work (share > 1, the ``progress`` rule): G / S is then the
+    gradient per full round of it, so a long delta does not enter the momentum at its full size.
 
     :meth:`begin_round` gives each round's share before its tensors are stepped."""
 
@@ -168,8 +170,8 @@ class DelayedNesterov(NesterovSGD):
         """This round's 1 / S when it advances the momentum, else None."""
 
     def begin_round(self, share: float) -> None:
-        if not 0.0 <= share <= 1.0:  # (0: a round whose contributions weigh nothing moves nothing)
-            raise ValueError(f"a round's share must be in [0, 1], got {share}")
+        if not share >= 0.0:  # (0: a round whose contributions weigh nothing moves nothing)
+            raise ValueError(f"a round's share must be at least 0, got {share}")
         self.pending_share += share
         self._advance = 1.0 / self.pending_share if self.pending_share >= 1.0 - 1e-9 else None
 
