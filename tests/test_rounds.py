@@ -182,3 +182,24 @@ def test_a_decoupled_round_waits_neither_for_islands_behind_nor_past_the_quorums
     assert decision is Decision.CLOSE
     assert reason == "round 7: grace 4.0s after quorum (half the quorum's cycle); new did not come"
     assert decide(15.0, v, sync)[0] is Decision.WAIT  # sync: no history, wait until the deadline
+
+
+def test_a_decoupled_first_round_waits_half_the_quorums_time_to_its_push_not_for_every_island():
+    """(Round 0 of a decoupled run knew no island's cycle, so its grace had no cap: it waited for the
+    slowest island's first H steps, 23.4 s of a 45-s run at speeds 1:2:4:8, H=100, while the fast
+    islands' deltas grew to 13x H steps.) With no cycle known, the quorum's time from the round's
+    opening to its push stands for one: a commits 20 s in, so the round closes 10 s later without b
+    and c (no history; their pushes will be folded). Sync mode still waits until the deadline."""
+    policy = RoundPolicy(quorum=1, deadline_seconds=600.0, grace="auto", decoupled=True)
+    islands = (
+        IslandView(island_id="a", lease_expires_at=1e9, committed=True, committed_at=25.0),
+        IslandView(island_id="b", lease_expires_at=1e9, committed=False),
+        IslandView(island_id="c", lease_expires_at=1e9, committed=False),
+    )
+    v = RoundView(round=0, opened_at=5.0, islands=islands)
+    assert decide(34.9, v, policy)[0] is Decision.WAIT and next_wakeup(25.0, v, policy) == 35.0
+    decision, reason = decide(35.0, v, policy)
+    assert decision is Decision.CLOSE
+    assert reason == "round 0: grace 10.0s after quorum (half the quorum's time to its push); b, c did not come"
+    sync = RoundPolicy(quorum=1, deadline_seconds=600.0, grace="auto")
+    assert decide(35.0, v, sync)[0] is Decision.WAIT

@@ -29,7 +29,8 @@ class RoundPolicy:
     decoupled: bool = False
     """Decoupled outer loop: an island training on an older θ is not waited for (its push will be
     folded, never committed to this round), and a grace window ends at ``DECOUPLED_SLACK`` of the
-    shortest cycle of the committed islands after the quorum (at least ``DECOUPLED_FLOOR_SECONDS``)."""
+    shortest cycle of the committed islands after the quorum (at least ``DECOUPLED_FLOOR_SECONDS``;
+    with no cycle known yet, of the quorum's time from the round's opening to its push)."""
 
 
 DECOUPLED_SLACK = 0.5
@@ -113,11 +114,15 @@ def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | N
     quorum_at = times[policy.quorum - 1]
     missing = {i.island_id: i.expected for i in waited_for(now, state, policy)}
     until, why = grace_until(policy.grace, state.opened_at, quorum_at, missing)
-    cycles = [i.cycle_seconds for i in state.islands if i.committed and i.cycle_seconds is not None]
-    if policy.decoupled and policy.grace != OFF and missing and cycles:
-        cap = quorum_at + max(DECOUPLED_SLACK * min(cycles), DECOUPLED_FLOOR_SECONDS)
+    if policy.decoupled and policy.grace != OFF and missing:
+        cycles = [i.cycle_seconds for i in state.islands if i.committed and i.cycle_seconds is not None]
+        # No cycle known yet (a run's first round): the quorum's time from the round's opening to its
+        # push stands for one. Round 0 had waited for the slowest island's first H steps (23 s of a 45-s
+        # run at speeds 1:2:4:8, H=100), the fast islands' deltas growing meanwhile.
+        cycle, of = (min(cycles), "cycle") if cycles else (quorum_at - state.opened_at, "time to its push")
+        cap = quorum_at + max(DECOUPLED_SLACK * cycle, DECOUPLED_FLOOR_SECONDS)
         if until is None or cap < until:
-            return cap, f"grace {cap - quorum_at:.1f}s after quorum (half the quorum's cycle)"
+            return cap, f"grace {cap - quorum_at:.1f}s after quorum (half the quorum's {of})"
     return until, why
 
 
