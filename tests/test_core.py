@@ -145,14 +145,14 @@ def test_a_long_delta_enters_whole_under_the_whole_rule_and_its_island_weighs_pe
         np.testing.assert_allclose(s.model.params[n].numpy(), want, rtol=1e-6, atol=1e-6)
 
 
-def test_under_the_progress_rule_a_long_delta_enters_as_its_islands_share_and_the_momentum_per_full_round(tmp_path):
+def test_under_progress_a_long_delta_enters_as_its_islands_share_and_steps_as_the_rounds_of_work_it_holds(tmp_path):
     """(Under ``whole``, rounds made of one long delta (3-4.7x H steps, while an island's exchange was
     out or late by 3 rounds) stepped by it at full size, N times its island's share, and the outer
     momentum took it: θ's loss rose for one round three times under the chaos trace.) Under
     ``progress`` each island's progress since its last push enters as its share of a round of everyone,
     (Δa + Δb)/2 here, b's 3H-step delta once; the round holds 2 full rounds' work (8 tokens against
-    2 + 2 per H steps), so Delayed Nesterov's momentum takes g/2. a's next round alone is half a round:
-    a plain step. Exact values, lr 1, momentum 0.9, Nesterov."""
+    2 + 2 per H steps), so its momentum part is that of two Nesterov steps of g/2. a's next round alone
+    is half a round: a plain step. Exact values, lr 1, momentum 0.9."""
     s = run_state(tmp_path, outer_lr=1.0, sync_every=2, outer_mode="decoupled", decoupled_step="progress")
     join(s, "a")
     join(s, "b")
@@ -166,8 +166,9 @@ def test_under_the_progress_rule_a_long_delta_enters_as_its_islands_share_and_th
     assert [h["share"] for h in s.history] == [2.0, 0.5]
     for n in SHAPES:
         g = (da[n].numpy() + db[n].numpy()) / 2
-        m = g / 2
-        want = theta0[n].numpy() - (g + 0.9 * m) - 0.5 * da2[n].numpy()
+        m1 = g / 2
+        m2 = 0.9 * m1 + g / 2
+        want = theta0[n].numpy() - (g + 0.9 * m1 + 0.9 * m2) - 0.5 * da2[n].numpy()
         np.testing.assert_allclose(s.model.params[n].numpy(), want, rtol=1e-6, atol=1e-6)
 
 

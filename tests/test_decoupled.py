@@ -131,6 +131,33 @@ def test_a_decoupled_round_of_some_islands_steps_by_its_share(start_server, raw_
         assert all("share" not in rec for rec in records)
 
 
+def per_share_reference(theta, rounds, lr, mu, nesterov):
+    """NumPy, float64, whole shares: each round steps by -lr*g; once the shares since the momentum last
+    advanced add up to S (a whole number here), S plain momentum steps of their mean G/S are taken, one
+    after the other, and their momentum parts added to that round's step."""
+    import numpy as np
+
+    theta, m, pending, s = theta.astype(np.float64), np.zeros_like(theta, np.float64), 0.0, 0.0
+    out = []
+    for g, share in rounds:
+        pending, s = pending + g, s + share
+        step = g.astype(np.float64)
+        if s >= 1.0:
+            assert s == int(s)
+            mean = pending / s
+            for _ in range(int(s)):
+                if nesterov:
+                    m = mu * m + mean
+                    step = step + mu * m
+                else:
+                    step = step + mu * m
+                    m = mu * m + mean
+            pending, s = 0.0, 0.0
+        theta = theta - lr * step
+        out.append(theta)
+    return out
+
+
 def delayed_nesterov_reference(theta, rounds, lr, mu):
     """NumPy's Delayed Nesterov (float64): each round (g, share) steps by -lr*g; once the shares since
     the momentum last advanced add up to 1, m <- mu*m + G/S and that round steps by -lr*(g + mu*m)."""
@@ -180,15 +207,21 @@ def test_delayed_nesterov_applies_the_momentum_once_per_full_rounds_share():
         if chunk is None:  # rounds 5 and 6: 0.5 pending, then a full round closes it
             assert opt.pending_share == 0.0
             saved = {k: v.clone() for k, v in opt.state_tensors().items()}
-    # Rounds holding more than a full round's work (the ``progress`` rule): G / S per full round.
-    long = [(torch.randn(1000, generator=gen), s) for s in (0.5, 1.75, 2.5, 0.25)]
-    want = delayed_nesterov_reference(theta0.numpy(), [(g.numpy(), s) for g, s in long], 0.7, 0.9)
-    over, theta = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=True), theta0.clone()
-    for r, (g, share) in enumerate(long):
-        over.begin_round(share)
-        theta += over.step_("w", g.clone())
-        over.end_round()
-        np.testing.assert_allclose(theta.numpy(), want[r], rtol=1e-5, atol=1e-5)
+    # Rounds holding more than a full round's work (the ``progress`` rule, ``per_share``): S full
+    # rounds' shares since the momentum last advanced step as S Nesterov (heavy-ball) steps of G / S.
+    long = [(torch.randn(1000, generator=gen), s) for s in (0.5, 2.5, 2.0, 0.25, 0.75)]
+    for nesterov in (True, False):
+        want = per_share_reference(theta0.numpy(), [(g.numpy(), s) for g, s in long], 0.7, 0.9, nesterov)
+        over = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=nesterov, per_share=True)
+        theta = theta0.clone()
+        for r, (g, share) in enumerate(long):
+            over.begin_round(share)
+            for start in range(0, 1000, 300):
+                theta.narrow(0, start, min(300, 1000 - start)).add_(
+                    over.step_("w", g.narrow(0, start, min(300, 1000 - start)).clone(), start)
+                )
+            over.end_round()
+            np.testing.assert_allclose(theta.numpy(), want[r], rtol=1e-5, atol=1e-5, err_msg=f"round {r}")
     again = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=True)
     again.begin_round(0.25)
     again.end_round()

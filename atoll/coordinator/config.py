@@ -63,7 +63,11 @@ class RunConfig:
     whole: as ``delayed``, but a delta of n > H inner steps (its island trained on while its exchange
     was out, or carried a push too stale to fold) enters whole with its tokens' weight, and the
     island's usual weight is its weight per H steps, where the other rules enter it scaled by H/n
-    and so drop 1 − H/n of that island's progress (:func:`~atoll.coordinator.policy.weighting.step_scale`).
+    and so drop 1 − H/n of that island's progress (:func:`~atoll.coordinator.policy.weighting.step_scale`);
+    progress: as ``delayed``, with each island's progress since its last push entering as its share of a
+    round of everyone (a long delta once, at one island's share, where ``whole`` enters it at full size),
+    the round's share S uncapped, and the momentum stepping as S full rounds of the mean gradient would
+    (:func:`~atoll.coordinator.policy.weighting.round_share`, :func:`~atoll.coordinator.state.outer.momentum_steps`).
     The default, whole, reached the lowest θ loss at equal wall time at every point of the quality map
     with a slow island (benchmarks/RESULTS.md, "a corpus that lasts")."""
     late_policy: str = "fold"

@@ -88,8 +88,8 @@ def round_share(rule: str, weight: float, entered: float, full: float) -> tuple[
     share of a round of everyone, a long delta whole and once (such a round's mean sums the islands'
     progress over N; ``whole`` had entered a long delta alone at full size, N times that, and the
     outer momentum took it: the one-round spikes under the chaos trace). The share is the work that
-    entered, uncapped, so Delayed Nesterov's momentum takes the round's gradient per full round of
-    work. The other rules: D = max(Σ w_i, full), the share capped at 1."""
+    entered, uncapped: Delayed Nesterov steps the momentum as that many full rounds of the round's
+    gradient per full round would. The other rules: D = max(Σ w_i, full), the share capped at 1."""
     if rule == "progress":
         return (weight / full if full > 0 else 1.0), max(entered, full)
     return (min(weight / full, 1.0) if full > 0 else 1.0), max(weight, full)

@@ -77,8 +77,11 @@ class GlobalModel:
         c = self._config
         shapes = {k: s for k, s in self.specs.items() if k not in self.buffers}
         delayed = c.outer_mode == "decoupled" and c.decoupled_step in ("delayed", "whole", "progress")
-        kind = DelayedNesterov if delayed else NesterovSGD
-        self.optimizer = kind(shapes, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
+        opts = {"lr": c.outer_lr, "momentum": c.outer_momentum, "nesterov": c.nesterov}
+        if delayed:
+            self.optimizer = DelayedNesterov(shapes, **opts, per_share=c.decoupled_step == "progress")
+        else:
+            self.optimizer = NesterovSGD(shapes, **opts)
         self.downlink_ef = {k: torch.zeros(s) for k, s in self.specs.items()} if self.downlink.lossy else {}
         self._downlink_state = {}
         self.finite.reset()

@@ -155,13 +155,21 @@ class DelayedNesterov(NesterovSGD):
     last did add up to a full round's share: ``m <- mu * m + G / S`` (G the sum of their gradients,
     S of their shares) and ``u = -lr * (g + mu * m)`` (without Nesterov, with m before it advanced).
     A run whose every round is full (share 1) is exactly Nesterov SGD (or SGD with momentum). A round
-    may hold more than a full round's work (share > 1, the ``progress`` rule): G / S is then the
-    gradient per full round of it, so a long delta does not enter the momentum at its full size.
+    may hold more than a full round's work (share > 1, the ``progress`` rule); with ``per_share`` the
+    rounds since the momentum last advanced then count as S full rounds of G / S (:func:`momentum_steps`),
+    so a round of islands that each trained 2H steps moves θ as two rounds of H-step deltas would.
 
     :meth:`begin_round` gives each round's share before its tensors are stepped."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], *, lr: float, momentum: float, nesterov: bool) -> None:
+    def __init__(
+        self, shapes: dict[str, tuple[int, ...]], *, lr: float, momentum: float, nesterov: bool, per_share: bool = False
+    ) -> None:
         super().__init__(shapes, lr=lr, momentum=momentum, nesterov=nesterov)
+        self.per_share = per_share
+        """The ``progress`` rule: rounds adding up to S >= 1 full rounds' shares advance the momentum
+        as S full rounds of their mean gradient G / S would (:func:`momentum_steps`), not once."""
+        self._steps: tuple[float, float, float, float] | None = None
+        """This round's coefficients from :func:`momentum_steps` when it advances S != 1 rounds' worth."""
         self.pending = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in shapes.items()}
         """G: the sum of the gradients of the rounds since the momentum last advanced."""
         self.pending_share = 0.0
@@ -174,6 +182,8 @@ class DelayedNesterov(NesterovSGD):
             raise ValueError(f"a round's share must be at least 0, got {share}")
         self.pending_share += share
         self._advance = 1.0 / self.pending_share if self.pending_share >= 1.0 - 1e-9 else None
+        k = self.pending_share
+        self._steps = momentum_steps(self.momentum, k, self.nesterov) if self.per_share and k > 1.0 else None
 
     def end_round(self) -> None:
         if self._advance is not None:
@@ -184,7 +194,12 @@ class DelayedNesterov(NesterovSGD):
         if g.shape != m.shape:
             m, acc = (t.view(-1).narrow(0, start, g.numel()) for t in (m, acc))
         acc.add_(g)
-        if self._advance is not None:
+        if self._steps is not None:  # S full rounds of G / S: the momentum's part of them, then m_S
+            c, d, part_m, part_g = self._steps
+            g.add_(m, alpha=part_m).add_(acc, alpha=part_g * self._advance)
+            m.mul_(c).add_(acc, alpha=d * self._advance)
+            acc.zero_()
+        elif self._advance is not None:
             if not self.nesterov:  # heavy ball: u = -lr * (g + mu * m) with the momentum before it advances
                 g.add_(m, alpha=self.momentum)
             m.mul_(self.momentum).add_(acc, alpha=self._advance)
@@ -208,6 +223,20 @@ class DelayedNesterov(NesterovSGD):
         for name in self.pending:
             self.pending[name].copy_(tensors[f"pending/{name}"])
         self.pending_share = float(tensors["pending_share"][0])
+
+
+def momentum_steps(mu: float, k: float, nesterov: bool) -> tuple[float, float, float, float]:
+    """k full rounds (k >= 1, not necessarily whole) of one gradient ĝ under momentum ``mu``, from
+    momentum m: (c, d, part_m, part_g) with m_k = c·m + d·ĝ, and the momentum's part of the k steps
+    (beyond k·ĝ) part_m·m + part_g·ĝ: Nesterov mu·Σ_{j=1..k} m_j, heavy ball mu·Σ_{j=0..k-1} m_j,
+    where m_j = mu·m_{j-1} + ĝ. For whole k these are the sums; between them the same formulas.
+    ``mu`` < 1."""
+    c = mu**k
+    d = (1.0 - c) / (1.0 - mu)  # Σ_{j<k} mu^j
+    ramp = (k - d) / (1.0 - mu)  # Σ_{j<k} (1 - mu^j) / (1 - mu)
+    if nesterov:  # Σ_{j=1..k} m_j = mu·d·m + (k - mu·d) / (1 - mu)·ĝ
+        return c, d, mu * mu * d, mu * (k - mu * d) / (1.0 - mu)
+    return c, d, mu * d, mu * ramp
 
 
 @functools.cache
