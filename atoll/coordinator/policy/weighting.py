@@ -9,8 +9,10 @@ Round r's outer gradient is Σ w_i s_i Δ_i / Σ w_i over the contributions that
 - s_i, the step scale (:func:`step_scale`): decoupled runs enter a delta of n > H inner steps as
   (H/n)·Δ_i, an estimate of the H-step update (sync runs: 1), except under the ``whole`` rule, where
   it enters whole and its island's usual weight (the share of a round of some islands) is its weight
-  per H steps (:func:`per_round_weight`);
-- the mean's denominator and the round's share of a full round (:func:`round_share`).
+  per H steps (:func:`per_round_weight`; so under ``progress`` too);
+- the mean's denominator and the round's share of a full round (:func:`round_share`): under
+  ``progress`` Σ w_i s_i Δ_i over a full round's weight, so a long delta's whole progress enters at its
+  island's share of a round of everyone.
 """
 
 from __future__ import annotations
