@@ -121,15 +121,10 @@ def test_a_delta_of_more_than_h_steps_enters_a_decoupled_mean_scaled_to_h_steps(
         np.testing.assert_allclose(s.model.params[n].numpy(), want, rtol=1e-6, atol=1e-6)
 
 
-def test_a_long_delta_enters_whole_under_the_whole_rule_and_its_island_weighs_per_h_steps(tmp_path):
-    """(On the quality map an island that trained 3-14x H steps while its round waited, e.g. while round
-    0 waited for a slow island, had 1 − H/n of that progress dropped by the H/n scale: θ's loss stood
-    still for ~1M tokens.) Under ``whole`` the 3H-step delta enters whole with its tokens' weight, and
-    b's usual weight is its weight per H steps (2, not 6), so a's next round alone steps by 2/4 of a
-    round, not 2/8. Exact values: lr 1, no momentum."""
-    s = run_state(
-        tmp_path, outer_lr=1.0, outer_momentum=0.0, sync_every=2, outer_mode="decoupled", decoupled_step="whole"
-    )
+def a_long_delta_then_a_round_of_one(tmp_path, rule: str, **config):
+    """A decoupled run (H=2, lr 1) of a and b under ``rule``: round 0 holds a's 2-step delta and b's
+    3H-step one, round 1 a's alone. Returns (state, θ_0, Δa, Δb, Δa of round 1)."""
+    s = run_state(tmp_path, outer_lr=1.0, sync_every=2, outer_mode="decoupled", decoupled_step=rule, **config)
     join(s, "a")
     join(s, "b")
     theta0, da, db, da2 = rand(0), rand(1), rand(2), rand(3)
@@ -139,6 +134,16 @@ def test_a_long_delta_enters_whole_under_the_whole_rule_and_its_island_weighs_pe
     asyncio.run(s.close_round("test"))
     asyncio.run(push(s, "a", da2, tokens=2, inner_steps=2, round_=1))
     asyncio.run(s.close_round("test"))
+    return s, theta0, da, db, da2
+
+
+def test_a_long_delta_enters_whole_under_the_whole_rule_and_its_island_weighs_per_h_steps(tmp_path):
+    """(On the quality map an island that trained 3-14x H steps while its round waited, e.g. while round
+    0 waited for a slow island, had 1 − H/n of that progress dropped by the H/n scale: θ's loss stood
+    still for ~1M tokens.) Under ``whole`` the 3H-step delta enters whole with its tokens' weight, and
+    b's usual weight is its weight per H steps (2, not 6), so a's next round alone steps by 2/4 of a
+    round, not 2/8. Exact values: lr 1, no momentum."""
+    s, theta0, da, db, da2 = a_long_delta_then_a_round_of_one(tmp_path, "whole", outer_momentum=0.0)
     assert [h["share"] for h in s.history] == [1.0, 0.5]
     for n in SHAPES:
         want = theta0[n].numpy() - (2 * da[n].numpy() + 6 * db[n].numpy()) / 8 - 0.5 * da2[n].numpy()
@@ -153,16 +158,7 @@ def test_under_progress_a_long_delta_enters_as_its_islands_share_and_steps_as_th
     (Δa + Δb)/2 here, b's 3H-step delta once; the round holds 2 full rounds' work (8 tokens against
     2 + 2 per H steps), so its momentum part is that of two Nesterov steps of g/2. a's next round alone
     is half a round: a plain step. Exact values, lr 1, momentum 0.9."""
-    s = run_state(tmp_path, outer_lr=1.0, sync_every=2, outer_mode="decoupled", decoupled_step="progress")
-    join(s, "a")
-    join(s, "b")
-    theta0, da, db, da2 = rand(0), rand(1), rand(2), rand(3)
-    asyncio.run(push(s, "a", theta0, kind=PushKind.INIT))
-    asyncio.run(push(s, "a", da, tokens=2, inner_steps=2))
-    asyncio.run(push(s, "b", db, tokens=6, inner_steps=6))  # 3H steps
-    asyncio.run(s.close_round("test"))
-    asyncio.run(push(s, "a", da2, tokens=2, inner_steps=2, round_=1))
-    asyncio.run(s.close_round("test"))
+    s, theta0, da, db, da2 = a_long_delta_then_a_round_of_one(tmp_path, "progress")
     assert [h["share"] for h in s.history] == [2.0, 0.5]
     for n in SHAPES:
         g = (da[n].numpy() + db[n].numpy()) / 2
