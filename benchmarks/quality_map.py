@@ -26,8 +26,8 @@ Policies (coordinator flags):
 - decoupled-whole: ``--decoupled-step whole`` (delayed, with a delta of n > H inner steps entering
   whole rather than scaled by H/n, its island's usual weight its weight per H steps).
 - decoupled-progress: ``--decoupled-step progress`` (each island's progress since its last push enters
-  as its share of a round of everyone, a long delta once; the momentum takes a round's gradient per
-  full round of work).
+  as its share of a round of everyone, a long delta once; rounds adding up to S full rounds' work step
+  the momentum as S rounds of their mean gradient would).
 - decoupled-dylu: decoupled (the default rule) with step counts from the islands' speeds (DyLU, Liu
   et al. 2024): every island syncs on a time budget of H full-speed steps (``atoll island
   --sync-every-seconds``, H x ``--step-seconds``), so a slow island pushes a shorter delta as often as

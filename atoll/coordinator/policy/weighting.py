@@ -62,23 +62,31 @@ def weight(
     return w * staleness_weight**late_by if late_by else w
 
 
-def step_scale(decoupled: bool, sync_every: int, inner_steps: int, whole: bool = False) -> float:
+PER_ROUND_WEIGHT_RULES = ("whole", "progress")
+"""The decoupled rules under which an island's usual weight is its weight per H inner steps."""
+
+
+def step_scale(rule: str | None, sync_every: int, inner_steps: int) -> float:
     """Decoupled: a delta of n > H inner steps (its island trained on while its exchange was out, or
     carried a dropped push) enters the mean scaled by H/n, an estimate of the H-step update, while its
     weight stays its tokens. At full size, in rounds that each stepped as far as a round of everyone
     (the ``full`` rule), it both outweighed and outsized the H-step deltas beside it, and the outer
     step overshot (benchmarks/RESULTS.md). The scale drops 1 − H/n of that island's progress for good
     (it has re-based on the new θ): ``whole`` (a round steps by its share, capped at a full round's)
-    enters it whole. 1 in sync mode, and for n <= H."""
-    if not decoupled or whole or inner_steps <= sync_every:
+    enters it whole. ``rule``: the decoupled run's ``decoupled_step`` (None: sync mode, scale 1). 1 for
+    n <= H."""
+    if rule is None or rule == "whole" or inner_steps <= sync_every:
         return 1.0
     return sync_every / inner_steps
 
 
-def per_round_weight(weight: float, sync_every: int, inner_steps: int) -> float:
-    """An island's usual weight under the ``whole`` rule: its contribution's weight per H inner steps,
-    so that one long delta does not shrink the share of every round after it."""
-    return weight * sync_every / inner_steps if inner_steps > sync_every else weight
+def per_round_weight(rule: str, weight: float, sync_every: int, inner_steps: int) -> float:
+    """An island's usual weight: under the :data:`PER_ROUND_WEIGHT_RULES` its contribution's weight per
+    H inner steps, so that one long delta does not shrink the share of every round after it; else the
+    weight itself."""
+    if rule in PER_ROUND_WEIGHT_RULES and inner_steps > sync_every:
+        return weight * sync_every / inner_steps
+    return weight
 
 
 def round_share(rule: str, weight: float, entered: float, full: float) -> tuple[float, float]:

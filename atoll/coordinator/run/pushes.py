@@ -163,11 +163,11 @@ class Pushes:
         if ranks is None:
             return PushResult(PushOutcome.STAGED, ledger.round, committed=False, bytes_received=plan.num_bytes)
         late = cls is PushClass.LATE
-        whole = c.decoupled_step == "whole"  # (the rule for a decoupled delta of more than H steps)
+        rule = c.decoupled_step if c.outer_mode == "decoupled" else None  # (None: sync mode, no step scale)
         try:
             checks.coverage(self.model.specs, ranks, f"island {plan.island_id!r} discarded for round {ledger.round}")
             weight = self._weight(plan, ledger.round - plan.round if late else 0)
-            scale = weighting.step_scale(c.outer_mode == "decoupled", c.sync_every, ranks[0].plan.inner_steps, whole)
+            scale = weighting.step_scale(rule, c.sync_every, ranks[0].plan.inner_steps)
             acc.admit(weight * scale * max(r.magnitude for r in ranks), f"island {plan.island_id!r}")
             if c.aggregation == "mean" and not c.max_delta_norm:
                 await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale)
@@ -183,9 +183,8 @@ class Pushes:
             first.tokens, first.loss, num_bytes, weight, first.inner_steps, first.compute_seconds, at=now
         )
         acc.commit(plan.island_id, plan.round, record, late)
-        rec.usual_weight = self._weight(plan, 0) if late else weight
-        if c.decoupled_step in ("whole", "progress"):
-            rec.usual_weight = weighting.per_round_weight(rec.usual_weight, c.sync_every, first.inner_steps)
+        usual = self._weight(plan, 0) if late else weight
+        rec.usual_weight = weighting.per_round_weight(c.decoupled_step, usual, c.sync_every, first.inner_steps)
         if rec.last_push_at is not None:
             rec.cycle.observe(now - rec.last_push_at)
         rec.last_push_at = now

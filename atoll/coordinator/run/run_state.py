@@ -366,7 +366,7 @@ class RunState:
             share = None
             if c.outer_mode == "decoupled" and c.decoupled_step != "full":  # a round of some islands
                 full = usual_weight(self.membership.islands.values(), self.membership.clock())
-                entered = acc.entered_weight(c.sync_every, whole=c.decoupled_step == "whole")
+                entered = acc.entered_weight(c.decoupled_step, c.sync_every)
                 share, weight = weighting.round_share(c.decoupled_step, weight, entered, full)
             sizes = self.model.update_sizes()
             hint = wal.head_hint(sizes, lambda: self.membership.to_json()["islands"], self.history[-1:])

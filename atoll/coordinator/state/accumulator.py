@@ -172,11 +172,11 @@ class RoundAccumulator:
     def weight_total(self) -> float:
         return sum(c.weight for c in self.committed.values()) + sum(c.weight for c in self.late.values())
 
-    def entered_weight(self, sync_every: int, whole: bool) -> float:
-        """Σ w_i s_i over the round's contributions, s_i the step scale of a decoupled run's delta
-        (:func:`~atoll.coordinator.policy.weighting.step_scale`)."""
+    def entered_weight(self, rule: str, sync_every: int) -> float:
+        """Σ w_i s_i over the round's contributions, s_i the step scale of a decoupled run's delta under
+        ``rule`` (:func:`~atoll.coordinator.policy.weighting.step_scale`)."""
         return sum(
-            c.weight * step_scale(True, sync_every, c.inner_steps, whole)
+            c.weight * step_scale(rule, sync_every, c.inner_steps)
             for c in (*self.committed.values(), *self.late.values())
         )
 

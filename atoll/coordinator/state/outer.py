@@ -169,7 +169,7 @@ class DelayedNesterov(NesterovSGD):
         """The ``progress`` rule: rounds adding up to S >= 1 full rounds' shares advance the momentum
         as S full rounds of their mean gradient G / S would (:func:`momentum_steps`), not once."""
         self._steps: tuple[float, float, float, float] | None = None
-        """This round's coefficients from :func:`momentum_steps` when it advances S != 1 rounds' worth."""
+        """This round's coefficients from :func:`momentum_steps` when it advances S > 1 rounds' worth."""
         self.pending = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in shapes.items()}
         """G: the sum of the gradients of the rounds since the momentum last advanced."""
         self.pending_share = 0.0
