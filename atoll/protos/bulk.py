@@ -11,7 +11,7 @@ and client CA (mutual TLS); a TLS island connects to it with the same trust and 
 
 A call opens with a preamble::
 
-    b"ATB1"  u8 method (1 push, 2 pull; | 0x80: keep)  u16 length + auth  u32 length + message
+    b"ATB1"  u8 method (1 push, 2 pull; | 0x80: keep; | 0x40: eager)  u16 length + auth  u32 length + message
 
 A call without the ``KEEP`` bit is the connection's only one. With it (the coordinator's Join says it
 keeps connections: ``bulk_keep_seconds``), a call that ends cleanly leaves its connections open for
@@ -20,6 +20,14 @@ the hosts allow it (``net.ipv4.tcp_slow_start_after_idle=0``) no slow start eith
 ends at its declared length, as over TLS. A refused, broken or abandoned call closes its connections;
 so does the coordinator when a kept connection has been idle for ``bulk_keep_seconds`` or when half
 its connection cap is in use.
+
+A push with the ``EAGER`` bit sends its data right behind its preamble instead of waiting a round
+trip for ``CONTINUE`` (an island's first attempt of a push: nothing of it can be held yet). The
+coordinator then sends no ``CONTINUE``; whatever of the push it held from a cut attempt is dropped
+(the data starts at its first byte). If it refuses the push at its header, or answers it there (a
+duplicate), it sends the answer, stops writing and reads the data that was already on its way into
+nothing until the island, which stops sending once it sees the answer, closes: a refused eager push
+costs the link what is in flight for a round trip, and an admitted one saves that round trip.
 
 ``auth`` is the ``authorization`` metadata value gRPC would carry (``Bearer <token>``, or empty);
 ``message`` is a serialised ``PushChunk`` holding the push's header, or a ``PullRequest``. The
@@ -76,6 +84,8 @@ MAX_STREAMS = 16
 """The most connections one call may be striped over."""
 KEEP = 0x80
 """A preamble's method bit: keep the connection open for the next call once this one ends cleanly."""
+EAGER = 0x40
+"""A preamble's method bit (a push's): its data follows the preamble at once, no CONTINUE is awaited."""
 KEEP_SECONDS = 300
 """How long the coordinator keeps an idle connection (an island drops its own a little before)."""
 

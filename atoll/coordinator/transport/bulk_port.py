@@ -70,11 +70,17 @@ class BulkPush:
     """A push cut part way is parked for its retry, which sends only what the coordinator lacks."""
     cut = False
     """The data ended without the client ending it (a reset, or the end of a TLS or striped stream)."""
+    read = False
+    """:meth:`fill` was called: the data was (or was being) read. An eager push answered without it has
+    its data on the way unread."""
 
-    def __init__(self, conn: Connection, first, data: Connection | Striped | None = None) -> None:
+    def __init__(self, conn: Connection, first, data: Connection | Striped | None = None, eager: bool = False) -> None:
         self.conn = conn
         self.data = conn if data is None else data
         self._first = first
+        self.eager = eager
+        """The client sends the data from its first byte without waiting for CONTINUE (``bulk.EAGER``):
+        nothing parked from a cut attempt is taken, and no CONTINUE is said."""
 
     def __aiter__(self):
         return self
@@ -90,10 +96,14 @@ class BulkPush:
         side, handing each completed batch to ``taken`` (async). Fewer bytes than declared return
         early (the servicer refuses the push); more raise StreamOverrun."""
         conn, data = self.conn, self.data
+        self.read = True
         start = assembler.received  # a resumed push's: what came before it broke
+        if self.eager and start:
+            raise ValueError("an eager push resumed from a parked one")  # (the servicer drops those)
         if start and isinstance(data, Striped):
             data.begin(start)
-        await conn.send(bulk.frame(bulk.CONTINUE, bulk.OFFSET.pack(start) if start else b""))
+        if not self.eager:  # (an eager client is sending already)
+            await conn.send(bulk.frame(bulk.CONTINUE, bulk.OFFSET.pack(start) if start else b""))
         if isinstance(data, Striped):
             data.receive()  # (read to each connection's END even if no unit comes: a kept one is reused)
         conn.expect()
@@ -248,15 +258,21 @@ class BulkServer:
             watchdog.cancel()
             conn.sock.close()
 
-    async def _drain(self, conn: Connection) -> None:
+    @staticmethod
+    async def _drain(conn: Connection) -> None:
         """After a refusal: read what the peer still sends until it stops (it stops once it sees the
-        answer), so that closing does not reset the connection and lose the answer before it is read."""
+        answer), so that closing does not reset the connection and lose the answer before it is read;
+        ``DRAIN_SECONDS`` at most."""
         conn.sock.shutdown(socket.SHUT_WR)
         scratch = memoryview(bytearray(1 << 16))
-        deadline = time.monotonic() + DRAIN_SECONDS
-        with contextlib.suppress(EOFError):
-            while time.monotonic() < deadline:
-                await conn.recv_into(scratch)
+
+        async def to_the_end() -> None:
+            with contextlib.suppress(EOFError):
+                while True:
+                    await conn.recv_into(scratch)
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(to_the_end(), DRAIN_SECONDS)
 
     async def _watch(self, conn: Connection, call: asyncio.Task) -> None:
         while True:
@@ -288,9 +304,12 @@ class BulkServer:
         raw = head + await conn.recv_exact(bulk.PREAMBLE.size - len(head))
         magic, method, auth_len = bulk.PREAMBLE.unpack(raw)
         keep = bool(method & bulk.KEEP) and self.keep_seconds > 0
-        method &= ~bulk.KEEP
+        eager = bool(method & bulk.EAGER)
+        method &= ~(bulk.KEEP | bulk.EAGER)
         if magic != bulk.MAGIC or not bulk.PUSH <= method <= bulk.PULL_STRIPED or auth_len > bulk.MAX_AUTH_BYTES:
             raise ValueError("not an atoll bulk call")
+        if eager and method not in (bulk.PUSH, bulk.PUSH_STRIPED):
+            raise ValueError("only a push's data comes eagerly")
         conn.delimited = keep or type(conn).delimited  # a kept connection's push data ends at its length
         auth = (await conn.recv_exact(auth_len)).decode(errors="replace")
         (length,) = bulk.LENGTH.unpack(await conn.recv_exact(bulk.LENGTH.size))
@@ -307,12 +326,15 @@ class BulkServer:
         self.servicer.counters.bulk_calls += 1
         self.servicer.counters.bulk_kept_calls += not first
         if method not in bulk.STRIPED:
-            await self._serve_call(conn, method, message, context, conn)
+            if not await self._serve_call(conn, method, message, context, conn, eager):
+                await self._drain(conn)
+                return False
             return self._keeps(keep)
         call_id, _, count = bulk.STRIPE.unpack_from(message)
         if not 2 <= count <= bulk.MAX_STREAMS:
             raise ValueError(f"a call striped over {count} connections (2 to {bulk.MAX_STREAMS})")
         stripes = self._stripes.setdefault(call_id, StripeSet(count, auth))
+        clean = False
         try:
             stripes.attach(0, conn, count, auth)
             try:
@@ -322,14 +344,17 @@ class BulkServer:
                 raise ValueError(f"a striped call: {came} of its {count} connections came") from None
             data = Striped(stripes.conns)
             try:
-                await self._serve_call(conn, bulk.STRIPED[method], message[bulk.STRIPE.size :], context, data)
-                stripes.clean = await data.settle(PREAMBLE_SECONDS)
+                message = message[bulk.STRIPE.size :]
+                clean = await self._serve_call(conn, bulk.STRIPED[method], message, context, data, eager)
+                stripes.clean = clean and await data.settle(PREAMBLE_SECONDS)
             finally:
                 await data.close()
         finally:
             stripes.finished.set()
             if self._stripes.get(call_id) is stripes:
                 del self._stripes[call_id]
+        if not clean:  # answered with data unread (its sides, let go, read theirs meanwhile)
+            await self._drain(conn)
         return stripes.clean and self._keeps(keep)
 
     async def _side(self, conn: Connection, auth: str, message: bytes) -> bool:
@@ -345,16 +370,21 @@ class BulkServer:
                 del self._stripes[call_id]
             raise
         await stripes.finished.wait()
+        if not stripes.clean:  # (an eager push's data may be on its way: read it into nothing)
+            with contextlib.suppress(OSError):
+                await self._drain(conn)
         return stripes.clean
 
-    async def _serve_call(self, conn: Connection, method: int, message: bytes, context, data) -> None:
-        """One push or pull: its answers on ``conn``, its data on ``data`` (``conn``, or its stripes)."""
+    async def _serve_call(self, conn: Connection, method: int, message: bytes, context, data, eager=False) -> bool:
+        """One push or pull: its answers on ``conn``, its data on ``data`` (``conn``, or its stripes);
+        whether nothing of it is left unread (False: an eager push answered at its header, whose data
+        came anyway; the caller reads it into nothing)."""
         if method == bulk.PUSH:
-            push = BulkPush(conn, tolerant(deserialize_push_chunk)(message), data)
+            push = BulkPush(conn, tolerant(deserialize_push_chunk)(message), data, eager)
             response = await self.servicer.PushDelta(push, context)
             conn.expect(False)
             await conn.send(bulk.frame(bulk.OK, response.SerializeToString()))
-            return
+            return not push.eager or push.read
         request = tolerant(pb.PullRequest.FromString)(message)
         skip = getattr(request, "resume_offset", 0)  # a pull that broke: the rest of the same answer
         if skip:
@@ -382,6 +412,7 @@ class BulkServer:
                     await self._flush(conn, data)
                     await conn.send(bulk.frame(bulk.OK, chunk.durable.SerializeToString()))
             await self._flush(conn, data)
+        return True
 
     @staticmethod
     async def _flush(conn: Connection, data) -> None:

@@ -244,10 +244,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         key, header_bytes = (header.island_id, header.rank), first.header.SerializeToString()
         resumable = getattr(it, "resumable", False)  # the bulk port: a cut push resumes
         parked = None
-        if resumable:
+        if resumable and not getattr(it, "eager", False):
             parked = self.parked.take(key, header_bytes)
-        else:
-            self.parked.drop(key)  # a push over gRPC takes the place of one cut on the bulk port
+        else:  # a push over gRPC, or an eager one (its data starts at its first byte), takes the place
+            self.parked.drop(key)  # of one cut on the bulk port
         if parked is not None:
             plan, reservation, assembler, received = parked.plan, parked.reservation, parked.assembler, parked.received
             self.counters.bulk_resumes += 1

@@ -351,15 +351,21 @@ class CoordinatorClient:
         self._saw_rtt(stream.rtt)
         return stream
 
-    def open_push(self, header: pb.PushHeader):
-        """The stream of one push attempt (its header sent), on the bulk port or on gRPC."""
+    def open_push(self, header: pb.PushHeader, *, eager: bool = False):
+        """The stream of one push attempt (its header sent), on the bulk port or on gRPC. ``eager``: its
+        data goes without waiting for admission (a first attempt, of which the coordinator holds nothing)."""
         total = sum(e.num_bytes for e in header.entries)
         timeout = self.retry.rpc_timeout_seconds
+
+        def on_bulk(port: BulkPort) -> TcpPush:
+            streams = self.streams_for(port)
+            return self._tcp(
+                TcpPush(port, header, auth=self._auth, timeout=timeout, streams=streams, kept=self.kept, eager=eager)
+            )
+
         return self._transport(
             "PushDelta",
-            lambda port: self._tcp(
-                TcpPush(port, header, auth=self._auth, timeout=timeout, streams=self.streams_for(port), kept=self.kept)
-            ),
+            on_bulk,
             lambda: GrpcPush(self._push_call, header, timeout=self._timeout(total), metadata=self._metadata),
         )
 
@@ -369,8 +375,12 @@ class CoordinatorClient:
         the size the header declares), which is then encoded on this thread while the previous entry
         is on the wire (two held at most); an attempt that is retried encodes again."""
 
+        attempts = 0
+
         def attempt() -> pb.PushResponse:
-            resp = write_push(self.open_push(header), header, payloads)
+            nonlocal attempts
+            attempts += 1  # the first goes without waiting a round trip for admission; a retry may resume
+            resp = write_push(self.open_push(header, eager=attempts == 1), header, payloads)
             self.bytes_sent += sum(e.num_bytes for e in header.entries) + header.ByteSize()
             return resp
 

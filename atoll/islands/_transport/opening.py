@@ -94,19 +94,21 @@ def open_call(
     timeout: float,
     streams: int,
     kept: KeptConnections | None = None,
+    eager: bool = False,
 ) -> tuple[list[socket.socket], float | None]:
     """The connections of one call, their preambles sent (one, or ``streams`` for a striped call: the
     lead carries the call, the others join it): kept ones first when the coordinator keeps them (the
     call then asks to be kept too), new ones opened together; and the shortest handshake seen (None
-    when every connection was a kept one)."""
+    when every connection was a kept one). ``eager``: a push whose data follows without CONTINUE."""
     keep = kept is not None and port.keep_seconds > 0
     flag = bulk.KEEP if keep else 0
+    lead = flag | (bulk.EAGER if eager else 0)
     if streams <= 1:
-        jobs = [(method | flag, message)]
+        jobs = [(method | lead, message)]
     else:
         call_id = os.urandom(16)
         striped = {bulk.PUSH: bulk.PUSH_STRIPED, bulk.PULL: bulk.PULL_STRIPED}[method]
-        jobs = [(striped | flag, bulk.STRIPE.pack(call_id, 0, streams) + message)]
+        jobs = [(striped | lead, bulk.STRIPE.pack(call_id, 0, streams) + message)]
         jobs += [(bulk.SIDE | flag, bulk.STRIPE.pack(call_id, i, streams)) for i in range(1, streams)]
     idle = kept.take(port, len(jobs), port.keep_seconds) if keep else []
     opened: list[tuple[socket.socket, float | None] | None] = [_reuse(idle, m, auth, msg, timeout) for m, msg in jobs]

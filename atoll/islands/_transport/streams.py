@@ -190,9 +190,10 @@ class _TcpCall:
         timeout: float,
         streams: int,
         kept: KeptConnections | None,
+        eager: bool = False,
     ) -> None:
         self._port, self._kept = port, kept if port.keep_seconds > 0 else None
-        self._socks, self.rtt = open_call(port, method, auth, message, timeout, streams, self._kept)
+        self._socks, self.rtt = open_call(port, method, auth, message, timeout, streams, self._kept, eager)
         self._sock = self._socks[0]
 
     def _given_back(self, clean: bool) -> bool:
@@ -205,10 +206,12 @@ class _TcpCall:
 
 class TcpPush(_TcpCall):
     """A push on the bulk port: the header in the preamble; the data goes once it is admitted (CONTINUE),
-    sent from the payloads' own memory by a sender thread while the caller makes the next one; the end
-    of the data is the client's half-close (in the clear, one connection, not kept) or its declared
-    length. Striped over ``streams`` connections, the sender deals the data's units to one thread each.
-    With ``kept``, connections come from there and go back once the call has ended cleanly."""
+    or at once when ``eager`` (``bulk.EAGER``: a first attempt, of which the coordinator can hold
+    nothing; a round trip sooner, and the answer, a refusal included, is read at the end), sent from
+    the payloads' own memory by a sender thread while the caller makes the next one; the end of the
+    data is the client's half-close (in the clear, one connection, not kept) or its declared length.
+    Striped over ``streams`` connections, the sender deals the data's units to one thread each. With
+    ``kept``, connections come from there and go back once the call has ended cleanly."""
 
     def __init__(
         self,
@@ -219,9 +222,10 @@ class TcpPush(_TcpCall):
         timeout: float,
         streams: int = 1,
         kept: KeptConnections | None = None,
+        eager: bool = False,
     ) -> None:
         message = pb.PushChunk(header=header).SerializeToString()
-        super().__init__(port, bulk.PUSH, auth, message, timeout, streams, kept)
+        super().__init__(port, bulk.PUSH, auth, message, timeout, streams, kept, eager)
         self._declared, self._given = sum(e.num_bytes for e in header.entries), 0
         self._delimited = len(self._socks) > 1 or isinstance(self._sock, ssl.SSLSocket) or self._kept is not None
         """The declared length ends the data (TLS, striped or kept): the coordinator cannot see a short or
@@ -232,7 +236,7 @@ class TcpPush(_TcpCall):
         self.resumed_from = 0
         """Bytes the coordinator held from an attempt that was cut (they are not sent again)."""
         try:
-            kind, data = bulk.read_frame(self._sock, MAX_MESSAGE_BYTES)
+            kind, data = (bulk.CONTINUE, b"") if eager else bulk.read_frame(self._sock, MAX_MESSAGE_BYTES)
             if kind == bulk.STATUS:
                 raise bulk.BulkError.from_status(data)
             if kind == bulk.OK:
