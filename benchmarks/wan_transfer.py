@@ -3,6 +3,7 @@
     python benchmarks/wan_transfer.py [--link 1000:80] [--model gpt-125m] [--codec int8]
                                       [--streams 1 4 8] [--repeat 2] [--tls] [--tuned-buffers]
                                       [--connections fresh kept] [--idle 2] [--keep-window]
+                                      [--admission eager wait]
 
 Runs itself under ``unshare -rn`` and builds one link of :mod:`atoll.harness.netlink`
 (``RATE_MBIT:RTT_MS``; the hosts' TCP buffers left at the kernel's defaults unless ``--tuned-buffers``).
@@ -13,9 +14,11 @@ own client (``bulk_streams``), ``--idle`` seconds of (replayed) compute before e
 every call opens its connections (handshakes, slow start); ``kept``: calls reuse the connections of
 the calls before (one untimed push and pull first), as an island does round after round when the
 coordinator keeps them. ``--keep-window``: both hosts keep their congestion window over idle time
-(``net.ipv4.tcp_slow_start_after_idle=0``). Printed per stream count and connection mode: the median
-push and pull, header to answer (connections, TLS and admission included), and the rate each moved
-its payload at against the link's.
+(``net.ipv4.tcp_slow_start_after_idle=0``). ``--admission``: a push's data goes right behind its
+header (``eager``, an island's first attempt) or once the coordinator admitted it (``wait``, a retry's;
+every push before `bulk.EAGER`); with both, each repeat does one of each, side by side. Printed per
+stream count, connection mode and admission: the median push and pull, header to answer (connections,
+TLS and admission included), and the rate each moved its payload at against the link's.
 """
 
 from __future__ import annotations
@@ -37,13 +40,23 @@ from atoll.harness.netlink import Link, LinkSpec, enter_namespace  # noqa: E402
 
 
 def island(
-    address: str, model: str, codec: str, streams: list[int], repeat: int, ca: str, modes: list[str], idle: float
+    address: str,
+    model: str,
+    codec: str,
+    streams: list[int],
+    repeat: int,
+    ca: str,
+    modes: list[str],
+    idle: float,
+    admissions: list[str],
 ) -> None:
     """The site's side (run in its namespace): prints one JSON line of timings."""
     import torch
 
     from atoll.compression import get_codec
     from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy
+    from atoll.islands._transport.kept import KeptConnections
+    from atoll.islands._transport.transfer import write_push
     from atoll.models import TinyGPT, preset
     from atoll.protos import coordinator_pb2 as pb
 
@@ -59,12 +72,15 @@ def island(
     gen = torch.Generator().manual_seed(0)
     enc = get_codec(codec)
 
-    def push(payloads, round_, kind, spec) -> float:
+    def push(payloads, round_, kind, spec, admission="eager") -> float:
         h = pb.PushHeader(run_id="w", island_id="a", round=round_, kind=kind, num_ranks=1, tokens=1, codec=spec)
         for name, p in zip(shapes, payloads, strict=True):
             h.entries.add(name=name, num_bytes=len(p))
         started = time.perf_counter()
-        resp = client.push(h, payloads)
+        if admission == "eager":
+            resp = client.push(h, payloads)  # (its first attempt goes without waiting for admission)
+        else:
+            resp = client.call("PushDelta", lambda: write_push(client.open_push(h, eager=False), h, payloads))
         assert resp.committed or resp.outcome == pb.PUSH_OUTCOME_COMMITTED, resp
         return time.perf_counter() - started
 
@@ -93,27 +109,30 @@ def island(
     for n in streams:
         client.bulk_streams = n
         for mode in modes:
-            client.kept.close()  # each mode starts from no connections
+            client.kept.close()  # each mode starts from no connections (a closed one keeps none again:
+            client.kept = KeptConnections()  # a new one for the mode's calls)
             client.bulk = joined if mode == "kept" else dataclasses.replace(joined, keep_seconds=0)
             if mode == "kept":  # connections up and warm, as after a run's first round
                 time.sleep(idle)
                 push(delta, round_, pb.PUSH_KIND_DELTA, codec)
                 pull(round_)
                 round_ += 1
-            pushes, pulls, rates = [], [], []
+            pushes, pulls, rates = ({a: [] for a in admissions} for _ in range(3))
             for _ in range(repeat):
-                time.sleep(idle)  # the inner steps
-                pushes.append(push(delta, round_, pb.PUSH_KIND_DELTA, codec))
-                took, nbytes, rate = pull(round_)
-                pulls.append(took)
-                rates.append(rate)
-                round_ += 1
-            out[f"{n}/{mode}"] = {
-                "push": statistics.median(pushes),
-                "pull": statistics.median(pulls),
-                "pull_bytes": nbytes,
-                "pull_second_half_rate": statistics.median(rates),
-            }
+                for admission in admissions:
+                    time.sleep(idle)  # the inner steps
+                    pushes[admission].append(push(delta, round_, pb.PUSH_KIND_DELTA, codec, admission))
+                    took, nbytes, rate = pull(round_)
+                    pulls[admission].append(took)
+                    rates[admission].append(rate)
+                    round_ += 1
+            for admission in admissions:
+                out[f"{n}/{mode}/{admission}"] = {
+                    "push": statistics.median(pushes[admission]),
+                    "pull": statistics.median(pulls[admission]),
+                    "pull_bytes": nbytes,
+                    "pull_second_half_rate": statistics.median(rates[admission]),
+                }
     client.close()
     print(json.dumps(out), flush=True)
 
@@ -130,10 +149,13 @@ def main() -> None:
     p.add_argument("--connections", nargs="+", choices=["fresh", "kept"], default=["fresh", "kept"])
     p.add_argument("--idle", type=float, default=2.0, help="seconds of replayed compute before each push")
     p.add_argument("--keep-window", action="store_true", help="net.ipv4.tcp_slow_start_after_idle=0 on both hosts")
+    p.add_argument(
+        "--admission", nargs="+", choices=["eager", "wait"], default=["eager"], help="a push's data before admission"
+    )
     p.add_argument("--island", nargs=2, metavar=("ADDRESS", "CA"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.island:
-        island(a.island[0], a.model, a.codec, a.streams, a.repeat, a.island[1], a.connections, a.idle)
+        island(a.island[0], a.model, a.codec, a.streams, a.repeat, a.island[1], a.connections, a.idle, a.admission)
         return
     enter_namespace([str(Path(__file__).resolve()), *sys.argv[1:]])
     rate, rtt = (float(x) for x in a.link.split(":"))
@@ -167,7 +189,7 @@ def main() -> None:
             address = f"{link.coordinator_host}:{port_file.read_text().strip()}"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--model", a.model, "--codec", a.codec,
                    "--repeat", str(a.repeat), "--streams", *map(str, a.streams), "--idle", str(a.idle),
-                   "--connections", *a.connections, "--island", address, ca]  # fmt: skip
+                   "--connections", *a.connections, "--admission", *a.admission, "--island", address, ca]  # fmt: skip
             out = subprocess.run(link.site_command(cmd), capture_output=True, text=True, timeout=1800)
             if out.returncode != 0:
                 raise RuntimeError(out.stderr[-4000:])
@@ -185,10 +207,10 @@ def main() -> None:
         f"{nbytes * 8 / rate / 1e6:.2f} s",
         flush=True,
     )
-    for n, mode in ((n, mode) for n in a.streams for mode in a.connections):
-        r = got[f"{n}/{mode}"]
+    for n, mode, adm in ((n, mode, adm) for n in a.streams for mode in a.connections for adm in a.admission):
+        r = got[f"{n}/{mode}/{adm}"]
         print(
-            f"  {n} stream{'s' if n > 1 else ' '}, {mode:5}: push {r['push']:.2f} s "
+            f"  {n} stream{'s' if n > 1 else ' '}, {mode:5}, {adm:5}: push {r['push']:.2f} s "
             f"({nbytes * 8 / r['push'] / 1e6 / rate:.2f} "
             f"of the link's rate), pull of {r['pull_bytes'] / 1e6:.1f} MB {r['pull']:.2f} s "
             f"({r['pull_bytes'] * 8 / r['pull'] / 1e6 / rate:.2f} of it; its second half of the bytes at "
