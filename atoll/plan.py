@@ -7,7 +7,8 @@ one outer exchange takes over the link, and the share of wall time the accelerat
 The link model is the bulk port's behaviour as measured over the emulated WAN
 (:mod:`atoll.harness.netlink`, ``benchmarks/wan_transfer.py``):
 
-- a push waits one round trip for its admission and one for its answer after the last byte; a
+- a push's data follows its header at once (an island's first attempt does not wait for its
+  admission: ``bulk.EAGER``) and its answer comes half a round trip after its last byte arrives; a
   pull's first byte arrives one round trip after its request;
 - in a run's steady state a call takes the connections the calls before it kept (``kept``): no
   handshake, and the windows start where they were (Linux keeps a connection's slow-start threshold
@@ -111,8 +112,7 @@ def setup_seconds(link: Link) -> float:
 
 
 def push_seconds(nbytes: float, link: Link, streams: int) -> float:
-    # admission; the data; the answer
-    return setup_seconds(link) + link.rtt + data_seconds(nbytes, link, streams) + link.rtt / 2
+    return setup_seconds(link) + data_seconds(nbytes, link, streams) + link.rtt / 2  # the data right away; the answer
 
 
 def pull_seconds(nbytes: float, link: Link, streams: int) -> float:

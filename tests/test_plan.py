@@ -26,15 +26,16 @@ def test_the_link_model():
     assert data_seconds(126e6, link, 4) == pytest.approx(
         rounds4 * 0.08 + (126e6 - first4 * (2**rounds4 - 1)) / rate + 0.04
     )
-    # A call: connect (+ TLS), admission, data, answer; a pull's data follows its request.
-    assert push_seconds(1e3, link, 1) == pytest.approx(0.08 + 0.08 + data_seconds(1e3, link, 1) + 0.04)
+    # A call: connect (+ TLS), then a push's data right behind its header (no round trip for its
+    # admission: an island's first attempt) and its answer; a pull's data follows its request.
+    assert push_seconds(1e3, link, 1) == pytest.approx(0.08 + data_seconds(1e3, link, 1) + 0.04)
     tls = Link(rate_mbit=1000, rtt_ms=80, mtu=9000, tls=True, kept=False)
     assert pull_seconds(1e3, tls, 1) == pytest.approx(0.16 + 0.04 + data_seconds(1e3, tls, 1))
     # Kept connections: no handshake, no slow start (TLS or not): the payload at the rate, plus the
-    # admission and the answer's round trips (a push) or the request's (a pull).
+    # answer's way (a push) or the request's (a pull).
     kept = Link(rate_mbit=1000, rtt_ms=80, mtu=9000, tls=True)
     assert data_seconds(126e6, kept, 4) == pytest.approx(126e6 / rate + 0.04)
-    assert push_seconds(126e6, kept, 4) == pytest.approx(0.08 + 126e6 / rate + 0.04 + 0.04)
+    assert push_seconds(126e6, kept, 4) == pytest.approx(126e6 / rate + 0.04 + 0.04)
     assert pull_seconds(126e6, kept, 4) == pytest.approx(0.04 + 126e6 / rate + 0.04)
     assert data_seconds(126e6, kept, 1) == pytest.approx(126e6 / (2.7e6 / 0.08) + 0.04)  # still one window
     # Loss holds each stream to the Mathis bound.
