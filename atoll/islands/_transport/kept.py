@@ -20,15 +20,16 @@ MARGIN = 0.8
 """The share of the coordinator's keep time an idle connection is used within."""
 
 
-def peer_spoke(sock: socket.socket) -> bool:
-    """Bytes or an end wait on ``sock``: the coordinator, which sends nothing unasked (no TLS session
-    tickets, no renegotiation), has answered (a push refused part way) or closed it (a kept one)."""
+def peer_spoke(sock: socket.socket, wait: float = 0.0) -> bool:
+    """Bytes or an end wait on ``sock`` (or come within ``wait`` seconds): the coordinator, which sends
+    nothing unasked (no TLS session tickets, no renegotiation), has answered (a push refused part way)
+    or closed it (a kept one)."""
     if isinstance(sock, ssl.SSLSocket) and sock.pending():
         return True
     try:
         poller = select.poll()  # not select(): descriptors past 1024
         poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
+        return bool(poller.poll(int(wait * 1000)))
     except (OSError, ValueError):  # closed already
         return True
 

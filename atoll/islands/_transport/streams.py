@@ -35,6 +35,10 @@ from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.raw import RawData
 from atoll.protos.rpc import MAX_MESSAGE_BYTES, ChunkPacker
 
+EARLY_ANSWER_SECONDS = 1.0
+"""How long an eager push whose payloads fell short of its header waits for the coordinator's refusal
+of the header before it says the shortfall instead."""
+
 
 class PushStream(Protocol):
     def send(self, payload) -> bool: ...
@@ -226,6 +230,7 @@ class TcpPush(_TcpCall):
     ) -> None:
         message = pb.PushChunk(header=header).SerializeToString()
         super().__init__(port, bulk.PUSH, auth, message, timeout, streams, kept, eager)
+        self._eager = eager
         self._declared, self._given = sum(e.num_bytes for e in header.entries), 0
         self._delimited = len(self._socks) > 1 or isinstance(self._sock, ssl.SSLSocket) or self._kept is not None
         """The declared length ends the data (TLS, striped or kept): the coordinator cannot see a short or
@@ -292,8 +297,9 @@ class TcpPush(_TcpCall):
 
     def finish(self) -> pb.PushResponse:
         if self._sender is not None and self._delimited and self._given < self._declared and not self._failed:
+            refusal = self._refusal_at_header() if self._eager else None
             self.abort()
-            raise _mismatch(f"the push's data ended early: {self._given} of the {self._declared} bytes declared")
+            raise refusal or _mismatch(f"the push's data ended early: {self._given} of {self._declared} bytes declared")
         clean = False
         try:
             if self._sender is None:
@@ -314,6 +320,20 @@ class TcpPush(_TcpCall):
             return response
         finally:
             self._close(clean)
+
+    def _refusal_at_header(self) -> bulk.BulkError | None:
+        """An eager push whose data fell short: the coordinator's refusal of its header, if one comes
+        within ``EARLY_ANSWER_SECONDS`` (its reason says more than the short data: it is what a push
+        that waited for admission would have been told)."""
+        self._ready.put(_End)
+        self._sender.join()
+        if (self._failed and self._failed[0] is not None) or not peer_spoke(self._sock, EARLY_ANSWER_SECONDS):
+            return None
+        try:
+            kind, data = bulk.read_frame(self._sock, MAX_MESSAGE_BYTES)
+        except (OSError, grpc.RpcError):
+            return None
+        return bulk.BulkError.from_status(data) if kind == bulk.STATUS else None
 
     def _close(self, clean: bool = False) -> None:
         if self._given_back(clean):
