@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atoll.coordinator.disk import snapshots  # noqa: E402
 from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.workload.island import param_digest  # noqa: E402
+from atoll.workload.digest import param_digest  # noqa: E402
 
 
 def island_cmd(address: str, island: str, ckpt: Path, args) -> list[str]:

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from atoll.coordinator.disk import snapshots
 from atoll.data import CharDataset
 from atoll.models import GPTConfig, TinyGPT
-from atoll.workload.island import param_digest
+from atoll.workload.digest import param_digest
 
 pytestmark = pytest.mark.slow  # real processes, tens of seconds each
 

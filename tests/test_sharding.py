@@ -5,7 +5,7 @@ from conftest import collect_events
 
 from atoll.coordinator.disk import snapshots
 from atoll.sharding import parse_shard, shard_of
-from atoll.workload.island import param_digest
+from atoll.workload.digest import param_digest
 
 pytestmark = pytest.mark.slow  # real processes, tens of seconds each
 

@@ -27,8 +27,9 @@ from atoll.islands.errors import Preempted, QuorumGone
 from atoll.memory import tune_for_bulk_buffers
 from atoll.models import PRESETS, TinyGPT, preset
 from atoll.workload.connect import coordinator_link
+from atoll.workload.digest import model_digest, param_digest
 from atoll.workload.hooks import IslandHooks
-from atoll.workload.parallel import MODES, Layout, full_tensor, parallelize
+from atoll.workload.parallel import MODES, Layout, parallelize
 from atoll.workload.progress import Reporter
 
 
@@ -141,22 +142,6 @@ class IslandArgs:
             raise ValueError(f"progress must be auto, terminal or json, got {self.progress!r}")
         if min(self.n_layer, self.n_embd, self.n_head, self.block_size, self.vocab_size, self.lr_warmup_steps) < 0:
             raise ValueError("model sizes, vocab_size and lr_warmup_steps must be >= 0")
-
-
-def param_digest(params: dict[str, torch.Tensor]) -> str:
-    """sha256 over the names and bytes of the tensors: equal digests = bitwise equal θ."""
-    h = hashlib.sha256()
-    for name in sorted(params):
-        h.update(name.encode())
-        # copy=True: .numpy() pins a storage as non-resizable, which FSDP2's own buffers must not be.
-        h.update(params[name].detach().to("cpu", torch.float32, copy=True).contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def model_digest(model: torch.nn.Module) -> str:
-    """Digest of the whole θ, gathered from the shards (collective on a multi-rank island)."""
-    with torch.no_grad():
-        return param_digest({n: full_tensor(p) for n, p in model.named_parameters()})
 
 
 def autocast(device: torch.device):

@@ -64,6 +64,9 @@ def weight(
 
 PER_ROUND_WEIGHT_RULES = ("whole", "progress")
 """The decoupled rules under which an island's usual weight is its weight per H inner steps."""
+DELAYED_NESTEROV_RULES = ("delayed", "whole", "progress")
+"""The decoupled rules whose outer optimizer is Delayed Nesterov (the momentum once per full round's
+share; ``progress`` steps it as that share's full rounds would)."""
 
 
 def step_scale(rule: str | None, sync_every: int, inner_steps: int) -> float:

@@ -25,6 +25,7 @@ from atoll.coordinator.run.owners import Owners
 from atoll.coordinator.state import robust
 from atoll.coordinator.state.accumulator import assemble
 from atoll.coordinator.state.ledger import BOOTSTRAP
+from atoll.coordinator.state.membership import usual_weight
 from atoll.coordinator.state.plans import Committed, PushPlan, StagedRank, release
 
 log = logging.getLogger("atoll.coordinator")
@@ -244,6 +245,17 @@ class Pushes:
             joined_round,
         )
         return PushResult(PushOutcome.ROUND_CLOSED, self.ledger.round, committed=False)
+
+    def round_weight(self) -> tuple[float | None, float]:
+        """The open round's share of a full round and the denominator of its mean: a decoupled round of
+        some islands steps by its share (:func:`~atoll.coordinator.policy.weighting.round_share`); a
+        round of everyone (sync mode, the ``full`` rule) has no share and Σ w_i."""
+        c, acc = self._config(), self.accumulator
+        weight = acc.weight_total()
+        if c.outer_mode != "decoupled" or c.decoupled_step == "full":
+            return None, weight
+        full = usual_weight(self.membership.islands.values(), self.membership.clock())
+        return weighting.round_share(c.decoupled_step, weight, acc.entered_weight(c.decoupled_step, c.sync_every), full)
 
     def _weight(self, plan: PushPlan, late_by: int) -> float:
         """The island's weight in the round's mean (:func:`~atoll.coordinator.policy.weighting.weight`),

@@ -53,7 +53,7 @@ from atoll.coordinator.messages import (
     PushOutcome,
     PushResult,
 )
-from atoll.coordinator.policy import grace, weighting
+from atoll.coordinator.policy import grace
 from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.policy.rounds import RoundPolicy
 from atoll.coordinator.run import checks, saved
@@ -64,7 +64,7 @@ from atoll.coordinator.state.accumulator import RoundAccumulator
 from atoll.coordinator.state.budget import Reservation
 from atoll.coordinator.state.downlink import Downlink
 from atoll.coordinator.state.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger, Sealed
-from atoll.coordinator.state.membership import Membership, island_state, usual_weight
+from atoll.coordinator.state.membership import Membership, island_state
 from atoll.coordinator.state.model import GlobalModel
 from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
 from atoll.objects import ObjectStore
@@ -362,12 +362,7 @@ class RunState:
             self.downlink.release_latest()  # its room goes to θ_{r+1}
             await asyncio.to_thread(self.writer.wait)  # the step changes what it may still write
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
-            summary, weight = acc.record(), acc.weight_total()
-            share = None
-            if c.outer_mode == "decoupled" and c.decoupled_step != "full":  # a round of some islands
-                full = usual_weight(self.membership.islands.values(), self.membership.clock())
-                entered = acc.entered_weight(c.decoupled_step, c.sync_every)
-                share, weight = weighting.round_share(c.decoupled_step, weight, entered, full)
+            summary, (share, weight) = acc.record(), self.pushes.round_weight()
             sizes = self.model.update_sizes()
             hint = wal.head_hint(sizes, lambda: self.membership.to_json()["islands"], self.history[-1:])
             with (

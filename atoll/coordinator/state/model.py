@@ -13,6 +13,7 @@ import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
+from atoll.coordinator.policy.weighting import DELAYED_NESTEROV_RULES
 from atoll.coordinator.state.outer import DelayedNesterov, FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import Leases
 
@@ -76,7 +77,7 @@ class GlobalModel:
         self.aliases = dict(aliases or {})
         c = self._config
         shapes = {k: s for k, s in self.specs.items() if k not in self.buffers}
-        delayed = c.outer_mode == "decoupled" and c.decoupled_step in ("delayed", "whole", "progress")
+        delayed = c.outer_mode == "decoupled" and c.decoupled_step in DELAYED_NESTEROV_RULES
         opts = {"lr": c.outer_lr, "momentum": c.outer_momentum, "nesterov": c.nesterov}
         if delayed:
             self.optimizer = DelayedNesterov(shapes, **opts, per_share=c.decoupled_step == "progress")
