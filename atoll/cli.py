@@ -321,11 +321,26 @@ def _coordinator(ns: argparse.Namespace) -> int:
     )
 
 
-def main(argv: list[str] | None = None, island_hooks=None) -> int:
-    """``island_hooks``: seams of ``atoll island``'s loop (:class:`atoll.workload.hooks.IslandHooks`;
-    the harness's entry point passes its fault hooks)."""
+TOKEN_FLAGS = ("--token", "--admin-token")
+"""Flags whose value is a bearer token: the next word is the value whatever it looks like. argparse
+takes a word that begins with '-' for a flag, and a URL-safe token (``secrets.token_urlsafe``, as
+docs/two-site-run.md makes them) begins with '-' one time in 64."""
+
+
+def _tokens_glued(argv: list[str]) -> list[str]:
+    """``argv`` with each ``TOKEN_FLAG VALUE`` as ``TOKEN_FLAG=VALUE`` (a flag with no word after it
+    stays as it is: argparse says what is missing)."""
+    out, words = [], iter(argv)
+    for word in words:
+        value = next(words, None) if word in TOKEN_FLAGS else None
+        out.append(word if value is None else f"{word}={value}")
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line as ``main`` reads it; a wrong flag gets the subcommand's usage (exit 2)."""
     parser = build_parser()
-    ns, unknown = parser.parse_known_args(argv)
+    ns, unknown = parser.parse_known_args(_tokens_glued(argv))
     if ns.command == "island" and any(a == "--sync-every" or a.startswith("--sync-every=") for a in unknown):
         parser.subcommands["island"].error(
             "--sync-every is the run's: the coordinator decides H (atoll coordinator --sync-every) and islands "
@@ -333,6 +348,14 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
         )
     if unknown:  # the subcommand's usage, not the top-level one
         parser.subcommands[ns.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return ns
+
+
+def main(argv: list[str] | None = None, island_hooks=None) -> int:
+    """``island_hooks``: seams of ``atoll island``'s loop (:class:`atoll.workload.hooks.IslandHooks`;
+    the harness's entry point passes its fault hooks)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    ns = parse_args(words)
     logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from atoll.coordinator.config import ConfigMismatch
     from atoll.coordinator.disk.snapshots import StateError
@@ -344,8 +367,7 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
         if ns.command == "island":
             from atoll.workload.island import IslandArgs, run_island
 
-            island_argv = list(sys.argv[1:] if argv is None else argv)
-            return run_island(_config_from(IslandArgs, ns), island_argv, island_hooks)
+            return run_island(_config_from(IslandArgs, ns), words, island_hooks)
         if ns.command == "demo":
             from atoll.harness.demo import DemoArgs, run_demo
 
@@ -367,7 +389,7 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 141  # as a process killed by SIGPIPE, the shell's convention
     except ValueError as err:
-        parser.error(str(err))
+        build_parser().subcommands[ns.command].error(str(err))
     return 2
 
 

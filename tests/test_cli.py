@@ -32,6 +32,23 @@ def test_no_prefix_matching_anywhere_in_the_cli(argv, capsys):
     assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
+def test_a_token_that_begins_with_a_dash_is_the_tokens_value(capsys):
+    """(Before: ``--admin-token "$(cat admin.token)"`` as docs/two-site-run.md writes it failed with
+    "expected one argument" whenever the URL-safe token began with '-', one time in 64.) A token flag
+    takes the next word whatever it looks like."""
+    from atoll.cli import parse_args
+
+    ns = parse_args(["coordinator", "--state-dir", "s", "--admin-token", "-ibQS-62Wx", "--port", "0"])
+    assert ns.admin_token == "-ibQS-62Wx" and ns.port == 0
+    assert parse_args(["status", "--admin", "http://x", "--token", "--b", "--log-level", "DEBUG"]).token == "--b"
+    island = ["island", "--coordinator", "h:1", "--island-id", "a", "--token", "-x"]
+    assert parse_args(island).token == "-x"
+    assert parse_args(["coordinator", "--state-dir", "s", "--admin-token=-y"]).admin_token == "-y"
+    with pytest.raises(SystemExit):  # a token flag with no word after it is still an error
+        parse_args(["status", "--admin", "http://x", "--token"])
+    assert "expected one argument" in capsys.readouterr().err
+
+
 # ---- CLI polish --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("command", ["coordinator", "island", "demo", "status", "export", "rollback"])
 def test_every_flag_has_help_with_allowed_values(command):

@@ -3,6 +3,7 @@ for loopback's, a run cut to a few rounds of the bundled model)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -50,6 +51,11 @@ def test_the_two_site_guide_runs_as_written(group):
         if "atoll plan" in script:
             assert "<- recommended" in out.stdout
     assert all((work / f).exists() for f in ("ca.pem", "coord.pem", "site-a.pem", "site-b.key", "tokens.json"))
+    # A URL-safe token begins with '-' one time in 64 (and a flag's value that does looked like a flag):
+    # these runs' do, always.
+    assert json.loads((work / "tokens.json").read_text()).keys() == {"site-a", "site-b"}
+    (work / "tokens.json").write_text(json.dumps({"site-a": "-a-token", "site-b": "--b-token"}))
+    (work / "admin.token").write_text("-admin-token\n")
 
     (_, coord_cmd), (_, island_cmd), (_, status_cmd) = [b for b in found if b[0] != "run"]
     coord_args = argv(coord_cmd, work)
