@@ -240,23 +240,29 @@ class TcpPush(_TcpCall):
         self._early: bytes | None = None
         self.resumed_from = 0
         """Bytes the coordinator held from an attempt that was cut (they are not sent again)."""
-        try:
-            kind, data = (bulk.CONTINUE, b"") if eager else bulk.read_frame(self._sock, MAX_MESSAGE_BYTES)
-            if kind == bulk.STATUS:
-                raise bulk.BulkError.from_status(data)
-            if kind == bulk.OK:
-                self._early = data  # answered at the header: nothing to send
-            elif kind != bulk.CONTINUE or len(data) not in (0, bulk.OFFSET.size):
-                raise bulk.broken(f"unexpected frame kind {kind}")
-            elif data:
-                (self.resumed_from,) = bulk.OFFSET.unpack(data)
-        except BaseException:
-            self._close()
-            raise
+        if not eager:  # (an eager push's answer, a refusal included, is read at the end)
+            try:
+                self._admitted()
+            except BaseException:
+                self._close()
+                raise
         self._sender = None
         if self._early is None:
             self._sender = threading.Thread(target=self._send_all, name="atoll-bulk-send", daemon=True)
             self._sender.start()
+
+    def _admitted(self) -> None:
+        """Wait for the coordinator's answer to the header: CONTINUE (with the offset a cut attempt
+        resumes from), an answer with nothing to send, or a refusal (raised)."""
+        kind, data = bulk.read_frame(self._sock, MAX_MESSAGE_BYTES)
+        if kind == bulk.STATUS:
+            raise bulk.BulkError.from_status(data)
+        if kind == bulk.OK:
+            self._early = data  # answered at the header: nothing to send
+        elif kind != bulk.CONTINUE or len(data) not in (0, bulk.OFFSET.size):
+            raise bulk.broken(f"unexpected frame kind {kind}")
+        elif data:
+            (self.resumed_from,) = bulk.OFFSET.unpack(data)
 
     def _sendall(self, sock: socket.socket, data) -> None:
         try:
