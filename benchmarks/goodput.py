@@ -219,7 +219,10 @@ def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
         "curve": theta,
         "eval_loss": theta[-1][2],
         "history": [  # what each round was made of (with --coordinator-flags="--snapshot-every 1", beside "curve")
-            {k: h.get(k) for k in ("round", "islands", "late", "steps_by_island", "tokens_by_island", "share")}
+            {
+                k: h.get(k)
+                for k in ("round", "islands", "late", "too_stale", "steps_by_island", "tokens_by_island", "share")
+            }  # fmt: skip
             for h in history
         ],
     }

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from goodput import evaluate_theta, make_corpus, make_text_corpus  # noqa: E402  (benchmarks/goodput.py, beside this)
 
+from atoll.coordinator.disk import snapshots  # noqa: E402
 from atoll.harness import ProcessGroup  # noqa: E402
 from atoll.harness.faults import Fault, island_faults_json  # noqa: E402
 
@@ -116,7 +117,9 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
             p.kill()
         coord.stop()
     curve = evaluate_theta(work / "state", None if a.data != "bundled" else "")
-    return {"policy": policy, "quorum": quorum, "sync_every": h, "seed": seed, "curve": curve}
+    history = snapshots.load(work / "state").history
+    carried = sum(len(r.get("too_stale") or ()) for r in history)  # pushes refused as too stale, work carried
+    return {"policy": policy, "quorum": quorum, "sync_every": h, "seed": seed, "curve": curve, "carried": carried}
 
 
 def loss_at_tokens(curve, tokens: int) -> float:

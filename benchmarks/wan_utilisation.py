@@ -14,7 +14,11 @@ the islands falling into step: the one that uploaded θ_0 waits once for the oth
 last (drained at the end), both islands together. Beside each measured figure, what ``atoll plan``
 predicts for the same settings: as for an accelerator island (no host work), and with the host work
 these CPU islands do each round (``--host-seconds``), timed here first on one thread: the
-pseudo-gradient, its encoding, the update's decoding and its apply at 124M.
+pseudo-gradient, its encoding, the update's decoding and its apply at 124M. And where a measured
+round's time beyond its steps went, by the step it was lost at (:func:`where_lost`): the launch (the
+pseudo-gradient and its encoding, on the training thread), the merge (waiting for the exchange, then
+the update's decoding and apply) and every other step together (anything the exchange's thread, the
+coordinator or the delay lines took from the training thread).
 """
 
 from __future__ import annotations
@@ -96,14 +100,31 @@ def measure(a, overlap: int) -> dict:
                     p.kill()
             coord.terminate()
             coord.wait(30)
-    utils = []
+    utils, lost = [], []
     for out in outs:
         marks = json.loads(out.strip().splitlines()[-1])["marks"]
         h = a.sync_every
         starts = [marks[r * h][0] for r in range(a.rounds)] + [marks[-1][0]]
         walls = [starts[r + 1] - starts[r] for r in range(a.warmup, a.rounds - 1)]  # not the last either
         utils.append(h * a.step_seconds * len(walls) / sum(walls))
-    return {"utilisation": statistics.mean(utils), "per_island": utils}
+        lost.append(where_lost(marks, a, len(walls)))
+    return {"utilisation": statistics.mean(utils), "per_island": utils, "lost_per_round": lost}
+
+
+def where_lost(marks: list, a, rounds: int) -> dict:
+    """Seconds a measured round spends beyond its replayed steps, by the step's place in the round:
+    the step that launches the exchange (H-1), the one that merges it (τ-1, in the next round), the
+    one that waits at a round's first step (0), and all the others together."""
+    h, excess = a.sync_every, {}
+    for i in range(a.warmup * h, (a.warmup + rounds) * h):
+        at = i % h
+        extra = marks[i + 1][0] - marks[i][0] - a.step_seconds
+        excess[at] = excess.get(at, 0.0) + extra / rounds
+    named = {"launch": h - 1, "merge": (a.overlap_steps - 1) % h if a.overlap_steps else None, "first": 0}
+    out = {k: round(excess.get(v, 0.0), 3) for k, v in named.items() if v is not None}
+    out["others"] = round(sum(v for k, v in excess.items() if k not in named.values()), 3)
+    out["worst"] = [(k, round(v, 3)) for k, v in sorted(excess.items(), key=lambda kv: -kv[1])[:4]]
+    return out
 
 
 def island_flags(a) -> list[str]:
@@ -182,13 +203,15 @@ def main() -> None:
     host = host_work(a.codec)
     print(f"  an island's host work per round, timed on one thread: {host:.2f} s", flush=True)
     for tau in a.overlap:
+        a.overlap_steps = tau
         got = measure(a, tau)
         util, sync = predicted(a, tau)
         util_host, _ = predicted(a, tau, host)
         print(
             f"  overlap τ={tau}: utilisation {got['utilisation']:.1%} (islands "
             f"{', '.join(f'{u:.1%}' for u in got['per_island'])}); atoll plan predicts {util:.1%} "
-            f"(an exchange {sync:.2f} s), {util_host:.1%} with --host-seconds {host:.2f}",
+            f"(an exchange {sync:.2f} s), {util_host:.1%} with --host-seconds {host:.2f}; seconds lost a "
+            f"round, by step: {got['lost_per_round']}",
             flush=True,
         )
         settings = {k: getattr(a, k) for k in ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")}
