@@ -50,6 +50,11 @@ class RoundStats:
     """The round closed before this island's push arrived: its work did not count."""
     run_complete: bool = False
     """The run reached its total rounds with this exchange: stop training."""
+    host_seconds: float = 0.0
+    """Of ``sync_seconds``, the training loop's own work, not its waits for the coordinator: the
+    pseudo-gradient and its encoding, the checkpoint's start, decoding and applying the update. What
+    ``atoll plan --host-seconds`` takes (it is never hidden by overlap); on an accelerator the passes
+    over θ run on the device and this is small."""
 
 
 @dataclass(eq=False)
@@ -77,6 +82,8 @@ class Flight:
     result: tuple[Pulled | None, float | None] = (None, None)
     max_payload_numel: int = 0
     blocked: float = 0.0
+    host: float = 0.0
+    """Of ``blocked``, the training thread's own work (:attr:`RoundStats.host_seconds`)."""
     error: BaseException | None = None
     thread: threading.Thread | None = None
     ready: Callable[[], object] | None = None
@@ -108,10 +115,22 @@ class Flight:
         for i, _, payloads in self.pushes:
             if i == route and payloads is not None:
                 return self.settle(payloads)
-        if self.encoder is not None:
-            encode = self.encoder(route)
+        if self.encoder is not None:  # (a plain exchange: the stream asks on the training thread)
+            encode = self.timed(self.timed(self.encoder)(route))
             return lambda j: self.kept(encode(j))
         return self.payloads_of(route)
+
+    def timed(self, work: Callable) -> Callable:
+        """``work``, its time counted as the training thread's own (:attr:`host`)."""
+
+        def run(*args):
+            began = time.perf_counter()
+            try:
+                return work(*args)
+            finally:
+                self.host += time.perf_counter() - began
+
+        return run
 
     def payloads_of(self, route: int) -> list:
         """The route's payloads: kept, or encoded again (the same bytes: see ``rebuild``)."""
@@ -143,6 +162,7 @@ class Flight:
             tuple(self.routes),
             dropped=any(o is PushOutcome.ROUND_CLOSED for o in self.outcomes.values()),
             run_complete=run_complete,
+            host_seconds=self.host,
         )
 
 
@@ -268,6 +288,7 @@ class Exchanges:
         if before_push is not None:
             ready = before_push()
             flight.ready = ready if callable(ready) else None
+        flight.host += time.perf_counter() - started
         self.launch(flight)
         flight.blocked += time.perf_counter() - started
         return flight
@@ -302,7 +323,7 @@ class Exchanges:
                 flight.result = sessions[i].pull_until_ready(
                     header.round,
                     on_update=(lambda h, pl, i=i: flight.updates.append((i, h, pl))) if buffered else None,
-                    on_entry=None if buffered else routes.entry_applier(i),
+                    on_entry=None if buffered else flight.timed(routes.entry_applier(i)),
                     repush=None if dropped else (lambda i=i, h=header: (h, flight.source(i))),
                     cancel=routes.link.stopping,
                 )
@@ -315,6 +336,7 @@ class Exchanges:
         if flight.thread is not None:
             flight.thread.join()
             flight.thread = None
+        applying = time.perf_counter()
         for i in flight.routes:
             self.by_route.pop(i, None)
         flight.end()  # its payloads may be encoded into again
@@ -332,6 +354,7 @@ class Exchanges:
                 h = headers[i]
                 self.schedule.routes[i].carry(h.inner_steps, h.tokens, h.compute_seconds)
         flight.updates = []
+        flight.host += time.perf_counter() - applying
         flight.blocked += time.perf_counter() - started
         return flight.stats(self.routes.link.bytes(flight.routes), self._island_bytes, run_complete())
 

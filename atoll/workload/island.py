@@ -359,6 +359,7 @@ def _train(
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
             sync_seconds=stats.sync_seconds,
+            host_seconds=stats.host_seconds,
             round_seconds=round_seconds,
             inner_steps=stats.inner_steps,
             tokens=stats.tokens,

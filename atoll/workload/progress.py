@@ -112,7 +112,9 @@ class Reporter:
             share = f["sync_seconds"] / f["round_seconds"] if f.get("round_seconds") else 0.0
             tail = (
                 f"{f['inner_steps']} steps, {f['tokens']:,} tokens | sent {human_bytes(f['bytes_sent'])}, received "
-                f"{human_bytes(f['bytes_received'])} | sync {f['sync_seconds']:.2f}s ({share:.0%} of the round)"
+                f"{human_bytes(f['bytes_received'])} | sync {f['sync_seconds']:.2f}s ({share:.0%} of the round"
+                + (f"; own work {f['host_seconds']:.2f}s" if f.get("host_seconds") is not None else "")
+                + ")"
             )
             flags = " | DROPPED: the round closed before the push" if f.get("dropped") else ""
             flags += " | run complete" if f.get("run_complete") else ""
