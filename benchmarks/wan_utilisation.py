@@ -13,8 +13,9 @@ time / the wall time, over the rounds after the first ``--warmup`` (θ_0's uploa
 the islands falling into step: the one that uploaded θ_0 waits once for the other) and before the
 last (drained at the end), both islands together. Beside each measured figure, what ``atoll plan``
 predicts for the same settings: as for an accelerator island (no host work), and with the host work
-these CPU islands do each round (``--host-seconds``), timed here first on one thread: the
-pseudo-gradient, its encoding, the update's decoding and its apply at 124M. And where a measured
+these CPU islands do each round (``--host-seconds``), timed here first on one thread (the
+pseudo-gradient, its encoding, the update's decoding and its apply at 124M) and as the islands'
+``RoundStats.host_seconds`` report it in the run (the mean over the measured rounds). And where a measured
 round's time beyond its steps went, by the step it was lost at (:func:`where_lost`): the launch (the
 pseudo-gradient and its encoding, on the training thread), the merge (waiting for the exchange, then
 the update's decoding and apply) and every other step together (anything the exchange's thread, the
@@ -50,17 +51,19 @@ def island(addresses: str, name: str, a) -> None:
     model = TinyGPT(preset("gpt-125m", vocab_size=50257))
     link = CoordinatorLink(addresses, run_id="u", island_id=name, retry=RetryPolicy(give_up_seconds=600))
     nudge = next(iter(model.parameters()))
-    marks = []
+    marks, host = [], []
     with DiLoCo(model, link, overlap_steps=a.overlap_steps, streaming=a.fragments > 1) as sync:
         for step in range(a.rounds * a.sync_every):
             marks.append((time.perf_counter(), sync.round))
             time.sleep(a.step_seconds)  # the accelerator's step
             with torch.no_grad():
                 nudge.view(-1)[step % 64] += 1e-3
-            sync.step(tokens=16384, loss=1.0)
+            stats = sync.step(tokens=16384, loss=1.0)
+            if stats is not None:
+                host.append((stats.round, stats.host_seconds))  # its own work in the exchange
         marks.append((time.perf_counter(), sync.round))
         sync.drain()
-    print(json.dumps({"island": name, "marks": marks}), flush=True)
+    print(json.dumps({"island": name, "marks": marks, "host": host}), flush=True)
 
 
 def measure(a, overlap: int) -> dict:
@@ -100,15 +103,18 @@ def measure(a, overlap: int) -> dict:
                     p.kill()
             coord.terminate()
             coord.wait(30)
-    utils, lost = [], []
+    utils, lost, host = [], [], []
     for out in outs:
-        marks = json.loads(out.strip().splitlines()[-1])["marks"]
+        got = json.loads(out.strip().splitlines()[-1])
+        marks = got["marks"]
+        host += [s for r, s in got["host"] if a.warmup <= r < a.rounds - 1]
         h = a.sync_every
         starts = [marks[r * h][0] for r in range(a.rounds)] + [marks[-1][0]]
         walls = [starts[r + 1] - starts[r] for r in range(a.warmup, a.rounds - 1)]  # not the last either
         utils.append(h * a.step_seconds * len(walls) / sum(walls))
         lost.append(where_lost(marks, a, len(walls)))
-    return {"utilisation": statistics.mean(utils), "per_island": utils, "lost_per_round": lost}
+    return {"utilisation": statistics.mean(utils), "per_island": utils, "lost_per_round": lost,
+            "run_host_seconds": statistics.mean(host) if host else 0.0}  # fmt: skip
 
 
 def where_lost(marks: list, a, rounds: int) -> dict:
@@ -207,18 +213,22 @@ def main() -> None:
         got = measure(a, tau)
         util, sync = predicted(a, tau)
         util_host, _ = predicted(a, tau, host)
+        run_host = got["run_host_seconds"]
+        util_run_host, _ = predicted(a, tau, run_host)
         print(
             f"  overlap τ={tau}: utilisation {got['utilisation']:.1%} (islands "
             f"{', '.join(f'{u:.1%}' for u in got['per_island'])}); atoll plan predicts {util:.1%} "
-            f"(an exchange {sync:.2f} s), {util_host:.1%} with --host-seconds {host:.2f}; seconds lost a "
-            f"round, by step: {got['lost_per_round']}",
+            f"(an exchange {sync:.2f} s), {util_host:.1%} with --host-seconds {host:.2f}, {util_run_host:.1%} "
+            f"with the islands' own host_seconds {run_host:.2f}; seconds lost a round, by step: "
+            f"{got['lost_per_round']}",
             flush=True,
         )
         settings = {k: getattr(a, k) for k in ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")}
         print(
             json.dumps(
                 {**settings, "overlap_steps": tau, **got, "predicted": util, "sync": sync,
-                 "host_seconds": host, "predicted_with_host": util_host}
+                 "host_seconds": host, "predicted_with_host": util_host,
+                 "predicted_with_run_host": util_run_host}
             ),
             flush=True,
         )  # fmt: skip
