@@ -29,7 +29,9 @@ waits only for what is left after τ steps; with P streaming fragments each exch
 the model, P times a round. ``host_seconds`` is the island's own work per round on its training
 thread (the pseudo-gradient, its encoding, applying the update), which overlap does not hide: on an
 accelerator it runs on the device in well under a step (the default, 0); an island computing on
-its CPU measures it (``benchmarks/wan_utilisation.py`` does: ~1 s at 124M on its 2 cores).
+its CPU reads it from its rounds (``RoundStats.host_seconds``: ~0.9 s at 124M int8 on 2 cores, 4 s
+with DCT top-k, ``benchmarks/wan_utilisation.py``). The coordinator's own decoding of the pushes is
+not modelled (it is what the planner misses with int4 and DCT top-k there).
 """
 
 from __future__ import annotations

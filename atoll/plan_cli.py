@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="the island's own work per round on its training thread, not hidden by overlap (default: 0, an "
-        "accelerator's; measure it for CPU islands)",
+        "accelerator's; a CPU island's RoundStats.host_seconds, the 'own work' of atoll island's round lines)",
     )
     p.add_argument(
         "--max-overlap", type=float, default=0.5, help="the most of H an update may arrive late by (default: 0.5)"

@@ -107,7 +107,10 @@ def measure(a, overlap: int) -> dict:
     for out in outs:
         got = json.loads(out.strip().splitlines()[-1])
         marks = got["marks"]
-        host += [s for r, s in got["host"] if a.warmup <= r < a.rounds - 1]
+        per_round = {}  # (streaming: each fragment's exchange reports its own part of the round)
+        for r, seconds in got["host"]:
+            per_round[r] = per_round.get(r, 0.0) + seconds
+        host += [seconds for r, seconds in per_round.items() if a.warmup <= r < a.rounds - 1]
         h = a.sync_every
         starts = [marks[r * h][0] for r in range(a.rounds)] + [marks[-1][0]]
         walls = [starts[r + 1] - starts[r] for r in range(a.warmup, a.rounds - 1)]  # not the last either
