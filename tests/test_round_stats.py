@@ -3,44 +3,70 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
-from conftest import inner_step
+from conftest import FakeClock, inner_step, wait_for
 from small_island import H, batches, config, island
+
+
+def moving(clock: FakeClock, seconds: float, work, calls: list):
+    """``work``, with ``clock`` moved by ``seconds`` each call (counted in ``calls``)."""
+
+    def run(*args, **kw):
+        calls.append(seconds)
+        clock.now += seconds
+        return work(*args, **kw)
+
+    return run
 
 
 @pytest.mark.parametrize("overlap", [0, 2])
 def test_round_stats_split_the_sync_into_the_islands_own_work_and_its_wait(start_server, overlap):
     """(`atoll plan --host-seconds` wants an island's own work per round: the pseudo-gradient, its
     encoding, applying the update. Nothing gave it but a benchmark's separate timing, which said 1.45 s
-    for DCT top-k where the run's launch step alone took 3.7 s, benchmarks/RESULTS.md.) Quorum 2: b
-    pushes ~1 s after a, so a's exchange waits ~1 s for the round; its ``host_seconds`` are the part
-    of ``sync_seconds`` it worked, not that wait, with and without overlap."""
+    for DCT top-k where the run's launch step alone took 3.7 s, benchmarks/RESULTS.md.) Island a's
+    schedule runs on a moved clock: each encode moves it 0.25 s and each apply 0.5 s (its own work),
+    and its wait for the round's update 10 s. ``host_seconds`` is exactly the own work, and
+    ``sync_seconds`` that plus the wait when the wait is on the training thread (no overlap); with
+    overlap the wait is on the exchange's thread while a trains on, in neither figure."""
     srv = start_server(config(quorum=2))
     a_model, a_opt, a = island(srv.address, island_id="a", overlap_steps=overlap)
     b_model, b_opt, b = island(srv.address, island_id="b", overlap_steps=overlap)
     a.start()
     b.start()
+    clock, own, waits = FakeClock(), [], []
+    a._schedule.clock = clock
+    for state in a._routes.states.values():
+        state.encode = moving(clock, 0.25, state.encode, own)
+        state.apply = moving(clock, 0.5, state.apply, own)
+    session = a._routes.sessions[0]
+    pull = session.pull_until_ready
 
-    def train_b():
-        for i, batch in enumerate(batches(H + overlap)):
-            if i == H - 1:
-                time.sleep(1.0)
+    def waited(*args, **kw):
+        if overlap:  # a's push returned: the wait starts while a trains on
+            wait_for(lambda: a.inner_steps > H)
+        return moving(clock, 10.0, pull, waits)(*args, **kw)
+
+    session.pull_until_ready = waited
+
+    def train_b():  # b's round 0, so that it can close
+        for batch in batches(H):
             b.step(tokens=32, loss=inner_step(b_model, b_opt, batch))
 
     helper = threading.Thread(target=train_b)
     try:
         helper.start()
         got = []
-        for batch in batches(H + overlap):
+        for i, batch in enumerate(batches(H + overlap)):
+            if overlap and i == H + overlap - 1:  # the merge step: the update is in
+                wait_for(lambda: not a._exchanges.in_flight()[0].thread.is_alive())
             stats = a.step(tokens=32, loss=inner_step(a_model, a_opt, batch))
             got += [stats] if stats is not None else []
         helper.join(30)
         (stats,) = got
-        assert stats.round == 0
-        assert stats.sync_seconds >= 0.8  # it waited for b
-        assert 0.0 < stats.host_seconds < 0.25
+        assert stats.round == 0 and len(waits) == 1 and own.count(0.25) >= 1 and own.count(0.5) >= 1
+        assert stats.host_seconds == pytest.approx(sum(own))
+        assert stats.sync_seconds == pytest.approx(sum(own) + (0.0 if overlap else 10.0))
     finally:
         helper.join(30)
         a.close()

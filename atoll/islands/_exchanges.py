@@ -84,6 +84,8 @@ class Flight:
     blocked: float = 0.0
     host: float = 0.0
     """Of ``blocked``, the training thread's own work (:attr:`RoundStats.host_seconds`)."""
+    clock: Callable[[], float] = time.monotonic
+    """What ``blocked`` and ``host`` are timed by: the island's schedule's (set at :meth:`Exchanges.launch`)."""
     error: BaseException | None = None
     thread: threading.Thread | None = None
     ready: Callable[[], object] | None = None
@@ -124,11 +126,11 @@ class Flight:
         """``work``, its time counted as the training thread's own (:attr:`host`)."""
 
         def run(*args):
-            began = time.perf_counter()
+            began = self.clock()
             try:
                 return work(*args)
             finally:
-                self.host += time.perf_counter() - began
+                self.host += self.clock() - began
 
         return run
 
@@ -238,11 +240,12 @@ class Exchanges:
         """Encode the routes' pseudo-gradients and push them (in the background when overlapping).
         ``before_push()`` runs once they are encoded; if it returns a callable, the push waits for it
         (a checkpoint's write: a push the coordinator counts always has a durable checkpoint)."""
-        started = time.perf_counter()
+        clock = self.schedule.clock
+        started = clock()
         routes, sessions = self.routes, self.routes.sessions
         count = self.schedule.routes[indices[0]]
         steps, tokens, compute = count.carried  # the work of a dropped push, still in θ
-        compute, blocked = compute + count.compute_seconds(self.schedule.clock()), count.blocked
+        compute, blocked = compute + count.compute_seconds(started), count.blocked
         flight = Flight(
             routes=indices,
             round=min(sessions[i].round for i in indices),
@@ -288,13 +291,14 @@ class Exchanges:
         if before_push is not None:
             ready = before_push()
             flight.ready = ready if callable(ready) else None
-        flight.host += time.perf_counter() - started
+        flight.host += clock() - started
         self.launch(flight)
-        flight.blocked += time.perf_counter() - started
+        flight.blocked += clock() - started
         return flight
 
     def launch(self, flight: Flight) -> None:
         """Run the flight's I/O: on a background thread when it merges (overlap), else right here."""
+        flight.clock = self.schedule.clock
         for i in flight.routes:
             self.by_route[i] = flight
         if flight.merge:
@@ -332,11 +336,12 @@ class Exchanges:
 
     def finish(self, flight: Flight, run_complete: Callable[[], bool]) -> RoundStats:
         """Wait for the exchange (if in the background) and apply its outer update(s)."""
-        started = time.perf_counter()
+        clock = self.schedule.clock
+        started = clock()
         if flight.thread is not None:
             flight.thread.join()
             flight.thread = None
-        applying = time.perf_counter()
+        applying = clock()
         for i in flight.routes:
             self.by_route.pop(i, None)
         flight.end()  # its payloads may be encoded into again
@@ -354,8 +359,8 @@ class Exchanges:
                 h = headers[i]
                 self.schedule.routes[i].carry(h.inner_steps, h.tokens, h.compute_seconds)
         flight.updates = []
-        flight.host += time.perf_counter() - applying
-        flight.blocked += time.perf_counter() - started
+        flight.host += clock() - applying
+        flight.blocked += clock() - started
         return flight.stats(self.routes.link.bytes(flight.routes), self._island_bytes, run_complete())
 
     def _island_tokens(self, tokens: int) -> int:
