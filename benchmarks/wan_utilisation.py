@@ -115,12 +115,12 @@ def measure(a, overlap: int) -> dict:
         starts = [marks[r * h][0] for r in range(a.rounds)] + [marks[-1][0]]
         walls = [starts[r + 1] - starts[r] for r in range(a.warmup, a.rounds - 1)]  # not the last either
         utils.append(h * a.step_seconds * len(walls) / sum(walls))
-        lost.append(where_lost(marks, a, len(walls)))
+        lost.append(where_lost(marks, a, len(walls), overlap))
     return {"utilisation": statistics.mean(utils), "per_island": utils, "lost_per_round": lost,
             "run_host_seconds": statistics.mean(host) if host else 0.0}  # fmt: skip
 
 
-def where_lost(marks: list, a, rounds: int) -> dict:
+def where_lost(marks: list, a, rounds: int, overlap: int) -> dict:
     """Seconds a measured round spends beyond its replayed steps, by the step's place in the round:
     the step that launches the exchange (H-1), the one that merges it (τ-1, in the next round), the
     one that waits at a round's first step (0), and all the others together."""
@@ -129,7 +129,7 @@ def where_lost(marks: list, a, rounds: int) -> dict:
         at = i % h
         extra = marks[i + 1][0] - marks[i][0] - a.step_seconds
         excess[at] = excess.get(at, 0.0) + extra / rounds
-    named = {"launch": h - 1, "merge": (a.overlap_steps - 1) % h if a.overlap_steps else None, "first": 0}
+    named = {"launch": h - 1, "merge": (overlap - 1) % h if overlap else None, "first": 0}
     out = {k: round(excess.get(v, 0.0), 3) for k, v in named.items() if v is not None}
     out["others"] = round(sum(v for k, v in excess.items() if k not in named.values()), 3)
     out["worst"] = [(k, round(v, 3)) for k, v in sorted(excess.items(), key=lambda kv: -kv[1])[:4]]
@@ -212,7 +212,6 @@ def main() -> None:
     host = host_work(a.codec)
     print(f"  an island's host work per round, timed on one thread: {host:.2f} s", flush=True)
     for tau in a.overlap:
-        a.overlap_steps = tau
         got = measure(a, tau)
         util, sync = predicted(a, tau)
         util_host, _ = predicted(a, tau, host)
