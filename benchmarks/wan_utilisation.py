@@ -59,8 +59,8 @@ def island(addresses: str, name: str, a) -> None:
             with torch.no_grad():
                 nudge.view(-1)[step % 64] += 1e-3
             stats = sync.step(tokens=16384, loss=1.0)
-            if stats is not None:
-                host.append((stats.round, stats.host_seconds))  # its own work in the exchange
+            if stats is not None:  # its own work in the exchange, and the exchange on the link and coordinator
+                host.append((stats.round, stats.host_seconds, stats.exchange_seconds))
         marks.append((time.perf_counter(), sync.round))
         sync.drain()
     print(json.dumps({"island": name, "marks": marks, "host": host}), flush=True)
@@ -103,21 +103,45 @@ def measure(a, overlap: int) -> dict:
                     p.kill()
             coord.terminate()
             coord.wait(30)
-    utils, lost, host = [], [], []
+        from atoll.coordinator.disk import snapshots
+
+        state = Path(tmp) / "s"  # (streaming: a coordinator of each fragment, its own round after round)
+        dirs = [state / f"fragment-{i}" for i in range(a.fragments)] if a.fragments > 1 else [state]
+        history = [h for d in dirs for h in snapshots.load(d).history]
+    utils, lost, host, exchange = [], [], [], []
     for out in outs:
         got = json.loads(out.strip().splitlines()[-1])
         marks = got["marks"]
         per_round = {}  # (streaming: each fragment's exchange reports its own part of the round)
-        for r, seconds in got["host"]:
-            per_round[r] = per_round.get(r, 0.0) + seconds
-        host += [seconds for r, seconds in per_round.items() if a.warmup <= r < a.rounds - 1]
+        for r, seconds, link_seconds in got["host"]:
+            own, on_link = per_round.get(r, (0.0, 0.0))
+            per_round[r] = (own + seconds, on_link + link_seconds)
+        measured = [v for r, v in per_round.items() if a.warmup <= r < a.rounds - 1]
+        host += [own for own, _ in measured]
+        exchange += [on_link for _, on_link in measured]
         h = a.sync_every
         starts = [marks[r * h][0] for r in range(a.rounds)] + [marks[-1][0]]
         walls = [starts[r + 1] - starts[r] for r in range(a.warmup, a.rounds - 1)]  # not the last either
         utils.append(h * a.step_seconds * len(walls) / sum(walls))
         lost.append(where_lost(marks, a, len(walls), overlap))
     return {"utilisation": statistics.mean(utils), "per_island": utils, "lost_per_round": lost,
-            "run_host_seconds": statistics.mean(host) if host else 0.0}  # fmt: skip
+            "run_host_seconds": statistics.mean(host) if host else 0.0,
+            "run_exchange_seconds": statistics.mean(exchange) if exchange else 0.0,
+            "coordinator": coordinator_split(history, a)}  # fmt: skip
+
+
+def coordinator_split(history: list[dict], a) -> dict:
+    """The coordinator's own seconds per round (the fragments' summed), the median over the measured
+    rounds: decoding the pushes into the sum, the outer step (the downlink's encoding in it), the
+    record's write before the update is served, and the rest of the publish."""
+    per_round: dict[int, dict] = {}
+    for h in history:
+        got = per_round.setdefault(h["round"], {})
+        for k in ("decode_seconds", "outer_step_seconds", "persist_seconds", "publish_seconds"):
+            got[k] = got.get(k, 0.0) + h.get(k, 0.0)
+    measured = [v for r, v in per_round.items() if a.warmup <= r < a.rounds - 1]
+    keys = measured[0] if measured else {}
+    return {k.removesuffix("_seconds"): round(statistics.median(m[k] for m in measured), 3) for k in keys}
 
 
 def where_lost(marks: list, a, rounds: int, overlap: int) -> dict:
@@ -215,14 +239,15 @@ def main() -> None:
         got = measure(a, tau)
         util, sync = predicted(a, tau)
         util_host, _ = predicted(a, tau, host)
-        run_host = got["run_host_seconds"]
+        run_host, run_exchange = got["run_host_seconds"], got["run_exchange_seconds"]
         util_run_host, _ = predicted(a, tau, run_host)
         print(
             f"  overlap τ={tau}: utilisation {got['utilisation']:.1%} (islands "
             f"{', '.join(f'{u:.1%}' for u in got['per_island'])}); atoll plan predicts {util:.1%} "
             f"(an exchange {sync:.2f} s), {util_host:.1%} with --host-seconds {host:.2f}, {util_run_host:.1%} "
-            f"with the islands' own host_seconds {run_host:.2f}; seconds lost a round, by step: "
-            f"{got['lost_per_round']}",
+            f"with the islands' own host_seconds {run_host:.2f}; a round's exchanges took {run_exchange:.2f} s "
+            f"on the link and coordinator (the coordinator's own part: {got['coordinator']}); seconds lost a "
+            f"round, by step: {got['lost_per_round']}",
             flush=True,
         )
         settings = {k: getattr(a, k) for k in ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")}

@@ -55,6 +55,11 @@ class RoundStats:
     pseudo-gradient and its encoding, the checkpoint's start, decoding and applying the update. What
     ``atoll plan --host-seconds`` takes (it is never hidden by overlap); on an accelerator the passes
     over θ run on the device and this is small."""
+    exchange_seconds: float = 0.0
+    """The exchange's time on the link and at the coordinator: from its start (a checkpoint's write it
+    waits for included) to its last update received, the island's own work in it left out; with
+    overlap it runs on the exchange's thread while the island trains on. What ``atoll plan`` gives as
+    an exchange's sync seconds."""
 
 
 @dataclass(eq=False)
@@ -84,6 +89,8 @@ class Flight:
     blocked: float = 0.0
     host: float = 0.0
     """Of ``blocked``, the training thread's own work (:attr:`RoundStats.host_seconds`)."""
+    exchange: float = 0.0
+    """:attr:`RoundStats.exchange_seconds`."""
     clock: Callable[[], float] = time.monotonic
     """What ``blocked`` and ``host`` are timed by: the island's schedule's (set at :meth:`Exchanges.launch`)."""
     error: BaseException | None = None
@@ -165,6 +172,7 @@ class Flight:
             dropped=any(o is PushOutcome.ROUND_CLOSED for o in self.outcomes.values()),
             run_complete=run_complete,
             host_seconds=self.host,
+            exchange_seconds=self.exchange,
         )
 
 
@@ -310,6 +318,7 @@ class Exchanges:
     def _io(self, flight: Flight) -> None:
         """Push on every route first, then wait for each shard's outer step; no parameter is touched."""
         sessions, routes = self.routes.sessions, self.routes
+        began, own = flight.clock(), flight.host  # (only this thread adds to host while it runs)
         try:
             if flight.ready is not None:
                 flight.ready()
@@ -333,6 +342,8 @@ class Exchanges:
                 )
         except BaseException as err:  # re-raised in the training loop by finish()
             flight.error = err
+        finally:
+            flight.exchange = flight.clock() - began - (flight.host - own)
 
     def finish(self, flight: Flight, run_complete: Callable[[], bool]) -> RoundStats:
         """Wait for the exchange (if in the background) and apply its outer update(s)."""

@@ -360,6 +360,7 @@ def _train(
             bytes_received=stats.bytes_received,
             sync_seconds=stats.sync_seconds,
             host_seconds=stats.host_seconds,
+            exchange_seconds=stats.exchange_seconds,
             round_seconds=round_seconds,
             inner_steps=stats.inner_steps,
             tokens=stats.tokens,

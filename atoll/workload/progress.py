@@ -115,6 +115,7 @@ class Reporter:
                 f"{human_bytes(f['bytes_received'])} | sync {f['sync_seconds']:.2f}s ({share:.0%} of the round"
                 + (f"; own work {f['host_seconds']:.2f}s" if f.get("host_seconds") is not None else "")
                 + ")"
+                + (f", exchange {f['exchange_seconds']:.2f}s" if f.get("exchange_seconds") is not None else "")
             )
             flags = " | DROPPED: the round closed before the push" if f.get("dropped") else ""
             flags += " | run complete" if f.get("run_complete") else ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -170,18 +171,27 @@ class Pushes:
             weight = self._weight(plan, ledger.round - plan.round if late else 0)
             scale = weighting.step_scale(rule, c.sync_every, ranks[0].plan.inner_steps)
             acc.admit(weight * scale * max(r.magnitude for r in ranks), f"island {plan.island_id!r}")
+            began = time.perf_counter()
             if c.aggregation == "mean" and not c.max_delta_norm:
                 await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale)
                 acc.recycle(ranks)  # only once the add is done (a cancelled await leaves it running)
             else:
                 await self._add_dense((plan.island_id, plan.round), ranks, weight, c, scale)
+            decoded = time.perf_counter() - began
         finally:
             release(ranks)  # decoded into the sum (or refused): the payloads are done
         num_bytes = sum(r.plan.num_bytes for r in ranks)
         now = self.clock()
         first = ranks[0].plan  # the island's numbers travel with every rank's header: rank 0's count
         record = Committed(
-            first.tokens, first.loss, num_bytes, weight, first.inner_steps, first.compute_seconds, at=now
+            first.tokens,
+            first.loss,
+            num_bytes,
+            weight,
+            first.inner_steps,
+            first.compute_seconds,
+            at=now,
+            decode_seconds=decoded,
         )
         acc.commit(plan.island_id, plan.round, record, late)
         usual = self._weight(plan, 0) if late else weight

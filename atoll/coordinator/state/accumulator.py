@@ -217,7 +217,8 @@ class RoundAccumulator:
     def record(self) -> dict:
         """The open round's contributions for its history record: who committed, who was folded late
         (``late``: [island, round]) or came too late to fold (``too_stale``), and per island the tokens,
-        inner steps, compute seconds and bytes of everything that entered θ (folded ones included)."""
+        inner steps, compute seconds and bytes of everything that entered θ (folded ones included), and
+        the seconds their decoding into the sum took, all together."""
         entered = [*self.committed.items(), *((i, x) for (i, _), x in self.late.items())]
         losses = [(max(x.tokens, 1), x.loss) for x in self.committed.values() if x.loss is not None]
 
@@ -238,6 +239,7 @@ class RoundAccumulator:
             "bytes_by_island": by_island("num_bytes"),
             "loss": mean_of(losses),
             "bytes_in": sum(x.num_bytes for _, x in entered),
+            "decode_seconds": sum(x.decode_seconds for _, x in entered),
         }
 
     def advance(self, keep_from: int) -> None:

@@ -78,6 +78,8 @@ class Committed:
     compute_seconds: float = 0.0
     at: float | None = None
     """Clock time it committed (the grace window counts from the quorum's)."""
+    decode_seconds: float = 0.0
+    """What decoding it into the round's sum took (the core's lock held: pushes decode one at a time)."""
 
 
 def release(ranks) -> None:
