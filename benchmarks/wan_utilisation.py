@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def measure(a, overlap: int) -> dict:
             "--downlink-codec", "identity" if a.codec == "identity" else "int8", "--round-deadline-seconds", "900",
             "--log-level", "WARNING", "--threads", "1",
         ]  # fmt: skip
+        flags += ["--admin-port", "0", "--admin-port-file", str(Path(tmp) / "admin")]
         if a.fragments > 1:
             flags += ["--fragments", str(a.fragments)]
         coord = subprocess.Popen([sys.executable, "-m", "atoll", "coordinator", *flags], cwd=ROOT)
@@ -97,6 +99,9 @@ def measure(a, overlap: int) -> dict:
             outs = [p.communicate(timeout=3600)[0] for p in procs]
             if any(p.returncode for p in procs):
                 raise RuntimeError(f"an island failed: {[p.returncode for p in procs]}")
+            admin = int((Path(tmp) / "admin").read_text())
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/api/status", timeout=30) as resp:
+                served = json.loads(resp.read())["history"]  # (fragment 0's: the admin server shows it)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -108,6 +113,9 @@ def measure(a, overlap: int) -> dict:
         state = Path(tmp) / "s"  # (streaming: a coordinator of each fragment, its own round after round)
         dirs = [state / f"fragment-{i}" for i in range(a.fragments)] if a.fragments > 1 else [state]
         history = [h for d in dirs for h in snapshots.load(d).history]
+    written = {h["round"]: h for h in served}  # a record's write and publish are timed after it is logged
+    for h in history:
+        h.update({k: written.get(h["round"], {}).get(k, 0.0) for k in ("persist_seconds", "publish_seconds")})
     utils, lost, host, exchange = [], [], [], []
     for out in outs:
         got = json.loads(out.strip().splitlines()[-1])
@@ -133,7 +141,8 @@ def measure(a, overlap: int) -> dict:
 def coordinator_split(history: list[dict], a) -> dict:
     """The coordinator's own seconds per round (the fragments' summed), the median over the measured
     rounds: decoding the pushes into the sum, the outer step (the downlink's encoding in it), the
-    record's write before the update is served, and the rest of the publish."""
+    record's write before the update is served, and the rest of the publish (these two from fragment
+    0's admin server, counted for every fragment)."""
     per_round: dict[int, dict] = {}
     for h in history:
         got = per_round.setdefault(h["round"], {})
