@@ -23,15 +23,25 @@ The link model is the bulk port's behaviour as measured over the emulated WAN
 - with loss, each connection is held to the Mathis bound, MSS / RTT · 1.22 / √p (Reno's; BBR,
   Linux's default here, does better, so this errs slow).
 
-An exchange is the push, the coordinator's outer step (``outer_seconds``: ~2 ns per parameter on one
-CPU thread, measured at 124M), and the pull. With ``overlap_steps`` τ the island keeps computing and
-waits only for what is left after τ steps; with P streaming fragments each exchange moves 1/P of
-the model, P times a round. ``host_seconds`` is the island's own work per round on its training
-thread (the pseudo-gradient, its encoding, applying the update), which overlap does not hide: on an
-accelerator it runs on the device in well under a step (the default, 0); an island computing on
-its CPU reads it from its rounds (``RoundStats.host_seconds``: ~0.9 s at 124M int8 on 2 cores, 4 s
-with DCT top-k, ``benchmarks/wan_utilisation.py``). The coordinator's own decoding of the pushes is
-not modelled (it is what the planner misses with int4 and DCT top-k there).
+An exchange is the push, the coordinator's work, and the pull. The coordinator decodes each island's
+push into the round's sum as it commits, one push at a time (under its lock: ``decode_seconds`` a
+push, :data:`DECODE_SECONDS_PER_PARAM` per codec), then makes the outer step (``outer_seconds``,
+:data:`OUTER_SECONDS_PER_PARAM`: the downlink's encoding, θ's finiteness check and the round's record
+streamed to disk in it); both measured on one CPU thread at 124M (``benchmarks/coordinator_costs.py``;
+a running daemon's own figures are in its history records, ``decode_seconds`` and
+``outer_step_seconds``). With ``overlap_steps`` τ the island keeps computing and waits only for what
+is left after τ steps; with P streaming fragments each exchange moves 1/P of the model, P times a
+round.
+
+``host_seconds`` is the island's own work per round on its training thread (the pseudo-gradient,
+its encoding, decoding and applying the update): on an accelerator it runs on the device in well
+under a step (the default, 0); an island computing on its CPU reads it from its rounds
+(``RoundStats.host_seconds``: ~1.1 s at 124M int8 on 2 cores, 4 s with DCT top-k,
+``benchmarks/wan_utilisation.py``). Overlap does not hide it. A plain exchange streams it: the update
+is decoded and applied entry by entry as the pull brings it (taken as the coordinator's decode of
+one push in the downlink codec: the same pass over θ), and a stateless codec encodes each payload as
+the push sends it (the rest of ``host_seconds``), so each direction takes the longer of its transfer
+and its share of the work.
 """
 
 from __future__ import annotations
@@ -46,7 +56,27 @@ CODEC_TIER = {"identity": 0, "bf16": 0, "fp16": 0, "int8": 0, "int4": 1}
 "End to end"); int4 a little lossier; the rest (int2, top-k, DCT top-k) lossier still."""
 HEADER_BYTES = 52
 """IPv4 + TCP with timestamps, per packet."""
-OUTER_SECONDS_PER_PARAM = 2e-9
+DECODE_SECONDS_PER_PARAM = {
+    "identity": 1.35e-9,
+    "bf16": 1.55e-9,
+    "fp16": 1.38e-9,
+    "int8": 1.65e-9,
+    "int4": 3.64e-9,
+    "int2": 3.77e-9,
+    "topk": 0.63e-9,
+    "dcttopk": 6.47e-9,
+    "powersgd": 1.29e-9,
+}
+"""The coordinator's decoding of one push into the round's sum, per parameter, one CPU thread
+(``python benchmarks/coordinator_costs.py`` at 124M, benchmarks/RESULTS.md)."""
+OUTER_SECONDS_PER_PARAM = 7.4e-9
+"""The coordinator's outer step per parameter, one CPU thread, with the downlink's encoding (int8 or
+identity: the same), θ's finiteness check and the record streamed to disk (the same benchmark)."""
+
+
+def decode_per_param(codec: str) -> float:
+    """:data:`DECODE_SECONDS_PER_PARAM` of a codec spec (its name; the dearest figure for one not timed)."""
+    return DECODE_SECONDS_PER_PARAM.get(codec.partition(":")[0], max(DECODE_SECONDS_PER_PARAM.values()))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +170,10 @@ class Estimate:
     bytes_up_per_round: int
     bytes_down_per_round: int
     sync_seconds: float
-    """One outer exchange (all fragments' for a streaming run), push to update applied, unhidden."""
+    """One outer exchange (all fragments' for a streaming run) on the link and at the coordinator: what
+    ``RoundStats.exchange_seconds`` measures."""
+    coordinator_seconds: float
+    """Of ``sync_seconds``, the coordinator's work: decoding every island's push, the outer step."""
     compute_seconds: float
     """One round's inner steps."""
     stall_seconds: float
@@ -171,14 +204,19 @@ def estimate(
     islands: int,
     link: Link,
     outer_seconds: float | None = None,
+    decode_seconds: float | None = None,
     coordinator_mbit: float | None = None,
     host_seconds: float = 0.0,
 ) -> Estimate:
+    from atoll.compression import get_codec
+
     params = sum(math.prod(s) for s in shapes)
     down = downlink_for(cand.codec)
     up_bytes, down_bytes = sizes(shapes, cand.codec), sizes(shapes, down)
     streams = streams_for(link)
     outer = OUTER_SECONDS_PER_PARAM * params if outer_seconds is None else outer_seconds
+    decode = decode_per_param(cand.codec) * params if decode_seconds is None else decode_seconds
+    coordinator = islands * decode + outer  # the pushes decode one after another
     p = cand.fragments
     push = push_seconds(up_bytes / p, link, streams)
     if coordinator_mbit:  # every island's push into the coordinator's own link
@@ -187,10 +225,16 @@ def estimate(
     pull = pull_seconds(down_bytes / p, link, streams)
     if coordinator_mbit:
         pull = max(pull, pull_seconds(islands * down_bytes / p, shared, streams * islands))
-    exchange = push + outer / p + pull
+    exchange = push + coordinator / p + pull
     compute = cand.sync_every * step_seconds
     hidden = cand.overlap_steps * step_seconds
-    stall = p * max(0.0, exchange - hidden) + host_seconds
+    if cand.overlap_steps:  # the own work on the training thread, the exchange behind τ steps
+        stall = p * max(0.0, exchange - hidden) + host_seconds
+    else:  # streamed with the transfers: the apply with the pull, a stateless codec's encoding with the push
+        apply = min(host_seconds, decode_per_param(down) * params) / p
+        encode = host_seconds / p - apply
+        out = push + encode if get_codec(cand.codec).stateful else max(push, encode)
+        stall = p * (out + coordinator / p + max(pull, apply))
     busy = max(compute + stall, p * exchange if cand.overlap_steps else 0.0)  # the link carries one at a time
     return Estimate(
         codec=cand.codec,
@@ -202,6 +246,7 @@ def estimate(
         bytes_up_per_round=up_bytes,
         bytes_down_per_round=down_bytes,
         sync_seconds=p * exchange,
+        coordinator_seconds=coordinator,
         compute_seconds=compute,
         stall_seconds=stall,
         utilisation=compute / busy,
@@ -233,6 +278,7 @@ def plan(
     overlap: list[bool],
     fragments: list[int],
     outer_seconds: float | None = None,
+    decode_seconds: float | None = None,
     coordinator_mbit: float | None = None,
     host_seconds: float = 0.0,
     target: float = 0.97,
@@ -248,6 +294,7 @@ def plan(
         islands=islands,
         link=link,
         outer_seconds=outer_seconds,
+        decode_seconds=decode_seconds,
         coordinator_mbit=coordinator_mbit,
         host_seconds=host_seconds,
     )

@@ -43,7 +43,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fragments", type=int, nargs="+", default=[1, 4], help="streaming fragments P (1: off; default: 1 4)"
     )
-    p.add_argument("--outer-seconds", type=float, default=None, help="the outer step's seconds (default: 2 ns/param)")
+    p.add_argument(
+        "--outer-seconds",
+        type=float,
+        default=None,
+        help="the coordinator's outer step, seconds (default: 7.4 ns/param, one CPU thread; a running "
+        "coordinator's outer_step_seconds in /api/status's history)",
+    )
+    p.add_argument(
+        "--decode-seconds",
+        type=float,
+        default=None,
+        help="the coordinator's decoding of one island's push, seconds (default: per codec, 0.6-6.5 ns/param "
+        "on one CPU thread; a running coordinator's decode_seconds, per round, over the islands)",
+    )
     p.add_argument(
         "--host-seconds",
         type=float,
@@ -100,6 +113,7 @@ def run(ns) -> int:
         overlap=overlap,
         fragments=ns.fragments,
         outer_seconds=ns.outer_seconds,
+        decode_seconds=ns.decode_seconds,
         host_seconds=ns.host_seconds,
         coordinator_mbit=ns.coordinator_mbit,
         target=ns.target,
@@ -116,12 +130,15 @@ def run(ns) -> int:
         f"{ns.bandwidth_mbit:g} Mbit/s, {ns.rtt_ms:g} ms{f', loss {ns.loss:g}' if ns.loss else ''}"
         f"{'' if link.tls else ', no TLS'}; {got[0].streams} TCP stream(s) a transfer"
     )
-    print(f"{'codec':>8} {'down':>8} {'H':>5} {'τ':>4} {'P':>2} {'up MB':>8} {'down MB':>8} {'sync s':>7} {'util':>6}")
+    print(
+        f"{'codec':>8} {'down':>8} {'H':>5} {'τ':>4} {'P':>2} {'up MB':>8} {'down MB':>8} {'sync s':>7} "
+        f"{'(coord)':>7} {'util':>6}"
+    )
     for i, e in enumerate(got[:20]):
         print(
             f"{e.codec:>8} {e.downlink_codec:>8} {e.sync_every:>5} {e.overlap_steps:>4} {e.fragments:>2} "
             f"{e.bytes_up_per_round / 1e6:>8.1f} {e.bytes_down_per_round / 1e6:>8.1f} {e.sync_seconds:>7.2f} "
-            f"{e.utilisation:>6.1%}{'  <- recommended' if i == 0 else ''}"
+            f"{e.coordinator_seconds:>7.2f} {e.utilisation:>6.1%}{'  <- recommended' if i == 0 else ''}"
         )
     best = got[0]
     flags = f"--codec {best.codec} --downlink-codec {best.downlink_codec} --sync-every {best.sync_every}"

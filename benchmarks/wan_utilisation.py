@@ -61,7 +61,7 @@ def island(addresses: str, name: str, a) -> None:
                 nudge.view(-1)[step % 64] += 1e-3
             stats = sync.step(tokens=16384, loss=1.0)
             if stats is not None:  # its own work in the exchange, and the exchange on the link and coordinator
-                host.append((stats.round, stats.host_seconds, stats.exchange_seconds))
+                host.append((stats.round, stats.host_seconds, stats.exchange_seconds, stats.sync_seconds))
         marks.append((time.perf_counter(), sync.round))
         sync.drain()
     print(json.dumps({"island": name, "marks": marks, "host": host}), flush=True)
@@ -116,17 +116,17 @@ def measure(a, overlap: int) -> dict:
     written = {h["round"]: h for h in served}  # a record's write and publish are timed after it is logged
     for h in history:
         h.update({k: written.get(h["round"], {}).get(k, 0.0) for k in ("persist_seconds", "publish_seconds")})
-    utils, lost, host, exchange = [], [], [], []
+    utils, lost, host, exchange, blocked = [], [], [], [], []
     for out in outs:
         got = json.loads(out.strip().splitlines()[-1])
         marks = got["marks"]
         per_round = {}  # (streaming: each fragment's exchange reports its own part of the round)
-        for r, seconds, link_seconds in got["host"]:
-            own, on_link = per_round.get(r, (0.0, 0.0))
-            per_round[r] = (own + seconds, on_link + link_seconds)
+        for r, *seconds in got["host"]:
+            per_round[r] = [x + y for x, y in zip(per_round.get(r, (0.0, 0.0, 0.0)), seconds, strict=True)]
         measured = [v for r, v in per_round.items() if a.warmup <= r < a.rounds - 1]
-        host += [own for own, _ in measured]
-        exchange += [on_link for _, on_link in measured]
+        host += [own for own, _, _ in measured]
+        exchange += [on_link for _, on_link, _ in measured]
+        blocked += [sync for _, _, sync in measured]
         h = a.sync_every
         starts = [marks[r * h][0] for r in range(a.rounds)] + [marks[-1][0]]
         walls = [starts[r + 1] - starts[r] for r in range(a.warmup, a.rounds - 1)]  # not the last either
@@ -135,6 +135,7 @@ def measure(a, overlap: int) -> dict:
     return {"utilisation": statistics.mean(utils), "per_island": utils, "lost_per_round": lost,
             "run_host_seconds": statistics.mean(host) if host else 0.0,
             "run_exchange_seconds": statistics.mean(exchange) if exchange else 0.0,
+            "run_sync_seconds": statistics.mean(blocked) if blocked else 0.0,
             "coordinator": coordinator_split(history, a)}  # fmt: skip
 
 
@@ -215,7 +216,7 @@ def predicted(a, overlap: int, host_seconds: float = 0.0) -> float:
         shapes=shapes, step_seconds=a.step_seconds, islands=a.islands,
         link=PlanLink(rate_mbit=rate, rtt_ms=rtt, mtu=9000, tls=False), host_seconds=host_seconds,
     )  # fmt: skip
-    return e.utilisation, e.sync_seconds
+    return e.utilisation, e.sync_seconds, e.stall_seconds
 
 
 def main() -> None:
@@ -246,17 +247,18 @@ def main() -> None:
     print(f"  an island's host work per round, timed on one thread: {host:.2f} s", flush=True)
     for tau in a.overlap:
         got = measure(a, tau)
-        util, sync = predicted(a, tau)
-        util_host, _ = predicted(a, tau, host)
-        run_host, run_exchange = got["run_host_seconds"], got["run_exchange_seconds"]
-        util_run_host, _ = predicted(a, tau, run_host)
+        util, sync, _ = predicted(a, tau)
+        util_host, _, _ = predicted(a, tau, host)
+        run_host, run_exchange, run_sync = got["run_host_seconds"], got["run_exchange_seconds"], got["run_sync_seconds"]
+        util_run_host, _, stall = predicted(a, tau, run_host)
         print(
             f"  overlap τ={tau}: utilisation {got['utilisation']:.1%} (islands "
             f"{', '.join(f'{u:.1%}' for u in got['per_island'])}); atoll plan predicts {util:.1%} "
             f"(an exchange {sync:.2f} s), {util_host:.1%} with --host-seconds {host:.2f}, {util_run_host:.1%} "
             f"with the islands' own host_seconds {run_host:.2f}; a round's exchanges took {run_exchange:.2f} s "
-            f"on the link and coordinator (the coordinator's own part: {got['coordinator']}); seconds lost a "
-            f"round, by step: {got['lost_per_round']}",
+            f"on the link and coordinator (predicted {sync:.2f}; the coordinator's own part: {got['coordinator']}),"
+            f" the islands' sync {run_sync:.2f} s (predicted stall with their own host_seconds {stall:.2f}); "
+            f"seconds lost a round, by step: {got['lost_per_round']}",
             flush=True,
         )
         settings = {k: getattr(a, k) for k in ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")}
@@ -264,7 +266,7 @@ def main() -> None:
             json.dumps(
                 {**settings, "overlap_steps": tau, **got, "predicted": util, "sync": sync,
                  "host_seconds": host, "predicted_with_host": util_host,
-                 "predicted_with_run_host": util_run_host}
+                 "predicted_with_run_host": util_run_host, "predicted_stall_with_run_host": stall}
             ),
             flush=True,
         )  # fmt: skip

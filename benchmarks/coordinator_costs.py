@@ -1,0 +1,128 @@
+"""The coordinator's own work in an exchange, per parameter, on one thread: what ``atoll plan`` counts.
+
+    python benchmarks/coordinator_costs.py [--model gpt-125m] [--codecs identity int8 int4 dcttopk]
+                                           [--downlinks int8 identity] [--repeat 3] [--threads 1]
+
+- **decode**: one island's push decoded into the round's sum, as the coordinator does it when the
+  push commits (``decode_add_`` of every tensor, the payloads already checked: ``verified=True``),
+  under its lock, so the islands' pushes decode one after the other;
+- **outer step**: the round's outer step (mean, Nesterov, the downlink's encoding) with θ_{r+1}'s
+  finiteness check and each payload sent to the round's log record as it is made
+  (:class:`~atoll.coordinator.disk.wal.RecordStream`, in a temporary directory), as
+  ``GlobalModel.step`` runs it in the daemon.
+
+Each the median of ``--repeat`` runs after a warm-up, in seconds and in ns per parameter; the last
+line is the figures as ``atoll plan``'s constants take them (:data:`atoll.plan.DECODE_SECONDS_PER_PARAM`,
+:data:`atoll.plan.OUTER_SECONDS_PER_PARAM`). The daemon's own figures, per round, are in its history
+records (``decode_seconds``, ``outer_step_seconds``: ``/api/status``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from atoll.compression import get_codec
+from atoll.coordinator.disk import wal
+from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
+from atoll.memory import tune_for_bulk_buffers
+from atoll.models import TinyGPT, preset
+
+VOCAB = {"tiny": 256, "gpt-small": 8192, "gpt-125m": 50257}
+
+
+def timed(work, repeat: int) -> float:
+    work()  # faults its buffers in
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def decode_seconds(theta: dict[str, torch.Tensor], spec: str, repeat: int) -> float:
+    codec = get_codec(spec)
+    gen = torch.Generator().manual_seed(1)
+    payloads = {n: codec.encode((torch.randn(t.shape, generator=gen) * 1e-3).contiguous()) for n, t in theta.items()}
+    sums = {n: torch.zeros_like(t) for n, t in theta.items()}
+
+    def run() -> None:
+        for n, payload in payloads.items():
+            codec.decode_add_(payload, sums[n], alpha=0.5, verified=True)
+
+    return timed(run, repeat)
+
+
+def outer_seconds(theta: dict[str, torch.Tensor], spec: str, repeat: int) -> float:
+    shapes = {n: tuple(t.shape) for n, t in theta.items()}
+    codec, finite = get_codec(spec), FiniteTheta()
+    opt = NesterovSGD(shapes, lr=0.7, momentum=0.9, nesterov=True)
+    ef = {n: torch.zeros(s) for n, s in shapes.items()}
+    gen = torch.Generator().manual_seed(2)
+    sums = {n: torch.randn(s, generator=gen) * 1e-3 for n, s in shapes.items()}
+    params = {n: t.clone() for n, t in theta.items()}
+    spares: dict = {}
+    sizes = {n: codec.encoded_size(s) for n, s in shapes.items()}
+    with tempfile.TemporaryDirectory(prefix="coord-costs-") as tmp:
+        rounds = iter(range(10**6))
+
+        def run() -> None:
+            nonlocal spares
+            accum = {n: t.clone() for n, t in sums.items()}
+            stream = wal.RecordStream(tmp, next(rounds), wal.head_hint(sizes, dict, []) or 0)
+            try:
+                payloads = outer_step_(
+                    accum,
+                    params,
+                    weight_total=2.0,
+                    optimizer=opt,
+                    buffers=frozenset(),
+                    downlink=codec,
+                    downlink_ef=ef,
+                    downlink_state={},
+                    spares=spares,
+                    made=stream.add,
+                )
+                for n, payload in payloads.items():
+                    finite.check(n, params[n], accum[n], payload, codec)
+            finally:
+                stream.abandon()
+            spares = dict(payloads)
+
+        return timed(run, repeat)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-125m", choices=sorted(VOCAB))
+    p.add_argument("--codecs", nargs="+", default=["identity", "int8", "int4", "dcttopk"])
+    p.add_argument("--downlinks", nargs="*", default=["int8", "identity"])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the daemon's --threads)")
+    a = p.parse_args()
+    tune_for_bulk_buffers()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    theta = {n: t.detach().clone() for n, t in TinyGPT(preset(a.model, vocab_size=VOCAB[a.model])).named_parameters()}
+    numel = sum(t.numel() for t in theta.values())
+    print(f"{a.model}: {numel:,} parameters, {torch.get_num_threads()} torch thread(s)", flush=True)
+    decode, outer = {}, {}
+    for spec in a.codecs:
+        s = decode_seconds(theta, spec, a.repeat)
+        decode[spec] = s / numel
+        print(f"  decode of one {spec} push into the sum: {s:.3f} s ({s / numel * 1e9:.2f} ns/param)", flush=True)
+    for spec in a.downlinks:
+        s = outer_seconds(theta, spec, a.repeat)
+        outer[spec] = s / numel
+        print(f"  outer step, {spec} downlink, record streamed: {s:.3f} s ({s / numel * 1e9:.2f} ns/param)", flush=True)
+    print(json.dumps({"decode_seconds_per_param": decode, "outer_seconds_per_param": outer}))
+
+
+if __name__ == "__main__":
+    main()
