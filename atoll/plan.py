@@ -171,7 +171,9 @@ class Estimate:
     bytes_down_per_round: int
     sync_seconds: float
     """One outer exchange (all fragments' for a streaming run) on the link and at the coordinator: what
-    ``RoundStats.exchange_seconds`` measures."""
+    ``RoundStats.exchange_seconds`` measures with overlap (a plain exchange's figure leaves out the
+    island's own work that streams with its transfers, so there ``stall_seconds`` compares with the
+    island's ``sync_seconds``)."""
     coordinator_seconds: float
     """Of ``sync_seconds``, the coordinator's work: decoding every island's push, the outer step."""
     compute_seconds: float
