@@ -19,7 +19,11 @@ pseudo-gradient, its encoding, the update's decoding and its apply at 124M) and 
 round's time beyond its steps went, by the step it was lost at (:func:`where_lost`): the launch (the
 pseudo-gradient and its encoding, on the training thread), the merge (waiting for the exchange, then
 the update's decoding and apply) and every other step together (anything the exchange's thread, the
-coordinator or the delay lines took from the training thread).
+coordinator or the delay lines took from the training thread). And the exchange beside the planner's
+``sync_seconds``: its time on the link and at the coordinator as the islands measure it
+(``RoundStats.exchange_seconds``; in a plain exchange the island's work that streams with the
+transfers is left out of it, so the islands' whole sync is given against the planner's stall too),
+and the coordinator's own part of each round from its history (:func:`coordinator_split`).
 """
 
 from __future__ import annotations
