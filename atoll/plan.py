@@ -27,11 +27,11 @@ An exchange is the push, the coordinator's work, and the pull. The coordinator d
 push into the round's sum as it commits, one push at a time (under its lock: ``decode_seconds`` a
 push, :data:`DECODE_SECONDS_PER_PARAM` per codec), then makes the outer step (``outer_seconds``,
 :data:`OUTER_SECONDS_PER_PARAM`: the downlink's encoding, θ's finiteness check and the round's record
-streamed to disk in it); both measured on one CPU thread at 124M (``benchmarks/coordinator_costs.py``;
-a running daemon's own figures are in its history records, ``decode_seconds`` and
-``outer_step_seconds``). With ``overlap_steps`` τ the island keeps computing and waits only for what
-is left after τ steps; with P streaming fragments each exchange moves 1/P of the model, P times a
-round.
+streamed to disk in it) and makes the record durable (:data:`RECORD_SECONDS`); the first two
+measured on one CPU thread at 124M (``benchmarks/coordinator_costs.py``; a running daemon's own
+figures are in its history records, ``decode_seconds`` and ``outer_step_seconds``). With
+``overlap_steps`` τ the island keeps computing and waits only for what is left after τ steps; with P
+streaming fragments each exchange moves 1/P of the model, P times a round.
 
 ``host_seconds`` is the island's own work per round on its training thread (the pseudo-gradient,
 its encoding, decoding and applying the update): on an accelerator it runs on the device in well
@@ -69,9 +69,12 @@ DECODE_SECONDS_PER_PARAM = {
 }
 """The coordinator's decoding of one push into the round's sum, per parameter, one CPU thread
 (``python benchmarks/coordinator_costs.py`` at 124M, benchmarks/RESULTS.md)."""
-OUTER_SECONDS_PER_PARAM = 7.4e-9
+OUTER_SECONDS_PER_PARAM = 5.7e-9
 """The coordinator's outer step per parameter, one CPU thread, with the downlink's encoding (int8 or
 identity: the same), θ's finiteness check and the record streamed to disk (the same benchmark)."""
+RECORD_SECONDS = 0.02
+"""Each exchange's record made durable before its update is served (its header, fsync, rename): the
+coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_utilisation.py``'s runs."""
 
 
 def decode_per_param(codec: str) -> float:
@@ -175,7 +178,8 @@ class Estimate:
     island's own work that streams with its transfers, so there ``stall_seconds`` compares with the
     island's ``sync_seconds``)."""
     coordinator_seconds: float
-    """Of ``sync_seconds``, the coordinator's work: decoding every island's push, the outer step."""
+    """Of ``sync_seconds``, the coordinator's work: decoding every island's push, the outer step, the
+    record's write (a round's: every fragment's exchange)."""
     compute_seconds: float
     """One round's inner steps."""
     stall_seconds: float
@@ -218,8 +222,8 @@ def estimate(
     streams = streams_for(link)
     outer = OUTER_SECONDS_PER_PARAM * params if outer_seconds is None else outer_seconds
     decode = decode_per_param(cand.codec) * params if decode_seconds is None else decode_seconds
-    coordinator = islands * decode + outer  # the pushes decode one after another
     p = cand.fragments
+    coordinator = islands * decode + outer + p * RECORD_SECONDS  # the pushes decode one after another
     push = push_seconds(up_bytes / p, link, streams)
     if coordinator_mbit:  # every island's push into the coordinator's own link
         shared = replace(link, rate_mbit=coordinator_mbit)

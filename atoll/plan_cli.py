@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--outer-seconds",
         type=float,
         default=None,
-        help="the coordinator's outer step, seconds (default: 7.4 ns/param, one CPU thread; a running "
+        help="the coordinator's outer step, seconds (default: 5.7 ns/param, one CPU thread; a running "
         "coordinator's outer_step_seconds in /api/status's history)",
     )
     p.add_argument(

@@ -9,7 +9,9 @@
 - **outer step**: the round's outer step (mean, Nesterov, the downlink's encoding) with θ_{r+1}'s
   finiteness check and each payload sent to the round's log record as it is made
   (:class:`~atoll.coordinator.disk.wal.RecordStream`, in a temporary directory), as
-  ``GlobalModel.step`` runs it in the daemon.
+  ``GlobalModel.step`` runs it in the daemon; the record's writes finishing after the step (the
+  daemon's ``persist_seconds``, :data:`atoll.plan.RECORD_SECONDS`) and the sum's fresh copy for the
+  next run are left out of the time.
 
 Each the median of ``--repeat`` runs after a warm-up, in seconds and in ns per parameter; the last
 line is the figures as ``atoll plan``'s constants take them (:data:`atoll.plan.DECODE_SECONDS_PER_PARAM`,
@@ -36,13 +38,16 @@ from atoll.models import TinyGPT, preset
 VOCAB = {"tiny": 256, "gpt-small": 8192, "gpt-125m": 50257}
 
 
-def timed(work, repeat: int) -> float:
-    work()  # faults its buffers in
+def timed(work, repeat: int, after=None) -> float:
+    """The median seconds of ``work()`` (``after()`` runs after each, untimed)."""
     times = []
-    for _ in range(repeat):
+    for i in range(repeat + 1):
         began = time.perf_counter()
         work()
-        times.append(time.perf_counter() - began)
+        if i:  # the first faults its buffers in
+            times.append(time.perf_counter() - began)
+        if after is not None:
+            after()
     return statistics.median(times)
 
 
@@ -70,38 +75,42 @@ def outer_seconds(theta: dict[str, torch.Tensor], spec: str, repeat: int) -> flo
     spares: dict = {}
     sizes = {n: codec.encoded_size(s) for n, s in shapes.items()}
     with tempfile.TemporaryDirectory(prefix="coord-costs-") as tmp:
-        rounds = iter(range(10**6))
+        rounds, streams = iter(range(10**6)), []
+        accums = []
 
         def run() -> None:
             nonlocal spares
-            accum = {n: t.clone() for n, t in sums.items()}
+            accum = accums.pop()
             stream = wal.RecordStream(tmp, next(rounds), wal.head_hint(sizes, dict, []) or 0)
-            try:
-                payloads = outer_step_(
-                    accum,
-                    params,
-                    weight_total=2.0,
-                    optimizer=opt,
-                    buffers=frozenset(),
-                    downlink=codec,
-                    downlink_ef=ef,
-                    downlink_state={},
-                    spares=spares,
-                    made=stream.add,
-                )
-                for n, payload in payloads.items():
-                    finite.check(n, params[n], accum[n], payload, codec)
-            finally:
-                stream.abandon()
+            streams.append(stream)
+            payloads = outer_step_(
+                accum,
+                params,
+                weight_total=2.0,
+                optimizer=opt,
+                buffers=frozenset(),
+                downlink=codec,
+                downlink_ef=ef,
+                downlink_state={},
+                spares=spares,
+                made=stream.add,
+            )
+            for n, payload in payloads.items():
+                finite.check(n, params[n], accum[n], payload, codec)
             spares = dict(payloads)
 
-        return timed(run, repeat)
+        def drain() -> None:  # the record's writes finish after the step, as in the daemon (untimed)
+            streams.pop().abandon()
+            accums.append({n: t.clone() for n, t in sums.items()})
+
+        accums.append({n: t.clone() for n, t in sums.items()})
+        return timed(run, repeat, after=drain)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-125m", choices=sorted(VOCAB))
-    p.add_argument("--codecs", nargs="+", default=["identity", "int8", "int4", "dcttopk"])
+    p.add_argument("--codecs", nargs="*", default=["identity", "int8", "int4", "dcttopk"])
     p.add_argument("--downlinks", nargs="*", default=["int8", "identity"])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the daemon's --threads)")

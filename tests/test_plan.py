@@ -12,6 +12,7 @@ from atoll.compression import get_codec
 from atoll.plan import (
     DECODE_SECONDS_PER_PARAM,
     OUTER_SECONDS_PER_PARAM,
+    RECORD_SECONDS,
     Candidate,
     Link,
     data_seconds,
@@ -83,12 +84,12 @@ def test_the_coordinators_work_and_the_islands_own_work_in_an_exchange():
     kw = dict(shapes=shapes, step_seconds=0.5, islands=3, link=link)
     push = push_seconds(sum(get_codec("int4").encoded_size(s) for s in shapes), link, streams_for(link))
     pull = pull_seconds(sum(get_codec("int8").encoded_size(s) for s in shapes), link, streams_for(link))
-    coord = 3 * DECODE_SECONDS_PER_PARAM["int4"] * n + OUTER_SECONDS_PER_PARAM * n
+    coord = 3 * DECODE_SECONDS_PER_PARAM["int4"] * n + OUTER_SECONDS_PER_PARAM * n + RECORD_SECONDS
     plain = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=0, fragments=1), **kw)
     assert plain.coordinator_seconds == pytest.approx(coord)
     assert plain.sync_seconds == pytest.approx(push + coord + pull)
     given = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=0, fragments=1), **kw, decode_seconds=2.0)
-    assert given.coordinator_seconds == pytest.approx(3 * 2.0 + OUTER_SECONDS_PER_PARAM * n)
+    assert given.coordinator_seconds == pytest.approx(3 * 2.0 + OUTER_SECONDS_PER_PARAM * n + RECORD_SECONDS)
     # A plain exchange: the update's apply (the int8 decode's pass over θ) streams with the pull, the
     # encoding (the rest of the own work) with the push; each direction takes the longer.
     apply = DECODE_SECONDS_PER_PARAM["int8"] * n
@@ -99,10 +100,13 @@ def test_the_coordinators_work_and_the_islands_own_work_in_an_exchange():
     # A stateful codec encodes before its push; overlap leaves all of it on the training thread.
     state = estimate(Candidate(codec="powersgd", sync_every=100, overlap_steps=0, fragments=1), **kw, host_seconds=5.0)
     push_p = push_seconds(sum(get_codec("powersgd").encoded_size(s) for s in shapes), link, streams_for(link))
-    coord_p = 3 * DECODE_SECONDS_PER_PARAM["powersgd"] * n + OUTER_SECONDS_PER_PARAM * n
+    coord_p = 3 * DECODE_SECONDS_PER_PARAM["powersgd"] * n + OUTER_SECONDS_PER_PARAM * n + RECORD_SECONDS
     assert state.stall_seconds == pytest.approx(push_p + 5.0 - apply + coord_p + max(pull, apply))
     over = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=20, fragments=1), **kw, host_seconds=5.0)
     assert over.stall_seconds == pytest.approx(5.0 + max(0.0, push + coord + pull - 10))
+    # Streaming fragments: each of the P exchanges makes its own record durable.
+    frag = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=20, fragments=4), **kw)
+    assert frag.coordinator_seconds == pytest.approx(coord + 3 * RECORD_SECONDS)
 
 
 def test_the_recommendation_prefers_quality_among_what_reaches_the_target():
