@@ -2,6 +2,7 @@
 
     python benchmarks/wan_utilisation.py [--link 100:100] [--islands 2] [--step-seconds 0.1]
         [--sync-every 100] [--rounds 4] [--codec int8] [--overlap 0 30] [--fragments 1]
+    python benchmarks/wan_utilisation.py --replan LOG    # today's planner against earlier runs' JSON lines
 
 Runs itself under ``unshare -rn``. Each island is a process in a network namespace of its own,
 joined to the coordinator's by its own emulated link (:mod:`atoll.harness.netlink`, ``RATE:RTT``,
@@ -223,6 +224,24 @@ def predicted(a, overlap: int, host_seconds: float = 0.0) -> float:
     return e.utilisation, e.sync_seconds, e.stall_seconds
 
 
+def replan(log: Path) -> None:
+    """The planner as it is now against runs this script printed (their JSON lines in ``log``), with
+    the islands' own ``host_seconds``: the runs do not depend on the planner."""
+    for line in log.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        keys = ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")
+        a = argparse.Namespace(**{k: r[k] for k in keys})
+        util, sync, stall = predicted(a, r["overlap_steps"], r["run_host_seconds"])
+        print(
+            f"{r['link']} x{r['islands']} H={r['sync_every']} {r['codec']} τ={r['overlap_steps']} "
+            f"P={r['fragments']}: measured {r['utilisation']:.1%}, planned {util:.1%} "
+            f"({100 * (util - r['utilisation']):+.1f}); exchange {r['run_exchange_seconds']:.2f} / {sync:.2f} s, "
+            f"the islands' sync {r['run_sync_seconds']:.2f} / {stall:.2f} s"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--link", default="100:100", help="RATE_MBIT:RTT_MS of each island's link")
@@ -236,7 +255,13 @@ def main() -> None:
     p.add_argument("--overlap-steps", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--island", nargs=2, metavar=("ADDRESSES", "NAME"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--replan", type=Path, metavar="LOG", help="print today's planner against the JSON lines of earlier runs"
+    )
     a = p.parse_args()
+    if a.replan:
+        replan(a.replan)
+        return
     if a.island:
         island(a.island[0], a.island[1], a)
         return
