@@ -205,7 +205,8 @@ def host_work(codec: str, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
-def predicted(a, overlap: int, host_seconds: float = 0.0) -> float:
+def predicted(a, overlap: int, host_seconds: float = 0.0) -> tuple[float, float, float]:
+    """The planner's utilisation, sync (an exchange) and stall (what the islands wait) for the run's settings."""
     import torch
 
     from atoll.models import TinyGPT, preset
