@@ -77,9 +77,9 @@ RECORD_SECONDS = 0.02
 coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_utilisation.py``'s runs."""
 
 
-def decode_per_param(codec: str) -> float:
-    """:data:`DECODE_SECONDS_PER_PARAM` of a codec spec (its name; the dearest figure for one not timed)."""
-    return DECODE_SECONDS_PER_PARAM.get(codec.partition(":")[0], max(DECODE_SECONDS_PER_PARAM.values()))
+def decode_per_param(name: str) -> float:
+    """:data:`DECODE_SECONDS_PER_PARAM` of a codec by its name (the dearest figure for one not timed)."""
+    return DECODE_SECONDS_PER_PARAM.get(name, max(DECODE_SECONDS_PER_PARAM.values()))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,7 +221,8 @@ def estimate(
     up_bytes, down_bytes = sizes(shapes, cand.codec), sizes(shapes, down)
     streams = streams_for(link)
     outer = OUTER_SECONDS_PER_PARAM * params if outer_seconds is None else outer_seconds
-    decode = decode_per_param(cand.codec) * params if decode_seconds is None else decode_seconds
+    codec = get_codec(cand.codec)
+    decode = decode_per_param(codec.name) * params if decode_seconds is None else decode_seconds
     p = cand.fragments
     coordinator = islands * decode + outer + p * RECORD_SECONDS  # the pushes decode one after another
     push = push_seconds(up_bytes / p, link, streams)
@@ -239,7 +240,7 @@ def estimate(
     else:  # streamed with the transfers: the apply with the pull, a stateless codec's encoding with the push
         apply = min(host_seconds, decode_per_param(down) * params) / p
         encode = host_seconds / p - apply
-        out = push + encode if get_codec(cand.codec).stateful else max(push, encode)
+        out = push + encode if codec.stateful else max(push, encode)
         stall = p * (out + coordinator / p + max(pull, apply))
     busy = max(compute + stall, p * exchange if cand.overlap_steps else 0.0)  # the link carries one at a time
     return Estimate(

@@ -125,7 +125,8 @@ class Flight:
             if i == route and payloads is not None:
                 return self.settle(payloads)
         if self.encoder is not None:  # (a plain exchange: the stream asks on the training thread)
-            encode = self.timed(self.timed(self.encoder)(route))
+            route_encoder = self.timed(self.encoder)(route)  # making it is own work, and so is each encode
+            encode = self.timed(route_encoder)
             return lambda j: self.kept(encode(j))
         return self.payloads_of(route)
 
