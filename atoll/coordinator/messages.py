@@ -177,6 +177,9 @@ class PullAnswer:
     waiting: str = ""
     stalled: bool = False
     """NOT_READY: the open round cannot close as things stand (the quorum is gone)."""
+    arrival_offset: float | None = None
+    """DELTA or FULL, decoupled runs: where the island's fresh push landed in round ``round - 1``,
+    seconds after the median of that round's fresh pushes (:mod:`atoll.coordinator.policy.phase`)."""
     durable: Callable[[], Awaitable[bool]] | None = None
     """A tentative update (its round still being saved): awaited after the entries are sent; True once
     the round is saved and published, False if it was not within the wait."""

@@ -110,7 +110,12 @@ class DiLoCo:
         routes = Routes(o, shards, link, self._rank, self._num_ranks, tied_aliases(self.model))
         schedule = Schedule(len(routes.sessions), streaming=o.streaming, sync_every_seconds=o.sync_every_seconds)
         exchanges = Exchanges(
-            routes, schedule, overlap=bool(o.overlap_steps), group=o.process_group, token_group=o.token_group
+            routes,
+            schedule,
+            overlap=bool(o.overlap_steps),
+            align=o.align_pushes,
+            group=o.process_group,
+            token_group=o.token_group,
         )
         try:
             joined = link.join()

@@ -9,6 +9,7 @@ thread.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -227,10 +228,14 @@ def _bytes_tensor(p) -> torch.Tensor:
 class Exchanges:
     """The island's exchanges in flight, one per route at most (a flight may cover several)."""
 
-    def __init__(self, routes: Routes, schedule: Schedule, *, overlap: bool, group=None, token_group=None) -> None:
+    def __init__(
+        self, routes: Routes, schedule: Schedule, *, overlap: bool, align: bool = True, group=None, token_group=None
+    ) -> None:
         self.routes = routes
         self.schedule = schedule
         self.overlap = overlap
+        self.align = align
+        """Move the pushes by where the coordinator says they landed (decoupled runs: it says so only there)."""
         self.group = group
         self.token_group = token_group
         self.by_route: dict[int, Flight] = {}
@@ -367,6 +372,7 @@ class Exchanges:
             dropped = flight.outcomes.get(i) is PushOutcome.ROUND_CLOSED
             self.routes.apply_all(i, by_route.get(i, []))
             self.routes.load_params(i, merge=flight.merge or dropped)
+            self._align(i, headers.get(i), [h for h, _ in by_route.get(i, [])])
             if dropped:  # what the push said it covers (also for a flight restored from a checkpoint)
                 h = headers[i]
                 self.schedule.routes[i].carry(h.inner_steps, h.tokens, h.compute_seconds)
@@ -374,6 +380,20 @@ class Exchanges:
         flight.host += clock() - applying
         flight.blocked += clock() - started
         return flight.stats(self.routes.link.bytes(flight.routes), self._island_bytes, run_complete())
+
+    def _align(self, route: int, pushed: PushHeader | None, updates: list) -> None:
+        """Decoupled: move the route's next pushes by where this push landed in its round, as the
+        coordinator said with the round's update (:meth:`RouteCount.aligned`)."""
+        if pushed is None or pushed.inner_steps <= 0 or not self.align:
+            return
+        offsets = [u.arrival_offset for u in updates if u.arrival_offset is not None]
+        offset, step_seconds = offsets[0] if offsets else -math.inf, pushed.compute_seconds / pushed.inner_steps
+        if self.num_ranks > 1:  # the ranks' clocks differ: they agree on one shift, or their steps part
+            t = torch.tensor([offset, step_seconds], dtype=torch.float64, device=self._device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            offset, step_seconds = t.tolist()
+        if math.isfinite(offset):
+            self.schedule.routes[route].aligned(offset, step_seconds, self.schedule.sync_every)
 
     def _island_tokens(self, tokens: int) -> int:
         """The island's tokens: this rank's summed over the token group (one all-reduce per sync)."""

@@ -180,3 +180,6 @@ class Update:
     waiting: str = ""
     stalled: bool = False
     tentative: bool = False
+    arrival_offset: float | None = None
+    """Decoupled runs, with an update: where this island's push landed in round ``round - 1``, seconds
+    after the median of its fresh pushes (None: its push was not one of them)."""

@@ -31,6 +31,11 @@ class DiLoCoOptions:
     """τ > 0: push and pull in the background and keep training; the outer update is applied τ inner
     steps after the push (waiting only if it has not arrived by then), keeping the progress made
     meanwhile: θ ← θ_global + (θ_now − θ_at_push). 0 is plain DiLoCo, exactly."""
+    align_pushes: bool = True
+    """Decoupled runs: move this island's pushes by where its last ones landed in their rounds (the
+    coordinator says, with each update), so the islands' pushes come together and none trains long on
+    a θ its round is about to replace; a push then covers between H/2 and 2H inner steps. False: every
+    H steps, as in sync runs."""
     streaming: bool = False
     """The coordinator's shards are Streaming DiLoCo fragments (``atoll coordinator --fragments P``):
     fragment p first syncs after ⌈(p+1)·H/P⌉ steps, then every H, so each sync moves about 1/P of the model."""
@@ -87,6 +92,7 @@ class DiLoCoKwargs(TypedDict, total=False):
     codec: str | None
     sync_every_seconds: float | None
     overlap_steps: int
+    align_pushes: bool
     streaming: bool
     outer_state: str
     staged_copies: bool | None

@@ -3,13 +3,29 @@
 Plain DiLoCo: every route after H inner steps. Streaming (fragments): route p first after
 ⌈(p+1)·H/P⌉ steps, then every H, so each sync moves about 1/P of the model. Time budget
 (``sync_every_seconds``): every route once the budget since its last sync is spent.
+
+Decoupled runs: the coordinator says where the island's push landed in its round, seconds after the
+median of the round's fresh pushes (:mod:`atoll.coordinator.policy.phase`), and the island moves its
+next push by it (:func:`aligned`): the next push alone by half of it (the phase), and every push after
+by a tenth (the period, so an island a little slower per step than the others takes a few steps fewer
+a round). Nothing else brings pushes together in a run where no island waits; an island whose push
+lands first trains on a θ the round is about to replace until the others come.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+PHASE_GAIN = 0.5
+"""Of where a push landed (in the island's steps), what its next push moves by."""
+PERIOD_GAIN = 0.1
+"""... and what every push after moves by. A push's offset x from the median and its island's period v
+(in seconds, from round to round): x' = (1 - PHASE_GAIN - PERIOD_GAIN)·x + v, v' = v - PERIOD_GAIN·x,
+which settles only for 0 < PHASE_GAIN < 2 and 0 < PERIOD_GAIN < 4 - 2·PHASE_GAIN (past that the pushes
+swing apart: tests/test_push_phase.py); at 0.5 and 0.1 an offset shrinks by ~0.7 a round."""
 
 
 @dataclass
@@ -29,6 +45,10 @@ class RouteCount:
     """Seconds the island was blocked on exchanges since this route's round started."""
     carried: tuple[int, int, float] = (0, 0, 0.0)
     """(steps, island tokens, compute seconds) of a dropped push whose progress the next push carries."""
+    period: float = 0.0
+    """Decoupled: inner steps added to H for every push (< 0: fewer), from where its pushes landed."""
+    shift: int = 0
+    """Decoupled: inner steps added for the next push only (its phase)."""
 
     def compute_seconds(self, now: float) -> float:
         """The island's compute time in this round: its wall time since the round started, less the
@@ -42,6 +62,23 @@ class RouteCount:
         self.steps, self.tokens, self.losses, self.started, self.blocked = 0, 0, [], now, 0.0
         self.carried = (0, 0, 0.0)
         self.pushed += 1
+        self.shift = 0
+
+    def due_after(self, sync_every: int) -> int:
+        """Inner steps in this round before it pushes: H moved by its alignment, within [H/2, 2H]."""
+        if self.pushed == 0:
+            return self.first_sync
+        return max(-(-sync_every // 2), min(2 * sync_every, sync_every + round(self.period) + self.shift))
+
+    def aligned(self, offset_seconds: float, step_seconds: float, sync_every: int) -> None:
+        """Its last push landed ``offset_seconds`` after the round's median (``step_seconds``: its inner
+        step's time): the next push moves by :data:`PHASE_GAIN` of that, every push by :data:`PERIOD_GAIN`
+        (the period kept within [-H/2, H] steps, so an island always late cannot wind it up)."""
+        if not (step_seconds > 0 and math.isfinite(offset_seconds) and math.isfinite(step_seconds)):
+            return
+        steps = max(-2.0 * sync_every, min(2.0 * sync_every, offset_seconds / step_seconds))
+        self.period = max(-sync_every / 2, min(float(sync_every), self.period - PERIOD_GAIN * steps))
+        self.shift = -round(PHASE_GAIN * steps)
 
     def carry(self, steps: int, tokens: int, compute_seconds: float) -> None:
         """A push of this route was dropped; its work stays in θ and goes with the next push."""
@@ -55,6 +92,8 @@ class RouteCount:
             "losses": list(self.losses),
             "pushed": self.pushed,
             "carried": list(self.carried),
+            "period": self.period,
+            "shift": self.shift,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -62,6 +101,7 @@ class RouteCount:
         self.pushed = int(sd["pushed"])
         s, t, c = sd.get("carried", (0, 0, 0.0))  # absent in checkpoints of older releases
         self.carried = (int(s), int(t), float(c))
+        self.period, self.shift = float(sd.get("period", 0.0)), int(sd.get("shift", 0))  # (older checkpoints)
 
 
 class Schedule:
@@ -101,7 +141,7 @@ class Schedule:
         return [
             i
             for i, route in enumerate(self.routes)
-            if i not in busy and route.steps >= (route.first_sync if route.pushed == 0 else self.sync_every)
+            if i not in busy and route.steps >= route.due_after(self.sync_every)
         ]
 
     def budget_spent(self) -> bool:

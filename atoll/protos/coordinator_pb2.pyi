@@ -330,7 +330,7 @@ class PullRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., regions: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., session_id: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("kind", "round", "codec", "entries", "committed", "loss", "latest_round", "bootstrap", "run_complete", "waiting", "tentative", "stalled")
+    __slots__ = ("kind", "round", "codec", "entries", "committed", "loss", "latest_round", "bootstrap", "run_complete", "waiting", "tentative", "stalled", "arrival_offset")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +343,7 @@ class UpdateHeader(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     TENTATIVE_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_OFFSET_FIELD_NUMBER: _ClassVar[int]
     kind: UpdateKind
     round: int
     codec: str
@@ -355,7 +356,8 @@ class UpdateHeader(_message.Message):
     waiting: str
     tentative: bool
     stalled: bool
-    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., round: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., committed: _Optional[bool] = ..., loss: _Optional[float] = ..., latest_round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., run_complete: _Optional[bool] = ..., waiting: _Optional[str] = ..., tentative: _Optional[bool] = ..., stalled: _Optional[bool] = ...) -> None: ...
+    arrival_offset: float
+    def __init__(self, kind: _Optional[_Union[UpdateKind, str]] = ..., round: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., committed: _Optional[bool] = ..., loss: _Optional[float] = ..., latest_round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., run_complete: _Optional[bool] = ..., waiting: _Optional[str] = ..., tentative: _Optional[bool] = ..., stalled: _Optional[bool] = ..., arrival_offset: _Optional[float] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data", "durable")

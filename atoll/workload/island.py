@@ -104,6 +104,9 @@ class IslandArgs:
     (--no-staged-copies: piece by piece into fresh host memory, as before)."""
     overlap_steps: int = 0
     """If > 0, keep training while the outer exchange is in flight; apply it this many steps later."""
+    align_pushes: bool = True
+    """Decoupled runs: push when the others do (H/2 to 2H steps, from where the coordinator says the
+    last pushes landed); --no-align-pushes: every H steps."""
     streaming: bool = False
     """Streaming DiLoCo: the coordinator's fragments (--fragments P) sync on staggered schedules."""
     progress: str = "auto"
@@ -274,6 +277,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         codec=args.codec or None,
         sync_every_seconds=args.sync_every_seconds or None,
         overlap_steps=args.overlap_steps,
+        align_pushes=args.align_pushes,
         streaming=args.streaming,
         outer_state=args.outer_state,
         staged_copies=None if args.staged_copies else False,

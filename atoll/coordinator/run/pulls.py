@@ -52,6 +52,13 @@ class Pulls:
         """Pulls in their long-poll now, waiting for the round they hold to move on."""
 
     async def pull(self, req: PullRequest) -> PullAnswer:
+        """The answer to a pull; an update comes with where the island's push landed in its round."""
+        answer = await self._pull(req)
+        if answer.kind in (UpdateKind.DELTA, UpdateKind.FULL):
+            answer.arrival_offset = self.membership.offset_for(req.island_id, answer.round - 1)
+        return answer
+
+    async def _pull(self, req: PullRequest) -> PullAnswer:
         c, ledger, model = self._config(), self.ledger, self.model
         checks.run_id(c, req.run_id)
         rec = self.membership.touch(req.island_id, req.session_id)

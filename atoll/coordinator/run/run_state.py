@@ -53,7 +53,7 @@ from atoll.coordinator.messages import (
     PushOutcome,
     PushResult,
 )
-from atoll.coordinator.policy import grace
+from atoll.coordinator.policy import grace, phase
 from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.policy.rounds import RoundPolicy
 from atoll.coordinator.run import checks, saved
@@ -361,6 +361,8 @@ class RunState:
             r, c = self.round, self.config
             self.downlink.release_latest()  # its room goes to θ_{r+1}
             await asyncio.to_thread(self.writer.wait)  # the step changes what it may still write
+            if c.outer_mode == "decoupled":  # where each fresh push landed: told to its island with the update
+                self.membership.arrived(r, phase.arrival_offsets({i: x.at for i, x in committed.items()}))
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             summary, (share, weight) = acc.record(), self.pushes.round_weight()
             sizes = self.model.update_sizes()

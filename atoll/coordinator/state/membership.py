@@ -61,6 +61,9 @@ class IslandRecord:
     usual_weight: float = 0.0
     """The weight of its last contribution that counted, not down-weighted for lateness: what it
     brings to a round (a decoupled round's share is its weight over the live islands' together)."""
+    arrival_offset: tuple[int, float] | None = None
+    """Decoupled runs: (round, seconds) its fresh push in that round committed after the median of the
+    round's fresh pushes (:mod:`atoll.coordinator.policy.phase`), for its pull of that round's update."""
     expiry_logged: bool = field(default=False, repr=False)
 
 
@@ -95,6 +98,19 @@ class Membership:
         """The goodput of island records that left or were replaced (the run's value counts them)."""
 
     # ---- joins and leases ------------------------------------------------------------------
+    def arrived(self, round_: int, offsets: dict[str, float]) -> None:
+        """Round ``round_`` closed with these islands' fresh pushes ``offsets`` seconds from their median."""
+        for island_id, offset in offsets.items():
+            if (rec := self.islands.get(island_id)) is not None:
+                rec.arrival_offset = (round_, offset)
+
+    def offset_for(self, island_id: str, round_: int) -> float | None:
+        """Where ``island_id``'s push landed in round ``round_`` (None: it had no fresh push there)."""
+        rec = self.islands.get(island_id)
+        if rec is None or rec.arrival_offset is None or rec.arrival_offset[0] != round_:
+            return None
+        return rec.arrival_offset[1]
+
     def holds(self, island_id: str, round_: int) -> None:
         """``island_id`` holds θ_round_ (it pulled it, or uploaded θ_0)."""
         rec = self.islands.get(island_id)

@@ -380,6 +380,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         if answer.loss is not None:
             header.loss = answer.loss
+        if answer.arrival_offset is not None:
+            header.arrival_offset = answer.arrival_offset
         for entry in answer.entries:
             e = header.entries.add(name=entry.name, num_bytes=entry.num_bytes)
             if entry.region is not None:

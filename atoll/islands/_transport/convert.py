@@ -124,6 +124,7 @@ def update(m: pb.UpdateHeader) -> Update:
         waiting=m.waiting,
         stalled=m.stalled,
         tentative=m.tentative,
+        arrival_offset=m.arrival_offset if m.HasField("arrival_offset") else None,
     )
 
 
