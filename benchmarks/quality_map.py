@@ -69,11 +69,11 @@ COMMON += ["--codec", "identity", "--downlink-codec", "identity", "--bulk-port",
 def policy_flags(policy: str, quorum: int, islands: int) -> list[str]:
     if policy == "barrier":
         return ["--quorum", str(islands), "--grace-window", "off", "--late-policy", "drop", "--max-staleness", "1"]
-    if policy == "sync":
+    if policy.startswith("sync"):
         return ["--quorum", str(quorum)]
     decoupled = ["--quorum", str(quorum), "--outer-mode", "decoupled"]
     step = policy.removeprefix("decoupled").removeprefix("-")  # "" for the default rule
-    return decoupled + (["--decoupled-step", step] if step and step != "dylu" else [])
+    return decoupled + (["--decoupled-step", step] if step and step not in ("dylu", "unaligned") else [])
 
 
 def island_argv(name: str, address: str, work: Path, seed: int, data: str, budget: float | None) -> list[str]:
@@ -103,7 +103,9 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
                     name,
                     island_argv(
                         name, address, work, seed, a.data, h * a.step_seconds if policy.endswith("dylu") else None
-                    ),
+                    )
+                    + (["--overlap-steps", policy.removeprefix("sync-overlap")] if "overlap" in policy else [])
+                    + (["--no-align-pushes"] if policy.endswith("unaligned") else []),
                     faults=island_faults_json(faults, name),
                 )
             )
@@ -119,7 +121,14 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
     curve = evaluate_theta(work / "state", None if a.data != "bundled" else "")
     history = snapshots.load(work / "state").history
     carried = sum(len(r.get("too_stale") or ()) for r in history)  # pushes refused as too stale, work carried
-    return {"policy": policy, "quorum": quorum, "sync_every": h, "seed": seed, "curve": curve, "carried": carried}
+    rounds = [
+        {"islands": r.get("islands", []), "late": r.get("late", []), "steps": r.get("steps_by_island", {})}
+        for r in history
+    ]  # who entered each round, and with how many inner steps
+    return {
+        "policy": policy, "quorum": quorum, "sync_every": h, "seed": seed, "curve": curve, "carried": carried,
+        "rounds": rounds,
+    }  # fmt: skip
 
 
 def loss_at_tokens(curve, tokens: int) -> float:
@@ -192,6 +201,9 @@ def main() -> None:
             "decoupled-dylu",
             "decoupled-whole",
             "decoupled-progress",
+            "decoupled-unaligned",
+            "sync-overlap5",
+            "sync-overlap15",
         ],
     )
     p.add_argument(
