@@ -32,12 +32,17 @@ Policies (coordinator flags):
   et al. 2024): every island syncs on a time budget of H full-speed steps (``atoll island
   --sync-every-seconds``, H x ``--step-seconds``), so a slow island pushes a shorter delta as often as
   the fast ones rather than an H-step delta several rounds stale.
+- decoupled-unaligned: decoupled with islands that push every H steps (``atoll island
+  --no-align-pushes``), as before the coordinator told them where their pushes landed.
+- sync-overlap5, sync-overlap15: sync, the islands with ``--overlap-steps`` 5 or 15 (they train that
+  many steps on the old θ while the exchange is out, then wait for it).
 
 ``--quorum``: 1, or ``half`` (half the islands, rounded up); barrier ignores it. Each (policy, quorum,
 H, seed) is one run of ``--seconds`` of wall time; the seed sets θ_0 and every island's data order.
 Every snapshot is kept, so θ's held-out loss is known after every round: printed per configuration,
 the mean and the spread (min-max) over seeds of the eval loss of θ at the end of the budget (equal wall
-time) and at the token count every run of that H reached (equal tokens: the last θ at or below it),
+time) and at the token count every run of that H reached (equal tokens: θ's loss interpolated between the
+rounds on either side),
 and the tokens into θ. ``--json`` keeps every curve; ``--plot-dir`` draws loss against wall time and
 against tokens per H.
 """
@@ -132,8 +137,13 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
 
 
 def loss_at_tokens(curve, tokens: int) -> float:
-    """θ's loss after the last round at or below ``tokens`` tokens into θ."""
-    return [loss for _, t, loss in curve if t <= tokens][-1]
+    """θ's loss at ``tokens`` tokens into θ, linear between the rounds on either side. (Before: the
+    loss after the last round at or below, up to a round's tokens earlier; decoupled rounds, which
+    carry more tokens than H-step ones, were read further back, where the loss falls fast.)"""
+    for (_, t0, l0), (_, t1, l1) in zip(curve, curve[1:], strict=False):
+        if t0 <= tokens <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
+    return curve[-1][2] if tokens >= curve[-1][1] else curve[0][2]
 
 
 def summary(runs: list[dict]) -> list[dict]:
