@@ -173,8 +173,10 @@ def test_30s_network_cut_island_resumes_by_itself(group, tmp_path):
             resumed_c.seen = list(ev)
             if not driver.done:
                 return False
+            # ... and A reported the same versions (its events can trail C's: the check below needs both)
+            a_versions = {e["now_round"] for e in rounds_of(ev, "A").values() if not e["dropped"]}
             back = [e for e in rounds_of(ev, "C").values() if e["round"] > 3 and not e["dropped"]]
-            return len(back) >= 6
+            return len(back) >= 6 and sum(e["now_round"] in a_versions for e in back) >= 5
 
         resumed_c.seen = []
         events = collect_events([c, *others], until=resumed_c, timeout=240)

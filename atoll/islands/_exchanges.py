@@ -384,8 +384,8 @@ class Exchanges:
     def _align(self, route: int, pushed: PushHeader | None, updates: list) -> None:
         """Decoupled: move the route's next pushes by where this push landed in its round, as the
         coordinator said with the round's update (:meth:`RouteCount.aligned`)."""
-        if pushed is None or pushed.inner_steps <= 0 or not self.align:
-            return
+        if pushed is None or pushed.inner_steps <= 0 or not self.align or not self.routes.decoupled:
+            return  # (a sync run's updates carry no offset: its ranks take no collective for one)
         offsets = [u.arrival_offset for u in updates if u.arrival_offset is not None]
         offset, step_seconds = offsets[0] if offsets else -math.inf, pushed.compute_seconds / pushed.inner_steps
         if self.num_ranks > 1:  # the ranks' clocks differ: they agree on one shift, or their steps part

@@ -3,9 +3,9 @@
 In a decoupled run no island waits, so nothing brings the islands' pushes back together once they
 drift apart: an island whose push commits first trains on while the round waits for the others, and
 all of that training starts from a θ the round is about to replace (measured: islands of equal speed a
-third to half a round apart, a 2-4% loss at equal tokens against sync). The coordinator tells each
+third to half a round apart, 2-5% behind sync at equal tokens). The coordinator tells each
 island how far its push landed from the middle of the round's fresh pushes; the island shifts its next
-push by part of it (:func:`atoll.islands._schedule.aligned_extra`). Measured against the median, one
+push by part of it (``RouteCount.aligned`` in ``atoll/islands/_schedule.py``). Measured against the median, one
 island far behind (a slow one) does not pull the others' pushes towards it: it is the one told to push
 sooner.
 """
