@@ -6,7 +6,7 @@ Plain DiLoCo: every route after H inner steps. Streaming (fragments): route p fi
 
 Decoupled runs: the coordinator says where the island's push landed in its round, seconds after the
 median of the round's fresh pushes (:mod:`atoll.coordinator.policy.phase`), and the island moves its
-next push by it (:func:`aligned`): the next push alone by half of it (the phase), and every push after
+next push by it (:meth:`RouteCount.aligned`): the next push alone by half of it (the phase), and every push after
 by a tenth (the period, so an island a little slower per step than the others takes a few steps fewer
 a round). Nothing else brings pushes together in a run where no island waits; an island whose push
 lands first trains on a θ the round is about to replace until the others come.
