@@ -28,6 +28,8 @@ Policies (coordinator flags):
 - decoupled-progress: ``--decoupled-step progress`` (each island's progress since its last push enters
   as its share of a round of everyone, a long delta once; rounds adding up to S full rounds' work step
   the momentum as S rounds of their mean gradient would).
+- decoupled-even: ``--decoupled-step even`` (as progress, with every round stepping the momentum as its
+  own share of a full round, whatever the share, instead of holding it until the shares add up to one).
 - decoupled-dylu: decoupled (the default rule) with step counts from the islands' speeds (DyLU, Liu
   et al. 2024): every island syncs on a time budget of H full-speed steps (``atoll island
   --sync-every-seconds``, H x ``--step-seconds``), so a slow island pushes a shorter delta as often as
@@ -211,6 +213,7 @@ def main() -> None:
             "decoupled-dylu",
             "decoupled-whole",
             "decoupled-progress",
+            "decoupled-even",
             "decoupled-unaligned",
             "sync-overlap5",
             "sync-overlap15",

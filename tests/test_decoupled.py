@@ -238,6 +238,116 @@ def test_delayed_nesterov_applies_the_momentum_once_per_full_rounds_share():
             assert torch.equal(a, b) if nesterov else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def nesterov_reference(theta, grads, lr, mu, nesterov, m=None):
+    """NumPy (float64), one full round per gradient: Nesterov SGD (heavy ball without ``nesterov``),
+    PyTorch's convention, from momentum ``m`` (0); (θ after each round, the momentum at the end)."""
+    import numpy as np
+
+    theta, out = theta.astype(np.float64), []
+    m = np.zeros_like(theta) if m is None else m.astype(np.float64)
+    for g in grads:
+        if nesterov:
+            m = mu * m + g
+            theta = theta - lr * (g + mu * m)
+        else:
+            m = mu * m + g
+            theta = theta - lr * m
+        out.append(theta)
+    return out, m
+
+
+def test_the_even_rule_steps_rounds_of_some_islands_as_their_share_of_whole_rounds():
+    """``even``: every round advances the momentum as its share's worth of full rounds, whatever the
+    share (``progress`` held it back until the shares added up to one, then stepped it in one go: a
+    round with the momentum moved θ ~3x as far as one without, and θ's loss rose and fell in turn
+    under the chaos trace). Rounds whose shares add up to whole rounds, each round's gradient its
+    share of that whole round's, move θ and the momentum exactly as Nesterov SGD over the whole rounds
+    (NumPy); a round of S > 1 shares as S Nesterov rounds of G / S; chunked as the outer step does."""
+    import numpy as np
+
+    from atoll.coordinator.state.outer import DelayedNesterov
+
+    gen = torch.Generator().manual_seed(5)
+    theta0 = torch.randn(1000, generator=gen)
+    whole = [torch.randn(1000, generator=gen) for _ in range(4)]
+    splits = [[1.0], [0.25, 0.75], [0.5, 0.3, 0.2], [0.9, 0.1]]  # each whole round's work, in rounds
+    for nesterov in (True, False):
+        want, want_m = nesterov_reference(theta0.numpy(), [g.numpy() for g in whole], 0.7, 0.9, nesterov)
+        opt = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=nesterov, per_share=True, every_round=True)
+        theta = theta0.clone().double()
+        for j, split in enumerate(splits):
+            for share in split:
+                opt.begin_round(share)
+                u = whole[j] * share
+                for start in range(0, 1000, 300):
+                    opt.step_("w", u.narrow(0, start, min(300, 1000 - start)), start)
+                opt.end_round()
+                theta += u.double()
+                assert opt.pending_share == 0.0
+            np.testing.assert_allclose(theta.numpy(), want[j], rtol=1e-5, atol=1e-5, err_msg=f"whole round {j}")
+        np.testing.assert_allclose(opt.buffers["w"].numpy(), want_m, rtol=1e-5, atol=1e-5)
+        # one round of S = 2 shares: two Nesterov rounds of G / S
+        two, m2 = nesterov_reference(want[-1], [whole[0].numpy()] * 2, 0.7, 0.9, nesterov, want_m)
+        opt.begin_round(2.0)
+        theta += opt.step_("w", whole[0] * 2.0).double()
+        opt.end_round()
+        np.testing.assert_allclose(theta.numpy(), two[-1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(opt.buffers["w"].numpy(), m2, rtol=1e-5, atol=1e-5)
+    # Rounds of equal shares: every round moves θ by its share of what a full round would (no round
+    # steps the momentum for the others), in steady state s x lr x ĝ / (1 - mu).
+    steady = DelayedNesterov({"w": (1,)}, lr=1.0, momentum=0.5, nesterov=True, per_share=True, every_round=True)
+    steps = []
+    for _ in range(40):
+        steady.begin_round(0.8)
+        steps.append(float(steady.step_("w", torch.tensor([0.8]))))
+        steady.end_round()
+    assert steps[-1] == pytest.approx(-0.8 * 1.0 / (1 - 0.5), rel=1e-5)
+    assert all(b <= a + 1e-6 for a, b in zip(steps, steps[1:], strict=False))  # smooth: no round of a jump
+
+
+def even_reference(theta, rounds, lr, mu):
+    """NumPy (float64) of the ``even`` rule, from the momentum's definition m_j = mu·m_{j-1} + ĝ: a
+    round of share s and gradient g is s full rounds of ĝ = g / s, so m <- m_s = mu^s·m + (1 - mu^s) /
+    (1 - mu)·ĝ and θ moves by -lr·(g + mu·Σ_{j=1..s} m_j), the sum taken in closed form for any s."""
+    import numpy as np
+
+    theta, m, out = theta.astype(np.float64), np.zeros_like(theta, np.float64), []
+    for g, s in rounds:
+        ghat, geo = g / s, mu * (1 - mu**s) / (1 - mu)  # geo: Σ_{j=1..s} mu^j
+        sum_m = geo * m + (s - geo) / (1 - mu) * ghat
+        theta = theta - lr * (g + mu * sum_m)
+        m = mu**s * m + (1 - mu**s) / (1 - mu) * ghat
+        out.append(theta)
+    return out
+
+
+def test_a_decoupled_run_with_the_even_rule_matches_numpy(start_server, raw_island, tmp_path):
+    """Through the coordinator (``--decoupled-step even``), rounds of one island each: θ after every
+    round is NumPy's ``even`` rule with the rounds' shares, across a coordinator restart."""
+    import numpy as np
+
+    cfg, srv, a, b, theta0 = two_raw_islands(start_server, raw_island, tmp_path, step="even", lr=0.7, momentum=0.9)
+    plan = [("a", 0, 100, 1.0), ("b", 1, 300, 0.75), ("a", 2, 100, 0.25), ("b", 3, 300, 0.75), ("a", 4, 100, 0.25)]
+    rounds = []
+    for i, (who, r, tokens, share) in enumerate(plan):
+        if i == 3:  # the momentum is all the optimizer's state: it comes back from the snapshot
+            srv.stop()
+            srv = start_server(cfg, tmp_path)
+            a, b = raw_island(srv.address, "a", {"w": (3, 4)}), raw_island(srv.address, "b", {"w": (3, 4)})
+            a.join()
+            b.join()
+        d = torch.randn(3, 4)
+        isl = a if who == "a" else b
+        assert isl.push({"w": d}, round_=r, tokens=tokens).committed
+        assert isl.pull(r)[0].round == r + 1
+        rounds.append((share * d.numpy(), share))
+        want = even_reference(theta0.numpy(), rounds, 0.7, 0.9)[-1]
+        got = srv.inspect(lambda s: s.model.params["w"].clone())
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5, err_msg=f"round {r}")
+    records = srv.inspect(lambda s: [dict(h) for h in s.history])
+    assert [rec["share"] for rec in records[-len(plan) :]] == pytest.approx([p[3] for p in plan])
+
+
 def test_a_decoupled_run_with_delayed_nesterov_matches_numpy(start_server, raw_island, tmp_path):
     """Through the coordinator, rounds of one island each (quorum 1): θ after each round is NumPy's
     Delayed Nesterov with the rounds' shares, and a coordinator restarted in the middle of a momentum

@@ -11,7 +11,7 @@ from atoll.compression import get_codec
 from atoll.coordinator.policy import grace
 
 OUTER_MODES = ("sync", "decoupled")
-DECOUPLED_STEPS = ("share", "full", "delayed", "whole", "progress")
+DECOUPLED_STEPS = ("share", "full", "delayed", "whole", "progress", "even")
 TOKENS_PER_STEP_BOUND = 1 << 24
 """Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
 any published LLM run): a push claiming more than H x this is refused."""
@@ -67,7 +67,10 @@ class RunConfig:
     progress: as ``delayed``, with each island's progress since its last push entering as its share of a
     round of everyone (a long delta once, at one island's share, where ``whole`` enters it at full size),
     the round's share S uncapped, and the momentum stepping as S full rounds of the mean gradient would
-    (:func:`~atoll.coordinator.policy.weighting.round_share`, :func:`~atoll.coordinator.state.outer.momentum_steps`).
+    (:func:`~atoll.coordinator.policy.weighting.round_share`, :func:`~atoll.coordinator.state.outer.momentum_steps`);
+    even: as ``progress``, with every round stepping the momentum as its own share's worth of full rounds
+    (nothing held back until the shares add up to one, which made every other round ~3x as long as the
+    one before; :class:`~atoll.coordinator.state.outer.DelayedNesterov`).
     The default, progress, is level with whole on the quality map (both below barrier at equal wall
     time at every point with a slow island; delayed is 20% behind at H=10) and rises for a round under
     the chaos trace half as far and less often (benchmarks/RESULTS.md, "round 0 no longer waits")."""

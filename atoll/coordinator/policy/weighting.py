@@ -9,10 +9,10 @@ Round r's outer gradient is Σ w_i s_i Δ_i / Σ w_i over the contributions that
 - s_i, the step scale (:func:`step_scale`): decoupled runs enter a delta of n > H inner steps as
   (H/n)·Δ_i, an estimate of the H-step update (sync runs: 1), except under the ``whole`` rule, where
   it enters whole and its island's usual weight (the share of a round of some islands) is its weight
-  per H steps (:func:`per_round_weight`; so under ``progress`` too);
+  per H steps (:func:`per_round_weight`; so under ``progress`` and ``even`` too);
 - the mean's denominator and the round's share of a full round (:func:`round_share`): under
-  ``progress`` Σ w_i s_i Δ_i over a full round's weight, so a long delta's whole progress enters at its
-  island's share of a round of everyone.
+  ``progress`` and ``even`` Σ w_i s_i Δ_i over a full round's weight, so a long delta's whole
+  progress enters at its island's share of a round of everyone.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def weight(
     return w * staleness_weight**late_by if late_by else w
 
 
-PER_ROUND_WEIGHT_RULES = ("whole", "progress")
+PER_ROUND_WEIGHT_RULES = ("whole", "progress", "even")
 """The decoupled rules under which an island's usual weight is its weight per H inner steps."""
-DELAYED_NESTEROV_RULES = ("delayed", "whole", "progress")
+DELAYED_NESTEROV_RULES = ("delayed", "whole", "progress", "even")
 """The decoupled rules whose outer optimizer is Delayed Nesterov (the momentum once per full round's
 share; ``progress`` steps it as that share's full rounds would)."""
 
@@ -94,8 +94,10 @@ def per_round_weight(rule: str, weight: float, sync_every: int, inner_steps: int
 
 def round_share(rule: str, weight: float, entered: float, full: float) -> tuple[float, float]:
     """A decoupled round of some islands under ``rule`` (not ``full``): (its share of a full round, the
-    denominator D of its mean Σ w_i s_i Δ_i / D). ``weight``: Σ w_i, the work that entered; ``entered``:
-    Σ w_i s_i; ``full``: the live islands' usual weights together (0: none known yet).
+    denominator D of its mean Σ w_i s_i Δ_i / D). ``even`` is ``progress`` here (it differs in the
+    momentum: :class:`~atoll.coordinator.state.outer.DelayedNesterov`). ``weight``: Σ w_i, the work
+    that entered; ``entered``: Σ w_i s_i; ``full``: the live islands' usual weights together (0: none
+    known yet).
 
     ``progress``: D = max(Σ w_i s_i, full), so an island's progress since its last push enters as its
     share of a round of everyone, a long delta whole and once (such a round's mean sums the islands'
@@ -103,6 +105,6 @@ def round_share(rule: str, weight: float, entered: float, full: float) -> tuple[
     outer momentum took it: the one-round spikes under the chaos trace). The share is the work that
     entered, uncapped: Delayed Nesterov steps the momentum as that many full rounds of the round's
     gradient per full round would. The other rules: D = max(Σ w_i, full), the share capped at 1."""
-    if rule == "progress":
+    if rule in ("progress", "even"):
         return (weight / full if full > 0 else 1.0), max(entered, full)
     return (min(weight / full, 1.0) if full > 0 else 1.0), max(weight, full)

@@ -80,7 +80,10 @@ class GlobalModel:
         delayed = c.outer_mode == "decoupled" and c.decoupled_step in DELAYED_NESTEROV_RULES
         opts = {"lr": c.outer_lr, "momentum": c.outer_momentum, "nesterov": c.nesterov}
         if delayed:
-            self.optimizer = DelayedNesterov(shapes, **opts, per_share=c.decoupled_step == "progress")
+            step = c.decoupled_step
+            self.optimizer = DelayedNesterov(
+                shapes, **opts, per_share=step in ("progress", "even"), every_round=step == "even"
+            )
         else:
             self.optimizer = NesterovSGD(shapes, **opts)
         self.downlink_ef = {k: torch.zeros(s) for k, s in self.specs.items()} if self.downlink.lossy else {}

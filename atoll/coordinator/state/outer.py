@@ -159,17 +159,37 @@ class DelayedNesterov(NesterovSGD):
     rounds since the momentum last advanced then count as S full rounds of G / S (:func:`momentum_steps`),
     so a round of islands that each trained 2H steps moves θ as two rounds of H-step deltas would.
 
+    Holding the momentum back made the steps lumpy: under ``progress``, a round of 0.8 of a full
+    round's share stepped by its gradient alone and the next one by ~3x that (its own, and 1.6
+    rounds' momentum at once), and θ's loss rose after each of those and fell after the others
+    (benchmarks/RESULTS.md). With ``every_round`` (the ``even`` rule) every round steps the momentum
+    as its own share's worth of full rounds, whatever the share (:func:`momentum_steps` for any k > 0),
+    and nothing waits: rounds whose shares add up to whole rounds, each with its share of a whole
+    round's gradient, move θ and m exactly as Nesterov SGD over those whole rounds, and a steady run
+    of rounds of share s steps s times as far as full rounds would, every round.
+
     :meth:`begin_round` gives each round's share before its tensors are stepped."""
 
     def __init__(
-        self, shapes: dict[str, tuple[int, ...]], *, lr: float, momentum: float, nesterov: bool, per_share: bool = False
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        *,
+        lr: float,
+        momentum: float,
+        nesterov: bool,
+        per_share: bool = False,
+        every_round: bool = False,
     ) -> None:
         super().__init__(shapes, lr=lr, momentum=momentum, nesterov=nesterov)
         self.per_share = per_share
         """The ``progress`` rule: rounds adding up to S >= 1 full rounds' shares advance the momentum
         as S full rounds of their mean gradient G / S would (:func:`momentum_steps`), not once."""
+        self.every_round = every_round
+        """The ``even`` rule: every round advances the momentum as its own share's worth of full rounds
+        (:func:`momentum_steps` for any share), nothing held back."""
         self._steps: tuple[float, float, float, float] | None = None
-        """This round's coefficients from :func:`momentum_steps` when it advances S > 1 rounds' worth."""
+        """This round's coefficients from :func:`momentum_steps` when it advances S > 1 rounds' worth
+        (``even``: S > 0, every round)."""
         self.pending = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in shapes.items()}
         """G: the sum of the gradients of the rounds since the momentum last advanced."""
         self.pending_share = 0.0
@@ -181,8 +201,12 @@ class DelayedNesterov(NesterovSGD):
         if not share >= 0.0:  # (0: a round whose contributions weigh nothing moves nothing)
             raise ValueError(f"a round's share must be at least 0, got {share}")
         self.pending_share += share
-        self._advance = 1.0 / self.pending_share if self.pending_share >= 1.0 - 1e-9 else None
         k = self.pending_share
+        if self.every_round:  # (k is this round's share: nothing is held back)
+            self._advance = 1.0 / k if k > 0.0 else None
+            self._steps = momentum_steps(self.momentum, k, self.nesterov) if k > 0.0 else None
+            return
+        self._advance = 1.0 / self.pending_share if self.pending_share >= 1.0 - 1e-9 else None
         self._steps = momentum_steps(self.momentum, k, self.nesterov) if self.per_share and k > 1.0 else None
 
     def end_round(self) -> None:
@@ -193,6 +217,8 @@ class DelayedNesterov(NesterovSGD):
         m, acc = self.buffers[name], self.pending[name]
         if g.shape != m.shape:
             m, acc = (t.view(-1).narrow(0, start, g.numel()) for t in (m, acc))
+        if self.every_round and self._steps is None:  # a round of no share: nothing to step or keep
+            return g.mul_(-self.lr)
         acc.add_(g)
         if self._steps is not None:  # S full rounds of G / S: the momentum's part of them, then m_S
             c, d, part_m, part_g = self._steps
@@ -226,7 +252,7 @@ class DelayedNesterov(NesterovSGD):
 
 
 def momentum_steps(mu: float, k: float, nesterov: bool) -> tuple[float, float, float, float]:
-    """k full rounds (k >= 1, not necessarily whole) of one gradient ĝ under momentum ``mu``, from
+    """k full rounds (k > 0, not necessarily whole) of one gradient ĝ under momentum ``mu``, from
     momentum m: (c, d, part_m, part_g) with m_k = c·m + d·ĝ, and the momentum's part of the k steps
     (beyond k·ĝ) part_m·m + part_g·ĝ: Nesterov mu·Σ_{j=1..k} m_j, heavy ball mu·Σ_{j=0..k-1} m_j,
     where m_j = mu·m_{j-1} + ĝ. For whole k these are the sums; between them the same formulas.
