@@ -69,8 +69,8 @@ class RunConfig:
     the round's share S uncapped, and the momentum stepping as S full rounds of the mean gradient would
     (:func:`~atoll.coordinator.policy.weighting.round_share`, :func:`~atoll.coordinator.state.outer.momentum_steps`);
     even: as ``progress``, with every round stepping the momentum as its own share's worth of full rounds
-    (nothing held back until the shares add up to one, which made every other round ~3x as long as the
-    one before; :class:`~atoll.coordinator.state.outer.DelayedNesterov`).
+    (nothing held back until the shares add up to one, which made every other round's step ~1.6x as long
+    as the one before and θ's loss rise after it; :class:`~atoll.coordinator.state.outer.DelayedNesterov`).
     The default, progress, is level with whole on the quality map (both below barrier at equal wall
     time at every point with a slow island; delayed is 20% behind at H=10) and rises for a round under
     the chaos trace half as far and less often (benchmarks/RESULTS.md, "round 0 no longer waits")."""

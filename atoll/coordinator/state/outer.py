@@ -160,9 +160,9 @@ class DelayedNesterov(NesterovSGD):
     so a round of islands that each trained 2H steps moves θ as two rounds of H-step deltas would.
 
     Holding the momentum back made the steps lumpy: under ``progress``, a round of 0.8 of a full
-    round's share stepped by its gradient alone and the next one by ~3x that (its own, and 1.6
-    rounds' momentum at once), and θ's loss rose after each of those and fell after the others
-    (benchmarks/RESULTS.md). With ``every_round`` (the ``even`` rule) every round steps the momentum
+    round's share stepped by its gradient alone and the next one also by 1.6 rounds' momentum at
+    once (|u| ~1.6x as long under the chaos trace), and θ's loss rose after each of those and fell
+    after the others (benchmarks/RESULTS.md). With ``every_round`` (the ``even`` rule) every round steps the momentum
     as its own share's worth of full rounds, whatever the share (:func:`momentum_steps` for any k > 0),
     and nothing waits: rounds whose shares add up to whole rounds, each with its share of a whole
     round's gradient, move θ and m exactly as Nesterov SGD over those whole rounds, and a steady run
