@@ -15,8 +15,9 @@ Policies (coordinator flags):
 - barrier: every round waits for every island (quorum = the islands, no grace, late deltas dropped);
 - sync: sync mode with the quorum below (``--quorum``), its adaptive grace window, late deltas folded;
 - decoupled: ``--outer-mode decoupled`` with the quorum below and the default rule for a round of
-  some islands (``--decoupled-step progress`` since the map with round 0's grace capped; ``whole``,
-  ``delayed`` and ``share`` before), its islands pushing together (the default since `e8af10f`);
+  some islands (``--decoupled-step even`` since RESULTS.md's "the held-back momentum"; ``progress``
+  since the map with round 0's grace capped; ``whole``, ``delayed`` and ``share`` before), its
+  islands pushing together (the default since `e8af10f`);
 - decoupled-share: ``--decoupled-step share`` (a round of some islands steps by its share of a full
   round, the outer momentum applied at every round);
 - decoupled-full: ``--decoupled-step full`` (every round steps as far as a round of everyone: the

@@ -51,7 +51,7 @@ class RunConfig:
     arrival order). decoupled: islands never wait; each applies the update when it arrives, keeping the
     progress made since its push, and its next push is folded with its staleness (timing-dependent by
     design). ``quorum`` is then the minimum quorum of a round."""
-    decoupled_step: str = "progress"
+    decoupled_step: str = "even"
     """decoupled: how far a round made of some of the islands steps. share: by its share of a full
     round (Σ w_i s_i Δ_i over the larger of the round's weight and the live islands' usual weights
     together), so each contribution moves θ as it would in a round of everyone; full: as far as a
@@ -71,9 +71,11 @@ class RunConfig:
     even: as ``progress``, with every round stepping the momentum as its own share's worth of full rounds
     (nothing held back until the shares add up to one, which made every other round's step ~1.6x as long
     as the one before and θ's loss rise after it; :class:`~atoll.coordinator.state.outer.DelayedNesterov`).
-    The default, progress, is level with whole on the quality map (both below barrier at equal wall
-    time at every point with a slow island; delayed is 20% behind at H=10) and rises for a round under
-    the chaos trace half as far and less often (benchmarks/RESULTS.md, "round 0 no longer waits")."""
+    The default, even, is level with progress on the quality map (9 seeds at speeds 1:2:4:8 and 6 at
+    1:1:4, H=10, within 0-3% at equal tokens either way; level at equal speeds; progress was level with
+    whole, both below barrier at equal wall time at every point with a slow island) and halves the
+    one-round rises of θ's loss under the chaos trace (benchmarks/RESULTS.md, "the held-back
+    momentum"); a run stored with another rule keeps it."""
     late_policy: str = "fold"
     """A push for a closed round: fold it into the open round (down-weighted; the default), or drop it."""
     staleness_weight: float = 0.5
