@@ -62,9 +62,12 @@ def weight(
     return w * staleness_weight**late_by if late_by else w
 
 
-PER_ROUND_WEIGHT_RULES = ("whole", "progress", "even")
+PROGRESS_RULES = ("progress", "even")
+"""The decoupled rules under which each island's progress since its last push enters as its share of a
+round of everyone and the round's share is uncapped (:func:`round_share`); they differ in the momentum."""
+PER_ROUND_WEIGHT_RULES = ("whole", *PROGRESS_RULES)
 """The decoupled rules under which an island's usual weight is its weight per H inner steps."""
-DELAYED_NESTEROV_RULES = ("delayed", "whole", "progress", "even")
+DELAYED_NESTEROV_RULES = ("delayed", "whole", *PROGRESS_RULES)
 """The decoupled rules whose outer optimizer is Delayed Nesterov (the momentum once per full round's
 share; ``progress`` steps it as that share's full rounds would)."""
 
@@ -105,6 +108,6 @@ def round_share(rule: str, weight: float, entered: float, full: float) -> tuple[
     outer momentum took it: the one-round spikes under the chaos trace). The share is the work that
     entered, uncapped: Delayed Nesterov steps the momentum as that many full rounds of the round's
     gradient per full round would. The other rules: D = max(Σ w_i, full), the share capped at 1."""
-    if rule in ("progress", "even"):
+    if rule in PROGRESS_RULES:
         return (weight / full if full > 0 else 1.0), max(entered, full)
     return (min(weight / full, 1.0) if full > 0 else 1.0), max(weight, full)

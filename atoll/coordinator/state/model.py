@@ -13,7 +13,7 @@ import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.policy.weighting import DELAYED_NESTEROV_RULES
+from atoll.coordinator.policy.weighting import DELAYED_NESTEROV_RULES, PROGRESS_RULES
 from atoll.coordinator.state.outer import DelayedNesterov, FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import Leases
 
@@ -82,7 +82,7 @@ class GlobalModel:
         if delayed:
             step = c.decoupled_step
             self.optimizer = DelayedNesterov(
-                shapes, **opts, per_share=step in ("progress", "even"), every_round=step == "even"
+                shapes, **opts, per_share=step in PROGRESS_RULES, every_round=step == "even"
             )
         else:
             self.optimizer = NesterovSGD(shapes, **opts)
