@@ -143,10 +143,9 @@ def loss_at_tokens(curve, tokens: int) -> float:
     """θ's loss at ``tokens`` tokens into θ, linear between the rounds on either side. (Before: the
     loss after the last round at or below, up to a round's tokens earlier; decoupled rounds, which
     carry more tokens than H-step ones, were read further back, where the loss falls fast.)"""
-    for (_, t0, l0), (_, t1, l1) in zip(curve, curve[1:], strict=False):
-        if t0 <= tokens <= t1:
-            return l0 if t1 == t0 else l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
-    return curve[-1][2] if tokens >= curve[-1][1] else curve[0][2]
+    import numpy as np
+
+    return float(np.interp(tokens, [t for _, t, _ in curve], [loss for _, _, loss in curve]))
 
 
 def summary(runs: list[dict]) -> list[dict]:
