@@ -40,9 +40,13 @@ open makes their next pushes later (a longer round); the round closes well befor
 (Decoupled DiLoCo bounds its grace window by the slack that overlap leaves the quorum's learners). The
 coordinator's own observations, never a figure an island reports: an island reporting a compute of
 1e-6 s closed every round at its commit, and the others' on-time pushes were folded late."""
-DECOUPLED_FLOOR_SECONDS = 1.0
+DECOUPLED_FLOOR_SECONDS = 0.25
 """The least a decoupled round's grace lasts past its quorum (when the grace is not off): rounds that
-close sooner make the quorum's observed cycle shorter, which would shorten the grace again."""
+close sooner make the quorum's observed cycle shorter, which would shorten the grace again. About the
+spread of equal islands' pushes on the map's machine (0.16-0.27 s). It was 1 s: at H=10, where the
+fast islands push every ~0.22 s, every round then waited up to a second for a slow island that was
+due within it, the fast islands' deltas grew to 6-12 H steps, and θ's loss at equal tokens was 2-6%
+(speeds 1:2:4:8) and 7-19% (1:1:4) higher than with this floor (benchmarks/RESULTS.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,9 +124,13 @@ def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | N
         # push stands for one. Round 0 had waited for the slowest island's first H steps (23 s of a 45-s
         # run at speeds 1:2:4:8, H=100), the fast islands' deltas growing meanwhile.
         cycle, of = (min(cycles), "cycle") if cycles else (quorum_at - state.opened_at, "time to its push")
-        cap = quorum_at + max(DECOUPLED_SLACK * cycle, DECOUPLED_FLOOR_SECONDS)
+        half = DECOUPLED_SLACK * cycle
+        cap = quorum_at + max(half, DECOUPLED_FLOOR_SECONDS)
         if until is None or cap < until:
-            return cap, f"grace {cap - quorum_at:.1f}s after quorum (half the quorum's {of})"
+            return cap, (
+                f"grace {cap - quorum_at:.3g}s after quorum (half the quorum's {of}: {half:.3g}s; "
+                f"at least {DECOUPLED_FLOOR_SECONDS:g}s)"
+            )
     return until, why
 
 
