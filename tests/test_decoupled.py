@@ -240,20 +240,17 @@ def test_delayed_nesterov_applies_the_momentum_once_per_full_rounds_share():
 
 def nesterov_reference(theta, grads, lr, mu, nesterov, m=None):
     """NumPy (float64), one full round per gradient: Nesterov SGD (heavy ball without ``nesterov``),
-    PyTorch's convention, from momentum ``m`` (0); (θ after each round, the momentum at the end)."""
+    test_outer_step's reference with one island a round, from momentum ``m`` (0); (θ after each round,
+    the momentum at the end)."""
     import numpy as np
+    from test_outer_step import numpy_outer_sgd
 
-    theta, out = theta.astype(np.float64), []
-    m = np.zeros_like(theta) if m is None else m.astype(np.float64)
+    theta, out = {"w": theta.astype(np.float64)}, []
+    m = {"w": np.zeros_like(theta["w"]) if m is None else m.astype(np.float64)}
     for g in grads:
-        if nesterov:
-            m = mu * m + g
-            theta = theta - lr * (g + mu * m)
-        else:
-            m = mu * m + g
-            theta = theta - lr * m
-        out.append(theta)
-    return out, m
+        theta, m = numpy_outer_sgd(theta, m, [{"w": g}], [1], lr=lr, mu=mu, nesterov=nesterov)
+        out.append(theta["w"])
+    return out, m["w"]
 
 
 def test_the_even_rule_steps_rounds_of_some_islands_as_their_share_of_whole_rounds():
