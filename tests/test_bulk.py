@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
+import inspect
 import json
 import socket
 import threading
 import time
+import warnings
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -195,6 +200,72 @@ def test_island_tokens_hold_on_the_bulk_port(start_server, raw_island, tmp_path)
     a.push({k: torch.zeros(s) for k, s in SHAPES.items()}, round_=0, kind=pb.PUSH_KIND_INIT)  # its own token
     assert srv.server.state.model.ready
     a.client.close()
+
+
+def test_a_connection_accepted_as_the_port_stops_is_closed_by_the_stop():
+    """A connection the port accepted just before it stopped, its call not begun, is closed by the stop:
+    not left open to the garbage collector (CI once failed on that socket's ResourceWarning, raised in a
+    later test). The client is connected before the port starts, so its accept is the port's first step."""
+    from atoll.coordinator.transport.bulk_port import BulkServer
+    from atoll.coordinator.transport.counters import Counters
+
+    async def accept_then_stop() -> socket.socket:
+        port = BulkServer(SimpleNamespace(counters=Counters()), host="127.0.0.1", port=0, tokens=None, idle_seconds=5)
+        client = socket.create_connection(("127.0.0.1", port.port), timeout=5)
+        await port.start()
+        for _ in range(10):  # until the port accepts it: its call's task made, its first step to come
+            await asyncio.sleep(0)
+            if port.servicer.counters.bulk_connections:
+                break
+        calls = [inspect.getcoroutinestate(task.get_coro()) for task in port._calls]
+        await port.stop()
+        assert calls == [inspect.CORO_CREATED]
+        return client
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        client = asyncio.run(accept_then_stop())
+        gc.collect()
+    with client:
+        assert client.recv(1) == b""  # closed by the stop
+    assert not [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)]
+
+
+def test_the_port_takes_connections_again_after_an_accept_fails():
+    """An accept that fails (out of descriptors) pauses accepting for a moment, then the port takes the
+    connection that waited: it is served, not left in the backlog."""
+    from atoll.coordinator.transport.bulk_port import BulkServer
+    from atoll.coordinator.transport.counters import Counters
+
+    class OutOfDescriptorsOnce:
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock, self.failed = sock, 0
+
+        def accept(self):
+            if not self.failed:
+                self.failed += 1
+                raise OSError(24, "Too many open files")
+            return self.sock.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    async def fail_then_serve() -> tuple[int, int]:
+        port = BulkServer(SimpleNamespace(counters=Counters()), host="127.0.0.1", port=0, tokens=None, idle_seconds=5)
+        port._sock = OutOfDescriptorsOnce(port._sock)
+        await port.start()
+        try:
+            client = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port.port), 5)
+            with client:
+                for _ in range(200):
+                    if port.servicer.counters.bulk_connections:
+                        break
+                    await asyncio.sleep(0.01)
+            return port._sock.failed, port.servicer.counters.bulk_connections
+        finally:
+            await port.stop()
+
+    assert asyncio.run(fail_then_serve()) == (1, 1)
 
 
 def test_junk_and_silence_are_dropped_and_the_port_keeps_serving(start_server, raw_island):

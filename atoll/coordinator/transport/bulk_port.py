@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import socket
@@ -184,7 +185,9 @@ class BulkServer:
             raise PortInUse(f"--bulk-port {port} on {host} cannot be bound: {err.strerror or err}") from None
         self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
-        self._accepting: asyncio.Task | None = None
+        self._accepting = False
+        self._backoff: asyncio.TimerHandle | None = None
+        """Accepting paused after a failed accept (out of descriptors): when it resumes."""
         self._calls: set[asyncio.Task] = set()
         self._stripes: dict[bytes, StripeSet] = {}
         """Striped calls whose connections are coming in, by call id."""
@@ -195,10 +198,17 @@ class BulkServer:
         return len(self._calls)
 
     async def start(self) -> None:
-        self._accepting = asyncio.create_task(self._accept(), name="atoll-bulk-accept")
+        asyncio.get_running_loop().add_reader(self._sock.fileno(), self._accept)
+        self._accepting = True
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._accepting, *self._calls) if t is not None]
+        loop = asyncio.get_running_loop()
+        if self._accepting:
+            loop.remove_reader(self._sock.fileno())
+            self._accepting = False
+        if self._backoff is not None:
+            self._backoff.cancel()
+        tasks = list(self._calls)
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -206,15 +216,18 @@ class BulkServer:
                 await task
         self._sock.close()
 
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
+    def _accept(self) -> None:
+        """The listening socket is readable: take every connection waiting, each to a call task at once
+        (no future between a connection's accept and its task, where a stop would lose it open)."""
+        while self._accepting:
             try:
-                sock, _ = await loop.sock_accept(self._sock)
-            except OSError as err:  # out of descriptors, a connection reset before accept
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # out of descriptors, a connection reset before accept: try again soon
                 log.warning("bulk port: accept failed: %s", err)
-                await asyncio.sleep(0.1)
-                continue
+                self._pause_accepting(0.1)
+                return
             if len(self._calls) >= self.max_connections:
                 log.warning("bulk port: %d connections open; closing a new one", len(self._calls))
                 self.servicer.counters.bulk_over_cap += 1
@@ -224,9 +237,26 @@ class BulkServer:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(sock) if self.tls is None else TlsConnection(sock, self.tls)
-            task = asyncio.create_task(self._serve(conn))
+            task = asyncio.get_running_loop().create_task(self._serve(conn))
             self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
+            task.add_done_callback(functools.partial(self._ended, conn))
+
+    def _ended(self, conn: Connection, task: asyncio.Task) -> None:
+        """A call's task is done: its connection closes (here, so that one cancelled before its first step,
+        by a stop, closes too)."""
+        self._calls.discard(task)
+        conn.sock.close()
+
+    def _pause_accepting(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._sock.fileno())
+
+        def resume() -> None:
+            self._backoff = None
+            if self._accepting:
+                loop.add_reader(self._sock.fileno(), self._accept)
+
+        self._backoff = loop.call_later(seconds, resume)
 
     async def _serve(self, conn: Connection) -> None:
         call = asyncio.current_task()
@@ -255,8 +285,7 @@ class BulkServer:
         except Exception:  # a handler's failure ends its call (the client sees a broken stream), not the port
             log.exception("bulk port: a call failed")
         finally:
-            watchdog.cancel()
-            conn.sock.close()
+            watchdog.cancel()  # (the connection closes once this task is done: _ended)
 
     @staticmethod
     async def _drain(conn: Connection) -> None:
