@@ -37,8 +37,6 @@ Policies (coordinator flags):
   the fast ones rather than an H-step delta several rounds stale.
 - decoupled-unaligned: decoupled with islands that push every H steps (``atoll island
   --no-align-pushes``), as before the coordinator told them where their pushes landed.
-- decoupled-eager: decoupled with islands that train on from an estimate of the next θ once a push is
-  out (``atoll island --eager-updates``: eager updates, Kale et al. 2025), not from θ at the push.
 - sync-overlap5, sync-overlap15: sync, the islands with ``--overlap-steps`` 5 or 15 (they train that
   many steps on the old θ while the exchange is out, then wait for it).
 
@@ -83,7 +81,7 @@ def policy_flags(policy: str, quorum: int, islands: int) -> list[str]:
         return ["--quorum", str(quorum)]
     decoupled = ["--quorum", str(quorum), "--outer-mode", "decoupled"]
     step = policy.removeprefix("decoupled").removeprefix("-")  # "" for the default rule
-    return decoupled + (["--decoupled-step", step] if step and step not in ("dylu", "unaligned", "eager") else [])
+    return decoupled + (["--decoupled-step", step] if step and step not in ("dylu", "unaligned") else [])
 
 
 def island_argv(name: str, address: str, work: Path, seed: int, data: str, budget: float | None) -> list[str]:
@@ -115,8 +113,7 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
                         name, address, work, seed, a.data, h * a.step_seconds if policy.endswith("dylu") else None
                     )
                     + (["--overlap-steps", policy.removeprefix("sync-overlap")] if "overlap" in policy else [])
-                    + (["--no-align-pushes"] if policy.endswith("unaligned") else [])
-                    + (["--eager-updates"] if policy.endswith("eager") else []),
+                    + (["--no-align-pushes"] if policy.endswith("unaligned") else []),
                     faults=island_faults_json(faults, name),
                 )
             )
@@ -218,7 +215,6 @@ def main() -> None:
             "decoupled-progress",
             "decoupled-even",
             "decoupled-unaligned",
-            "decoupled-eager",
             "sync-overlap5",
             "sync-overlap15",
         ],

@@ -284,12 +284,8 @@ class Exchanges:
             sizes = routes.sizes(i) if streamed else [len(p) for p in payloads]
             flight.max_payload_numel = max([flight.max_payload_numel, *(s.local().numel() for s in owned)])
             if flight.merge:
-                eager = sessions[i].round >= sessions[i].latest_round  # a fresh push: its round is the run's
                 for s in routes.route_shards[i]:
-                    state = routes.states[s.key]
-                    state.take_snapshot()
-                    if eager and state.outer is not None:
-                        state.eager_shift()
+                    routes.states[s.key].take_snapshot()
             session = sessions[i]
             header = session.header(
                 PushKind.DELTA,

@@ -97,15 +97,6 @@ class JoinRequest:
 
 
 @dataclass(frozen=True)
-class OuterTerms:
-    """The run's outer optimizer (an island following its momentum: eager updates)."""
-
-    lr: float
-    momentum: float
-    nesterov: bool
-
-
-@dataclass(frozen=True)
 class RunTerms:
     """What of the run's configuration an island follows."""
 
@@ -114,7 +105,6 @@ class RunTerms:
     max_staleness: int
     error_feedback: bool
     error_feedback_decay: float
-    outer: OuterTerms = OuterTerms(0.7, 0.9, True)
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,6 @@ class DiLoCoOptions:
     coordinator says, with each update), so the islands' pushes come together and none trains long on
     a θ its round is about to replace; a push then covers between H/2 and 2H inner steps. False: every
     H steps, as in sync runs."""
-    eager_updates: bool = False
-    """Decoupled runs: once a push is out, train on from where the coordinator's outer step would put θ
-    if this island's pseudo-gradient were the round's mean (its outer momentum followed from the updates
-    pulled), not from θ at the push; the update that lands keeps the progress made since (eager updates,
-    Kale et al. 2025). False: from θ at the push."""
     streaming: bool = False
     """The coordinator's shards are Streaming DiLoCo fragments (``atoll coordinator --fragments P``):
     fragment p first syncs after ⌈(p+1)·H/P⌉ steps, then every H, so each sync moves about 1/P of the model."""
@@ -98,7 +93,6 @@ class DiLoCoKwargs(TypedDict, total=False):
     sync_every_seconds: float | None
     overlap_steps: int
     align_pushes: bool
-    eager_updates: bool
     streaming: bool
     outer_state: str
     staged_copies: bool | None

@@ -151,9 +151,6 @@ class Routes:
                 )
             self.decoupled = c.outer_mode == "decoupled"
             self.push_behind = max(1, c.max_staleness // 2)
-            if o.eager_updates and self.decoupled:  # the shards follow the run's outer momentum
-                for s in self.route_shards[session.index]:
-                    self.states[s.key].outer = c.outer
             run_codec = get_codec(resp.codec)
             if self.codec is None:
                 ef = c.error_feedback and run_codec.lossy

@@ -6,8 +6,6 @@ One :class:`ShardState` per local shard owns its outer state and where it lives:
   when CUDA is present; write-backs run on a side stream so training is not held up), or on the
   parameters' device (``DiLoCo(outer_state="device")``: faster, one more model copy there);
 - the overlap snapshot (θ when the exchange was pushed), placed the same way;
-- with eager updates (decoupled runs), the island's estimate of the coordinator's outer momentum,
-  placed the same way, and while an exchange is out the shift its push gave θ;
 - codec state that is not the residual (PowerSGD's Q: small) stays on the device with the codec.
 
 The pseudo-gradient θ_start − θ is formed and encoded on the parameters' device, a chunk at a time
@@ -24,7 +22,6 @@ import torch
 
 from atoll.compression import codec_of
 from atoll.compression.staging import DeviceStaging
-from atoll.islands._messages import OuterTerms
 from atoll.islands._shards import LocalShard
 from atoll.memory import Leases
 
@@ -112,12 +109,6 @@ class ShardState:
         """Overlap: θ when the exchange was pushed (placed)."""
         self._payload: bytearray | None = None
         """The last payload encoded: the next one's buffer once nobody holds a lease on it."""
-        self.outer: OuterTerms | None = None
-        """Eager updates: the run's outer optimizer, which :attr:`momentum` follows (None: off)."""
-        self.momentum: torch.Tensor | None = None
-        """Eager updates: the coordinator's outer momentum as the updates pulled imply it (placed)."""
-        self.shift: torch.Tensor | None = None
-        """Eager updates: what the push in flight moved θ by (θ_eager − θ_at_push; placed)."""
 
     @property
     def device(self) -> torch.device:
@@ -164,10 +155,7 @@ class ShardState:
     def keep_base(self) -> None:
         """The push was dropped: keep θ_start (before the update) as the snapshot, so loading the new θ
         keeps all the local progress of the round, θ ← θ_new + (θ − θ_start), for the next push."""
-        start = self.placement.fetch(self.start)
-        if self.shift is not None:  # (an eager shift is no progress of the island's: it goes)
-            start = start + self.placement.fetch(self.shift)
-        self.snapshot = self.placement.copy_of(start)
+        self.snapshot = self.placement.copy_of(self.placement.fetch(self.start))
 
     @torch.no_grad()
     def apply(self, payload, full: bool, *, verified: bool = False) -> None:
@@ -176,54 +164,10 @@ class ShardState:
         codec = codec_of(payload)
         if full:  # θ itself (a join, a catch-up): read piece by piece, the mirror is a payload's size
             new = codec.decode(payload, self.shard.sizes, device=self.device, verified=verified)
-            self.momentum = None  # (rounds skipped: what they did to the momentum is not known here)
         else:
-            start = self.placement.fetch(self.start)
-            following = self._follow_before(start) if self.outer is not None else None
             with self._stage.reading(payload) if self._stage is not None else contextlib.nullcontext():
-                new = codec.add_decoded_(payload, start, verified=verified)
-            if following is not None:
-                self._follow_after(following, new)
+                new = codec.add_decoded_(payload, self.placement.fetch(self.start), verified=verified)
         self.start = self.placement.keep(new, into=self.start)
-
-    def _follow_before(self, start: torch.Tensor) -> torch.Tensor:
-        """The momentum's recurrence, before θ_start moves by the update u (``_follow_after`` ends it).
-        Nesterov: u = −lr·(g + μ·m'), m' = μ·m + g, so m' = (μ·m − u/lr) / (1 + μ); heavy ball: u = −lr·m',
-        so m' = −u/lr. Written as (… + θ_old/lr) now and (… − θ_new/lr) after, no copy of θ_old kept."""
-        o = self.outer
-        m = self.placement.fetch(self.momentum) if self.momentum is not None else torch.zeros_like(start)
-        return (m * o.momentum if o.nesterov else torch.zeros_like(start)).add_(start, alpha=1 / o.lr)
-
-    def _follow_after(self, following: torch.Tensor, new: torch.Tensor) -> None:
-        o = self.outer
-        following.sub_(new, alpha=1 / o.lr)
-        if o.nesterov:
-            following.div_(1 + o.momentum)
-        self.momentum = self.placement.keep(following, into=self.momentum)
-
-    @torch.no_grad()
-    def eager_shift(self) -> None:
-        """Eager update (Kale et al. 2025, "Eager Updates for Overlapped Communication and Computation in
-        DiLoCo"): right after the push (its snapshot taken), move θ to where the coordinator's outer step
-        would put it if this island's pseudo-gradient Δ were the round's mean, θ_start + û with
-        û = −lr·((1 + μ)·Δ + μ²·m) (Nesterov; −lr·(Δ + μ·m) without), so the steps trained while the
-        exchange is out start near the θ they will be added to, not at θ_at_push. The update that lands
-        keeps only the progress made since: θ ← θ_new + (θ − θ_eager)."""
-        o = self.outer
-        start, local = self.placement.fetch(self.start), self.shard.local()
-        m = self.placement.fetch(self.momentum) if self.momentum is not None else None
-        delta = start - local.detach().float()
-        if o.nesterov:
-            step = delta.mul_(1 + o.momentum)
-            if m is not None:
-                step.add_(m, alpha=o.momentum * o.momentum)
-        else:
-            step = delta if m is None else delta.add_(m, alpha=o.momentum)
-        eager = start.sub(step, alpha=o.lr) if o.lr else start.clone()
-        shift = eager - self.placement.fetch(self.snapshot)
-        local.copy_(eager)
-        self.shift = self.placement.keep(shift)
-        self.snapshot = self.placement.copy_of(local.float())
 
     @torch.no_grad()
     def load_into_param(self, merge: bool) -> None:
@@ -233,7 +177,7 @@ class ShardState:
         local = self.shard.local()
         if merge:
             local.add_(start - self.placement.fetch(self.snapshot))
-            self.snapshot = self.shift = None
+            self.snapshot = None
         else:
             local.copy_(start)
 

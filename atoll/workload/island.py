@@ -107,9 +107,6 @@ class IslandArgs:
     align_pushes: bool = True
     """Decoupled runs: push when the others do (H/2 to 2H steps, from where the coordinator says the
     last pushes landed); --no-align-pushes: every H steps."""
-    eager_updates: bool = False
-    """Decoupled runs: once a push is out, train on from where the outer step would put θ were this
-    island's delta the round's mean (eager updates), not from θ at the push."""
     streaming: bool = False
     """Streaming DiLoCo: the coordinator's fragments (--fragments P) sync on staggered schedules."""
     progress: str = "auto"
@@ -281,7 +278,6 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         sync_every_seconds=args.sync_every_seconds or None,
         overlap_steps=args.overlap_steps,
         align_pushes=args.align_pushes,
-        eager_updates=args.eager_updates,
         streaming=args.streaming,
         outer_state=args.outer_state,
         staged_copies=None if args.staged_copies else False,

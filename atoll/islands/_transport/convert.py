@@ -7,7 +7,6 @@ from atoll.islands._messages import (
     Entry,
     JoinAnswer,
     JoinRequest,
-    OuterTerms,
     PushHeader,
     PushKind,
     PushOutcome,
@@ -55,7 +54,6 @@ def join_answer(m: pb.JoinResponse) -> JoinAnswer:
         max_staleness=c.max_staleness,
         error_feedback=c.error_feedback,
         error_feedback_decay=c.error_feedback_decay or 1.0,  # 0: unset by an older coordinator
-        outer=OuterTerms(c.outer_lr, c.outer_momentum, c.nesterov),
     )
     return JoinAnswer(
         round=m.round,
