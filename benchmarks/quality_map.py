@@ -37,6 +37,9 @@ Policies (coordinator flags):
   the fast ones rather than an H-step delta several rounds stale.
 - decoupled-unaligned: decoupled with islands that push every H steps (``atoll island
   --no-align-pushes``), as before the coordinator told them where their pushes landed.
+- decoupled-wait0, -wait10, -wait20, -wait40: decoupled with islands that, after a push, wait for its
+  update up to 0, 0.1, 0.2 or 0.4 times the compute time of the push's steps (``atoll island
+  --update-wait``; 0.2, the default, is plain ``decoupled``; 0 never waits, as before).
 - sync-overlap5, sync-overlap15: sync, the islands with ``--overlap-steps`` 5 or 15 (they train that
   many steps on the old θ while the exchange is out, then wait for it).
 
@@ -81,7 +84,9 @@ def policy_flags(policy: str, quorum: int, islands: int) -> list[str]:
         return ["--quorum", str(quorum)]
     decoupled = ["--quorum", str(quorum), "--outer-mode", "decoupled"]
     step = policy.removeprefix("decoupled").removeprefix("-")  # "" for the default rule
-    return decoupled + (["--decoupled-step", step] if step and step not in ("dylu", "unaligned") else [])
+    return decoupled + (
+        ["--decoupled-step", step] if step and step not in ("dylu", "unaligned") and not step.startswith("wait") else []
+    )
 
 
 def island_argv(name: str, address: str, work: Path, seed: int, data: str, budget: float | None) -> list[str]:
@@ -113,7 +118,8 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
                         name, address, work, seed, a.data, h * a.step_seconds if policy.endswith("dylu") else None
                     )
                     + (["--overlap-steps", policy.removeprefix("sync-overlap")] if "overlap" in policy else [])
-                    + (["--no-align-pushes"] if policy.endswith("unaligned") else []),
+                    + (["--no-align-pushes"] if policy.endswith("unaligned") else [])
+                    + (["--update-wait", f"{int(policy.split('-wait')[1]) / 100:g}"] if "-wait" in policy else []),
                     faults=island_faults_json(faults, name),
                 )
             )
@@ -215,6 +221,10 @@ def main() -> None:
             "decoupled-progress",
             "decoupled-even",
             "decoupled-unaligned",
+            "decoupled-wait0",
+            "decoupled-wait10",
+            "decoupled-wait20",
+            "decoupled-wait40",
             "sync-overlap5",
             "sync-overlap15",
         ],

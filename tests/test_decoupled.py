@@ -60,8 +60,9 @@ def test_a_slow_decoupled_island_pushes_early_and_is_folded_with_its_staleness(s
     srv = start_server(
         config(quorum=1, outer_mode="decoupled", lease_seconds=60.0, grace_window="0", staleness_weight=0.5)
     )
-    f_model, f_opt, fast = island(srv.address, island_id="fast")
-    s_model, s_opt, slow = island(srv.address, island_id="slow", heartbeat_seconds=0.05)
+    # (neither waits for its update after a push: each is applied at the step after it came)
+    f_model, f_opt, fast = island(srv.address, island_id="fast", update_wait=0)
+    s_model, s_opt, slow = island(srv.address, island_id="slow", heartbeat_seconds=0.05, update_wait=0)
     fast.start()
     slow.start()
     try:
@@ -353,3 +354,41 @@ def test_a_decoupled_run_with_delayed_nesterov_matches_numpy(start_server, raw_i
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5, err_msg=f"round {r}")
     records = srv.inspect(lambda s: [dict(h) for h in s.history])
     assert [rec["share"] for rec in records[-len(plan) :]] == pytest.approx([p[3] for p in plan])
+
+
+def test_a_decoupled_island_waits_briefly_for_an_update_that_comes_at_once(start_server):
+    """Quorum 1, no grace: a's push closes its round at once. With ``update_wait`` a waits for that
+    update at the step that pushed and applies it there (θ is θ_1 exactly: no step taken on θ_0 after
+    the push); with 0 it trains on and the update is applied at a later step."""
+    srv = start_server(config(quorum=1, outer_mode="decoupled", lease_seconds=60.0, grace_window="0"))
+    model, opt, a = island(srv.address, island_id="a", update_wait=10.0, align_pushes=False)
+    a.start()
+    try:
+        data = batches(H)
+        for batch in data[:-1]:
+            assert a.step(tokens=32, loss=inner_step(model, opt, batch)) is None
+        stats = a.step(tokens=32, loss=inner_step(model, opt, data[-1]))  # pushes, and waits
+        assert stats is not None and stats.round == 0 and not a._exchanges.in_flight()
+        theta1 = a.global_params()
+        for n, p in model.named_parameters():
+            assert torch.allclose(p.detach(), theta1[n], atol=1e-6)  # (an inner step moves it ~1e-2)
+    finally:
+        a.close()
+
+
+def test_a_decoupled_islands_wait_for_its_update_is_bounded_and_counted_as_blocked(start_server):
+    """Quorum 2 and b never pushes: a's round cannot close. a waits at most ``update_wait`` times its
+    push's compute time, trains on, and the wait is counted as blocked (not compute) in its next push."""
+    srv = start_server(config(quorum=2, outer_mode="decoupled", lease_seconds=60.0))
+    model, opt, a = island(srv.address, island_id="a", update_wait=2.0, align_pushes=False)
+    a.start()
+    try:
+        for batch in batches(H):
+            assert a.step(tokens=32, loss=inner_step(model, opt, batch)) is None
+        (flight,) = a._exchanges.in_flight()
+        compute = flight.pushes[0][1].compute_seconds
+        blocked = a._schedule.routes[0].blocked
+        assert flight.thread.is_alive() and compute > 0
+        assert 2.0 * compute * 0.9 <= blocked <= 2.0 * compute + 0.5  # (join's own lateness)
+    finally:
+        a.close()

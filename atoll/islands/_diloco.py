@@ -280,9 +280,24 @@ class DiLoCo:
                 flight = self._begin(due)
                 if not self.options.overlap_steps and not decoupled:
                     done = self._finish(flight)
+                elif decoupled and self.options.update_wait > 0:
+                    done = self._wait_briefly(flight) or done
         if self._sigterm is not None:
             self._check_preempted()
         return done
+
+    def _wait_briefly(self, flight: Flight) -> RoundStats | None:
+        """Decoupled: wait for the update of the push just made up to ``update_wait`` times the compute
+        time its steps took, and apply it if it came (the round closed at once: no step is then taken
+        on the θ it replaces); else train on. The wait counts as blocked, not as compute."""
+        clock = self._schedule.clock
+        started = clock()
+        if flight.thread is not None:
+            flight.thread.join(self.options.update_wait * max(h.compute_seconds for _, h, _ in flight.pushes))
+        self._schedule.was_blocked(clock() - started)
+        if self._any_rank(flight.thread is not None and flight.thread.is_alive()):
+            return None
+        return self._finish(flight)
 
     def _due_routes(self) -> list[int]:
         sessions, busy = self._routes.sessions, set(self._exchanges.by_route)

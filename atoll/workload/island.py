@@ -107,6 +107,9 @@ class IslandArgs:
     align_pushes: bool = True
     """Decoupled runs: push when the others do (H/2 to 2H steps, from where the coordinator says the
     last pushes landed); --no-align-pushes: every H steps."""
+    update_wait: float = 0.2
+    """Decoupled runs: after a push, wait for its update up to this many times the compute time of the
+    push's steps, then train on without it (0: never wait)."""
     streaming: bool = False
     """Streaming DiLoCo: the coordinator's fragments (--fragments P) sync on staggered schedules."""
     progress: str = "auto"
@@ -278,6 +281,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         sync_every_seconds=args.sync_every_seconds or None,
         overlap_steps=args.overlap_steps,
         align_pushes=args.align_pushes,
+        update_wait=args.update_wait,
         streaming=args.streaming,
         outer_state=args.outer_state,
         staged_copies=None if args.staged_copies else False,
