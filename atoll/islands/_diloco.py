@@ -32,7 +32,7 @@ from atoll.islands._exchanges import Exchanges, Flight, RoundStats
 from atoll.islands._link import CoordinatorLink
 from atoll.islands._options import DiLoCoKwargs, DiLoCoOptions
 from atoll.islands._routes import Routes
-from atoll.islands._schedule import Schedule
+from atoll.islands._schedule import Schedule, update_wait_seconds
 from atoll.islands._shards import local_shards, tied_aliases
 from atoll.islands.errors import Preempted
 
@@ -287,13 +287,17 @@ class DiLoCo:
         return done
 
     def _wait_briefly(self, flight: Flight) -> RoundStats | None:
-        """Decoupled: wait for the update of the push just made up to ``update_wait`` times the compute
-        time its steps took, and apply it if it came (the round closed at once: no step is then taken
-        on the θ it replaces); else train on. The wait counts as blocked, not as compute."""
+        """Decoupled: wait for the update of the push just made, up to ``update_wait`` times the compute
+        time its steps took, when the last exchange came back within that (:func:`update_wait_seconds`),
+        and apply it if it came, so that no step is taken on the θ it replaces; else train on. The wait
+        counts as blocked, not as compute."""
+        compute = max(h.compute_seconds for _, h, _ in flight.pushes)
+        last = self.history[-1].exchange_seconds if self.history else None
+        wait = update_wait_seconds(self.options.update_wait, compute, last)
         clock = self._schedule.clock
         started = clock()
-        if flight.thread is not None:
-            flight.thread.join(self.options.update_wait * max(h.compute_seconds for _, h, _ in flight.pushes))
+        if flight.thread is not None and wait > 0:
+            flight.thread.join(wait)
         self._schedule.was_blocked(clock() - started)
         if self._any_rank(flight.thread is not None and flight.thread.is_alive()):
             return None

@@ -39,10 +39,9 @@ class DiLoCoOptions:
     update_wait: float = 0.2
     """Decoupled runs: after a push, wait for its update up to this many times the compute time the
     push's steps took, and apply it if it came, so that no step is taken on the θ it replaces; else
-    train on without it. The wait counts as blocked time. With equal islands a round closes soon after
-    their pushes and most of them wait a moment; a fast island beside slow ones does not. 0: never.
-    At 0.2, on the quality map at equal speeds (H=50), θ is within 1% of sync's at equal tokens
-    where it was 1-4% behind, and level with slow islands (benchmarks/RESULTS.md)."""
+    train on without it. Only while the island's last exchange came back within that time: islands of
+    equal speed, whose rounds close soon after their pushes, wait a moment; a fast island whose rounds
+    wait for slower ones trains on. The wait counts as blocked time. 0: never wait."""
     streaming: bool = False
     """The coordinator's shards are Streaming DiLoCo fragments (``atoll coordinator --fragments P``):
     fragment p first syncs after ⌈(p+1)·H/P⌉ steps, then every H, so each sync moves about 1/P of the model."""

@@ -156,3 +156,13 @@ class Schedule:
         now = self.clock()
         for i in indices:
             self.routes[i].restart(now)
+
+
+def update_wait_seconds(fraction: float, compute_seconds: float, last_exchange: float | None) -> float:
+    """How long a decoupled island waits for the update of the push it just made: ``fraction`` of the
+    compute time of the push's steps, when its last exchange came back within that (its rounds close
+    soon after its pushes: islands of equal speed); none when the last took longer (its rounds wait
+    for slower islands, and waiting would only idle it: under the chaos trace, 0.2 of each cycle
+    idled cost 13% of the fast islands' time, goodput 0.86)."""
+    cap = fraction * compute_seconds
+    return 0.0 if last_exchange is not None and last_exchange > cap else cap
