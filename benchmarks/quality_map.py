@@ -37,8 +37,8 @@ Policies (coordinator flags):
   the fast ones rather than an H-step delta several rounds stale.
 - decoupled-unaligned: decoupled with islands that push every H steps (``atoll island
   --no-align-pushes``), as before the coordinator told them where their pushes landed.
-- decoupled-wait0, -wait10, -wait20, -wait40: decoupled with islands that, after a push, wait for its
-  update up to 0, 0.1, 0.2 or 0.4 times the compute time of the push's steps (``atoll island
+- decoupled-wait0, -wait10, -wait20, -wait30, -wait40: decoupled with islands that, after a push, wait for its
+  update up to 0, 0.1, 0.2, 0.3 or 0.4 times the compute time of the push's steps (``atoll island
   --update-wait``; 0.2, the default, is plain ``decoupled``; 0 never waits, as before).
 - sync-overlap5, sync-overlap15: sync, the islands with ``--overlap-steps`` 5 or 15 (they train that
   many steps on the old θ while the exchange is out, then wait for it).
@@ -224,6 +224,7 @@ def main() -> None:
             "decoupled-wait0",
             "decoupled-wait10",
             "decoupled-wait20",
+            "decoupled-wait30",
             "decoupled-wait40",
             "sync-overlap5",
             "sync-overlap15",
