@@ -288,7 +288,7 @@ class DiLoCo:
 
     def _wait_briefly(self, flight: Flight) -> RoundStats | None:
         """Decoupled: wait for the update of the push just made, up to ``update_wait`` times the compute
-        time its steps took, when the last exchange came back within that (:func:`update_wait_seconds`),
+        time its steps took, while the last exchange came back within 1.5x that (:func:`update_wait_seconds`),
         and apply it if it came, so that no step is taken on the θ it replaces; else train on. The wait
         counts as blocked, not as compute."""
         compute = max(h.compute_seconds for _, h, _ in flight.pushes)

@@ -39,7 +39,7 @@ class DiLoCoOptions:
     update_wait: float = 0.2
     """Decoupled runs: after a push, wait for its update up to this many times the compute time the
     push's steps took, and apply it if it came, so that no step is taken on the θ it replaces; else
-    train on without it. Only while the island's last exchange came back within that time: islands of
+    train on without it. Only while the island's last exchange came back within 1.5 times that: islands of
     equal speed, whose rounds close soon after their pushes, wait a moment; a fast island whose rounds
     wait for slower ones trains on. The wait counts as blocked time. 0: never wait."""
     streaming: bool = False
