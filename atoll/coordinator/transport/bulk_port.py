@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import socket
 import ssl
@@ -25,7 +24,7 @@ import time
 from atoll.coordinator.transport.connection import Connection, TlsConnection
 from atoll.coordinator.transport.security import UNAUTHENTICATED, IslandTokens
 from atoll.coordinator.transport.service import tolerant
-from atoll.coordinator.transport.striped import Striped
+from atoll.coordinator.transport.striped import Striped, StripeSet
 from atoll.errors import PortInUse
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
@@ -125,34 +124,6 @@ class BulkPush:
             self.cut = type(data).delimited
             return
         raise StreamOverrun("the stream carries more bytes than its header declares")
-
-
-class StripeSet:
-    """The connections of one striped call as they come in (the lead, index 0, and its sides, in any
-    order): each must carry the same count and authorization as the first that came."""
-
-    def __init__(self, count: int, auth: str) -> None:
-        self.count, self.auth = count, auth
-        self.conns: list[Connection | None] = [None] * count
-        self.led = asyncio.Event()
-        """The lead connection came (sides wait for it)."""
-        self.attached = asyncio.Event()
-        """Every connection came (the lead waits for them)."""
-        self.finished = asyncio.Event()
-        """The call ended (its sides close, or wait for their next call)."""
-        self.clean = False
-        """The call ended with every connection's data read to its end (they may carry another)."""
-
-    def attach(self, index: int, conn: Connection, count: int, auth: str) -> None:
-        if count != self.count or not 0 <= index < count or self.conns[index] is not None or self.finished.is_set():
-            raise ValueError(f"connection {index} of a striped call of {count} does not fit the call")
-        if not hmac.compare_digest(auth.encode(), self.auth.encode()):
-            raise ValueError("a striped call's connections carry different authorizations")
-        self.conns[index] = conn
-        if index == 0:
-            self.led.set()
-        if all(c is not None for c in self.conns):
-            self.attached.set()
 
 
 class BulkServer:

@@ -1,4 +1,5 @@
-"""The data of a call striped over several connections of the bulk port (:mod:`atoll.protos.bulk`).
+"""A call striped over several connections of the bulk port (:mod:`atoll.protos.bulk`): its connections
+as they come in (:class:`StripeSet`), and its data (:class:`Striped`).
 
 Each connection carries units (offset, length, bytes) in increasing order, and every connection is
 read and written on its own, as fast as its TCP stream goes: a stream that falls behind (they share
@@ -12,9 +13,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 
 from atoll.coordinator.transport.connection import Connection
 from atoll.protos.bulk import AHEAD_BYTES, END, UNIT, UNIT_BYTES, UnitQueue, cut_units
+
+
+class StripeSet:
+    """The connections of one striped call as they come in (the lead, index 0, and its sides, in any
+    order): each must carry the same count and authorization as the first that came."""
+
+    def __init__(self, count: int, auth: str) -> None:
+        self.count, self.auth = count, auth
+        self.conns: list[Connection | None] = [None] * count
+        self.led = asyncio.Event()
+        """The lead connection came (sides wait for it)."""
+        self.attached = asyncio.Event()
+        """Every connection came (the lead waits for them)."""
+        self.finished = asyncio.Event()
+        """The call ended (its sides close, or wait for their next call)."""
+        self.clean = False
+        """The call ended with every connection's data read to its end (they may carry another)."""
+
+    def attach(self, index: int, conn: Connection, count: int, auth: str) -> None:
+        if count != self.count or not 0 <= index < count or self.conns[index] is not None or self.finished.is_set():
+            raise ValueError(f"connection {index} of a striped call of {count} does not fit the call")
+        if not hmac.compare_digest(auth.encode(), self.auth.encode()):
+            raise ValueError("a striped call's connections carry different authorizations")
+        self.conns[index] = conn
+        if index == 0:
+            self.led.set()
+        if all(c is not None for c in self.conns):
+            self.attached.set()
 
 
 class Striped:
