@@ -209,12 +209,12 @@ def test_delayed_nesterov_applies_the_momentum_once_per_full_rounds_share():
         if chunk is None:  # rounds 5 and 6: 0.5 pending, then a full round closes it
             assert opt.pending_share == 0.0
             saved = {k: v.clone() for k, v in opt.state_tensors().items()}
-    # Rounds holding more than a full round's work (the ``progress`` rule, ``per_share``): S full
+    # Rounds holding more than a full round's work (the ``progress`` rule): S full
     # rounds' shares since the momentum last advanced step as S Nesterov (heavy-ball) steps of G / S.
     long = [(torch.randn(1000, generator=gen), s) for s in (0.5, 2.5, 2.0, 0.25, 0.75)]
     for nesterov in (True, False):
         want = per_share_reference(theta0.numpy(), [(g.numpy(), s) for g, s in long], 0.7, 0.9, nesterov)
-        over = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=nesterov, per_share=True)
+        over = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=nesterov, advance="progress")
         theta = theta0.clone()
         for r, (g, share) in enumerate(long):
             over.begin_round(share)
@@ -237,6 +237,8 @@ def test_delayed_nesterov_applies_the_momentum_once_per_full_rounds_share():
             a, b = dn.step_("w", g.clone()), plain.step_("w", g.clone())
             dn.end_round()
             assert torch.equal(a, b) if nesterov else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="advance must be one of once, progress, even"):
+        DelayedNesterov({"w": (4,)}, lr=0.7, momentum=0.9, nesterov=True, advance="every")
 
 
 def nesterov_reference(theta, grads, lr, mu, nesterov, m=None):
@@ -271,7 +273,7 @@ def test_the_even_rule_steps_rounds_of_some_islands_as_their_share_of_whole_roun
     splits = [[1.0], [0.25, 0.75], [0.5, 0.3, 0.2], [0.9, 0.1]]  # each whole round's work, in rounds
     for nesterov in (True, False):
         want, want_m = nesterov_reference(theta0.numpy(), [g.numpy() for g in whole], 0.7, 0.9, nesterov)
-        opt = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=nesterov, per_share=True, every_round=True)
+        opt = DelayedNesterov({"w": (1000,)}, lr=0.7, momentum=0.9, nesterov=nesterov, advance="even")
         theta = theta0.clone().double()
         for j, split in enumerate(splits):
             for share in split:
@@ -293,7 +295,7 @@ def test_the_even_rule_steps_rounds_of_some_islands_as_their_share_of_whole_roun
         np.testing.assert_allclose(opt.buffers["w"].numpy(), m2, rtol=1e-5, atol=1e-5)
     # Rounds of equal shares: every round moves θ by its share of what a full round would (no round
     # steps the momentum for the others), in steady state s x lr x ĝ / (1 - mu).
-    steady = DelayedNesterov({"w": (1,)}, lr=1.0, momentum=0.5, nesterov=True, per_share=True, every_round=True)
+    steady = DelayedNesterov({"w": (1,)}, lr=1.0, momentum=0.5, nesterov=True, advance="even")
     steps = []
     for _ in range(40):
         steady.begin_round(0.8)

@@ -80,10 +80,8 @@ class GlobalModel:
         delayed = c.outer_mode == "decoupled" and c.decoupled_step in DELAYED_NESTEROV_RULES
         opts = {"lr": c.outer_lr, "momentum": c.outer_momentum, "nesterov": c.nesterov}
         if delayed:
-            step = c.decoupled_step
-            self.optimizer = DelayedNesterov(
-                shapes, **opts, per_share=step in PROGRESS_RULES, every_round=step == "even"
-            )
+            advance = c.decoupled_step if c.decoupled_step in PROGRESS_RULES else "once"
+            self.optimizer = DelayedNesterov(shapes, **opts, advance=advance)
         else:
             self.optimizer = NesterovSGD(shapes, **opts)
         self.downlink_ef = {k: torch.zeros(s) for k, s in self.specs.items()} if self.downlink.lossy else {}

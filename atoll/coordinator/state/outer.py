@@ -146,6 +146,13 @@ class NesterovSGD:
             self.buffers[name].copy_(tensors[f"momentum/{name}"])
 
 
+MOMENTUM_ADVANCES = ("once", "progress", "even")
+"""When :class:`DelayedNesterov`'s momentum advances: ``once`` when the rounds since it last did add
+up to a full round's share, by their mean gradient (Liu et al. 2024); ``progress`` the same, as that
+many full rounds (:func:`momentum_steps`); ``even`` every round, as its own share's worth of full
+rounds."""
+
+
 class DelayedNesterov(NesterovSGD):
     """Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling"),
     for decoupled rounds made of some of the islands: each round steps by its own (share-scaled)
@@ -153,16 +160,17 @@ class DelayedNesterov(NesterovSGD):
     small rounds (N times per round's worth of work with N islands: the overshoot the paper names as
     asynchronous Local-SGD's main problem), advances and is applied only once the rounds since it
     last did add up to a full round's share: ``m <- mu * m + G / S`` (G the sum of their gradients,
-    S of their shares) and ``u = -lr * (g + mu * m)`` (without Nesterov, with m before it advanced).
-    A run whose every round is full (share 1) is exactly Nesterov SGD (or SGD with momentum). A round
-    may hold more than a full round's work (share > 1, the ``progress`` rule); with ``per_share`` the
-    rounds since the momentum last advanced then count as S full rounds of G / S (:func:`momentum_steps`),
-    so a round of islands that each trained 2H steps moves θ as two rounds of H-step deltas would.
+    S of their shares) and ``u = -lr * (g + mu * m)`` (without Nesterov, with m before it advanced):
+    ``advance="once"``, the paper's rule. A run whose every round is full (share 1) is exactly
+    Nesterov SGD (or SGD with momentum). A round may hold more than a full round's work (share > 1);
+    with ``advance="progress"`` the rounds since the momentum last advanced then count as S full rounds
+    of G / S (:func:`momentum_steps`), so a round of islands that each trained 2H steps moves θ as two
+    rounds of H-step deltas would.
 
     Holding the momentum back made the steps lumpy: under ``progress``, a round of 0.8 of a full
     round's share stepped by its gradient alone and the next one also by 1.6 rounds' momentum at
     once (|u| ~1.6x as long under the chaos trace), and θ's loss rose after each of those and fell
-    after the others (benchmarks/RESULTS.md). With ``every_round`` (the ``even`` rule) every round steps the momentum
+    after the others (benchmarks/RESULTS.md). With ``advance="even"`` every round steps the momentum
     as its own share's worth of full rounds, whatever the share (:func:`momentum_steps` for any k > 0),
     and nothing waits: rounds whose shares add up to whole rounds, each with its share of a whole
     round's gradient, move θ and m exactly as Nesterov SGD over those whole rounds, and a steady run
@@ -177,16 +185,13 @@ class DelayedNesterov(NesterovSGD):
         lr: float,
         momentum: float,
         nesterov: bool,
-        per_share: bool = False,
-        every_round: bool = False,
+        advance: str = "once",
     ) -> None:
+        if advance not in MOMENTUM_ADVANCES:
+            raise ValueError(f"advance must be one of {', '.join(MOMENTUM_ADVANCES)}, got {advance!r}")
         super().__init__(shapes, lr=lr, momentum=momentum, nesterov=nesterov)
-        self.per_share = per_share
-        """The ``progress`` rule: rounds adding up to S >= 1 full rounds' shares advance the momentum
-        as S full rounds of their mean gradient G / S would (:func:`momentum_steps`), not once."""
-        self.every_round = every_round
-        """The ``even`` rule: every round advances the momentum as its own share's worth of full rounds
-        (:func:`momentum_steps` for any share), nothing held back."""
+        self.advance = advance
+        """When the momentum advances (:data:`MOMENTUM_ADVANCES`)."""
         self._steps: tuple[float, float, float, float] | None = None
         """This round's coefficients from :func:`momentum_steps` when it advances S > 1 rounds' worth
         (``even``: S > 0, every round)."""
@@ -202,12 +207,13 @@ class DelayedNesterov(NesterovSGD):
             raise ValueError(f"a round's share must be at least 0, got {share}")
         self.pending_share += share
         k = self.pending_share
-        if self.every_round:  # (k is this round's share: nothing is held back)
+        if self.advance == "even":  # (k is this round's share: nothing is held back)
             self._advance = 1.0 / k if k > 0.0 else None
             self._steps = momentum_steps(self.momentum, k, self.nesterov) if k > 0.0 else None
             return
         self._advance = 1.0 / self.pending_share if self.pending_share >= 1.0 - 1e-9 else None
-        self._steps = momentum_steps(self.momentum, k, self.nesterov) if self.per_share and k > 1.0 else None
+        per_share = self.advance == "progress"
+        self._steps = momentum_steps(self.momentum, k, self.nesterov) if per_share and k > 1.0 else None
 
     def end_round(self) -> None:
         if self._advance is not None:
@@ -217,7 +223,7 @@ class DelayedNesterov(NesterovSGD):
         m, acc = self.buffers[name], self.pending[name]
         if g.shape != m.shape:
             m, acc = (t.view(-1).narrow(0, start, g.numel()) for t in (m, acc))
-        if self.every_round and self._steps is None:  # a round of no share: nothing to step or keep
+        if self.advance == "even" and self._steps is None:  # a round of no share: nothing to step or keep
             return g.mul_(-self.lr)
         acc.add_(g)
         if self._steps is not None:  # S full rounds of G / S: the momentum's part of them, then m_S
