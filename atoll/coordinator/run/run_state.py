@@ -13,7 +13,7 @@ Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`mes
 
 :mod:`pushes` and :mod:`pulls` act on those; :mod:`decider` is the decider task; :mod:`saved` makes
 a snapshot of the owners and checks one a restart loads. θ_0 and every
-round take ONE path: :meth:`RunState.seal` -> :meth:`RunState.try_publish` (make it durable, then
+round take ONE path: sealed (:meth:`Ledger.seal`) -> :meth:`RunState.try_publish` (make it durable, then
 publish): θ_0 as a snapshot, a round as its log record (:mod:`atoll.coordinator.disk.wal`); the optimizer
 state and the snapshots every ``snapshot_every`` rounds are written after the publish, in the
 background. Waiting pulls get a round's update while its step makes it and its record is written,
@@ -340,7 +340,7 @@ class RunState:
                     return got
                 params, specs, buffers, layout, aliases = got
                 self.model.define(specs, buffers, layout, aliases)
-                self.seal(Sealed(BOOTSTRAP, params, None, None, frozenset({plan.island_id})))
+                self.ledger.seal(Sealed(BOOTSTRAP, params, None, None, frozenset({plan.island_id})))
                 self.membership.holds(plan.island_id, 0)  # it uploaded θ_0: it has it, no pull of it back
                 log.info("%sbootstrapped θ_0 from island %s (%d tensors)", self.name, plan.island_id, len(params))
             await self.try_publish()
@@ -385,13 +385,9 @@ class RunState:
             }
             if share is not None:
                 record["share"] = share
-            self.seal(Sealed(r, params, payloads, record, frozenset(committed)))
+            self.ledger.seal(Sealed(r, params, payloads, record, frozenset(committed)))
             acc.advance(r + 1 - (c.max_staleness if c.late_policy == "fold" else 0))
         await self.try_publish()
-
-    def seal(self, sealed: Sealed) -> None:
-        """θ of a closed round (or θ_0) is computed: it takes no more pushes and waits to be saved."""
-        self.ledger.seal(sealed)
 
     async def try_publish(self) -> bool:
         """Make the sealed round (or θ_0) durable and only then publish it; False if the write failed
