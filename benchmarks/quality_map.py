@@ -50,7 +50,9 @@ the mean and the spread (min-max) over seeds of the eval loss of θ at the end o
 time) and at the token count every run of that H reached (equal tokens: θ's loss interpolated between the
 rounds on either side),
 and the tokens into θ. ``--json`` keeps every curve; ``--plot-dir`` draws loss against wall time and
-against tokens per H.
+against tokens per H. ``--against sync`` adds every other policy's gap to sync at equal tokens, every
+0.5M tokens, seed by seed (sync's curve for the same seed); ``--pool A.json B.json`` runs nothing and
+reads the runs of earlier ``--json`` files together (seeds from several runs of the map).
 """
 
 from __future__ import annotations
@@ -175,6 +177,66 @@ def summary(runs: list[dict]) -> list[dict]:
     return out
 
 
+GAP_WINDOW = 250_000
+"""Half the token window of a smoothed gap: θ's loss averaged over tokens ± this (at H=10 θ's loss moves
+by ±2-3% from one round to the next, sync's as well, so one point compares the two curves' wobbles)."""
+
+
+def gaps(runs: list[dict], base: str, h: int, quorum: int) -> tuple[list[float], dict[str, dict[str, list]]]:
+    """Every other policy of (``h``, ``quorum``) against ``base``, seed by seed where both ran, at
+    every 0.5M tokens all those runs reached (less the window): the token counts, and per policy
+    ``{"point": [...], "window": [...], "seeds": n}``, each entry the gap of the seeds' mean losses in
+    percent (+: behind ``base``); "window" averages each curve over ``GAP_WINDOW`` either side."""
+    import numpy as np
+
+    def windowed(curve, t):
+        return float(np.mean([loss_at_tokens(curve, x) for x in np.linspace(t - GAP_WINDOW, t + GAP_WINDOW, 51)]))
+
+    of = [r for r in runs if r["sync_every"] == h and r["quorum"] == quorum]
+    by_seed = {r["seed"]: r for r in of if r["policy"] == base}
+    out, reach = {}, []
+    for policy in sorted({r["policy"] for r in of} - {base}):
+        pairs = [(by_seed[r["seed"]], r) for r in of if r["policy"] == policy and r["seed"] in by_seed]
+        if pairs:
+            out[policy] = pairs
+            reach += [min(b["curve"][-1][1], o["curve"][-1][1]) for b, o in pairs]
+    points = [t * 500_000 for t in range(1, 40) if reach and t * 500_000 + GAP_WINDOW <= min(reach)]
+    table = {}
+    for policy, pairs in out.items():
+        table[policy] = {"seeds": len(pairs)}
+        for name, at in (("point", loss_at_tokens), ("window", windowed)):
+            base_mean, other_mean = (
+                [statistics.mean(at(r["curve"], t) for r in side) for t in points] for side in zip(*pairs, strict=True)
+            )
+            table[policy][name] = [100.0 * (o / b - 1.0) for b, o in zip(base_mean, other_mean, strict=True)]
+    return points, table
+
+
+def print_gaps(runs: list[dict], base: str) -> None:
+    for h, quorum in sorted({(r["sync_every"], r["quorum"]) for r in runs}):
+        points, table = gaps(runs, base, h, quorum)
+        if not table or not points:
+            continue
+        print(f"H={h} quorum {quorum}, against {base} at equal tokens (mean of the seeds; +: behind)")
+        print(f"  {'tokens (M)':<28}" + "".join(f"{t / 1e6:>7.1f}" for t in points))
+        for policy, row in table.items():
+            for name in ("point", "window"):
+                label = f"{policy} ({row['seeds']} seeds), {name}"
+                print(f"  {label:<28}" + "".join(f"{g:>+6.1f}%" for g in row[name]), flush=True)
+
+
+def print_summary(rows: list[dict]) -> None:
+    print("H  policy     quorum  loss at equal wall (range)     loss at equal tokens (range)   tokens into θ")
+    for s in rows:
+        print(
+            f"{s['sync_every']:<3}{s['policy']:<11}{s['quorum']:<8}{s['loss_wall']:.4f} "
+            f"({s['loss_wall_range'][0]:.4f}-{s['loss_wall_range'][1]:.4f})      {s['loss_tokens']:.4f} "
+            f"({s['loss_tokens_range'][0]:.4f}-{s['loss_tokens_range'][1]:.4f}) at {s['equal_tokens']:,}   "
+            f"{s['tokens']:,.0f}",
+            flush=True,
+        )
+
+
 def plot(runs: list[dict], out_dir: Path) -> None:
     import matplotlib
 
@@ -252,7 +314,22 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot-dir", type=Path, default=None)
+    p.add_argument(
+        "--against",
+        default=None,
+        help="a policy: print every other policy's gap to it at equal tokens, every 0.5M, seed by seed "
+        "(point and smoothed over ±0.25M tokens)",
+    )
+    p.add_argument(
+        "--pool", type=Path, nargs="+", default=None, help="run nothing: the runs of these --json files, together"
+    )
     a = p.parse_args()
+    if a.pool:
+        runs = [r for f in a.pool for r in json.loads(f.read_text())["runs"]]
+        print_summary(summary(runs))
+        if a.against:
+            print_gaps(runs, a.against)
+        return
     speeds = [float(s) for s in a.speeds.split(",")]
     quorums = sorted({1 if q == "1" else math.ceil(len(speeds) / 2) for q in a.quorum})
     print(f"islands at speeds {speeds}, {a.seconds:g} s each, seeds {a.seeds} {a.coordinator_flags}", flush=True)
@@ -275,15 +352,9 @@ def main() -> None:
                         print(f"  H={h} {policy} quorum {quorum} seed {seed}: θ's loss {loss:.4f} at the end, "
                               f"{tokens:,} tokens into θ, {len(r['curve']) - 1} rounds", flush=True)  # fmt: skip
     rows = summary(runs)
-    print("H  policy     quorum  loss at equal wall (range)     loss at equal tokens (range)   tokens into θ")
-    for s in rows:
-        print(
-            f"{s['sync_every']:<3}{s['policy']:<11}{s['quorum']:<8}{s['loss_wall']:.4f} "
-            f"({s['loss_wall_range'][0]:.4f}-{s['loss_wall_range'][1]:.4f})      {s['loss_tokens']:.4f} "
-            f"({s['loss_tokens_range'][0]:.4f}-{s['loss_tokens_range'][1]:.4f}) at {s['equal_tokens']:,}   "
-            f"{s['tokens']:,.0f}",
-            flush=True,
-        )
+    print_summary(rows)
+    if a.against:
+        print_gaps(runs, a.against)
     if a.json:
         a.json.write_text(json.dumps({"speeds": speeds, "runs": runs, "summary": rows}))
     if a.plot_dir:
