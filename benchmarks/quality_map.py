@@ -226,10 +226,10 @@ def print_gaps(runs: list[dict], base: str) -> None:
 
 
 def print_summary(rows: list[dict]) -> None:
-    print("H  policy     quorum  loss at equal wall (range)     loss at equal tokens (range)   tokens into θ")
+    print("H   policy            quorum  loss at equal wall (range)     loss at equal tokens (range)   tokens into θ")
     for s in rows:
         print(
-            f"{s['sync_every']:<3}{s['policy']:<11}{s['quorum']:<8}{s['loss_wall']:.4f} "
+            f"{s['sync_every']:<4}{s['policy']:<18}{s['quorum']:<8}{s['loss_wall']:.4f} "
             f"({s['loss_wall_range'][0]:.4f}-{s['loss_wall_range'][1]:.4f})      {s['loss_tokens']:.4f} "
             f"({s['loss_tokens_range'][0]:.4f}-{s['loss_tokens_range'][1]:.4f}) at {s['equal_tokens']:,}   "
             f"{s['tokens']:,.0f}",
