@@ -15,7 +15,8 @@ Policies (coordinator flags):
 - barrier: every round waits for every island (quorum = the islands, no grace, late deltas dropped);
 - sync: sync mode with the quorum below (``--quorum``), its adaptive grace window, late deltas folded;
 - decoupled: ``--outer-mode decoupled`` with the quorum below and the default rule for a round of
-  some islands (``--decoupled-step even`` since RESULTS.md's "the held-back momentum"; ``progress``
+  some islands (``--decoupled-step spread`` since RESULTS.md's "a round of many rounds' work spread";
+  ``even`` since "the held-back momentum"; ``progress``
   since the map with round 0's grace capped; ``whole``, ``delayed`` and ``share`` before), its
   islands pushing together (the default since `e8af10f`);
 - decoupled-share: ``--decoupled-step share`` (a round of some islands steps by its share of a full
@@ -31,6 +32,8 @@ Policies (coordinator flags):
   the momentum as S rounds of their mean gradient would).
 - decoupled-even: ``--decoupled-step even`` (as progress, with every round stepping the momentum as its
   own share of a full round, whatever the share, instead of holding it until the shares add up to one).
+- decoupled-spread: ``--decoupled-step spread`` (as even, a round stepping at most 1.5x the usual
+  share and the rest of its work joining the rounds after).
 - decoupled-dylu: decoupled (the default rule) with step counts from the islands' speeds (DyLU, Liu
   et al. 2024): every island syncs on a time budget of H full-speed steps (``atoll island
   --sync-every-seconds``, H x ``--step-seconds``), so a slow island pushes a shorter delta as often as
@@ -218,11 +221,11 @@ def print_gaps(runs: list[dict], base: str) -> None:
         if not table or not points:
             continue
         print(f"H={h} quorum {quorum}, against {base} at equal tokens (mean of the seeds; +: behind)")
-        print(f"  {'tokens (M)':<28}" + "".join(f"{t / 1e6:>7.1f}" for t in points))
+        print(f"  {'tokens (M)':<38}" + "".join(f"{t / 1e6:>7.1f}" for t in points))
         for policy, row in table.items():
             for name in ("point", "window"):
                 label = f"{policy} ({row['seeds']} seeds), {name}"
-                print(f"  {label:<28}" + "".join(f"{g:>+6.1f}%" for g in row[name]), flush=True)
+                print(f"  {label:<38}" + "".join(f"{g:>+6.1f}%" for g in row[name]), flush=True)
 
 
 def print_summary(rows: list[dict]) -> None:
@@ -282,6 +285,7 @@ def main() -> None:
             "decoupled-whole",
             "decoupled-progress",
             "decoupled-even",
+            "decoupled-spread",
             "decoupled-unaligned",
             "decoupled-wait0",
             "decoupled-wait10",

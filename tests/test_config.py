@@ -88,8 +88,8 @@ def test_a_snapshot_holding_an_out_of_range_setting_is_refused(tmp_path):
 
 def test_a_run_saved_before_the_decoupled_share_keeps_its_full_step():
     """A stored config without ``decoupled_step`` (a run from before it) loads with the rule it ran under,
-    "full": a restart must not change a decoupled run's math (a new run's default is "even"); one
-    saved with "delayed", "whole" or "progress" keeps it."""
+    "full": a restart must not change a decoupled run's math (a new run's default is "spread"); one
+    saved with "delayed", "whole", "progress" or "even" keeps it."""
     import json
 
     from atoll.coordinator.config import RunConfig
@@ -97,9 +97,10 @@ def test_a_run_saved_before_the_decoupled_share_keeps_its_full_step():
     old = json.loads(RunConfig(run_id="r", outer_mode="decoupled").to_json())
     del old["decoupled_step"]
     assert RunConfig.from_json(json.dumps(old)).decoupled_step == "full"
-    assert RunConfig(run_id="r").decoupled_step == "even"
-    assert RunConfig.from_json(RunConfig(run_id="r").to_json()).decoupled_step == "even"
+    assert RunConfig(run_id="r").decoupled_step == "spread"
+    assert RunConfig.from_json(RunConfig(run_id="r").to_json()).decoupled_step == "spread"
     assert RunConfig.from_json(RunConfig(run_id="r", decoupled_step="progress").to_json()).decoupled_step == "progress"
+    assert RunConfig.from_json(RunConfig(run_id="r", decoupled_step="even").to_json()).decoupled_step == "even"
     assert RunConfig.from_json(RunConfig(run_id="r", decoupled_step="whole").to_json()).decoupled_step == "whole"
     assert RunConfig.from_json(RunConfig(run_id="r", decoupled_step="delayed").to_json()).decoupled_step == "delayed"
     assert RunConfig.from_json(RunConfig(run_id="r", decoupled_step="share").to_json()).decoupled_step == "share"

@@ -237,8 +237,6 @@ def test_delayed_nesterov_applies_the_momentum_once_per_full_rounds_share():
             a, b = dn.step_("w", g.clone()), plain.step_("w", g.clone())
             dn.end_round()
             assert torch.equal(a, b) if nesterov else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError, match="advance must be one of once, progress, even"):
-        DelayedNesterov({"w": (4,)}, lr=0.7, momentum=0.9, nesterov=True, advance="every")
 
 
 def nesterov_reference(theta, grads, lr, mu, nesterov, m=None):
@@ -305,6 +303,52 @@ def test_the_even_rule_steps_rounds_of_some_islands_as_their_share_of_whole_roun
     assert all(b <= a + 1e-6 for a, b in zip(steps, steps[1:], strict=False))  # smooth: no round of a jump
 
 
+def test_the_spread_rule_spreads_a_round_of_many_rounds_work_over_the_next_rounds():
+    """``spread``: a round holding far more work than the rounds before it (an island's long carried
+    delta) steps at most ``SPREAD_CAP`` x the usual share at once; the rest waits and joins the next
+    rounds. Nothing is lost or counted twice: with one gradient throughout, θ and the momentum once it
+    has all entered are exactly Nesterov SGD over the same whole rounds (NumPy), across a restart
+    with work still waiting. Rounds of at most a full round's share step as ``even``."""
+    import numpy as np
+
+    from atoll.coordinator.state.outer import DelayedNesterov
+
+    gen = torch.Generator().manual_seed(9)
+    g = torch.randn(1000, generator=gen)
+    shares = [0.8, 0.8, 0.8, 0.8, 0.8, 3.0, 0.6, 0.4]  # 8 whole rounds' work
+    kw = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    opt, even = (
+        DelayedNesterov({"w": (1000,)}, **kw, advance="spread"),
+        DelayedNesterov({"w": (1000,)}, **kw, advance="even"),
+    )
+    theta, steps = torch.zeros(1000, dtype=torch.float64), []
+    for i, share in enumerate(shares + [0.0] * 3):  # rounds of no work: what waits still enters
+        if i == 6:  # a coordinator restart, the work left waiting in the state
+            assert opt.pending_share > 1.0
+            saved = {k: v.clone() for k, v in opt.state_tensors().items()}
+            opt = DelayedNesterov({"w": (1000,)}, **kw, advance="spread")
+            opt.load_state_tensors(saved)
+        opt.begin_round(share)
+        even.begin_round(share)
+        u, v = opt.step_("w", g * share), even.step_("w", g * share)
+        opt.end_round()
+        even.end_round()
+        if i < 5:  # nothing capped yet: even's step (to float rounding: the terms are summed in another order)
+            torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
+        theta += u.double()
+        steps.append(float(u.norm()))
+    assert opt.pending_share == pytest.approx(0.0, abs=1e-12)
+    want, want_m = nesterov_reference(np.zeros(1000), [g.numpy()] * 8, 0.7, 0.9, True)
+    np.testing.assert_allclose(theta.numpy(), want[-1], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(opt.buffers["w"].numpy(), want_m, rtol=1e-5, atol=1e-5)
+    # the round of 3 shares stepped at most 1.5 x the usual share (~0.87) of a round: under 1.5 x its
+    # neighbour's step, where even steps it whole; what waited joined the rounds after
+    assert steps[5] < 1.5 * 1.5 * steps[4]
+    assert steps[6] > steps[4] and steps[7] > steps[4]
+    with pytest.raises(ValueError, match="advance must be one of once, progress, even, spread"):
+        DelayedNesterov({"w": (4,)}, **kw, advance="every")
+
+
 def even_reference(theta, rounds, lr, mu):
     """NumPy (float64) of the ``even`` rule, from the momentum's definition m_j = mu·m_{j-1} + ĝ: a
     round of share s and gradient g is s full rounds of ĝ = g / s, so m <- m_s = mu^s·m + (1 - mu^s) /
@@ -321,7 +365,7 @@ def even_reference(theta, rounds, lr, mu):
     return out
 
 
-@pytest.mark.parametrize("step", ["delayed", "even"])
+@pytest.mark.parametrize("step", ["delayed", "even", "spread"])
 def test_a_decoupled_run_with_delayed_nesterov_matches_numpy(start_server, raw_island, tmp_path, step):
     """Through the coordinator, rounds of one island each (quorum 1): θ after each round is NumPy's
     Delayed Nesterov (or its ``even`` rule) with the rounds' shares, and a coordinator restarted in
@@ -330,7 +374,7 @@ def test_a_decoupled_run_with_delayed_nesterov_matches_numpy(start_server, raw_i
     import numpy as np
 
     cfg, srv, a, b, theta0 = two_raw_islands(start_server, raw_island, tmp_path, step=step, lr=0.7, momentum=0.9)
-    reference = delayed_nesterov_reference if step == "delayed" else even_reference
+    reference = delayed_nesterov_reference if step == "delayed" else even_reference  # (spread: no round over 1)
     shapes = {"w": (3, 4)}
     # (island, round, tokens, share): b is unknown in round 0 (a full round); then 300/400, 100/400, ...
     # and so on after the restart, which restores the islands' usual weights with the membership.

@@ -11,7 +11,7 @@ from atoll.compression import get_codec
 from atoll.coordinator.policy import grace
 
 OUTER_MODES = ("sync", "decoupled")
-DECOUPLED_STEPS = ("share", "full", "delayed", "whole", "progress", "even")
+DECOUPLED_STEPS = ("share", "full", "delayed", "whole", "progress", "even", "spread")
 TOKENS_PER_STEP_BOUND = 1 << 24
 """Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
 any published LLM run): a push claiming more than H x this is refused."""
@@ -51,7 +51,7 @@ class RunConfig:
     arrival order). decoupled: islands never wait; each applies the update when it arrives, keeping the
     progress made since its push, and its next push is folded with its staleness (timing-dependent by
     design). ``quorum`` is then the minimum quorum of a round."""
-    decoupled_step: str = "even"
+    decoupled_step: str = "spread"
     """decoupled: how far a round made of some of the islands steps. share: by its share of a full
     round (Σ w_i s_i Δ_i over the larger of the round's weight and the live islands' usual weights
     together), so each contribution moves θ as it would in a round of everyone; full: as far as a
@@ -71,11 +71,16 @@ class RunConfig:
     even: as ``progress``, with every round stepping the momentum as its own share's worth of full rounds
     (nothing held back until the shares add up to one, which made every other round's step ~1.6x as long
     as the one before and θ's loss rise after it; :class:`~atoll.coordinator.state.outer.DelayedNesterov`).
-    The default, even, is level with progress on the quality map (9 seeds at speeds 1:2:4:8 and 6 at
-    1:1:4, H=10, within 0-3% at equal tokens either way; level at equal speeds; progress was level with
-    whole, both below barrier at equal wall time at every point with a slow island) and halves the
-    one-round rises of θ's loss under the chaos trace (benchmarks/RESULTS.md, "the held-back
-    momentum"); a run stored with another rule keeps it."""
+    even was level with progress on the quality map (9 seeds at speeds 1:2:4:8 and 6 at 1:1:4, H=10,
+    within 0-3% at equal tokens either way; level at equal speeds; progress was level with whole, both
+    below barrier at equal wall time at every point with a slow island) and halved the one-round rises
+    of θ's loss under the chaos trace (benchmarks/RESULTS.md, "the held-back momentum"); spread (the
+    default): as ``even``, with a round stepping at most 1.5x the usual share (at least a full
+    round's) and the rest of its work joining the rounds after, so a cut island's carried delta
+    (share 2.4-3) no longer steps at once: under the chaos trace the largest one-round rise of θ's
+    loss went from +0.08 to +0.04-0.05, level with even on the map at H=10 with slow islands
+    (:data:`~atoll.coordinator.state.outer.SPREAD_CAP`; benchmarks/RESULTS.md, "a round of many
+    rounds' work spread"). A run stored with another rule keeps it."""
     late_policy: str = "fold"
     """A push for a closed round: fold it into the open round (down-weighted; the default), or drop it."""
     staleness_weight: float = 0.5

@@ -62,7 +62,7 @@ def weight(
     return w * staleness_weight**late_by if late_by else w
 
 
-PROGRESS_RULES = ("progress", "even")
+PROGRESS_RULES = ("progress", "even", "spread")
 """The decoupled rules under which each island's progress since its last push enters as its share of a
 round of everyone and the round's share is uncapped (:func:`round_share`); they differ in the momentum."""
 PER_ROUND_WEIGHT_RULES = ("whole", *PROGRESS_RULES)

@@ -146,11 +146,20 @@ class NesterovSGD:
             self.buffers[name].copy_(tensors[f"momentum/{name}"])
 
 
-MOMENTUM_ADVANCES = ("once", "progress", "even")
+MOMENTUM_ADVANCES = ("once", "progress", "even", "spread")
 """When :class:`DelayedNesterov`'s momentum advances: ``once`` when the rounds since it last did add
 up to a full round's share, by their mean gradient (Liu et al. 2024); ``progress`` the same, as that
 many full rounds (:func:`momentum_steps`); ``even`` every round, as its own share's worth of full
-rounds."""
+rounds; ``spread`` as ``even``, a round stepping at most :data:`SPREAD_CAP` times the usual share."""
+
+SPREAD_CAP = 1.5
+"""``spread``: a round steps at most this many times the usual share (the rounds' shares averaged, a
+fifth of the way each round) and at least one full round's; the rest of its work waits and joins the
+rounds after. Under the chaos trace the round holding a cut island's 550-700 carried steps (share
+2.4-3) raised θ's loss by 0.08 under ``even`` (benchmarks/RESULTS.md)."""
+
+USUAL_SHARE_PULL = 0.2
+"""``spread``: how far each round moves the usual share towards its own."""
 
 
 class DelayedNesterov(NesterovSGD):
@@ -175,6 +184,12 @@ class DelayedNesterov(NesterovSGD):
     and nothing waits: rounds whose shares add up to whole rounds, each with its share of a whole
     round's gradient, move θ and m exactly as Nesterov SGD over those whole rounds, and a steady run
     of rounds of share s steps s times as far as full rounds would, every round.
+
+    A round holding many rounds' work at once (a cut island's carried delta, share 2.4-3 under the
+    chaos trace) still stepped it at once and θ's loss rose for that round. With ``advance="spread"``
+    a round steps at most :data:`SPREAD_CAP` times the usual share (at least one full round's); the
+    rest of its gradient and share waits in ``pending`` and joins the rounds after, so nothing is lost:
+    with one gradient throughout, θ and m end exactly as Nesterov SGD over the same whole rounds.
 
     :meth:`begin_round` gives each round's share before its tensors are stepped."""
 
@@ -201,12 +216,23 @@ class DelayedNesterov(NesterovSGD):
         """S: the sum of those rounds' shares."""
         self._advance: float | None = None
         """This round's 1 / S when it advances the momentum, else None."""
+        self.usual_share = 1.0
+        """``spread``: the rounds' shares, averaged (:data:`USUAL_SHARE_PULL`)."""
+        self._take = 1.0
+        """``spread``: the part of the work there is (this round's and what waits) that this round steps."""
 
     def begin_round(self, share: float) -> None:
         if not share >= 0.0:  # (0: a round whose contributions weigh nothing moves nothing)
             raise ValueError(f"a round's share must be at least 0, got {share}")
         self.pending_share += share
         k = self.pending_share
+        if self.advance == "spread":  # (k: what waits and this round's share, capped)
+            k = min(k, max(1.0, SPREAD_CAP * self.usual_share))
+            self.usual_share += USUAL_SHARE_PULL * (share - self.usual_share)
+            self._take = k / self.pending_share if self.pending_share > 0.0 else 1.0
+            self._advance = 1.0 / self.pending_share if k > 0.0 else None
+            self._steps = momentum_steps(self.momentum, k, self.nesterov) if k > 0.0 else None
+            return
         if self.advance == "even":  # (k is this round's share: nothing is held back)
             self._advance = 1.0 / k if k > 0.0 else None
             self._steps = momentum_steps(self.momentum, k, self.nesterov) if k > 0.0 else None
@@ -216,16 +242,25 @@ class DelayedNesterov(NesterovSGD):
         self._steps = momentum_steps(self.momentum, k, self.nesterov) if per_share and k > 1.0 else None
 
     def end_round(self) -> None:
-        if self._advance is not None:
+        if self.advance == "spread":
+            self.pending_share *= 1.0 - self._take
+        elif self._advance is not None:
             self.pending_share = 0.0
 
     def step_(self, name: str, g: torch.Tensor, start: int = 0) -> torch.Tensor:
         m, acc = self.buffers[name], self.pending[name]
         if g.shape != m.shape:
             m, acc = (t.view(-1).narrow(0, start, g.numel()) for t in (m, acc))
-        if self.advance == "even" and self._steps is None:  # a round of no share: nothing to step or keep
+        if self.advance in ("even", "spread") and self._steps is None:  # a round of no share
             return g.mul_(-self.lr)
         acc.add_(g)
+        if self.advance == "spread":  # k full rounds of ĝ = G / S (k = S unless capped); the rest waits
+            c, d, part_m, part_g = self._steps
+            k = self._take / self._advance
+            torch.mul(acc, (k + part_g) * self._advance, out=g).add_(m, alpha=part_m)
+            m.mul_(c).add_(acc, alpha=d * self._advance)
+            acc.mul_(1.0 - self._take)
+            return g.mul_(-self.lr)
         if self._steps is not None:  # S full rounds of G / S: the momentum's part of them, then m_S
             c, d, part_m, part_g = self._steps
             g.add_(m, alpha=part_m).add_(acc, alpha=part_g * self._advance)
@@ -248,6 +283,8 @@ class DelayedNesterov(NesterovSGD):
         out = super().state_tensors()
         out.update({f"pending/{k}": v for k, v in self.pending.items()})
         out["pending_share"] = torch.tensor([self.pending_share], dtype=torch.float64)
+        if self.advance == "spread":
+            out["usual_share"] = torch.tensor([self.usual_share], dtype=torch.float64)
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -255,6 +292,8 @@ class DelayedNesterov(NesterovSGD):
         for name in self.pending:
             self.pending[name].copy_(tensors[f"pending/{name}"])
         self.pending_share = float(tensors["pending_share"][0])
+        if "usual_share" in tensors:
+            self.usual_share = float(tensors["usual_share"][0])
 
 
 def momentum_steps(mu: float, k: float, nesterov: bool) -> tuple[float, float, float, float]:
