@@ -12,6 +12,9 @@ each checkpointing at every push. The same chaos trace, by wall time, for every 
 - island C's network is cut for 20 s at 45 s (a proxy between it and the coordinator);
 - island A's compute stalls for 15 s before its first round at or after round 6 (heartbeats go on).
 
+``--calm``: none of the three, the islands at the same speeds (what the trace adds, e.g. to θ's loss
+from one round to the next).
+
 Policies (coordinator flags; islands follow the run's mode):
 
 - barrier: quorum 4 and no grace: every round waits for every island (what torchft does);
@@ -145,11 +148,11 @@ def island_argv(name: str, address: str, work: Path) -> list[str]:
     ]
 
 
-def faults_of(name: str) -> str:
+def faults_of(name: str, calm: bool = False) -> str:
     faults = []
     if SPEEDS[name] > 1:
         faults.append(Fault(island=name, round=0, kind="slow", factor=float(SPEEDS[name]), rounds=10**9))
-    if name == "A":
+    if name == "A" and not calm:
         faults.append(Fault(island="A", round=6, kind="stall", seconds=15.0))
     return island_faults_json(faults, name)
 
@@ -172,10 +175,12 @@ def run_policy(policy: str, a: argparse.Namespace, work: Path) -> dict:
             procs = {}
             for name in SPEEDS:
                 target = proxy.address if name == "C" else address
-                procs[name] = group.start(name, island_argv(name, target, work), faults=faults_of(name))
+                procs[name] = group.start(name, island_argv(name, target, work), faults=faults_of(name, a.calm))
             t0 = time.monotonic()
             kills = [t0 + k * a.kill_every for k in range(1, int(a.seconds // a.kill_every) + 1)]
             cut_at, curve, restarts = t0 + 45.0, [], 0
+            if a.calm:  # the same islands at the same speeds, and no fault
+                kills, cut_at = [], None
             while (now := time.monotonic()) < t0 + a.seconds:
                 if kills and now >= kills[0]:
                     kills.pop(0)
@@ -281,6 +286,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=180.0, help="wall budget of each policy")
     p.add_argument("--sync-every", type=int, default=100, help="H")
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between SIGKILLs of island B")
+    p.add_argument(
+        "--calm", action="store_true", help="no kill, cut or stall: the islands at their speeds (what the trace adds)"
+    )
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--plot-dir", type=Path, default=None)
     p.add_argument("--work-dir", type=Path, default=None)
