@@ -184,7 +184,8 @@ def test_delayed_nesterov_applies_the_momentum_once_per_full_rounds_share():
     with every round full it is Nesterov SGD bit for bit; its pending state survives state_tensors."""
     import numpy as np
 
-    from atoll.coordinator.state.outer import DelayedNesterov, NesterovSGD
+    from atoll.coordinator.state.delayed import DelayedNesterov
+    from atoll.coordinator.state.outer import NesterovSGD
 
     gen = torch.Generator().manual_seed(2)
     theta0 = torch.randn(1000, generator=gen)
@@ -263,7 +264,7 @@ def test_the_even_rule_steps_rounds_of_some_islands_as_their_share_of_whole_roun
     (NumPy); a round of S > 1 shares as S Nesterov rounds of G / S; chunked as the outer step does."""
     import numpy as np
 
-    from atoll.coordinator.state.outer import DelayedNesterov
+    from atoll.coordinator.state.delayed import DelayedNesterov
 
     gen = torch.Generator().manual_seed(5)
     theta0 = torch.randn(1000, generator=gen)
@@ -311,7 +312,7 @@ def test_the_spread_rule_spreads_a_round_of_many_rounds_work_over_the_next_round
     with work still waiting. Rounds of at most a full round's share step as ``even``."""
     import numpy as np
 
-    from atoll.coordinator.state.outer import DelayedNesterov
+    from atoll.coordinator.state.delayed import DelayedNesterov
 
     gen = torch.Generator().manual_seed(9)
     g = torch.randn(1000, generator=gen)

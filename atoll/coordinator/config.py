@@ -58,7 +58,7 @@ class RunConfig:
     round of everyone (the mean of what came), which stepped ~N times as far per unit of work with N
     islands (benchmarks/RESULTS.md, "the quality map"); delayed: by its share as ``share``, and the
     outer momentum advanced and applied only once the rounds since it last was add up to a full
-    round's share (Delayed Nesterov, :class:`~atoll.coordinator.state.outer.DelayedNesterov`; with
+    round's share (Delayed Nesterov, :class:`~atoll.coordinator.state.delayed.DelayedNesterov`; with
     ``share`` the momentum is applied at every small round, N times per round's worth of work);
     whole: as ``delayed``, but a delta of n > H inner steps (its island trained on while its exchange
     was out, or carried a push too stale to fold) enters whole with its tokens' weight, and the
@@ -67,10 +67,10 @@ class RunConfig:
     progress: as ``delayed``, with each island's progress since its last push entering as its share of a
     round of everyone (a long delta once, at one island's share, where ``whole`` enters it at full size),
     the round's share S uncapped, and the momentum stepping as S full rounds of the mean gradient would
-    (:func:`~atoll.coordinator.policy.weighting.round_share`, :func:`~atoll.coordinator.state.outer.momentum_steps`);
+    (:func:`~atoll.coordinator.policy.weighting.round_share`, :func:`~atoll.coordinator.state.delayed.momentum_steps`);
     even: as ``progress``, with every round stepping the momentum as its own share's worth of full rounds
     (nothing held back until the shares add up to one, which made every other round's step ~1.6x as long
-    as the one before and θ's loss rise after it; :class:`~atoll.coordinator.state.outer.DelayedNesterov`).
+    as the one before and θ's loss rise after it; :class:`~atoll.coordinator.state.delayed.DelayedNesterov`).
     even was level with progress on the quality map (9 seeds at speeds 1:2:4:8 and 6 at 1:1:4, H=10,
     within 0-3% at equal tokens either way; level at equal speeds; progress was level with whole, both
     below barrier at equal wall time at every point with a slow island) and halved the one-round rises
@@ -79,7 +79,7 @@ class RunConfig:
     round's) and the rest of its work joining the rounds after, so a cut island's carried delta
     (share 2.4-3) no longer steps at once: under the chaos trace the largest one-round rise of θ's
     loss went from +0.08 to +0.04-0.05, level with even on the map at H=10 with slow islands
-    (:data:`~atoll.coordinator.state.outer.SPREAD_CAP`; benchmarks/RESULTS.md, "a round of many
+    (:data:`~atoll.coordinator.state.delayed.SPREAD_CAP`; benchmarks/RESULTS.md, "a round of many
     rounds' work spread"). A run stored with another rule keeps it."""
     late_policy: str = "fold"
     """A push for a closed round: fold it into the open round (down-weighted; the default), or drop it."""

@@ -98,7 +98,7 @@ def per_round_weight(rule: str, weight: float, sync_every: int, inner_steps: int
 def round_share(rule: str, weight: float, entered: float, full: float) -> tuple[float, float]:
     """A decoupled round of some islands under ``rule`` (not ``full``): (its share of a full round, the
     denominator D of its mean Σ w_i s_i Δ_i / D). ``even`` is ``progress`` here (it differs in the
-    momentum: :class:`~atoll.coordinator.state.outer.DelayedNesterov`). ``weight``: Σ w_i, the work
+    momentum: :class:`~atoll.coordinator.state.delayed.DelayedNesterov`). ``weight``: Σ w_i, the work
     that entered; ``entered``: Σ w_i s_i; ``full``: the live islands' usual weights together (0: none
     known yet).
 

@@ -14,7 +14,8 @@ import torch
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.policy.weighting import DELAYED_NESTEROV_RULES, PROGRESS_RULES
-from atoll.coordinator.state.outer import DelayedNesterov, FiniteTheta, NesterovSGD, outer_step_
+from atoll.coordinator.state.delayed import DelayedNesterov
+from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import Leases
 
 
