@@ -111,10 +111,34 @@ def test_degenerate_tensors(spec, kind):
         torch.testing.assert_close(y, x, rtol=1e-2, atol=0)
 
 
+def test_topk_whose_sampled_threshold_overshoots_lowers_it_by_the_sample_not_blindly(monkeypatch):
+    """The strided sample sees only large values (they sit on its stride): the first threshold keeps
+    far fewer than k. The next one comes from the sample at twice the share, not a quarter of the
+    value (which kept every large value, ~65k candidates, for k = 1000, and made the last top-k 33x
+    as long as k)."""
+    n, k = 1_000_003, 1000
+    stride = n // topk_mod.SAMPLE
+    gen = torch.Generator().manual_seed(4)
+    x = torch.rand(n, generator=gen) * 0.01
+    x[::stride] = 10.0 + torch.rand(x[::stride].numel(), generator=gen)
+    calls = []
+    real_topk = torch.topk
+
+    def spy(t, kk, *a, **kw):
+        calls.append(t.numel())
+        return real_topk(t, kk, *a, **kw)
+
+    monkeypatch.setattr(topk_mod.torch, "topk", spy)
+    idx = topk_mod.select_topk(x, k)
+    assert torch.equal(idx, real_topk(x.abs(), k).indices.sort().values)
+    assert all(c < 2 * k + 10 for c in calls), f"topk ran on {calls} elements, k={k}"
+
+
 @pytest.mark.parametrize("fraction", [0.001, 0.01, 0.05])
 def test_topk_selects_the_largest_without_full_sort(fraction, monkeypatch):
     n = 1_000_003  # above the size where the sampled-threshold path runs
-    x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * torch.rand(n) ** 3
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 3
     calls = []
     real_topk = torch.topk
 

@@ -2,7 +2,8 @@
 
 Selection never sorts the whole tensor: a strided sample estimates the magnitude threshold that
 about ``1.25 k`` elements exceed, a chunked pass collects those candidates, and an exact top-k runs
-on the candidates only (the threshold is lowered and the pass repeated if it overshot).
+on the candidates only (if it kept fewer than k, the pass is repeated with the sample's threshold at
+twice the share).
 
 Body: ``k`` strictly increasing indices (uint16 / uint32 / uint64, the narrowest that fits the
 tensor), then the values' body (see ``values``).
@@ -129,14 +130,14 @@ def select_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
     stride = n // SAMPLE
     sample = flat[::stride].abs()
     frac = min(1.0, 1.25 * k / n)
-    rank = max(1, int(sample.numel() * (1 - frac)))
-    thr = float(sample.kthvalue(rank).values) if frac < 1 else 0.0
-    while True:
+    while True:  # a threshold that kept fewer than k: the sample's at twice the share (until all of it)
+        rank = max(1, int(sample.numel() * (1 - frac)))
+        thr = float(sample.kthvalue(rank).values) if frac < 1 else 0.0
         found = [(flat[s : s + CHUNK].abs() >= thr).nonzero().view(-1).add_(s) for s in range(0, n, CHUNK)]
         cand = torch.cat(found)
         if cand.numel() >= k or thr == 0.0:
             break
-        thr = thr / 4 if thr > 1e-30 else 0.0
+        frac = min(1.0, 2 * frac)
     if cand.numel() > k:
         cand = cand[torch.topk(flat[cand].abs(), k, sorted=False).indices]
     return cand.sort().values
