@@ -111,6 +111,21 @@ def test_degenerate_tensors(spec, kind):
         torch.testing.assert_close(y, x, rtol=1e-2, atol=0)
 
 
+REAL_TOPK = torch.topk
+
+
+def count_topk(monkeypatch) -> list[int]:
+    """The sizes of the tensors the top-k codec runs torch.topk on, from now on."""
+    calls = []
+
+    def spy(t, k, *a, **kw):
+        calls.append(t.numel())
+        return REAL_TOPK(t, k, *a, **kw)
+
+    monkeypatch.setattr(topk_mod.torch, "topk", spy)
+    return calls
+
+
 def test_topk_whose_sampled_threshold_overshoots_lowers_it_by_the_sample_not_blindly(monkeypatch):
     """The strided sample sees only large values (they sit on its stride): the first threshold keeps
     far fewer than k. The next one comes from the sample at twice the share, not a quarter of the
@@ -121,16 +136,9 @@ def test_topk_whose_sampled_threshold_overshoots_lowers_it_by_the_sample_not_bli
     gen = torch.Generator().manual_seed(4)
     x = torch.rand(n, generator=gen) * 0.01
     x[::stride] = 10.0 + torch.rand(x[::stride].numel(), generator=gen)
-    calls = []
-    real_topk = torch.topk
-
-    def spy(t, kk, *a, **kw):
-        calls.append(t.numel())
-        return real_topk(t, kk, *a, **kw)
-
-    monkeypatch.setattr(topk_mod.torch, "topk", spy)
+    calls = count_topk(monkeypatch)
     idx = topk_mod.select_topk(x, k)
-    assert torch.equal(idx, real_topk(x.abs(), k).indices.sort().values)
+    assert torch.equal(idx, REAL_TOPK(x.abs(), k).indices.sort().values)
     assert all(c < 2 * k + 10 for c in calls), f"topk ran on {calls} elements, k={k}"
 
 
@@ -139,21 +147,14 @@ def test_topk_selects_the_largest_without_full_sort(fraction, monkeypatch):
     n = 1_000_003  # above the size where the sampled-threshold path runs
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 3
-    calls = []
-    real_topk = torch.topk
-
-    def spy(t, k, *a, **kw):
-        calls.append(t.numel())
-        return real_topk(t, k, *a, **kw)
-
-    monkeypatch.setattr(topk_mod.torch, "topk", spy)
+    calls = count_topk(monkeypatch)
     codec = get_codec(f"topk:fraction={fraction}")
     y = codec.decode(codec.encode(x), (n,))
     k = round(fraction * n)
     kept = y != 0
     assert int(kept.sum()) == k
     assert all(c < 2 * k + 10 for c in calls), f"topk ran on {calls} elements, k={k}"
-    expected = real_topk(x.abs(), k).values
+    expected = REAL_TOPK(x.abs(), k).values
     torch.testing.assert_close(x[kept].abs().sort(descending=True).values, expected)
     assert float(x[~kept].abs().max()) <= float(x[kept].abs().min())
     # values are int8 over blocks of 256 kept values: error <= block absmax / 254
