@@ -80,22 +80,20 @@ class DelayedNesterov(NesterovSGD):
         self.usual_share = 1.0
         """``spread``: the rounds' shares, averaged (:data:`USUAL_SHARE_PULL`)."""
         self._take = 1.0
-        """``spread``: the part of the work there is (this round's and what waits) that this round steps."""
+        """``even``, ``spread``: the part of the work there is (this round's and what waits) that this
+        round steps (``even``: all of it)."""
 
     def begin_round(self, share: float) -> None:
         if not share >= 0.0:  # (0: a round whose contributions weigh nothing moves nothing)
             raise ValueError(f"a round's share must be at least 0, got {share}")
         self.pending_share += share
         k = self.pending_share
-        if self.advance == "spread":  # (k: what waits and this round's share, capped)
-            k = min(k, max(1.0, SPREAD_CAP * self.usual_share))
-            self.usual_share += USUAL_SHARE_PULL * (share - self.usual_share)
+        if self.advance in ("even", "spread"):  # k: what waits and this round's share (spread: capped)
+            if self.advance == "spread":
+                k = min(k, max(1.0, SPREAD_CAP * self.usual_share))
+                self.usual_share += USUAL_SHARE_PULL * (share - self.usual_share)
             self._take = k / self.pending_share if self.pending_share > 0.0 else 1.0
             self._advance = 1.0 / self.pending_share if k > 0.0 else None
-            self._steps = momentum_steps(self.momentum, k, self.nesterov) if k > 0.0 else None
-            return
-        if self.advance == "even":  # (k is this round's share: nothing is held back)
-            self._advance = 1.0 / k if k > 0.0 else None
             self._steps = momentum_steps(self.momentum, k, self.nesterov) if k > 0.0 else None
             return
         self._advance = 1.0 / self.pending_share if self.pending_share >= 1.0 - 1e-9 else None
@@ -103,7 +101,7 @@ class DelayedNesterov(NesterovSGD):
         self._steps = momentum_steps(self.momentum, k, self.nesterov) if per_share and k > 1.0 else None
 
     def end_round(self) -> None:
-        if self.advance == "spread":
+        if self.advance in ("even", "spread"):  # (even: the whole of it, take 1)
             self.pending_share *= 1.0 - self._take
         elif self._advance is not None:
             self.pending_share = 0.0
