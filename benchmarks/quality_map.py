@@ -193,7 +193,8 @@ def gaps(runs: list[dict], base: str, h: int, quorum: int) -> tuple[list[float],
     import numpy as np
 
     def windowed(curve, t):
-        return float(np.mean([loss_at_tokens(curve, x) for x in np.linspace(t - GAP_WINDOW, t + GAP_WINDOW, 51)]))
+        around = np.linspace(t - GAP_WINDOW, t + GAP_WINDOW, 51)
+        return float(np.mean(np.interp(around, [n for _, n, _ in curve], [loss for _, _, loss in curve])))
 
     of = [r for r in runs if r["sync_every"] == h and r["quorum"] == quorum]
     by_seed = {r["seed"]: r for r in of if r["policy"] == base}
