@@ -257,9 +257,13 @@ class Codec:
         return frame
 
     def validate(self, payload, expected_shape: tuple[int, ...]) -> float:
-        """Full structural check plus "decodes to finite values", without decoding densely. Returns an
-        upper bound of the L2 norm of what the payload decodes to (:meth:`norm_bound`)."""
-        bound = self.norm_bound(payload, expected_shape)
+        """Full structural check, the payload's params against this codec's own (the run's spec: a push
+        cannot declare another block, count, chunk or rank), plus "decodes to finite values", without
+        decoding densely. Returns an upper bound of the L2 norm of what the payload decodes to
+        (:meth:`norm_bound`)."""
+        frame = self.frame(payload, expected_shape)
+        self._conforms(frame)
+        bound = self._norm_bound(frame)
         if math.isnan(bound):
             raise WireFormatError("non-finite values (NaN/Inf) in the payload")
         return bound
@@ -341,8 +345,14 @@ class Codec:
         raise NotImplementedError
 
     def _check(self, frame: Frame) -> None:
-        """Raise WireFormatError unless params and body sizes are consistent with the shape."""
+        """Raise WireFormatError unless params and body sizes are consistent with the shape, every
+        size-like param bounded (by the tensor's size or the codec's own limits) before anything is
+        allocated for it."""
         raise NotImplementedError
+
+    def _conforms(self, frame: Frame) -> None:
+        """Raise WireFormatError unless the params of a checked payload are those this codec (its spec)
+        writes for the payload's shape; a codec without params has nothing to compare."""
 
     def _norm_bound(self, frame: Frame) -> float:
         """An upper bound of ``||decode(payload)||_2`` (see :func:`norm_bound`: NaN for non-finite values)."""

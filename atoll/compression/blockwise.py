@@ -35,6 +35,9 @@ from atoll.compression.wire import Frame, WireFormatError
 
 _PARAMS = struct.Struct("<IBBf")  # block, bits, scale kind (0 fp32, 1 fp16-relative), global scale
 SCALE_FP32, SCALE_FP16 = 0, 1
+MAX_BLOCK = 1 << 20
+"""The largest block a spec takes, and a payload may declare: a decode's temporaries are a block at
+least (one island's 4 KB push declaring block 2^32 - 8 had the coordinator OOM-killed)."""
 
 
 def qmax_of(bits: int) -> int:
@@ -222,8 +225,8 @@ class BlockQuantCodec(Codec):
     bits: int
 
     def __init__(self, block: int = 256, scale: str = "fp32") -> None:
-        if block < 8 or block % 8 or block > 1 << 20:
-            raise ValueError(f"{self.name}: block must be a multiple of 8 in 8..{1 << 20}, got {block}")
+        if block < 8 or block % 8 or block > MAX_BLOCK:
+            raise ValueError(f"{self.name}: block must be a multiple of 8 in 8..{MAX_BLOCK}, got {block}")
         if scale not in ("fp32", "fp16"):
             raise ValueError(f"{self.name}: scale must be 'fp32' or 'fp16', got {scale!r}")
         self.block = block
@@ -255,9 +258,14 @@ class BlockQuantCodec(Codec):
 
     def _params(self, frame: Frame):
         block, bits, kind, g = expect_params(frame, _PARAMS, self.name)
-        if bits != self.bits or block < 8 or block % 8 or kind not in (SCALE_FP32, SCALE_FP16):
+        if bits != self.bits or not 8 <= block <= MAX_BLOCK or block % 8 or kind not in (SCALE_FP32, SCALE_FP16):
             raise WireFormatError(f"{self.name}: bad params block={block} bits={bits} scale kind={kind}")
         return block, kind, g
+
+    def _conforms(self, frame):
+        block, kind, _ = self._params(frame)
+        if (block, kind) != (self.block, SCALE_FP32 if self.scale == "fp32" else SCALE_FP16):
+            raise WireFormatError(f"{self.name}: block={block} scale kind={kind}, not the run's {self.spec}")
 
     def _check(self, frame):
         block, kind, _ = self._params(frame)

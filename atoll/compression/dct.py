@@ -38,6 +38,7 @@ from atoll.compression.topk import (
     check_indices,
     check_sparse_options,
     check_sparse_params,
+    conform_sparse,
     index_width,
     read_indices,
     read_values,
@@ -170,6 +171,13 @@ class DctTopKCodec(Codec):
         k, width, kind, (*_, pr, pc) = self._params(frame)
         expect_body(frame, sparse_body_len(k, width, kind), self.name)
         check_indices(frame.body, k, width, pr * pc, self.name)
+
+    def _conforms(self, frame):
+        k, width, kind, (*_, pr, pc) = self._params(frame)
+        chunk = expect_params(frame, _PARAMS, self.name)[4]
+        if chunk != self.chunk:
+            raise WireFormatError(f"dcttopk: chunk={chunk}, not the run's {self.spec}")
+        conform_sparse(self, frame.numel, k, width, kind, pr * pc)
 
     def _norm_bound(self, frame):
         k, width, kind, _ = self._params(frame)

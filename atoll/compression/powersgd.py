@@ -106,6 +106,13 @@ class PowerSGDCodec(Codec):
         mode, r, rows, cols = self._params(frame)
         expect_body(frame, 4 * frame.numel if mode == RAW else 4 * r * (rows + cols), self.name)
 
+    def _conforms(self, frame):
+        mode, r, _, _ = self._params(frame)
+        mat = as_matrix(frame.shape)
+        raw = mat is None or self.rank * (mat[0] + mat[1]) >= mat[0] * mat[1]
+        if (mode, r) != ((RAW, 0) if raw else (LOW_RANK, self.rank)):
+            raise WireFormatError(f"powersgd: mode={mode} rank={r}, not the run's {self.spec} for {list(frame.shape)}")
+
     def _factors(self, frame, r, rows, cols, device=None):
         p = read_tensor(frame.body, torch.float32, rows * r, device=device).view(rows, r)
         q = read_tensor(frame.body, torch.float32, cols * r, offset=4 * rows * r, device=device).view(cols, r)

@@ -66,6 +66,18 @@ def check_sparse_params(
         raise WireFormatError(f"{what}: {width}-byte indices cannot address {slots} {unit}")
 
 
+def conform_sparse(codec, numel: int, k: int, width: int, kind: int, slots: int) -> None:
+    """Raise unless a checked sparse payload's count, index width and value kind are those ``codec`` (a
+    spec with ``fraction`` and ``values``) writes for ``numel`` values addressed over ``slots``."""
+    want = (
+        sparse_count(codec.fraction, numel),
+        index_width(slots),
+        VALUES_INT8 if codec.values == "int8" else VALUES_FP16,
+    )
+    if (k, width, kind) != want:
+        raise WireFormatError(f"{codec.name}: k={k} width={width} value kind={kind}, not the run's {codec.spec}")
+
+
 def sparse_body_len(k: int, width: int, kind: int) -> int:
     """Bytes of a body of ``k`` indices of ``width`` bytes and ``k`` values of ``kind``."""
     if kind == VALUES_FP16:
@@ -181,6 +193,10 @@ class TopKCodec(Codec):
         k, width, kind = self._params(frame)
         expect_body(frame, sparse_body_len(k, width, kind), self.name)
         check_indices(frame.body, k, width, frame.numel, self.name)
+
+    def _conforms(self, frame):
+        k, width, kind = self._params(frame)
+        conform_sparse(self, frame.numel, k, width, kind, frame.numel)
 
     def _norm_bound(self, frame):
         return values_bound(frame.body, *self._params(frame))
