@@ -1,4 +1,5 @@
-"""The ``atoll`` command: ``coordinator``, ``island``, ``demo``, ``status``, ``export`` and ``rollback``.
+"""The ``atoll`` command: ``coordinator``, ``island``, ``demo``, ``plan``, ``status``, ``export``, ``rollback``
+and ``restore-store``.
 
 Every flag is spelled out in full (no prefix matching: ``--sync-every`` is never taken for
 ``--sync-every-seconds``). A refusal the user can act on (a damaged state dir, a model the run does
@@ -264,6 +265,19 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.add_argument(
         "--round", type=int, default=None, help="roll back to this kept round (without it: list the snapshots)"
     )
+    restore = _subparser(
+        sub, "restore-store", "put a run back in an object store that lost it, from a coordinator's working copy"
+    )
+    restore.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        required=True,
+        help="the working copy (the coordinator's --work-dir) or any state dir holding the run (required)",
+    )
+    restore.add_argument(
+        "--state-dir", required=True, help="the s3://BUCKET/PREFIX to put it in; it must hold no run (required)"
+    )
     return parser
 
 
@@ -287,6 +301,11 @@ def _coordinator(ns: argparse.Namespace) -> int:
         raise ValueError(f"--fragments must be >= 0, got {ns.fragments}")
     if ns.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {ns.threads}")
+    if not MIN_LEASE_SECONDS <= ns.store_lease_seconds <= MAX_LEASE_SECONDS:  # (False for nan)
+        raise ValueError(
+            f"--store-lease-seconds must be in {MIN_LEASE_SECONDS:g}..{MAX_LEASE_SECONDS:g}, "
+            f"got {ns.store_lease_seconds}"
+        )
     if ns.threads:
         import torch
 
@@ -320,6 +339,10 @@ def _coordinator(ns: argparse.Namespace) -> int:
         },
     )
 
+
+MIN_LEASE_SECONDS, MAX_LEASE_SECONDS = 1.0, 86400.0
+"""--store-lease-seconds: renewed every third of it, so under a second leaves a store's round trip no
+room; past a day a dead coordinator's run waits longer than any operator would."""
 
 TOKEN_FLAGS = ("--token", "--admin-token")
 """Flags whose value is a bearer token: the next word is the value whatever it looks like. argparse
@@ -378,7 +401,13 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
             return plan_cli.run(ns)
         from atoll import tools
 
-        return {"status": tools.status, "export": tools.export, "rollback": tools.rollback}[ns.command](ns)
+        commands = {
+            "status": tools.status,
+            "export": tools.export,
+            "rollback": tools.rollback,
+            "restore-store": tools.restore_store,
+        }
+        return commands[ns.command](ns)
     except (StateError, ConfigMismatch, CoordinatorRefused, CoordinatorUnreachable, UserError) as err:
         print(f"atoll {ns.command}: error: {err}", file=sys.stderr)
         return 1

@@ -59,6 +59,10 @@ class Conflict(StoreError):
     """A conditional write lost: the object exists, or changed since it was read."""
 
 
+class Missing(StoreError):
+    """The object does not exist (or no longer: pruned by a live coordinator since it was listed)."""
+
+
 @dataclass(frozen=True)
 class ObjectStore:
     bucket: str
@@ -192,6 +196,16 @@ class ObjectStore:
                 return None
             raise store_error(err, self.url, rel) from None
 
+    def get_range(self, rel: str, start: int, size: int) -> bytes:
+        """Bytes ``start .. start + size`` of ``rel`` (fewer where it ends first); Missing when it is gone."""
+        try:
+            got = self.client.get_object(
+                Bucket=self.bucket, Key=self.key(rel), Range=f"bytes={start}-{start + size - 1}"
+            )
+            return got["Body"].read()
+        except Exception as err:
+            raise store_error(err, self.url, rel) from None
+
     def download(self, rel: str, path: Path) -> None:
         """``rel`` into the local ``path`` (a temporary file renamed over it: never a partial one)."""
         tmp = path.with_name(f".{path.name}.download")
@@ -272,6 +286,8 @@ def store_error(err, url: str, rel: str) -> StoreError:
     where = f"{url}/{rel}" if rel else url
     if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
         return Conflict(f"{where}: changed by another writer ({code})")
+    if code in ("NoSuchKey", "404"):
+        return Missing(f"{where}: no such object")
     return StoreError(f"{where}: {type(err).__name__}: {err}")
 
 

@@ -1,4 +1,4 @@
-"""The operator's commands: ``atoll status``, ``atoll export`` and ``atoll rollback``."""
+"""The operator's commands: ``atoll status``, ``atoll export``, ``atoll rollback`` and ``atoll restore-store``."""
 
 from __future__ import annotations
 
@@ -174,4 +174,32 @@ def _rollback(ns: argparse.Namespace, state_dir: Path) -> int:
     finally:
         lock.release()
     print(f"rolled back: {target.name} is now the newest snapshot (newer ones moved to {snapshots.DISCARDED}/)")
+    return 0
+
+
+def restore_store(ns: argparse.Namespace) -> int:
+    """Put the run of a local state dir (a coordinator's working copy whose store lost it) into an object
+    store that holds no run: verified first, under the store's lease, each file create-only."""
+    from atoll.objects import Lease, ObjectStore, is_url
+
+    if not is_url(ns.state_dir):
+        raise _fail(f"--state-dir {ns.state_dir!r}: the store to put the run in, s3://BUCKET/PREFIX")
+    store = ObjectStore.from_url(ns.state_dir)
+    source = Path(ns.source)
+    snap = _load_live(source, None) if source.is_dir() else None
+    if snap is None:
+        raise _fail(f"{source} holds no run to put in the store")
+    files = sorted(
+        p for p in source.rglob("*") if p.is_file() and snapshots.state_file(p.relative_to(source).as_posix())
+    )
+    lease = Lease(store, 30.0).acquire()
+    try:
+        held = sorted(rel for rel in store.listing() if snapshots.state_file(rel))
+        if held:
+            raise _fail(f"{store.url} holds a run already ({', '.join(held[:3])}); it is never written over")
+        for path in files:
+            store.put_file(path, path.relative_to(source).as_posix(), create_only=True)
+    finally:
+        lease.release()
+    print(f"put run {snap.config.run_id} (round {snap.round}) in {store.url}: {len(files)} files from {source}")
     return 0

@@ -6,8 +6,9 @@ With ``--state-dir s3://bucket/prefix`` the coordinator reads and writes its sta
 is what survives the machine:
 
 - at start, after taking the run's :class:`~atoll.objects.Lease`, :meth:`Mirror.pull`
-  makes the working dir the store's copy (what is missing or differs is downloaded; what the store
-  does not hold is removed), then the restore reads it and checks every file as on a local disk;
+  makes the working dir, the coordinator's own marked cache, the store's copy
+  (:mod:`~atoll.coordinator.disk.workcopy`), then the restore reads it and checks every file as on a
+  local disk;
 - a round is durable when its log record's PUT has completed (:meth:`Mirror.put_record`), before it
   is published, as the local fsync was: a create-only PUT, so no two coordinators write one round;
 - what the background writes after a publish (``head.json``, the optimizer state, a snapshot) and
@@ -28,8 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+from atoll.coordinator.disk import snapshots, workcopy
 from atoll.coordinator.disk.upload import RecordUpload
-from atoll.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
+from atoll.objects import Conflict, Lease, ObjectStore, StoreError
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -38,18 +40,22 @@ RECORDS = "log/round-"
 
 
 def _local_files(root: Path) -> dict[str, Path]:
-    """State files under ``root`` by relative path: not the lock, not a temporary (``.name``)."""
+    """What goes up, by relative path: the run's own files (:func:`snapshots.state_file`) and what a
+    rollback set aside; not the lock, a temporary (``.name``) or anything else in the dir."""
     out = {}
     for p in root.rglob("*"):
         rel = p.relative_to(root).as_posix()
-        if p.is_file() and not any(part.startswith(".") for part in Path(rel).parts):
+        parts = Path(rel).parts
+        if not p.is_file() or any(part.startswith(".") for part in parts):
+            continue
+        if snapshots.state_file(rel) or snapshots.DISCARDED in parts:
             out[rel] = p
     return out
 
 
 class Mirror:
-    def __init__(self, store: ObjectStore, local: Path, lease: Lease | None = None) -> None:
-        self.store, self.local, self.lease = store, Path(local), lease
+    def __init__(self, store: ObjectStore, local: Path, lease: Lease | None = None, run_id: str | None = None) -> None:
+        self.store, self.local, self.lease, self.run_id = store, Path(local), lease, run_id
         self._sent: dict[str, tuple[int, int]] = {}
         """(size, mtime_ns) of each local file as last uploaded (or downloaded)."""
         self._lock = threading.Lock()
@@ -67,11 +73,15 @@ class Mirror:
         """Whether records go up while the step makes them (None: unless the store is on loopback)."""
 
     @classmethod
-    def open(cls, store: ObjectStore, local: Path, *, lease_seconds: float | None, on_lost=None) -> Mirror:
+    def open(
+        cls, store: ObjectStore, local: Path, *, lease_seconds: float | None, on_lost=None, run_id: str | None = None
+    ) -> Mirror:
         """The store's copy in ``local`` (:meth:`pull`), under the run's lease of ``lease_seconds``, taken
-        first (None: no lease, to read only); :meth:`close` gives it back."""
+        first (None: no lease, to read only); :meth:`close` gives it back. A dir that is not this store's
+        working copy is refused before the lease is taken (:func:`workcopy.check_dir`)."""
+        workcopy.check_dir(local, store)
         lease = Lease(store, lease_seconds, on_lost=on_lost).acquire() if lease_seconds is not None else None
-        mirror = cls(store, local, lease)
+        mirror = cls(store, local, lease, run_id)
         try:
             mirror.pull()
         except BaseException:
@@ -80,27 +90,20 @@ class Mirror:
         return mirror
 
     def pull(self) -> int:
-        """Make the working dir the store's copy; returns the bytes downloaded."""
-        started, got = time.perf_counter(), 0
-        remote = {rel: size for rel, size in self.store.listing().items() if Path(rel).name != LEASE}
-        self.local.mkdir(parents=True, exist_ok=True)
-        local = _local_files(self.local)
-        for rel, path in local.items():
-            if rel not in remote:
-                path.unlink()  # not the run's (a stale working dir): the store is the truth
-        for rel, size in sorted(remote.items()):
-            path = self.local / rel
-            if rel not in local or path.stat().st_size != size:
-                self.store.download(rel, path)
-                got += size
+        """Make the working dir the store's copy of the run (:func:`~atoll.coordinator.disk.workcopy.reconcile`:
+        refused when the dir is not this store's cache, nothing but the run's own files removed, each
+        compared by content); returns the bytes downloaded."""
+        started = time.perf_counter()
+        files, got = workcopy.reconcile(self.store, self.local, self.run_id)
+        for rel, path in files.items():
             st = path.stat()
             with self._lock:
                 self._sent[rel] = (st.st_size, st.st_mtime_ns)
-        if remote:
+        if files:
             log.info(
                 "state from %s: %d objects, %.1f MB downloaded in %.2f s",
                 self.store.url,
-                len(remote),
+                len(files),
                 got / 1e6,
                 time.perf_counter() - started,
             )

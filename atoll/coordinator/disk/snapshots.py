@@ -44,6 +44,8 @@ UPDATES = "updates"
 MEMBERSHIP = "membership.json"
 HEAD = "head.json"
 DISCARDED = "discarded"
+FRAGMENT = re.compile(r"fragment-(0|[1-9]\d*)")
+"""A fragment's state dir inside the state dir of a ``--fragments`` coordinator."""
 LEGACY = ("state.safetensors", ".state.safetensors.tmp")
 
 
@@ -84,12 +86,32 @@ def snapshot_paths(state_dir: Path) -> list[Path]:
     if not d.is_dir():
         return []
     found = [p for p in d.iterdir() if p.name.startswith(SNAPSHOT_PREFIX) and p.name.endswith(SUFFIX)]
-    stray = sorted(p.name for p in found if not SNAPSHOT_NAME.fullmatch(p.name))
+    stray = sorted(p.name for p in found if not canonical(p.name))
     if stray:
         raise StateError(
-            f"{d} holds {stray[0]}, which is not a snapshot name (snapshot-<8-digit round>.safetensors); move it away"
+            f"{d} holds {stray[0]}, which is not a snapshot name (snapshot-<8-digit round>.safetensors, one "
+            "name per round); move it away"
         )
     return sorted(found, key=read_round)
+
+
+def canonical(name: str) -> bool:
+    """Whether ``name`` is the one name of a snapshot of its round."""
+    m = SNAPSHOT_NAME.fullmatch(name)
+    return m is not None and name == snapshot_name(int(m.group(1)))
+
+
+def state_file(rel: str) -> bool:
+    """Whether ``rel`` (a path relative to a state dir, ``/``-separated) is one of the files a coordinator
+    writes there under its canonical name: ``head.json``, ``membership.json``, a snapshot, a log record or
+    optimizer file; or one of those in a fragment's dir (``fragment-<i>/...``, ``--fragments``). What a
+    working copy fetches from an object store, and the only files it ever removes."""
+    parts = rel.split("/")
+    if len(parts) > 1 and FRAGMENT.fullmatch(parts[0]):
+        parts = parts[1:]
+    if len(parts) == 1:
+        return parts[0] in (HEAD, MEMBERSHIP) or canonical(parts[0])
+    return len(parts) == 2 and parts[0] == wal.LOG and wal.canonical(parts[1])
 
 
 def read_round(path: Path) -> int:
@@ -138,16 +160,25 @@ def _holds_atoll_files(state_dir: Path) -> list[str]:
     return sorted(n for n in names if n.startswith(ours))
 
 
-def load(state_dir: Path, upto: int | None = None) -> Snapshot | None:
+def load(state_dir: Path, upto: int | None = None, *, where: str | None = None) -> Snapshot | None:
     """The newest snapshot, verified, with the log replayed after it; None for a dir with no atoll
     files (a fresh run). ``upto``: θ of that round instead, from the newest snapshot at or before it
     (StateError when neither a snapshot nor the log reaches it).
 
     Raises :class:`StateError` when the newest snapshot is damaged or inconsistent, or the dir holds
     atoll files but no snapshot, or the snapshot and the log reach back less far than the round the
-    dir records as published: a run is never restarted silently from scratch or from the past."""
+    dir records as published: a run is never restarted silently from scratch or from the past.
+    ``where``: the ``--state-dir`` an operator's command names (an object store's URL, whose working copy
+    ``state_dir`` is: rolling that copy back would be undone by the next start); default ``state_dir``."""
+    where = where or str(state_dir)
     head = read_head(state_dir) if upto is None else None  # before the log is listed: it never runs ahead
     paths = [p for p in snapshot_paths(state_dir) if upto is None or read_round(p) <= upto]
+    stray = wal.strays(state_dir)
+    if stray:
+        raise StateError(
+            f"{Path(state_dir) / wal.LOG} holds {stray[0]}, which is not a log file's name (round-<8-digit "
+            "round>.safetensors, one name per round): it is never read in place of a round's record; move it away"
+        )
     if not paths and upto is not None:
         raise StateError(f"no snapshot of round {upto} or before in {state_dir}")
     if not paths:
@@ -163,7 +194,7 @@ def load(state_dir: Path, upto: int | None = None) -> Snapshot | None:
     except StateError as err:
         older = [str(read_round(p)) for p in paths[:-1]]
         hint = (
-            f"; roll back with `atoll rollback --state-dir {state_dir} --round N` (kept rounds: {', '.join(older)})"
+            f"; roll back with `atoll rollback --state-dir {where} --round N` (kept rounds: {', '.join(older)})"
             if older
             else "; no older snapshot is kept to roll back to"
         )
@@ -172,7 +203,7 @@ def load(state_dir: Path, upto: int | None = None) -> Snapshot | None:
         snap.notes = wal.replay(state_dir, snap, upto)
     except wal.LogError as err:
         raise StateError(
-            f"{err}; roll back with `atoll rollback --state-dir {state_dir} --round {read_round(paths[-1])}` "
+            f"{err}; roll back with `atoll rollback --state-dir {where} --round {read_round(paths[-1])}` "
             "to drop the log after the newest snapshot"
         ) from None
     if upto is not None and snap.round != upto:
@@ -182,7 +213,7 @@ def load(state_dir: Path, upto: int | None = None) -> Snapshot | None:
         raise StateError(
             f"{state_dir} published round {head} ({HEAD}), but {paths[-1].name} and the log after it reach only "
             f"round {snap.round}: log records are missing (log/ removed?); put them back, or roll back "
-            f"explicitly with `atoll rollback --state-dir {state_dir} --round {read_round(paths[-1])}`"
+            f"explicitly with `atoll rollback --state-dir {where} --round {read_round(paths[-1])}`"
         )
     log_dir = Path(state_dir) / wal.LOG
     if log_dir.exists() and not log_dir.is_dir():

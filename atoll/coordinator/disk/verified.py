@@ -22,9 +22,14 @@ import google_crc32c
 import numpy as np
 import torch
 
+from atoll.compression.wire import SEALED_DIGEST
 from atoll.files import write_atomic
 
 META_DIGEST = "meta_digest"
+TRAILERS = "trailers"
+"""Metadata of a file of sealed payloads (each ends in its own crc32c, so its digest is the residue
+:data:`~atoll.compression.wire.SEALED_DIGEST` whatever it holds): those last four bytes, per tensor, in hex.
+With them the header names every tensor's content, as a file of plain digests does (:func:`header_of`)."""
 MAX_HEADER_BYTES = 100 << 20
 READ_BLOCK = 8 << 20
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -78,8 +83,39 @@ def check_file(path: Path, *, require_meta_digest: bool) -> dict[str, str]:
         raise IntegrityError("metadata digests are not JSON") from None
     if set(digests) != set(spans):
         raise IntegrityError(f"tensors {sorted(set(spans) ^ set(digests))[:3]} have no checksum or no data")
-    _check_digests(path, 8 + n, spans, digests)
+    try:
+        trailers = json.loads(metadata.get(TRAILERS, "{}"))
+    except ValueError:
+        raise IntegrityError("metadata trailers are not JSON") from None
+    if not isinstance(trailers, dict) or not set(trailers) <= set(spans):
+        raise IntegrityError("metadata trailers name tensors the file does not hold")
+    _check_digests(path, 8 + n, spans, digests, trailers)
     return metadata
+
+
+def header_of(path: Path) -> tuple[bytes, bool]:
+    """The header of the file at ``path`` as it lies there (its length, then the JSON), and whether it
+    names the content of every tensor (each one's digest, or for a sealed payload its trailer): two
+    files with the same such header that both pass :func:`check_file` hold the same bytes. IntegrityError
+    when it is not a header."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise IntegrityError(f"{size} bytes: too short for a header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise IntegrityError(f"header of {n} bytes in a file of {size}")
+        body = f.read(n)
+    try:
+        metadata = json.loads(body).get("__metadata__") or {}
+        digests = json.loads(metadata.get("digests", "{}"))
+        trailers = json.loads(metadata.get(TRAILERS, "{}"))
+    except (ValueError, AttributeError, TypeError):
+        raise IntegrityError("header is not a JSON object with string metadata") from None
+    sealed = f"{SEALED_DIGEST:08x}"
+    names_content = all(d != sealed or k in trailers for k, d in digests.items())
+    return head + body, names_content
 
 
 def _spans(header: dict, data_bytes: int) -> dict[str, tuple[int, int]]:
@@ -102,9 +138,11 @@ def _spans(header: dict, data_bytes: int) -> dict[str, tuple[int, int]]:
     return spans
 
 
-def _check_digests(path: Path, base: int, spans: dict[str, tuple[int, int]], digests: dict[str, str]) -> None:
+def _check_digests(
+    path: Path, base: int, spans: dict[str, tuple[int, int]], digests: dict[str, str], trailers: dict[str, str]
+) -> None:
     """Each tensor's CRC-32C, read a block at a time into one small buffer (nothing the size of a
-    tensor is allocated or mapped)."""
+    tensor is allocated or mapped); and a sealed payload's last four bytes against ``trailers``."""
     block = np.empty(READ_BLOCK, dtype=np.uint8)
     with open(path, "rb", buffering=0) as f:
         for key, (begin, end) in sorted(spans.items(), key=lambda kv: kv[1]):
@@ -118,6 +156,10 @@ def _check_digests(path: Path, base: int, spans: dict[str, tuple[int, int]], dig
                 left -= got
             if f"{crc:08x}" != digests[key]:
                 raise IntegrityError(f"tensor {key} fails its checksum (crc32c {crc:08x}, recorded {digests[key]})")
+            if key in trailers:
+                f.seek(base + max(begin, end - 4))
+                if f.read(end - max(begin, end - 4)).hex() != trailers[key]:
+                    raise IntegrityError(f"tensor {key} does not end in its recorded checksum")
 
 
 # ---- writing ------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from atoll.compression import codec_of
 from atoll.compression.wire import SEALED_DIGEST, WireFormatError
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.disk.verified import IntegrityError, check_file, header_bytes, write_file
+from atoll.coordinator.disk.verified import TRAILERS, IntegrityError, check_file, header_bytes, write_file
 from atoll.files import StreamedFile, whole_blocks
 
 LOG = "log"
@@ -59,11 +59,30 @@ def optimizer_name(round_: int) -> str:
     return f"optimizer-{round_:08d}.safetensors"
 
 
-def _listed(state_dir: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
+def canonical(name: str) -> bool:
+    """Whether ``name`` is the one name of a log file of its round (``round-00000003.safetensors``, not
+    ``round-000000003.safetensors``, which names the same round: a stray a restore must not read)."""
+    for pattern, named in ((RECORD, record_name), (OPTIMIZER, optimizer_name)):
+        m = pattern.fullmatch(name)
+        if m is not None:
+            return name == named(int(m.group(1)))
+    return False
+
+
+def strays(state_dir: Path) -> list[str]:
+    """Files in the log dir that look like log files but are not one round's canonical name."""
     d = Path(state_dir) / LOG
     if not d.is_dir():
         return []
-    return sorted((int(m.group(1)), p) for p in d.iterdir() if (m := pattern.fullmatch(p.name)))
+    return sorted(p.name for p in d.iterdir() if p.name.startswith(("round-", "optimizer-")) and not canonical(p.name))
+
+
+def _listed(state_dir: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    """(round, path) of the canonically named files (a stray is never read: :func:`strays`)."""
+    d = Path(state_dir) / LOG
+    if not d.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in d.iterdir() if (m := pattern.fullmatch(p.name)) and canonical(p.name))
 
 
 def records(state_dir: Path) -> list[tuple[int, Path]]:
@@ -112,6 +131,8 @@ def append(
     sealed = f"{SEALED_DIGEST:08x}"  # each payload ends in its own crc32c: no second pass over it
     tensors = {UPDATE + k: p for k, p in payloads.items()}
     digests = dict.fromkeys(tensors, sealed)
+    # ... which the header names, so it tells this record's content from another's of the same size
+    meta[TRAILERS] = json.dumps({k: bytes(memoryview(p).cast("B")[-4:]).hex() for k, p in tensors.items()})
     if stream is not None and stream.finish(round_, tensors, meta, digests):
         return
     write_file(d / record_name(round_), tensors, meta, digests=digests)
@@ -123,13 +144,13 @@ whole write is short, and the room set aside for the header would be a large par
 
 
 def head_hint(sizes: dict[str, int] | None, islands: Callable[[], dict], history: list[dict]) -> int | None:
-    """Bytes to set aside for a record's header before its metadata is known (the entries, twice the
+    """Bytes to set aside for a record's header before its metadata is known (the entries and trailers, twice the
     membership ``islands()``, asked only then, and the last history record ``history[-1:]``, 16 KiB
     for the config and the rest), or None: the record is written whole (sizes unknown, or the update
     is small)."""
     if sizes is None or sum(sizes.values()) < STREAM_MIN_BYTES:
         return None
-    names = sum(len(UPDATE) + len(k) + 96 for k in sizes)
+    names = sum(2 * (len(UPDATE) + len(k)) + 128 for k in sizes)  # its entry, and its trailer (escaped)
     return names + 2 * len(json.dumps(islands())) + 2 * len(json.dumps(history)) + (16 << 10)
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig, apply_operational
-from atoll.coordinator.disk import snapshots, wal
+from atoll.coordinator.disk import snapshots, wal, workcopy
 from atoll.coordinator.disk.lock import StateLock
 from atoll.coordinator.disk.mirror import Mirror
 from atoll.coordinator.disk.writer import StateWriter
@@ -174,12 +174,18 @@ class RunState:
     def restore(self) -> bool:
         """Load the newest verified snapshot and the log after it; True if there was one. StateError /
         ConfigMismatch (one line each) when the state dir cannot be trusted or does not fit the config."""
+        if self.store is not None:  # a dir that is not this store's working copy is refused untouched
+            workcopy.check_dir(self.state_dir, self.store)
         if self._dir_lock is None:  # one writer per state dir, from here until close()
             self._dir_lock = StateLock(self.state_dir).acquire("starting a coordinator on it")
         try:
             if self.store is not None and self.writer.mirror is None:  # one writer per run in the store too
                 self.writer.mirror = Mirror.open(
-                    self.store, self.state_dir, lease_seconds=self.store_lease_seconds, on_lost=self._on_lost
+                    self.store,
+                    self.state_dir,
+                    lease_seconds=self.store_lease_seconds,
+                    on_lost=self._on_lost,
+                    run_id=self.config.run_id,
                 )
             return self._restore()
         except BaseException:

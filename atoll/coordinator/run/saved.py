@@ -36,7 +36,7 @@ def load(state) -> tuple[snapshots.Snapshot, RunConfig] | None:
     """The newest verified snapshot of ``state``'s dir with the log after it, and the run's config
     reconciled with ``state``'s (the command line's operational fields win, each change said; a
     mismatch of the run's math or of the shard is a ConfigMismatch); None when the dir holds none."""
-    snap = snapshots.load(state.state_dir)
+    snap = snapshots.load(state.state_dir, where=state.store.url if state.store is not None else None)
     if snap is None:
         return None
     if (snap.shard, snap.partition) != (state.shard, state.partition):
