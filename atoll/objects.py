@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -29,7 +30,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from atoll.errors import UserError
@@ -68,6 +69,10 @@ class ObjectStore:
     bucket: str
     prefix: str
     """Without a trailing slash; every object of the state is ``prefix/<relative path>``."""
+    timeout_seconds: float | None = field(default=None, compare=False)
+    """Each request's connect and read timeout, tried once (the caller retries): the lease's, which must
+    hear of a stalled store within its time. None: the client's defaults with its retries (60 s reads,
+    5 attempts: a large part over a slow link)."""
 
     @classmethod
     def from_url(cls, url: str) -> ObjectStore:
@@ -87,14 +92,18 @@ class ObjectStore:
         return Path(tempfile.gettempdir()) / f"atoll-{kind}" / self.bucket / self.prefix
 
     def child(self, name: str) -> ObjectStore:
-        return ObjectStore(self.bucket, f"{self.prefix}/{name}")
+        return ObjectStore(self.bucket, f"{self.prefix}/{name}", self.timeout_seconds)
+
+    def within(self, seconds: float) -> ObjectStore:
+        """The same store, each request given up after ``seconds`` of silence, tried once."""
+        return replace(self, timeout_seconds=seconds)
 
     def key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}"
 
     @property
     def client(self):
-        return _client()
+        return _client(self.timeout_seconds)
 
     @property
     def on_this_machine(self) -> bool:
@@ -236,19 +245,32 @@ class ObjectStore:
             raise store_error(err, self.url, rel) from None
 
 
+def _read_lease(body: bytes, where: str) -> dict:
+    """A lease's JSON, checked: one line naming the object when it is not a lease."""
+    try:
+        held = json.loads(body or b"{}")
+        if not isinstance(held, dict):
+            raise ValueError("not a JSON object")
+        expires = float(held.get("expires", 0))
+        if not math.isfinite(expires):
+            raise ValueError(f"expires {expires}")
+    except (ValueError, TypeError, RecursionError) as err:
+        raise StoreError(f"{where} is not a lease atoll wrote ({err}); if no coordinator runs, delete it") from None
+    return {**held, "expires": expires}
+
+
 def is_loopback(url: str) -> bool:
     return is_loopback_host(urllib.parse.urlparse(url).hostname or "")
 
 
-_CLIENT = None
+_CLIENTS: dict[float | None, object] = {}
 _CLIENT_LOCK = threading.Lock()
 
 
-def _client():
-    """One boto3 client per process (thread-safe; its connection pool is shared)."""
-    global _CLIENT
+def _client(timeout: float | None = None):
+    """One boto3 client per process and timeout (thread-safe; its connection pool is shared)."""
     with _CLIENT_LOCK:
-        if _CLIENT is None:
+        if timeout not in _CLIENTS:
             try:
                 import boto3
                 from botocore.config import Config
@@ -256,23 +278,31 @@ def _client():
                 raise StoreError("a state in object storage needs boto3: pip install 'atoll[s3]'") from None
             # The files carry their own CRC-32C per tensor (checked at load): no second checksum pass
             # over them on every PUT (botocore's default since 1.36).
+            bounded = {} if timeout is None else {"connect_timeout": timeout, "read_timeout": timeout}
             config = Config(
-                retries={"max_attempts": 5, "mode": "standard"},
+                retries={"total_max_attempts": 6 if timeout is None else 1, "mode": "standard"},
                 max_pool_connections=16,
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
+                **bounded,
             )
-            _CLIENT = boto3.session.Session().client("s3", config=config)
-        return _CLIENT
+            client = boto3.session.Session().client("s3", config=config)
+            if timeout is not None:  # small bodies: no second wait (up to 1 s) for a "100 Continue" first
+                client.meta.events.register_last("before-call.s3", _no_expect_continue)
+            _CLIENTS[timeout] = client
+        return _CLIENTS[timeout]
+
+
+def _no_expect_continue(params, **_) -> None:
+    params["headers"].pop("Expect", None)
 
 
 def close_client() -> None:
-    """Close the process's client (its pooled connections): a server shutting down waits for them."""
-    global _CLIENT
+    """Close the process's clients (their pooled connections): a server shutting down waits for them."""
     with _CLIENT_LOCK:
-        if _CLIENT is not None:
-            _CLIENT.close()
-            _CLIENT = None
+        for client in _CLIENTS.values():
+            client.close()
+        _CLIENTS.clear()
 
 
 def _code(err) -> str:
@@ -311,14 +341,23 @@ class Lease:
         *,
         skew: float | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         on_lost: Callable[[str], None] | None = None,
     ) -> None:
-        self.store, self.seconds, self.clock, self.on_lost = store, seconds, clock, on_lost
+        if not 0 < seconds < math.inf:
+            raise ValueError(f"a lease lasts a finite number of seconds > 0, got {seconds}")
+        # Each lease request is given up after a sixth of the lease, tried once: a renewal attempt then
+        # ends within a third of it, so a store that stalls is heard of (a WARNING, /healthz) well within
+        # the lease, and a lapse is seen when it happens, not when the store answers again.
+        self.store = store.within(max(0.5, seconds / 6))
+        self.seconds, self.clock, self.monotonic, self.on_lost = seconds, clock, monotonic, on_lost
         self.skew = min(5.0, seconds / 2) if skew is None else skew
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.etag: str | None = None
         self.lost: str | None = None
         """Why this coordinator no longer holds the lease (None while it does)."""
+        self.trouble: str | None = None
+        """Why the last renewal failed, while the lease still runs (None: renewed on time)."""
         self._renewed = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -330,13 +369,13 @@ class Lease:
     def acquire(self) -> Lease:
         """Take the lease, or StoreError naming its holder and when it expires."""
         got = self.store.get(LEASE)
-        started = time.monotonic()
+        started = self.monotonic()
         try:
             if got is None:
                 self.etag = self.store.put_bytes(LEASE, self._body(), create_only=True)
             else:
-                held = json.loads(got[0] or b"{}")
-                expires = float(held.get("expires", 0))
+                held = _read_lease(got[0], f"{self.store.url}/{LEASE}")
+                expires = held["expires"]
                 left = expires + self.skew - self.clock()
                 if left > 0:
                     raise StoreError(
@@ -357,22 +396,26 @@ class Lease:
         return self
 
     def check(self) -> None:
-        """StoreError unless the lease is held and was renewed within its time (before a durable write)."""
-        if self.lost is None and time.monotonic() - self._renewed > self.seconds:
-            self._lose(f"the lease was not renewed for {time.monotonic() - self._renewed:.0f} s")
+        """StoreError unless the lease is held and was renewed within its time: before a durable write,
+        and again once it is done (a write that outlasted the lease publishes nothing)."""
+        if self.lost is None and self.monotonic() - self._renewed > self.seconds:
+            self._lose(f"the lease was not renewed for {self.monotonic() - self._renewed:.0f} s")
         if self.lost is not None:
             raise StoreError(f"{self.store.url}: this coordinator no longer holds the run ({self.lost})")
 
     def renew(self) -> None:
         """Extend the lease by a write conditional on the last one (Conflict: someone took it). The
         lease counts from before the write (its expiry is written then), however long the PUT takes."""
-        started = time.monotonic()
+        started = self.monotonic()
         try:
             self.etag = self.store.put_bytes(LEASE, self._body(), if_match=self.etag)
         except Conflict:
             self._lose("another coordinator took the lease")
             raise
         self._renewed = started
+        if self.trouble is not None:
+            log.warning("renewed the lease on %s again", self.store.url)
+            self.trouble = None
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -381,8 +424,12 @@ class Lease:
             except Conflict:
                 return
             except StoreError as err:  # the store is unreachable: keep trying until the lease runs out
-                log.warning("could not renew the lease on %s: %s", self.store.url, err)
-                if time.monotonic() - self._renewed > self.seconds:
+                left = self.seconds - (self.monotonic() - self._renewed)
+                self.trouble = (
+                    f"the store does not answer: the lease was not renewed ({err}); it lapses in {left:.0f} s"
+                )
+                log.warning("could not renew the lease on %s (%s); it lapses in %.0f s", self.store.url, err, left)
+                if left <= 0:
                     self._lose(f"the store was unreachable for {self.seconds:.0f} s")
                     return
 

@@ -162,6 +162,8 @@ class Mirror:
         finally:
             self._commit_done()
         self._sent_now(path, rel)
+        if self.lease is not None:
+            self.lease.check()  # a PUT that outlasted the lease (a stalled store) publishes nothing
 
     def _commit(self, path: Path, rel: str, upload: RecordUpload | None) -> None:
         """The record's create-only write: the streamed upload completed, or else the file put whole."""
@@ -238,9 +240,26 @@ class Mirror:
             while self._done < target and self._thread is not None:
                 self._cond.wait(0.5)
 
+    @property
+    def trouble(self) -> str | None:
+        """What is wrong with the store, for /healthz: the lease lost, or not renewed on time, or the
+        background's uploads failing; None when all is well."""
+        lease = self.lease
+        if lease is not None and (lease.lost or lease.trouble):
+            return f"{self.store.url}: " + (f"the lease is lost ({lease.lost})" if lease.lost else lease.trouble)
+        return None if self.failed is None else f"uploading the state to {self.store.url} fails ({self.failed})"
+
     def close(self) -> None:
         """Flush and stop the background thread (a clean stop leaves the store complete), then give the
-        lease back."""
+        lease back. A coordinator that lost the lease writes nothing more: it does not wait for uploads
+        (a stalled store would hold its exit)."""
+        if self.lease is not None and self.lease.lost is not None:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self.lease.release()
+            self.lease = None
+            return
         self.flush()
         with self._cond:
             self._closing = True

@@ -45,6 +45,14 @@ class StateWriter:
         """The store this dir is the working copy of (``--state-dir s3://...``): a record is durable
         once it is there, the background's files follow it."""
 
+    @property
+    def trouble(self) -> str | None:
+        """Why the state is not being kept as it should (a background write failing, the store's lease or
+        uploads in trouble); None when it is."""
+        if self.mirror is not None and self.mirror.trouble is not None:
+            return self.mirror.trouble
+        return None if self.failed is None else f"the background checkpoint fails ({self.failed})"
+
     def restored(self) -> None:
         """After a restore: the newest snapshot is the one on disk."""
         self.snapshot_round = snapshots.read_round(snapshots.snapshot_paths(self.state_dir)[-1])

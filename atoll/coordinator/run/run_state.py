@@ -154,6 +154,11 @@ class RunState:
         """The run is complete and no live island still waits for its final θ (each holds it, or left)."""
         return self.run_complete and all(r.holds_round >= self.round for r in self.membership.live())
 
+    def unhealthy(self) -> str | None:
+        """Why the coordinator is unhealthy (/healthz): a save failing, the state's store or background
+        writes in trouble; None when it is well."""
+        return self.problem or self.writer.trouble
+
     def policy(self) -> RoundPolicy:
         c = self.config
         return RoundPolicy(

@@ -53,7 +53,7 @@ STATES = (
 def health_problem(server) -> str | None:
     if server.failed is not None and server.failed.done():
         return "a background task died; the coordinator is stopping"
-    return server.state.problem
+    return server.state.unhealthy()
 
 
 class _StateCollector:
