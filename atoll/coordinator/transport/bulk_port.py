@@ -100,8 +100,10 @@ class BulkPush:
         start = assembler.received  # a resumed push's: what came before it broke
         if self.eager and start:
             raise ValueError("an eager push resumed from a parked one")  # (the servicer drops those)
-        if start and isinstance(data, Striped):
-            data.begin(start)
+        if isinstance(data, Striped):
+            data.bound(sum(assembler.sizes))  # (no unit held outside the declared, reserved bytes)
+            if start:
+                data.begin(start)
         if not self.eager:  # (an eager client is sending already)
             await conn.send(bulk.frame(bulk.CONTINUE, bulk.OFFSET.pack(start) if start else b""))
         if isinstance(data, Striped):

@@ -7,11 +7,17 @@ one bottleneck unevenly) holds back only its own units, the others take more. Th
 units back in order (those ahead wait in memory, at most ``AHEAD_BYTES`` past what it has in full; a
 unit further ahead waits unread in its connection); the sender starts a unit only within
 ``WINDOW_BYTES`` of the lowest one it is still writing.
+
+A unit that overlaps another (one waiting, or bytes already taken) or lies past the call's declared
+length (:meth:`Striped.bound`) is refused: the units held are then distinct bytes of the push, inside
+what its header declared and its reservation of the in-flight budget covers (overlapping units were
+all held: 384 MiB of them on a push declaring 4 MiB).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hmac
 
@@ -47,6 +53,35 @@ class StripeSet:
             self.attached.set()
 
 
+class _Ahead:
+    """The units that came ahead of the frontier, by offset, none overlapping another."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._units: dict[int, memoryview] = {}
+
+    def fits(self, offset: int, length: int) -> bool:
+        """Whether ``[offset, offset + length)`` overlaps no unit held."""
+        i = bisect.bisect_left(self._starts, offset)
+        if i < len(self._starts) and self._starts[i] < offset + length:
+            return False
+        return i == 0 or self._starts[i - 1] + self._units[self._starts[i - 1]].nbytes <= offset
+
+    def put(self, offset: int, unit: memoryview) -> None:
+        bisect.insort(self._starts, offset)
+        self._units[offset] = unit
+
+    def pop(self, offset: int) -> memoryview | None:
+        unit = self._units.pop(offset, None)
+        if unit is not None:
+            del self._starts[bisect.bisect_left(self._starts, offset)]
+        return unit
+
+    @property
+    def held(self) -> int:
+        return sum(u.nbytes for u in self._units.values())
+
+
 class Striped:
     """One striped call's data on ``conns`` (the lead first; answers stay on the lead). Every
     connection's bytes advance the lead's progress clock."""
@@ -61,9 +96,10 @@ class Striped:
         self._error: BaseException | None = None
         self._tasks: list[asyncio.Task] = []
         # receiving
-        self._pending: dict[int, memoryview] = {}
+        self._pending = _Ahead()
         self._frontier = 0
         self._ended = 0
+        self._limit: int | None = None
         # sending
         self._units = UnitQueue(len(conns))
         self._offset = 0
@@ -72,6 +108,10 @@ class Striped:
     def begin(self, offset: int) -> None:
         """The data resumes at ``offset`` (the receiver holds what came before)."""
         self._frontier = self._offset = offset
+
+    def bound(self, length: int) -> None:
+        """The data received is ``length`` bytes in all (a push's declared payloads): no unit past it."""
+        self._limit = length
 
     async def _fail(self, err: BaseException) -> None:
         async with self._cond:
@@ -91,7 +131,7 @@ class Striped:
         connection ended first."""
         self.receive()
         async with self._cond:
-            while (unit := self._pending.pop(self._frontier, None)) is None:
+            while (unit := self._pending.pop(self._frontier)) is None:
                 if self._error is not None:
                     raise self._error
                 if self._ended == len(self.conns):
@@ -100,7 +140,7 @@ class Striped:
             n = min(unit.nbytes, view.nbytes)
             view[:n] = unit[:n]
             if n < unit.nbytes:
-                self._pending[self._frontier + n] = unit[n:]
+                self._pending.put(self._frontier + n, unit[n:])
             self._frontier += n
             self._cond.notify_all()
         return n
@@ -111,8 +151,7 @@ class Striped:
                 offset, length = UNIT.unpack(await conn.recv_exact(UNIT.size))
                 if offset == END:
                     break
-                if not 0 < length <= UNIT_BYTES or offset < self._frontier or offset in self._pending:
-                    raise ValueError(f"a striped call's unit out of place (offset {offset}, {length} bytes)")
+                self._check_unit(offset, length)
                 async with self._cond:
                     await self._cond.wait_for(lambda at=offset: at < self._frontier + AHEAD_BYTES or self._error)
                 unit = memoryview(bytearray(length))
@@ -120,7 +159,8 @@ class Striped:
                 while got < length:
                     got += await conn.recv_into(unit[got:])
                 async with self._cond:
-                    self._pending[offset] = unit
+                    self._check_unit(offset, length)  # (another connection's unit may have come meanwhile)
+                    self._pending.put(offset, unit)
                     self._cond.notify_all()
         except (OSError, EOFError, ValueError) as err:
             await self._fail(err)
@@ -128,6 +168,21 @@ class Striped:
         async with self._cond:
             self._ended += 1
             self._cond.notify_all()
+
+    def _check_unit(self, offset: int, length: int) -> None:
+        """ValueError unless the unit is new bytes of the call's data: after the frontier, inside its
+        declared length, over no unit held."""
+        past = self._limit is not None and offset + length > self._limit
+        if not 0 < length <= UNIT_BYTES or offset < self._frontier or past or not self._pending.fits(offset, length):
+            raise ValueError(
+                f"a striped call's unit out of place (offset {offset}, {length} bytes: it overlaps another, "
+                "or lies outside the declared data)"
+            )
+
+    @property
+    def held(self) -> int:
+        """Bytes of units waiting ahead of the frontier."""
+        return self._pending.held
 
     # ---- sending -----------------------------------------------------------------------------
     async def send(self, data) -> None:
