@@ -26,6 +26,7 @@ the training thread's.
 from __future__ import annotations
 
 import logging
+import pickle
 import shutil
 import threading
 import time
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from atoll.files import write_atomic
 from atoll.islands._ckpt_store import CheckpointStore
+from atoll.islands._safe_dcp import SafePlanner, SafeReader, UnsafeCheckpoint, verify
 from atoll.objects import ObjectStore, is_url
 
 log = logging.getLogger("atoll.island")
@@ -142,6 +144,10 @@ class IslandCheckpointer:
             warnings.filterwarnings("ignore", message=SINGLE_PROCESS, category=UserWarning)
 
     # ---- loading --------------------------------------------------------------------------------
+    def shown(self, path: Path) -> str:
+        """Where a checkpoint is, as the operator named it (the store's URL, not the working copy)."""
+        return f"{self.remote.store.url}/{path.name}" if self.remote is not None else str(path)
+
     def latest(self) -> Path | None:
         """The newest complete checkpoint (rank 0 decides; every rank loads the same)."""
         if self.remote is not None:  # the store's newest, fetched to this rank's working dir
@@ -165,9 +171,25 @@ class IslandCheckpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         self._quiet()
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
+        try:  # no code from the checkpoint runs: allowlisted metadata, plain values (atoll.islands._safe_dcp)
+            verify(path)
+            dcp.load(
+                state,
+                storage_reader=SafeReader(str(path)),
+                planner=SafePlanner(),
+                process_group=self.group,
+                no_dist=self.world == 1,
+            )
+        except UnsafeCheckpoint as err:
+            raise UnsafeCheckpoint(f"the island checkpoint {self.shown(path)} is refused: {err}") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra = torch.load(path / f"rank-{self.rank}.pt", weights_only=True)
+        try:
+            extra = torch.load(path / f"rank-{self.rank}.pt", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpoint(
+                f"the island checkpoint {self.shown(path)} is refused: rank-{self.rank}.pt is not tensors and plain "
+                f"values ({str(err).splitlines()[0]})"
+            ) from None
         log.info("loaded the island checkpoint %s", path)
         return extra
 
