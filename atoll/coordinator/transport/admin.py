@@ -35,6 +35,7 @@ from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch
 from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.state.membership import IslandState
 from atoll.coordinator.transport.counters import Counters
+from atoll.coordinator.transport.guard import KEEPALIVE_SECONDS, ConnectionGuard, GuardedSite
 from atoll.errors import PortInUse
 from atoll.net import is_loopback_host
 
@@ -198,8 +199,17 @@ def json_response(data) -> web.Response:
 
 
 class AdminServer:
-    def __init__(self, server, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
-        """``server``: the :class:`~atoll.coordinator.transport.server.CoordinatorServer` (its state and counters)."""
+    def __init__(
+        self,
+        server,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        guard: ConnectionGuard | None = None,
+    ) -> None:
+        """``server``: the :class:`~atoll.coordinator.transport.server.CoordinatorServer` (its state and
+        counters). ``guard``: the limits on its connections (default: :class:`ConnectionGuard`'s)."""
         if not is_loopback_host(host) and not token:
             raise ValueError(f"admin HTTP on non-loopback address {host!r} needs a token (--admin-token)")
         self.server = server
@@ -211,6 +221,7 @@ class AdminServer:
         self.started_at = time.time()
         self._warned: set[str] = set()
         self._not_http = NotHttp(lambda: self.port)
+        self.guard = guard or ConnectionGuard()
 
     @property
     def state(self):
@@ -221,7 +232,7 @@ class AdminServer:
         return f"http://{self.host}:{self.port}"
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[self.guard.middleware, self._auth])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/api/status", self.status)
@@ -245,9 +256,9 @@ class AdminServer:
 
     async def start(self) -> None:
         logging.getLogger("aiohttp.server").addFilter(self._not_http)
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        self._runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=KEEPALIVE_SECONDS)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.requested_port)
+        site = GuardedSite(self._runner, self.host, self.requested_port, self.guard)
         try:
             await site.start()
         except OSError as err:
