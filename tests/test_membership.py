@@ -99,3 +99,34 @@ def test_an_island_that_keeps_up_is_never_late_when_others_close_rounds_without_
     assert island_state(slow, clock(), 7) == IslandState.LATE
     slow.last_committed_round = 6
     assert island_state(slow, clock(), 7) == IslandState.ACTIVE  # it made the last round itself
+
+
+def test_joiners_that_never_push_are_forgotten_when_their_lease_ends_and_reasons_stay_a_line():
+    """Hardening round 5, item 10: 3,000 islands that joined and never pushed were kept for good
+    (/api/status 1 MB) and every join logged the whole waiting list (the log reached 65 MB)."""
+    from atoll.coordinator.policy.rounds import IslandView, RoundPolicy, RoundView, decide
+    from atoll.coordinator.run.decider import waiting_key
+
+    now = [0.0]
+    m = Membership(lambda: now[0], lambda: 10.0)
+    worker, _ = m.join("worker", num_ranks=1, session_id="s", round_=0)
+    worker.last_committed_round, worker.rounds_committed = 0, 1
+    for i in range(3000):
+        m.join(f"ghost-{i:04d}", num_ranks=1, session_id=f"g{i}", round_=0)
+    view = RoundView(
+        round=1,
+        opened_at=0.0,
+        islands=tuple(IslandView(island_id=i, lease_expires_at=r.lease_expires_at, committed=False)
+                      for i, r in m.islands.items()),
+    )  # fmt: skip
+    _, reason = decide(1.0, view, RoundPolicy(quorum=1, deadline_seconds=600.0))
+    assert len(reason) < 300 and "and 2,993 more" in reason, reason
+    fewer = RoundView(round=1, opened_at=0.0, islands=view.islands[:-1])
+    assert waiting_key(view, 1.0) == waiting_key(fewer, 1.0)  # one more joiner among thousands: no new line
+    now[0] = 11.0
+    expired = m.newly_expired()
+    assert len(expired) == 3001
+    assert sum(m.forget(r) for r in expired) == 3000
+    assert list(m.islands) == ["worker"] and len(m.past_goodput) == 3000
+    m.join("ghost-0001", num_ranks=1, session_id="g1b", round_=1)  # one that comes back joins as new
+    assert "ghost-0001" in m.islands

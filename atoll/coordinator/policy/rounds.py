@@ -71,6 +71,17 @@ class RoundView:
     islands: tuple[IslandView, ...]
 
 
+NAMED = 8
+"""Island ids a reason names before it counts the rest (3,000 joined islands made each line 60 KB)."""
+
+
+def named(ids: list[str], most: int = NAMED) -> str:
+    """``a, b, c`` or ``a, b, ... and 2,992 more``: a reason stays a line however many islands there are."""
+    if len(ids) <= most:
+        return ", ".join(ids)
+    return f"{', '.join(ids[:most])} and {len(ids) - most:,} more"
+
+
 def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision, str]:
     """Close the round when quorum has committed and either no live island is still missing, the
     grace window for the missing ones has passed, or the deadline has. Returns the decision and a
@@ -80,7 +91,7 @@ def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision,
     if len(committed) < policy.quorum:
         return Decision.WAIT, (
             f"round {state.round}: {len(committed)} of quorum {policy.quorum} committed"
-            + (f", waiting for {', '.join(missing)}" if missing else ", no other live island")
+            + (f", waiting for {named(missing)}" if missing else ", no other live island")
         )
     if not missing:
         return Decision.CLOSE, f"round {state.round}: all {len(committed)} live islands committed"
@@ -88,14 +99,14 @@ def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision,
     if waited >= policy.deadline_seconds:
         return Decision.CLOSE, (
             f"round {state.round}: deadline {policy.deadline_seconds:g}s passed with quorum "
-            f"({len(committed)} committed); not waiting for {', '.join(missing)}"
+            f"({len(committed)} committed); not waiting for {named(missing)}"
         )
     until, why = _grace(now, state, policy)
     if until is not None and now >= until:
-        return Decision.CLOSE, f"round {state.round}: {why}; {', '.join(missing)} did not come"
+        return Decision.CLOSE, f"round {state.round}: {why}; {named(missing)} did not come"
     left = f"{until - now:.1f}s of grace, " if until is not None else ""
     return Decision.WAIT, (
-        f"round {state.round}: {len(committed)} committed, waiting for {', '.join(missing)} "
+        f"round {state.round}: {len(committed)} committed, waiting for {named(missing)} "
         f"({left}{policy.deadline_seconds - waited:.1f}s to deadline)"
     )
 
@@ -160,8 +171,8 @@ def stall(now: float, state: RoundView, policy: RoundPolicy) -> str | None:
         return None  # no member at all: the run waits for islands to join
     return (
         f"round {state.round} cannot reach quorum {policy.quorum}: {can} island(s) committed or alive"
-        + (f" ({', '.join(committed + live)})" if can else "")
-        + (f"; gone: {', '.join(gone)}" if gone else "")
+        + (f" ({named(committed + live)})" if can else "")
+        + (f"; gone: {named(gone)}" if gone else "")
         + ". Unblock: bring islands back"
         + (
             f", or lower the quorum to {can} (POST /api/config with the admin token, or restart with --quorum {can})"

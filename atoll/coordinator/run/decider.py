@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from atoll.coordinator.policy.rounds import Decision, IslandView, RoundView, decide, next_wakeup, stall
+from atoll.coordinator.policy.rounds import NAMED, Decision, IslandView, RoundView, decide, next_wakeup, stall
 from atoll.coordinator.run.pulls import wait_event
 from atoll.coordinator.run.run_state import RunState
 
@@ -62,10 +62,12 @@ class StallReport:
 
 
 def waiting_key(v: RoundView, now: float) -> tuple:
-    """What a waiting round's log line is about: the round, who committed, who is live and missing."""
+    """What a waiting round's log line is about: the round, who committed, who is live and missing while
+    the line names them all (past :data:`NAMED` it counts them: an island that joins or goes among
+    thousands is its own line, not a new line of the waiting list each time)."""
     committed = tuple(sorted(i.island_id for i in v.islands if i.committed))
     missing = tuple(sorted(i.island_id for i in v.islands if not i.committed and i.lease_expires_at > now))
-    return v.round, committed, missing
+    return v.round, committed, missing if len(missing) <= NAMED else "many"
 
 
 def view(s: RunState) -> RoundView:
@@ -99,6 +101,11 @@ async def run_decider(s: RunState) -> None:
     while True:
         timeout = 1.0
         for rec in s.membership.newly_expired():
+            if s.membership.forget(rec):
+                s.accumulator.drop_island(rec.island_id)  # (a rank of it may have staged a push)
+                log.info("%sisland %s: lease expired before it committed a push; forgotten (it may join again)",
+                         s.name, rec.island_id)  # fmt: skip
+                continue
             log.warning(
                 "%sisland %s: lease expired (%.0fs without a call); not waited for until it is back",
                 s.name,

@@ -202,6 +202,22 @@ class Membership:
             r.expiry_logged = True
         return out
 
+    def forget(self, rec: IslandRecord) -> bool:
+        """Drop ``rec`` if its lease ran out before it ever committed a push (True): it holds nothing of
+        the run, and a joiner that never pushes is not kept for good (3,000 of them made /api/status
+        1 MB). Its time while joined still counts in the run's goodput; it joins again if it comes back."""
+        if rec.last_committed_round >= 0 or rec.rounds_committed or rec.lease_expires_at > self.clock():
+            return False
+        if self.islands.get(rec.island_id) is not rec:
+            return False
+        del self.islands[rec.island_id]
+        if rec.goodput is not None:
+            rec.goodput.left_at = rec.lease_expires_at
+            self.past_goodput.append(rec.goodput)
+        if self.bootstrapper == rec.island_id:
+            self.bootstrapper = None
+        return True
+
     def live(self) -> list[IslandRecord]:
         now = self.clock()
         return [r for r in self.islands.values() if r.lease_expires_at > now]
