@@ -637,3 +637,22 @@ def test_connections_given_back_after_the_island_closed_are_closed_not_kept():
     assert c.fileno() == -1 and kept.idle("port") == 0
     b.close()
     d.close()
+
+
+@pytest.mark.parametrize("offset", [2**63, 10**12, 1])
+def test_a_resume_offset_past_the_answer_is_refused_before_anything_is_counted(start_server, raw_island, offset):
+    """Hardening round 5, item 11: a bogus resume_offset drove atoll_bytes_out_total to -2.77e19."""
+    srv = start_server(exact_config(run_id="t", sync_every=1))
+    a = raw_island(srv.address, "a", {"w": (4, 3)}, bulk_streams=1)
+    a.join()
+    a.push({"w": torch.randn(4, 3)}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({"w": torch.randn(4, 3)}, round_=0, tokens=3)
+    total = sum(len(p) for _, p in a.pull(have_round=0)[1])
+    before = srv.server.counters.bytes_out
+    request = pb.PullRequest(run_id="t", island_id="a", have_round=0, wait_seconds=5, resume_offset=total + offset)
+    with pytest.raises(grpc.RpcError) as info:
+        a.client.pull(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason_of(info.value) is Reason.BAD_REQUEST and "past the answer's" in info.value.details()
+    counters = srv.server.counters
+    assert counters.bytes_out >= before >= 0 and counters.bulk_pull_resumes == 0

@@ -21,6 +21,8 @@ import ssl
 import struct
 import time
 
+import grpc
+
 from atoll.coordinator.transport.connection import Connection, TlsConnection
 from atoll.coordinator.transport.security import UNAUTHENTICATED, IslandTokens
 from atoll.coordinator.transport.service import tolerant
@@ -29,7 +31,9 @@ from atoll.errors import PortInUse
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.raw import RawData, deserialize_push_chunk
+from atoll.protos.reasons import Reason
 from atoll.protos.rpc import MAX_MESSAGE_BYTES, StreamOverrun
+from atoll.protos.status import error_status
 
 log = logging.getLogger("atoll.coordinator")
 DRAIN_SECONDS = 10.0
@@ -389,12 +393,6 @@ class BulkServer:
             return not push.eager or push.read
         request = tolerant(pb.PullRequest.FromString)(message)
         skip = getattr(request, "resume_offset", 0)  # a pull that broke: the rest of the same answer
-        if skip:
-            self.servicer.counters.bulk_pull_resumes += 1
-            self.servicer.counters.bulk_resumed_bytes += skip
-            self.servicer.counters.bytes_out -= skip  # the answer counts what it makes: these are not sent
-            if isinstance(data, Striped):
-                data.begin(skip)
         chunks = self.servicer.pull_chunks(request, context)
         async with contextlib.aclosing(chunks):  # its memory goes back as soon as the call ends
             async for chunk in chunks:
@@ -409,12 +407,33 @@ class BulkServer:
                         await data.send(view)
                         conn.expect(False)  # the next entry may take a while to serialise: not idleness
                 elif chunk.WhichOneof("kind") == "header":
+                    if skip:
+                        self._resume_at(skip, chunk.header, data)
                     await conn.send(bulk.frame(bulk.OK, chunk.header.SerializeToString()))
                 else:  # a tentative update's round is saved and published
                     await self._flush(conn, data)
                     await conn.send(bulk.frame(bulk.OK, chunk.durable.SerializeToString()))
             await self._flush(conn, data)
         return True
+
+    def _resume_at(self, skip: int, header: pb.UpdateHeader, data) -> None:
+        """A resumed pull's answer from byte ``skip`` of its data on: refused (one reason, before the
+        header goes) when that is past the answer (a bogus offset drove bytes_out to -2.77e19)."""
+        total = sum(e.num_bytes for e in header.entries)
+        if skip > total:
+            raise Aborted(
+                error_status(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Reason.BAD_REQUEST,
+                    f"resume_offset {skip} is past the answer's {total} bytes of data",
+                )
+            )
+        counters = self.servicer.counters
+        counters.bulk_pull_resumes += 1
+        counters.bulk_resumed_bytes += skip
+        counters.bytes_out -= skip  # the answer counts what it makes: these are not sent
+        if isinstance(data, Striped):
+            data.begin(skip)
 
     @staticmethod
     async def _flush(conn: Connection, data) -> None:
