@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import tempfile
 import urllib.error
@@ -26,9 +27,14 @@ def fetch_status(admin: str, token: str | None) -> dict:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as err:
-        raise _fail(f"{url}: HTTP {err.code} {err.read().decode(errors='replace').strip()}") from None
+        raise _fail(f"{url}: HTTP {err.code} {err.read().decode(errors='replace').strip()[:200]}") from None
     except (urllib.error.URLError, OSError) as err:
         raise _fail(f"{url}: {getattr(err, 'reason', err)}") from None
+    except (http.client.HTTPException, ValueError) as err:  # (not HTTP, or not JSON: the gRPC port, say)
+        raise _fail(
+            f"{url} did not answer as a coordinator's admin endpoint ({type(err).__name__}); --admin is the "
+            "coordinator's --admin-port, not its gRPC --port"
+        ) from None
 
 
 def _age(seconds) -> str:

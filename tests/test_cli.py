@@ -13,6 +13,7 @@ import torch
 from conftest import collect_events, coordinator_flags, exact_config, island_flags, wait_for
 
 from atoll.cli import build_parser
+from atoll.cli import main as cli_main
 from atoll.protos import coordinator_pb2 as pb
 
 
@@ -258,3 +259,14 @@ def test_atoll_status_into_a_pipe_closed_early_is_no_traceback(start_server):
     err = proc.stderr.read().decode()
     proc.stderr.close()
     assert proc.wait(60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("port", ["grpc", "bulk"])
+def test_atoll_status_at_the_grpc_or_bulk_port_is_one_line(start_server, capsys, port):
+    """Hardening round 5, item 13: `atoll status --admin` pointed at the gRPC port gave a traceback."""
+    srv = start_server(admin_port=0)
+    target = srv.server.port if port == "grpc" else srv.server.bulk.port
+    assert cli_main(["status", "--admin", f"http://127.0.0.1:{target}"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "not its gRPC --port" in err or "http://127.0.0.1" in err
