@@ -237,7 +237,7 @@ class DiLoCo:
         outer step gives up at its next poll."""
         log.warning("%s: SIGTERM: stopping at the end of this inner step, then leaving the run", self.island_id)
         self._preempted = True
-        self.link.stopping.set()
+        self.link.preempt()
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank of the island (one MAX all-reduce when it has several)."""
@@ -251,7 +251,7 @@ class DiLoCo:
         """Raise Preempted at a safe point once SIGTERM arrived (on any rank of the island)."""
         if self._any_rank(self._preempted):  # the ranks stop at the same step, or their collectives hang
             self._preempted = True
-            self.link.stopping.set()
+            self.link.preempt()
             raise Preempted()
 
     # ---- training loop -------------------------------------------------------------------------

@@ -86,6 +86,9 @@ class CoordinatorLink:
         """One per coordinator shard, once :meth:`open` ran."""
         self.stopping = threading.Event()
         """Set when the link closes: waits for outer steps give up."""
+        self.preempted = threading.Event()
+        """Set when the island got SIGTERM: calls retrying an unreachable coordinator end at once too
+        (a leave still tries, for its own few seconds)."""
         self._group = None
         self._heartbeat: threading.Thread | None = None
 
@@ -101,7 +104,14 @@ class CoordinatorLink:
             Session(i, self._connect(address), me, requests[i], regions[i], pull_wait_seconds=self.pull_wait_seconds)
             for i, address in enumerate(self.addresses)
         ]
+        for s in self.sessions:
+            s.client.cancel = self.preempted
         return self.sessions
+
+    def preempt(self) -> None:
+        """SIGTERM: waits for outer steps and calls retrying an unreachable coordinator give up now."""
+        self.preempted.set()
+        self.stopping.set()
 
     def join(self) -> list[JoinAnswer]:
         """Join every shard (CoordinatorRefused, CoordinatorUnreachable), then keep the lease with

@@ -31,6 +31,10 @@ class CoordinatorUnreachable(ConnectionError):
     """The coordinator could not be reached within the island's connect deadline."""
 
 
+class Stopping(RuntimeError):
+    """The island is stopping (SIGTERM): a call's retries ended without waiting out their deadline."""
+
+
 class PartialUpdate(ConnectionError):
     """A pulled update broke off after some of its entries were applied: the island resyncs from the
     full θ (the applied part cannot be taken back)."""

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import random
 import re
-import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,8 +30,9 @@ from atoll.islands._transport.kept import KeptConnections
 from atoll.islands._transport.opening import AUTO_MAX_STREAMS, BulkPort, BulkUnreachable, auto_streams, connect
 from atoll.islands._transport.probe import diagnose
 from atoll.islands._transport.streams import GrpcPull, GrpcPush, TcpPull, TcpPush
+from atoll.islands._transport.tls import ClientTls
 from atoll.islands._transport.transfer import read_update, write_push
-from atoll.islands.errors import PartialUpdate, ProtocolError, WrongEndpoint
+from atoll.islands.errors import PartialUpdate, ProtocolError, Stopping, WrongEndpoint
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
 from atoll.protos.bulk import broken as bulk_broken
@@ -105,38 +106,6 @@ PULL_BUFFER_BYTES = 512 << 20
 """Entry buffers an island keeps for its next pulls (one entry is held at a time: the largest few)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class ClientTls:
-    ca: str
-    """PEM file of the CA that signed the coordinator's certificate."""
-    cert: str | None = None
-    """PEM certificate of this island (mutual TLS)."""
-    key: str | None = None
-    """PEM private key of this island (mutual TLS)."""
-    server_name: str | None = None
-    """Expected name in the coordinator's certificate, if not the address's host."""
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        def read(path):
-            with open(path, "rb") as f:
-                return f.read()
-
-        return grpc.ssl_channel_credentials(
-            root_certificates=read(self.ca),
-            private_key=read(self.key) if self.key else None,
-            certificate_chain=read(self.cert) if self.cert else None,
-        )
-
-    def ssl_context(self) -> ssl.SSLContext:
-        """The same trust and identity for the bulk port's TLS connections (Python's ``ssl``, OpenSSL):
-        the coordinator's certificate must verify with ``ca`` and name the host (or ``server_name``)."""
-        ctx = ssl.create_default_context(cafile=self.ca)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        if self.cert:
-            ctx.load_cert_chain(self.cert, self.key)
-        return ctx
-
-
 class Transport(Protocol):
     """One coordinator shard's calls, as :class:`CoordinatorClient` makes them: the seam where the harness
     wraps the real client to inject faults (``CoordinatorLink(..., connect=...)``)."""
@@ -181,6 +150,8 @@ class CoordinatorClient:
         """The shortest round trip to the bulk port seen so far (a TCP handshake's)."""
         self.address = self.alternatives[0]
         self.retry = retry or RetryPolicy()
+        self.cancel: threading.Event | None = None
+        """Set when the island stops (SIGTERM): retries between attempts end (:meth:`call`)."""
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.tls = tls
         self._retired: list = []
@@ -229,11 +200,22 @@ class CoordinatorClient:
         self._retired = []
         self.kept.close()
 
-    def call(self, what: str, fn: Callable[[], T], *, give_up_seconds: float | None = None, probe: bool = False) -> T:
+    def call(
+        self,
+        what: str,
+        fn: Callable[[], T],
+        *,
+        give_up_seconds: float | None = None,
+        probe: bool = False,
+        cancellable: bool = True,
+    ) -> T:
         """Run ``fn`` (one attempt of an RPC), retrying while the coordinator is unreachable or busy.
         ``probe``: at the first UNAVAILABLE, find out whether the island's setup is the cause (TLS
         against plaintext, a client certificate, the admin port: :mod:`atoll.islands.probe`) and raise
-        WrongEndpoint saying so, rather than retrying what cannot work."""
+        WrongEndpoint saying so, rather than retrying what cannot work. Once :attr:`cancel` is set (the
+        island got SIGTERM) the retries end at once with Stopping, unless not ``cancellable`` (a leave,
+        which its own short deadline bounds): a preempted island keeps its exit deadline however long
+        the coordinator stays away."""
         give_up = self.retry.give_up_seconds if give_up_seconds is None else give_up_seconds
         started = time.monotonic()
         warned_at = None
@@ -279,7 +261,12 @@ class CoordinatorClient:
                     warned_at = time.monotonic()
                 else:
                     log.info("%s: %s (%s), retrying in %.1fs", what, code.name, err.details(), backoff)
-                time.sleep(min(backoff * (0.5 + random.random() / 2), max(give_up - waited, 0.0)))
+                pause = min(backoff * (0.5 + random.random() / 2), max(give_up - waited, 0.0))
+                if self.cancel is not None and cancellable:
+                    if self.cancel.wait(pause):
+                        raise Stopping(f"{what}: the island is stopping; its retries to {self.address} end") from None
+                else:
+                    time.sleep(pause)
                 backoff = min(backoff * 2, self.retry.max_backoff_seconds)
 
     def _timeout(self, num_bytes: int = 0) -> float:
@@ -322,6 +309,7 @@ class CoordinatorClient:
             "Leave",
             lambda: self._stub.Leave(req, timeout=self._timeout(), metadata=self._metadata),
             give_up_seconds=give_up_seconds,
+            cancellable=False,
         )
 
     def _transport(self, what: str, on_bulk: Callable[[BulkPort], T], on_grpc: Callable[[], T]) -> T:

@@ -107,10 +107,7 @@ class Session:
             if fatal is not None:
                 raise fatal from None
             if err.code() in RETRYABLE:
-                waited = give_up_seconds if give_up_seconds is not None else self.client.retry.give_up_seconds
-                raise CoordinatorUnreachable(
-                    f"coordinator {self.address} unreachable for {waited:.0f}s ({err.code().name}: {err.details()})"
-                ) from None
+                raise self._unreachable(err, give_up_seconds) from None
             raise
         self.joined = resp
         self.run_complete = self.run_complete or resp.run_complete
@@ -151,7 +148,16 @@ class Session:
         fatal = refused(err)
         if fatal is not None:
             raise fatal from None
+        if err.code() in RETRYABLE:  # the client's retries gave up: one line, every address tried
+            raise self._unreachable(err) from None
         raise err
+
+    def _unreachable(self, err: grpc.RpcError, give_up_seconds: float | None = None) -> CoordinatorUnreachable:
+        waited = self.client.retry.give_up_seconds if give_up_seconds is None else give_up_seconds
+        return CoordinatorUnreachable(
+            f"coordinator {' | '.join(self.client.alternatives)} unreachable for {waited:.0f}s "
+            f"({err.code().name}: {err.details()}); giving up"
+        )
 
     # ---- pushes ------------------------------------------------------------------------------
     @staticmethod
