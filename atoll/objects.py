@@ -318,6 +318,8 @@ def store_error(err, url: str, rel: str) -> StoreError:
         return Conflict(f"{where}: changed by another writer ({code})")
     if code in ("NoSuchKey", "404"):
         return Missing(f"{where}: no such object")
+    if code == "NoSuchBucket":
+        return StoreError(f"{url}: the bucket {url[len(SCHEME) :].partition('/')[0]} does not exist; create it first")
     return StoreError(f"{where}: {type(err).__name__}: {err}")
 
 

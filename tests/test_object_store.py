@@ -5,6 +5,7 @@ resumes bitwise, and the operator's tools on the store."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -224,62 +225,86 @@ def test_failover_after_sigkill_islands_carry_on_and_no_round_is_lost(group, s3_
     assert all(f"trying 127.0.0.1:{port2}" in p.log_path.read_text(errors="replace") for p in islands)
 
 
-def test_the_guides_object_store_and_failover_steps_run_as_written(group, s3_server, s3_url, tmp_path):
-    """docs/two-site-run.md section 5, its commands as written (the bucket, endpoint, dirs and port
-    swapped for the test server's, the lease cut to 3 s, a quorum of the one island): a coordinator on
-    the store, SIGKILLed with an island training; the replacement refused while the lease runs, then
-    resuming; the export."""
-    import re
+def test_the_guides_object_store_and_failover_steps_run_as_written(group, tmp_path):
+    """docs/two-site-run.md section 5, its commands as written after step 1b's certificates: the local
+    store (SeaweedFS) with its bucket, a coordinator on it with TLS, tokens and the admin port, an island
+    of step 1b, SIGKILLed with the island training; the replacement exits 1 while the lease runs, then
+    resumes; the export. (Swapped for a test's: the store's port, the dirs, the coordinator's ports, the
+    lease cut to 3 s, a run of 4 rounds of H=20, a quorum of the one island.)"""
     import subprocess
     import sys
 
-    from test_two_site_doc import DOC, ENV, argv
+    from test_two_site_doc import Shell, blocks
 
-    found = dict(re.findall(r"<!-- store-test: ([^>]+?) -->\n```sh\n(.*?)```", DOC.read_text(), re.S))
-    assert list(found) == ["coordinator", "replacement", "export"]
-    (port,) = free_ports(1)
-    env = {**ENV, **s3_server.env()}
+    shell = Shell(tmp_path)
+    found = dict(blocks("store-test"))
+    assert list(found) == ["store", "coordinator", "replacement", "export"]
+    certs = [t for w, t in blocks() if w == "run"][1]  # step 1b's
+    out = shell.run(certs.replace("export COORD_HOST=coord.example.org", "export COORD_HOST=localhost"))
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "admin.token").write_text("-admin-token\n")
+    store_port, port, bulk, admin = free_ports(4)
+    swaps = {
+        "/var/lib/seaweed": f"{tmp_path}/seaweed",
+        "/var/lib/atoll/": f"{tmp_path}/",
+        "8333": str(store_port),
+        "7070": str(port),
+        "7071": str(bulk),
+        "9090": str(admin),
+        "--store-lease-seconds 15": "--store-lease-seconds 3",
+        "--quorum 2": "--quorum 1",
+        "--sync-every 500": "--sync-every 20",
+        "--total-rounds 2000": "--total-rounds 4",
+        "--host 0.0.0.0": "--host 127.0.0.1",
+    }
 
-    def command(what: str) -> list[str]:
-        text = found[what].replace("s3://atoll-runs/llm-1", s3_url).replace("/var/lib/atoll/", f"{tmp_path}/")
-        text = text.replace("7070", str(port)).replace("--store-lease-seconds 15", "--store-lease-seconds 3")
-        text = text.replace("--quorum 2", "--quorum 1")  # (one island here)
-        lines = [ln for ln in text.splitlines() if not ln.startswith("export AWS_ENDPOINT_URL")]
-        if what == "coordinator":
-            assert "export AWS_ENDPOINT_URL=" in text  # (the test server's is in the environment)
-        return argv("\n".join(lines), tmp_path)
+    def swapped(text: str) -> str:
+        for old, new in swaps.items():
+            text = text.replace(old, new)
+        return text
+
+    serve, export = swapped(found["store"]).strip().splitlines()
+    assert serve.endswith(" &") and export.startswith("export AWS_ENDPOINT_URL=")
+    store_args = shell.argv(serve[: -len(" &")])
+    assert store_args[:3] == ["python", "-m", "atoll.harness.seaweed"]
+    store = group.start("store", store_args[3:], module="atoll.harness.seaweed", cwd=tmp_path)
+    shell.export([export])
+    keys = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    env = {**os.environ, **{k: shell.value(k) for k in keys}}
+
+    # (it says where it serves once its bucket is made)
+    wait_for(lambda: any(ln.startswith("S3 on") for ln in store.lines), timeout=90, what="the local store")
 
     def start(what: str, name: str):
-        port_file = tmp_path / f"{name}.port"
-        args = command(what)
-        assert args[:2] == ["atoll", "coordinator"]
-        proc = group.start(name, [*args[1:], "--port-file", str(port_file), "--total-rounds", "4"], env=env)
-        return proc, port_file
+        args = shell.argv(swapped(found[what]))
+        assert args[:2] == ["atoll", "coordinator"] and "--tls-cert" in args and "--island-tokens" in args
+        return group.start(name, args[1:], env=env, cwd=tmp_path)
 
-    coord, port_file = start("coordinator", "coordinator")
-    wait_for(lambda: port_file.exists(), timeout=60, what="the coordinator's port")
-    flags = island_flags(f"localhost:{port}", "site-a", rounds=None, codec="int8")
-    island = group.start("site-a", [f if f != "e2e" else "llm-1" for f in flags])
+    coord = start("coordinator", "coordinator")
+    wait_for(lambda: any("listening on" in ln for ln in coord.lines), timeout=60, what="the coordinator")
+    island_args = shell.argv([t for w, t in blocks() if w == "island site-a"][0].replace("7070", str(port)))
+    island = group.start("site-a", [*island_args[1:], "--inner-lr", "3e-3"], cwd=tmp_path)
     events = collect_events([island], until=lambda ev: any(e["event"] == "round" for e in ev), timeout=120)
     coord.signal(signal.SIGKILL)
     coord.wait(10)
     killed = time.monotonic()
-    early, _ = start("replacement", "too-early")
+    early = start("replacement", "too-early")
     assert early.wait(60) == 1
-    assert "is held by coordinator" in early.log_tail(5000)
+    assert "is held by coordinator" in early.log_tail(5000) and "Traceback" not in early.log_tail(5000)
     wait_for(lambda: time.monotonic() - killed > 3 + 1.5 + 0.5, timeout=20, what="the lease to expire")
-    replacement, port_file = start("replacement", "replacement")
+    replacement = start("replacement", "replacement")
     events += collect_events([island], until=lambda ev: any(e["event"] == "done" for e in ev), timeout=240)
     assert island.wait(60) == 0
     assert [e["round"] for e in events if e["event"] == "round"] == [0, 1, 2, 3]
     assert "restored run" in replacement.log_tail(100_000)
     replacement.stop()
-    args = command("export")
+    args = shell.argv(found["export"])
     out = subprocess.run(
         [sys.executable, "-m", "atoll", *args[1:]], cwd=tmp_path, capture_output=True, text=True, env=env
     )
     assert out.returncode == 0, out.stderr
     assert "at round 4" in out.stdout and (tmp_path / "theta.safetensors").exists()
+    store.stop()
 
 
 def test_a_rollback_in_the_store_is_what_the_next_coordinator_restores(s3_url, start_server, tmp_path, capsys):

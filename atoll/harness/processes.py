@@ -146,10 +146,12 @@ class ProcessGroup:
         *,
         faults: str = "",
         cwd: Path | None = None,
+        module: str = "atoll",
     ) -> ManagedProcess:
         """``python -m atoll ARGS`` (in ``cwd``, or this process's); with island-side ``faults`` (JSON,
-        :mod:`atoll.harness.faults`) the island runs under the harness's entry point, which injects them."""
-        entry = ["atoll.harness.island", "--faults", faults] if faults else ["atoll"]
+        :mod:`atoll.harness.faults`) the island runs under the harness's entry point, which injects them.
+        ``module``: another one to run (``atoll.harness.seaweed``)."""
+        entry = ["atoll.harness.island", "--faults", faults] if faults else [module]
         proc = ManagedProcess(name, [self.python, "-m", *entry, *args], self.work_dir, env, cwd)
         self.processes.append(proc)
         return proc

