@@ -253,7 +253,17 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="the coordinator's --state-dir; for a --fragments coordinator, the same parent dir (required)",
     )
-    export.add_argument("--out", type=Path, required=True, help="the .safetensors file to write (required)")
+    where = export.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--out",
+        type=Path,
+        help="the .safetensors file to write; the model card the islands declared goes beside it (X.config.json)",
+    )
+    where.add_argument(
+        "--hf-dir",
+        type=Path,
+        help="a Hugging Face model dir (config.json, model.safetensors), for a run of a Hugging Face model",
+    )
     export.add_argument("--round", type=int, default=None, help="a kept snapshot's round (default: the newest)")
 
     rollback = _subparser(sub, "rollback", "list a state dir's snapshots, or make an older one the newest")

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import os
 import tempfile
 import urllib.error
 import urllib.request
@@ -132,10 +133,12 @@ def export(ns: argparse.Namespace) -> int:
 def _export(ns: argparse.Namespace, state_dir: Path) -> int:
     from safetensors.torch import save_file
 
+    from atoll.models.card import card_path
+
     dirs = _state_dirs(state_dir)
     if ns.round is not None and len(dirs) > 1:
         raise _fail("--round picks one round; fragments close rounds on their own (export the newest)")
-    params, rounds, run_id = {}, [], None
+    params, rounds, run_id, card = {}, [], None, ""
     for d in dirs:
         snap = _load_live(d, ns.round)
         if snap is None:
@@ -144,13 +147,44 @@ def _export(ns: argparse.Namespace, state_dir: Path) -> int:
         for name, others in snap.aliases.items():  # tied weights: the same values under every name
             params.update({alias: snap.params[name].clone() for alias in others})  # no shared storage in a file
         rounds.append(snap.round)
-        run_id = snap.config.run_id
-    ns.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"run_id": run_id, "round": ",".join(map(str, rounds)), "format": "atoll-export-1"}
-    save_file({k: v.contiguous() for k, v in sorted(params.items())}, str(ns.out), metadata=meta)
+        run_id, card = snap.config.run_id, card or snap.model_card
+    fmt = "pt" if ns.hf_dir is not None else "atoll-export-1"  # ("pt": what transformers checks in a model dir)
+    meta = {"run_id": run_id, "round": ",".join(map(str, rounds)), "format": fmt, "model_card": card}
+    if ns.hf_dir is not None:
+        parsed = json.loads(card) if card else {}
+        if parsed.get("format") != "hf":
+            raise _fail(
+                f"run {run_id}'s islands did not say their model is a Hugging Face one (its card: "
+                f"{(card or 'none')[:80]}); --hf-dir needs one: export with --out"
+            )
+        ns.hf_dir.mkdir(parents=True, exist_ok=True)
+        out, written = ns.hf_dir / "model.safetensors", [ns.hf_dir / "config.json"]
+        _write_readable(written[0], json.dumps(parsed["config"], indent=2, sort_keys=True).encode())
+    else:
+        out, written = ns.out, []
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if card:
+            written.append(card_path(out))
+            _write_readable(written[0], json.dumps(json.loads(card), indent=2, sort_keys=True).encode())
+    save_file({k: v.contiguous() for k, v in sorted(params.items())}, str(out), metadata=meta)
+    _readable(out)
     numel = sum(v.numel() for v in params.values())
-    print(f"wrote {len(params)} tensors ({numel:,} values) of run {run_id} at round {meta['round']} to {ns.out}")
+    beside = f" (and {', '.join(str(p) for p in written)})" if written else " (no model card: the islands said none)"
+    print(f"wrote {len(params)} tensors ({numel:,} values) of run {run_id} at round {meta['round']} to {out}{beside}")
     return 0
+
+
+def _readable(path: Path) -> None:
+    """An export is for others to read: the mode a new file gets under the umask (safetensors writes
+    0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _write_readable(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+    _readable(path)
 
 
 def rollback(ns: argparse.Namespace) -> int:

@@ -299,3 +299,15 @@ def test_a_norm_bound_refusal_is_counted_once(start_server, raw_island):
         a.push({k: v * 100 for k, v in rand().items()}, round_=0, tokens=1)
     assert reason_of(info.value) is Reason.DELTA_TOO_LARGE
     assert srv.server.counters.pushes_refused == 1
+
+
+def test_a_model_card_that_is_not_a_small_json_object_is_refused():
+    from atoll.coordinator.errors import RequestError
+    from atoll.coordinator.run.checks import model_card
+
+    model_card("")
+    model_card('{"format": "hf"}')
+    huge = '{"a": "' + "x" * (64 << 10) + '"}'
+    for bad, why in [("x" * 10, "not JSON"), ("[1]", "not a JSON object"), (huge, "more than")]:
+        with pytest.raises(RequestError, match=why):
+            model_card(bad)

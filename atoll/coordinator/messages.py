@@ -42,6 +42,8 @@ class JoinRequest:
     num_shards: int = 1
     partition: str = "hash"
     layout_digest: str = ""
+    model_card: str = ""
+    """What the model is, as JSON (``JoinRequest.model_card``; empty: not said)."""
 
 
 @dataclass(frozen=True, kw_only=True)

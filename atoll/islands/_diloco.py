@@ -33,7 +33,7 @@ from atoll.islands._link import CoordinatorLink
 from atoll.islands._options import DiLoCoKwargs, DiLoCoOptions
 from atoll.islands._routes import Routes
 from atoll.islands._schedule import Schedule, update_wait_seconds
-from atoll.islands._shards import local_shards, tied_aliases
+from atoll.islands._shards import local_shards, model_card, tied_aliases
 from atoll.islands.errors import Preempted
 
 log = logging.getLogger("atoll.island")
@@ -107,7 +107,8 @@ class DiLoCo:
             src = dist.get_global_rank(o.process_group, 0) if o.process_group is not None else 0
             dist.broadcast_object_list(shared, src=src, group=o.process_group)
             link.session_id = shared[0]
-        routes = Routes(o, shards, link, self._rank, self._num_ranks, tied_aliases(self.model))
+        card = model_card(self.model, o.model_card)
+        routes = Routes(o, shards, link, self._rank, self._num_ranks, tied_aliases(self.model), card)
         schedule = Schedule(len(routes.sessions), streaming=o.streaming, sync_every_seconds=o.sync_every_seconds)
         exchanges = Exchanges(
             routes,

@@ -94,6 +94,7 @@ class JoinRequest:
     num_shards: int
     partition: str
     layout_digest: str = ""
+    model_card: str = ""
 
 
 @dataclass(frozen=True)

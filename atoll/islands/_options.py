@@ -69,6 +69,10 @@ class DiLoCoOptions:
     the coordinator counts then always has a durable checkpoint behind it, so an island killed at any
     moment resumes exactly."""
 
+    model_card: dict | None = field(default=None, compare=False)
+    """What the model is, JSON-able (its class and config, a tokenizer's symbols): the run keeps the first
+    island's and ``atoll export`` writes it beside the weights. None: a Hugging Face model's config
+    (``model.config``), else nothing. At most 64 KiB as JSON."""
     handle_sigterm: bool = True
     """From ``start()`` to ``close()``, SIGTERM (Slurm preemption, Kubernetes pod deletion) makes
     ``step()`` raise :class:`~atoll.islands.errors.Preempted` at the end of the inner step, or abandon
@@ -111,4 +115,5 @@ class DiLoCoKwargs(TypedDict, total=False):
     process_group: object
     token_group: object
     before_push: Callable | None
+    model_card: dict | None
     handle_sigterm: bool

@@ -49,11 +49,14 @@ class Routes:
         rank: int,
         num_ranks: int,
         aliases: dict[str, tuple[str, ...]] | None = None,
+        card: str = "",
     ) -> None:
         """Routes ``shards`` to the link's coordinator shards and opens the link (no call yet).
-        ``aliases``: tied weights' other names, declared at Join (``atoll export`` writes them)."""
+        ``aliases``: tied weights' other names, declared at Join (``atoll export`` writes them);
+        ``card``: the model card (JSON) declared at Join."""
         self.options = options
         self.aliases = aliases or {}
+        self.card = card
         self.shards = shards
         self.link = link
         n = len(link.addresses)
@@ -124,6 +127,7 @@ class Routes:
                 num_shards=num_shards,
                 partition="layers" if o.streaming else "hash",
                 layout_digest=digest,
+                model_card=self.card,
             )
 
         return build

@@ -10,6 +10,7 @@ names of the plain one.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,19 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(canonical_name(name))
     return {first: tuple(dict.fromkeys(n for n in rest if n != first)) for first, *rest in names.values() if rest}
+
+
+def model_card(model: torch.nn.Module, given: dict | None) -> str:
+    """What the model is, as JSON, for the run to keep and an export to carry: ``given`` (the
+    ``model_card`` option), else a Hugging Face model's own config (``model.config.to_dict()``, with
+    its class in ``architectures``: ``atoll export --hf-dir`` writes it as config.json), else nothing."""
+    if given is not None:
+        return json.dumps(given, sort_keys=True)
+    config = getattr(model, "config", None)
+    if config is not None and callable(getattr(config, "to_dict", None)) and getattr(config, "model_type", None):
+        card = {**config.to_dict(), "architectures": [type(model).__name__]}
+        return json.dumps({"format": "hf", "config": card}, sort_keys=True, default=str)
+    return ""
 
 
 def local_shards(model: torch.nn.Module, group=None, *, buffers: bool = True) -> list[LocalShard]:

@@ -178,7 +178,7 @@ class RunConfigProto(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., error_feedback: _Optional[bool] = ..., late_policy: _Optional[str] = ..., staleness_weight: _Optional[float] = ..., max_staleness: _Optional[int] = ..., aggregation: _Optional[str] = ..., clip_norm: _Optional[float] = ..., max_delta_norm: _Optional[float] = ..., error_feedback_decay: _Optional[float] = ..., total_rounds: _Optional[int] = ..., max_tokens_per_round: _Optional[int] = ..., grace_window: _Optional[str] = ..., outer_mode: _Optional[str] = ..., decoupled_step: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "island_id", "codecs", "tensors", "num_ranks", "shard_index", "num_shards", "partition", "layout_digest", "session_id")
+    __slots__ = ("run_id", "island_id", "codecs", "tensors", "num_ranks", "shard_index", "num_shards", "partition", "layout_digest", "session_id", "model_card")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class JoinRequest(_message.Message):
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CARD_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island_id: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
@@ -199,7 +200,8 @@ class JoinRequest(_message.Message):
     partition: str
     layout_digest: str
     session_id: str
-    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_ranks: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., partition: _Optional[str] = ..., layout_digest: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    model_card: str
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_ranks: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., partition: _Optional[str] = ..., layout_digest: _Optional[str] = ..., session_id: _Optional[str] = ..., model_card: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("config", "round", "bootstrap", "codec", "run_complete", "bulk_port", "checks_tokens", "bulk_streams", "bulk_keep_seconds")

@@ -25,7 +25,7 @@ from atoll.data.tokens import TokenDataset
 from atoll.islands import DiLoCo
 from atoll.islands.errors import Preempted, QuorumGone
 from atoll.memory import tune_for_bulk_buffers
-from atoll.models import PRESETS, TinyGPT, preset
+from atoll.models import PRESETS, TinyGPT, card_of, preset
 from atoll.workload.connect import coordinator_link
 from atoll.workload.digest import model_digest, param_digest
 from atoll.workload.hooks import IslandHooks
@@ -287,6 +287,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         staged_copies=None if args.staged_copies else False,
         token_group=layout.dp_group,
         before_push=before_push if ckpt or args.dump_dir else None,
+        model_card=card_of(model, symbols=getattr(data, "chars", None), vocab_size=data.vocab_size),
     )
     resumed = ckpt.load(sync) if ckpt else False
     reporter = Reporter(

@@ -72,6 +72,8 @@ class Snapshot:
     """partition "layers": the whole model's layout digest every island must match."""
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Tied weights: a tensor's other names in the model's state_dict."""
+    model_card: str = ""
+    """What the model is, as JSON (an island's ``model_card``; empty: not said)."""
     notes: list[str] = field(default_factory=list)
     """What a restore wants an operator to know (state it could not bring back exactly)."""
 
@@ -137,6 +139,7 @@ def save(state_dir: Path, snap: Snapshot, *, keep: int | None = 2) -> Path:
         "partition": snap.partition,
         "layout_digest": snap.layout_digest,
         "aliases": json.dumps({k: list(v) for k, v in snap.aliases.items()}, sort_keys=True),
+        "model_card": snap.model_card,
     }
     final = state_dir / snapshot_name(snap.round)
     write_file(final, tensors, metadata)
@@ -262,6 +265,7 @@ def verify(path: Path) -> Snapshot:
         partition = meta["partition"]
         layout = meta["layout_digest"]
         aliases = {k: tuple(v) for k, v in json.loads(meta.get("aliases", "{}")).items()}
+        model_card = meta.get("model_card", "")
     except (KeyError, ValueError, TypeError) as err:
         raise bad(f"metadata unreadable ({type(err).__name__}: {err})") from None
     if round_ != read_round(Path(path)):
@@ -286,8 +290,9 @@ def verify(path: Path) -> Snapshot:
     if not set(aliases) <= set(params):
         raise bad("aliases of tensors that are not parameters")
     return Snapshot(
-        config, round_, params, extra, islands, history, departed, buffers, shard, partition, layout, aliases
-    )
+        config, round_, params, extra, islands, history, departed, buffers, shard, partition, layout, aliases,
+        model_card=model_card,
+    )  # fmt: skip
 
 
 def list_snapshots(state_dir: Path) -> list[tuple[int, Path, str | None]]:

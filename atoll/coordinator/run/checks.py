@@ -3,6 +3,7 @@ the checked value. Nothing here changes state (a refused request changes nothing
 
 from __future__ import annotations
 
+import json
 import math
 
 from atoll.compression import available_codecs, codec_name, get_codec
@@ -59,8 +60,26 @@ def join(req: JoinRequest, shard: tuple[int, int], partition: str, config: RunCo
             raise refuse(Reason.SHARD_MISMATCH, f"tensors {foreign[:5]} do not belong to shard {index}/{count}")
     elif not req.layout_digest:
         raise invalid('partition "layers" needs the layout_digest of the whole model')
+    model_card(req.model_card)
     offered_codec(config, req.codecs)
     return num_ranks
+
+
+MAX_MODEL_CARD_BYTES = 64 << 10
+
+
+def model_card(card: str) -> None:
+    """A join's model card: empty, or a JSON object of at most 64 KiB (it is kept with the run)."""
+    if not card:
+        return
+    if len(card.encode()) > MAX_MODEL_CARD_BYTES:
+        raise invalid(f"model_card is {len(card.encode())} bytes, more than {MAX_MODEL_CARD_BYTES}")
+    try:
+        parsed = json.loads(card)
+    except (ValueError, RecursionError):
+        raise invalid("model_card is not JSON") from None
+    if not isinstance(parsed, dict):
+        raise invalid("model_card is not a JSON object")
 
 
 def offered_codec(config: RunConfig, offered: tuple[str, ...]) -> None:

@@ -155,8 +155,7 @@ class RunState:
         return self.run_complete and all(r.holds_round >= self.round for r in self.membership.live())
 
     def unhealthy(self) -> str | None:
-        """Why the coordinator is unhealthy (/healthz): a save failing, the state's store or background
-        writes in trouble; None when it is well."""
+        """Why the coordinator is unhealthy (/healthz): a save failing, its store or background writes."""
         return self.problem or self.writer.trouble
 
     def policy(self) -> RoundPolicy:
@@ -185,13 +184,8 @@ class RunState:
             self._dir_lock = StateLock(self.state_dir).acquire("starting a coordinator on it")
         try:
             if self.store is not None and self.writer.mirror is None:  # one writer per run in the store too
-                self.writer.mirror = Mirror.open(
-                    self.store,
-                    self.state_dir,
-                    lease_seconds=self.store_lease_seconds,
-                    on_lost=self._on_lost,
-                    run_id=self.config.run_id,
-                )
+                self.writer.mirror = Mirror.open(self.store, self.state_dir, lease_seconds=self.store_lease_seconds,
+                                                 on_lost=self._on_lost, run_id=self.config.run_id)  # fmt: skip
             return self._restore()
         except BaseException:
             self.close()
@@ -204,6 +198,7 @@ class RunState:
         snap, self.config = loaded
         self.model.configure(self.config)
         self.model.restore(snap.params, snap.extra, snap.buffers, snap.layout_digest, snap.aliases)
+        self.model.card = snap.model_card
         self.writer.restored()
         self.ledger.round, self.ledger.history = snap.round, snap.history
         self.ledger.opened_at = self.clock()
@@ -237,6 +232,7 @@ class RunState:
                     "islands would cut different fragments",
                 )
             checks.same_model(model.specs, specs, model.buffers, checks.buffers_of(req.tensors))
+        model.card = model.card or req.model_card  # (the first island that says what the model is)
         was_departed = req.island_id in self.membership.departed
         _, new = self.membership.join(
             req.island_id,

@@ -29,6 +29,7 @@ def snapshot(state, params, round_: int, history: list[dict]) -> snapshots.Snaps
         state.partition,
         state.model.layout_digest or "",
         state.model.aliases,
+        model_card=state.model.card,
     )
 
 

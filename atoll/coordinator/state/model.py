@@ -29,6 +29,9 @@ class GlobalModel:
         """Tensors that are floating-point buffers (averaged, no outer momentum)."""
         self.layout_digest: str | None = None
         self.aliases: dict[str, tuple[str, ...]] = {}
+        self.card = ""
+        """What the model is (JSON), as the first island that said so declared it at its join: kept
+        in the snapshots, written beside an export."""
         """Tied weights: other state_dict names of a tensor (``atoll export`` writes every one)."""
         self.optimizer: NesterovSGD | None = None
         self.downlink_ef: dict[str, torch.Tensor] = {}

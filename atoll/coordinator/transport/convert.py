@@ -49,6 +49,7 @@ def join_request(m: pb.JoinRequest) -> JoinRequest:
         num_shards=m.num_shards,
         partition=m.partition,
         layout_digest=m.layout_digest,
+        model_card=m.model_card,
     )
 
 

@@ -34,6 +34,7 @@ def join_request(run_id: str, island_id: str, session_id: str, req: JoinRequest)
         num_shards=req.num_shards,
         partition=req.partition,
         layout_digest=req.layout_digest,
+        model_card=req.model_card,
     )
     for t in req.tensors:
         m.tensors.add(
