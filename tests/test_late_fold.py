@@ -123,3 +123,21 @@ def test_a_lagging_island_gets_the_cheaper_of_the_deltas_and_theta(start_server,
         have = header.round
     assert pulled == (behind * delta if behind * delta <= full else full) and pulled <= full
     assert torch.equal(theta, srv.inspect(lambda s: s.model.params["w"].clone()))
+
+
+def test_an_island_whose_deltas_are_folded_is_reported_as_taking_part(start_server, raw_island):
+    """Hardening round 5, item 19: a slow island showed rounds 0 and state late for the whole run though
+    its pushes went into θ (folded), and /api/status dropped its goodput once it left."""
+    from atoll.coordinator.transport.admin import status_json  # (what /api/status serves)
+
+    srv, a, b, _ = setup(start_server, raw_island, "fold")
+    close_round_0_without_b(srv, a)
+    assert b.push({"w": torch.randn(3, 4)}, round_=0, tokens=100).outcome == pb.PUSH_OUTCOME_FOLDED
+    a.push({"w": torch.randn(3, 4)}, round_=1, tokens=100)
+    a.pull(1)  # round 1 closes with b's delta folded in
+    row = srv.inspect(lambda s: {r["island"]: r for r in status_json(srv.server, 0.0)["islands"]})["b"]
+    assert row["rounds_committed"] == 1 and row["state"] == "active" and row["tokens_into_theta"] == 100
+    b.client.leave(pb.LeaveRequest(run_id="t", island_id="b"))
+    row = srv.inspect(lambda s: {r["island"]: r for r in status_json(srv.server, 0.0)["islands"]})["b"]
+    assert row["state"] == "left" and row["rounds_committed"] == 1
+    assert row["tokens_into_theta"] == 100 and row["goodput"] is not None

@@ -18,6 +18,8 @@ class Goodput:
     """Seconds the island reported being blocked on exchanges."""
     tokens_into_theta: int = 0
     left_at: float | None = None
+    island: str = ""
+    """Whose (a record that left is still shown by name)."""
 
     def entered(self, compute_seconds: float, blocked_seconds: float, tokens: int) -> None:
         """A push of the island entered θ."""

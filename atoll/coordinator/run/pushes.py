@@ -201,6 +201,8 @@ class Pushes:
         rec.last_push_at = now
         if rec.goodput is not None:
             rec.goodput.entered(first.compute_seconds, first.blocked_seconds, first.tokens)
+        rec.rounds_committed += 1  # (a folded delta entered θ too: a slow island showed 0 rounds all run)
+        rec.last_entered_round = ledger.round
         if late:
             log.info(
                 "%sround %d: folded island %s's late delta for round %d (weight %.3g)",
@@ -211,7 +213,6 @@ class Pushes:
                 weight,
             )
         else:
-            rec.rounds_committed += 1
             rec.last_committed_round = plan.round
             rec.arrival.observe(now - ledger.opened_at)
             log.info(

@@ -44,6 +44,9 @@ class IslandRecord:
     holds_round: int = -1
     """The newest θ version this island pulled (-1: none yet)."""
     last_committed_round: int = -1
+    """The newest round its push committed in, for that round (-1: none)."""
+    last_entered_round: int = -1
+    """The newest round its work entered θ in: committed for it, or folded into it (-1: none)."""
     session_id: str = ""
     """The process holding this island id ("" until a session joins: restored, or an old client)."""
     tensors: tuple[TensorDecl, ...] = ()
@@ -70,10 +73,10 @@ class IslandRecord:
 def island_state(rec: IslandRecord, now: float, open_round: int) -> str:
     if rec.lease_expires_at <= now:
         return IslandState.GONE
-    if rec.holds_round < 0 and rec.last_committed_round < 0:
+    if rec.holds_round < 0 and max(rec.last_committed_round, rec.last_entered_round) < 0:
         return IslandState.JOINING
-    if open_round == 0 or rec.last_committed_round >= open_round - 1:
-        return IslandState.ACTIVE
+    if open_round == 0 or max(rec.last_committed_round, rec.last_entered_round) >= open_round - 1:
+        return IslandState.ACTIVE  # (its work entered the last closed round: committed, or folded in)
     if rec.holds_round >= open_round - 1 and rec.last_committed_round >= rec.holds_round - 1:
         return IslandState.ACTIVE  # at work on the newest θ, its push for the round before counted
     return IslandState.LATE
@@ -149,7 +152,7 @@ class Membership:
             old.goodput.left_at = now
             self.past_goodput.append(old.goodput)
         if new:
-            rec = IslandRecord(island_id, num_ranks, now, round_, goodput=Goodput(joined_at=now))
+            rec = IslandRecord(island_id, num_ranks, now, round_, goodput=Goodput(joined_at=now, island=island_id))
             self.islands[island_id] = rec
         rec.session_id = session_id or rec.session_id
         rec.tensors = tensors or rec.tensors
@@ -189,6 +192,10 @@ class Membership:
         self.departed[island_id] = how
         if self.bootstrapper == island_id:
             self.bootstrapper = None
+
+    def left_goodput(self, island_id: str) -> Goodput | None:
+        """The goodput of ``island_id``'s newest record that left (None: none did)."""
+        return next((g for g in reversed(self.past_goodput) if g.island == island_id), None)
 
     def goodput(self) -> list[Goodput]:
         """Every island record's goodput bookkeeping of the run: the members' and those that left."""
@@ -243,6 +250,7 @@ class Membership:
                     "joined_round": i.joined_round,
                     "rounds_committed": i.rounds_committed,
                     "last_committed_round": i.last_committed_round,
+                    "last_entered_round": i.last_entered_round,
                     "arrival": i.arrival.to_json(),
                     "cycle": i.cycle.to_json(),
                     "usual_weight": i.usual_weight,
@@ -266,8 +274,9 @@ class Membership:
                 int(rec["joined_round"]),
                 int(rec["rounds_committed"]),
                 last_committed_round=int(rec.get("last_committed_round", -1)),
+                last_entered_round=int(rec.get("last_entered_round", rec.get("last_committed_round", -1))),
                 arrival=Arrival.from_json(rec.get("arrival")),
                 cycle=Arrival.from_json(rec.get("cycle")),
-                goodput=Goodput(joined_at=now),
+                goodput=Goodput(joined_at=now, island=island_id),
                 usual_weight=float(rec.get("usual_weight", 0.0)),  # (a decoupled round's share needs it)
             )

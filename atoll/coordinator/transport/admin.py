@@ -329,16 +329,16 @@ def status_json(server, started_at: float) -> dict:
     for island, state in states.items():
         rec = s.membership.islands.get(island)
         row = {"island": island, "state": state, "committed_this_round": island in s.accumulator.committed}
+        g = rec.goodput if rec is not None else s.membership.left_goodput(island)  # (one that left: still shown)
+        if g is not None:
+            row.update(
+                goodput=g.ratio(now),
+                joined_seconds=g.wall(now),
+                compute_seconds_into_theta=g.compute_into_theta,
+                blocked_seconds=g.blocked_seconds,
+                tokens_into_theta=g.tokens_into_theta,
+            )
         if rec is not None:
-            if rec.goodput is not None:
-                g = rec.goodput
-                row.update(
-                    goodput=g.ratio(now),
-                    joined_seconds=g.wall(now),
-                    compute_seconds_into_theta=g.compute_into_theta,
-                    blocked_seconds=g.blocked_seconds,
-                    tokens_into_theta=g.tokens_into_theta,
-                )
             row.update(
                 num_ranks=rec.num_ranks,
                 joined_round=rec.joined_round,
@@ -346,8 +346,8 @@ def status_json(server, started_at: float) -> dict:
                 holds_round=rec.holds_round,
                 last_push_age_seconds=None if rec.last_push_at is None else now - rec.last_push_at,
             )
-        else:  # left or evicted: what it did is still the run's history
-            row.update(rounds_committed=sum(island in h["islands"] for h in s.history))
+        else:  # left or evicted: what it did is still the run's history (its folded deltas too)
+            row.update(rounds_committed=sum(island in h.get("tokens_by_island", h["islands"]) for h in s.history))
         islands.append(row)
     return {
         "run": dataclasses.asdict(s.config),

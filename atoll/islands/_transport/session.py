@@ -181,9 +181,11 @@ class Session:
             except grpc.RpcError as err:
                 self._rejoin_or_raise(err)
                 continue
-            if outcome is PushOutcome.ROUND_CLOSED:
-                log.warning(
-                    "%s: round %d closed before our push arrived; it is dropped", self.me.island_id, header.round
+            if outcome is PushOutcome.ROUND_CLOSED:  # (the island re-bases with its progress kept: nothing lost)
+                log.info(
+                    "%s: round %d closed before our push arrived; its work goes into our next push",
+                    self.me.island_id,
+                    header.round,
                 )
             elif outcome is PushOutcome.RUN_COMPLETE:
                 self.run_complete = True
