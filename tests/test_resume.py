@@ -357,3 +357,40 @@ def state(model, opt, sync: DiLoCo) -> dict:
         opt=copy.deepcopy(opt.state_dict()),
         diloco=copy.deepcopy(sync.state_dict()),
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode,extra",
+    [([], []), ([], ["--overlap-steps", "2"]), (["--outer-mode", "decoupled"], [])],
+    ids=["sync", "overlap", "decoupled"],
+)
+def test_atoll_island_restarted_into_a_finished_run_holds_the_final_theta(group, tmp_path, mode, extra):
+    """Hardening round 5, item 20 (left from round 3), from outside: ``atoll island --checkpoint-dir``
+    started again with the same command after the run completed joins, holds the run's final θ bitwise
+    (the digest of its model against the export's), takes no step and exits 0."""
+    import subprocess
+    import sys
+
+    from conftest import collect_events, coordinator_flags, island_flags
+    from safetensors.torch import load_file
+
+    from atoll.workload.digest import param_digest
+
+    state = tmp_path / "state"
+    coord, address = group.start_coordinator(
+        state, [*coordinator_flags(sync_every=5, quorum=1), "--total-rounds", "2", *mode]
+    )
+    flags = island_flags(address, "a", rounds=None, extra=["--checkpoint-dir", str(tmp_path / "ckpt"), *extra])
+    first = group.start("a", flags)
+    collect_events([first], until=lambda ev: any(e["event"] == "done" for e in ev), timeout=120)
+    assert first.wait(60) == 0
+    again = group.start("a-again", flags)
+    after = collect_events([again], until=lambda ev: any(e["event"] == "done" for e in ev), timeout=120)
+    assert again.wait(60) == 0
+    coord.stop()
+    out = tmp_path / "theta.safetensors"
+    subprocess.run([sys.executable, "-m", "atoll", "export", "--state-dir", str(state), "--out", str(out)], check=True)
+    joined = next(e for e in after if e["event"] == "joined")
+    assert joined["run_complete"] and joined["digest"] == param_digest(load_file(str(out)))
+    assert not [e for e in after if e["event"] == "round"]  # (no inner step, no exchange)
