@@ -7,6 +7,7 @@ about to replace: benchmarks/RESULTS.md.)"""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 
 import pytest
@@ -127,6 +128,13 @@ def test_a_decoupled_island_pushes_later_after_landing_first(start_server):
     b_model, b_opt, b = island(srv.address, island_id="b")
     a.start()
     b.start()
+    # a's own measure of its steps (what its push reports and its offset is divided by) ticks 10 us a
+    # reading: far shorter than b's 3H real steps, so a's offset is past the clamp of 2H steps whatever
+    # the machine's load. (Measured by the wall clock, a loaded machine once made a's first H steps
+    # look six times longer than b's 3H: a shift of 0, and "assert 4 > 4".)
+    ticks = itertools.count()
+    a._schedule.clock = lambda: next(ticks) * 1e-5
+    a._schedule.begin(a._schedule.sync_every)
     try:
         data = batches(3 * H)
         for batch in data[:H]:
@@ -142,6 +150,7 @@ def test_a_decoupled_island_pushes_later_after_landing_first(start_server):
         wait_for(lambda: not flight.thread.is_alive())
         a.step(tokens=0)  # applies round 0's update
         steps = max(-2.0 * H, offset / (pushed.compute_seconds / pushed.inner_steps))  # (clamped at 2H)
+        assert steps == -2.0 * H
         count = a._schedule.routes[0]
         assert count.shift == -round(0.5 * steps) and count.period == pytest.approx(-0.1 * steps)
         due = count.due_after(H)
