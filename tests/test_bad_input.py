@@ -311,3 +311,29 @@ def test_a_model_card_that_is_not_a_small_json_object_is_refused():
     for bad, why in [("x" * 10, "not JSON"), ("[1]", "not a JSON object"), (huge, "more than")]:
         with pytest.raises(RequestError, match=why):
             model_card(bad)
+
+
+def test_a_push_of_no_work_weighs_nothing(start_server, raw_island):
+    """Hardening round 5, item 13: a push reporting 0 tokens and 0 inner steps weighed 1 (as much as a
+    token). It weighs 0: beside a = 10 tokens, θ_1 = θ_0 - Δa (lr 1, no momentum); a round of no work
+    at all leaves θ as it was (a zero mean, not 0/0)."""
+    import numpy as np
+
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=2, outer_lr=1.0, outer_momentum=0.0))
+    a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
+    a.join()
+    b.join()
+    theta0 = {k: torch.randn(s) for k, s in SHAPES.items()}
+    a.push(theta0, round_=0, kind=pb.PUSH_KIND_INIT)
+    d_a, d_b = good_delta(), good_delta()
+    a.push(d_a, round_=0, tokens=10)
+    b.push(d_b, round_=0, tokens=0, inner_steps=0)
+    a.pull(0)
+    got = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+    for k in SHAPES:
+        np.testing.assert_allclose(got[k].numpy(), (theta0[k] - d_a[k]).numpy(), atol=1e-6)
+    a.push(good_delta(), round_=1, tokens=0, inner_steps=0)
+    b.push(good_delta(), round_=1, tokens=0, inner_steps=0)
+    a.pull(1)
+    after = srv.inspect(lambda s: (s.round, {k: v.clone() for k, v in s.model.params.items()}))
+    assert after[0] == 2 and all(torch.equal(after[1][k], got[k]) for k in SHAPES)

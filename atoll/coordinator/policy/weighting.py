@@ -52,13 +52,11 @@ def weight(
     staleness_weight: float,
     late_by: int,
 ) -> float:
-    """A contribution's weight in the round's mean: its ``tokens`` (at least 1); a token-less one that
-    took ``inner_steps`` weighs them times ``tokens_per_step`` of the islands that report both (1 when
-    none does), capped at ``token_bound``; ``late_by`` rounds late, times ``staleness_weight ** late_by``."""
-    if tokens or not inner_steps:
-        w = float(max(tokens, 1))
-    else:
-        w = min(inner_steps * (tokens_per_step or 1.0), float(token_bound))
+    """A contribution's weight in the round's mean: its ``tokens``; a token-less one that took
+    ``inner_steps`` weighs them times ``tokens_per_step`` of the islands that report both (1 when none
+    does), capped at ``token_bound``; one that reports neither did no work and weighs 0 (it weighed 1, as
+    much as a token); ``late_by`` rounds late, times ``staleness_weight ** late_by``."""
+    w = float(tokens) if tokens else min(inner_steps * (tokens_per_step or 1.0), float(token_bound))
     return w * staleness_weight**late_by if late_by else w
 
 

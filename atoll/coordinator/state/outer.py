@@ -197,6 +197,7 @@ def outer_step_(
     ten), element by element the same arithmetic, so the same bits.
     """
     payloads = {}
+    weight_total = weight_total if weight_total > 0 else 1.0  # every contribution weighed 0: Σ w Δ is 0, as is the mean
     total = torch.tensor([weight_total], dtype=torch.float32)  # the fused pass's gradient scale
     for name, acc in accum.items():
         robust = robust_grads.pop(name).reshape(-1) if robust_grads is not None else None

@@ -39,7 +39,7 @@ def aggregate(
         norms = [l2_norm(d) for _, d in contributions]
         c = clip_norm if clip_norm > 0 else sorted(norms)[(len(norms) - 1) // 2]
         scales = [min(1.0, c / n) if n > 0 else 1.0 for n in norms]
-    total = sum(w for w, _ in contributions)
+    total = sum(w for w, _ in contributions) or 1.0  # (all weighed 0, no work: a zero mean)
     out = {}
     for n in names:
         acc = torch.zeros_like(contributions[0][1][n])
