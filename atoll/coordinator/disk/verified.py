@@ -49,8 +49,8 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_file(path: Path, *, require_meta_digest: bool) -> dict[str, str]:
-    """Check ``path`` as described above; returns its metadata. IntegrityError otherwise."""
+def _raw_header(path: Path) -> tuple[int, bytes]:
+    """(the file's size, its header as it lies there: the length, then the JSON), read with bounds."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -59,10 +59,17 @@ def check_file(path: Path, *, require_meta_digest: bool) -> dict[str, str]:
         (n,) = struct.unpack("<Q", head)
         if n > min(MAX_HEADER_BYTES, size - 8):
             raise IntegrityError(f"header of {n} bytes in a file of {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, RecursionError):
-            raise IntegrityError("header is not JSON") from None
+        return size, head + f.read(n)
+
+
+def check_file(path: Path, *, require_meta_digest: bool) -> dict[str, str]:
+    """Check ``path`` as described above; returns its metadata. IntegrityError otherwise."""
+    size, raw = _raw_header(path)
+    n = len(raw) - 8
+    try:
+        header = json.loads(raw[8:])
+    except (ValueError, RecursionError):
+        raise IntegrityError("header is not JSON") from None
     if not isinstance(header, dict):
         raise IntegrityError("header is not a JSON object")
     metadata = header.pop("__metadata__", {}) or {}
@@ -98,24 +105,16 @@ def header_of(path: Path) -> tuple[bytes, bool]:
     names the content of every tensor (each one's digest, or for a sealed payload its trailer): two
     files with the same such header that both pass :func:`check_file` hold the same bytes. IntegrityError
     when it is not a header."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise IntegrityError(f"{size} bytes: too short for a header")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(MAX_HEADER_BYTES, size - 8):
-            raise IntegrityError(f"header of {n} bytes in a file of {size}")
-        body = f.read(n)
+    _, raw = _raw_header(path)
     try:
-        metadata = json.loads(body).get("__metadata__") or {}
+        metadata = json.loads(raw[8:]).get("__metadata__") or {}
         digests = json.loads(metadata.get("digests", "{}"))
         trailers = json.loads(metadata.get(TRAILERS, "{}"))
     except (ValueError, AttributeError, TypeError):
         raise IntegrityError("header is not a JSON object with string metadata") from None
     sealed = f"{SEALED_DIGEST:08x}"
     names_content = all(d != sealed or k in trailers for k, d in digests.items())
-    return head + body, names_content
+    return raw, names_content
 
 
 def _spans(header: dict, data_bytes: int) -> dict[str, tuple[int, int]]:
