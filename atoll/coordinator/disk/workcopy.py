@@ -68,7 +68,7 @@ def check_dir(local: Path, store: ObjectStore) -> None:
             raise StoreError(
                 f"{local} is not a working copy of {store.url}: it holds {shown} and no {MARK}; a working copy "
                 "is the coordinator's own cache and atoll removes nothing it does not own: give --work-dir a new "
-                "or empty dir"
+                "or empty dir (a copy an older atoll made has no mark: remove it, the store holds the run)"
             )
         return
     if mark["store"] != store.url:
