@@ -123,10 +123,12 @@ def test_joiners_that_never_push_are_forgotten_when_their_lease_ends_and_reasons
     assert len(reason) < 300 and "and 2,993 more" in reason, reason
     fewer = RoundView(round=1, opened_at=0.0, islands=view.islands[:-1])
     assert waiting_key(view, 1.0) == waiting_key(fewer, 1.0)  # one more joiner among thousands: no new line
-    now[0] = 11.0
-    expired = m.newly_expired()
-    assert len(expired) == 3001
-    assert sum(m.forget(r) for r in expired) == 3000
+    now[0] = 11.0  # their leases ran out: still members (a stall names them, an operator may evict them)...
+    assert len(m.newly_expired()) == 3001
+    forgotten = m.forget_silent()  # ...but past 256 gone records of islands that never pushed, the oldest go
+    assert len(forgotten) == 3000 - 256 and len(m.islands) == 1 + 256
+    now[0] = 11.0 + 100.0  # and once gone for 10 leases (at least 60 s), all of them
+    assert len(m.forget_silent()) == 256
     assert list(m.islands) == ["worker"] and len(m.past_goodput) == 3000
     m.join("ghost-0001", num_ranks=1, session_id="g1b", round_=1)  # one that comes back joins as new
     assert "ghost-0001" in m.islands

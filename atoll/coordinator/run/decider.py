@@ -100,12 +100,11 @@ async def run_decider(s: RunState) -> None:
     reminder, stalls = Reminder(), StallReport()
     while True:
         timeout = 1.0
+        for island_id in s.membership.forget_silent():
+            s.accumulator.drop_island(island_id)  # (a rank of it may have staged a push)
+            log.info("%sisland %s: gone long, and never committed a push; forgotten (it may join again)",
+                     s.name, island_id)  # fmt: skip
         for rec in s.membership.newly_expired():
-            if s.membership.forget(rec):
-                s.accumulator.drop_island(rec.island_id)  # (a rank of it may have staged a push)
-                log.info("%sisland %s: lease expired before it committed a push; forgotten (it may join again)",
-                         s.name, rec.island_id)  # fmt: skip
-                continue
             log.warning(
                 "%sisland %s: lease expired (%.0fs without a call); not waited for until it is back",
                 s.name,

@@ -18,6 +18,12 @@ from atoll.coordinator.policy.grace import Arrival
 log = logging.getLogger("atoll.coordinator")
 
 
+FORGET_AFTER_LEASES = 10
+FORGET_FLOOR_SECONDS = 60.0
+MAX_SILENT = 256
+"""Gone islands that never committed a push kept at most (:meth:`Membership.forget_silent`)."""
+
+
 class IslandState:
     JOINING = "joining"
     """Joined, has not received θ yet."""
@@ -209,21 +215,30 @@ class Membership:
             r.expiry_logged = True
         return out
 
-    def forget(self, rec: IslandRecord) -> bool:
-        """Drop ``rec`` if its lease ran out before it ever committed a push (True): it holds nothing of
-        the run, and a joiner that never pushes is not kept for good (3,000 of them made /api/status
-        1 MB). Its time while joined still counts in the run's goodput; it joins again if it comes back."""
-        if rec.last_committed_round >= 0 or rec.rounds_committed or rec.lease_expires_at > self.clock():
-            return False
-        if self.islands.get(rec.island_id) is not rec:
-            return False
-        del self.islands[rec.island_id]
-        if rec.goodput is not None:
-            rec.goodput.left_at = rec.lease_expires_at
-            self.past_goodput.append(rec.goodput)
-        if self.bootstrapper == rec.island_id:
-            self.bootstrapper = None
-        return True
+    def forget_silent(self) -> list[str]:
+        """Drop the records of islands that never committed a push and whose lease ran out long ago
+        (:data:`FORGET_AFTER_LEASES` leases, at least :data:`FORGET_FLOOR_SECONDS`), and past
+        :data:`MAX_SILENT` such records the oldest: a joiner that never pushes is not kept for good
+        (3,000 of them made /api/status 1 MB), while one that just went is still named in a stall and can
+        be evicted. Their time while joined still counts in the run's goodput; each joins again if it
+        comes back. Returns their ids."""
+        now = self.clock()
+        silent = sorted(
+            (r for r in self.islands.values() if r.lease_expires_at <= now and not r.rounds_committed
+             and r.last_committed_round < 0 and r.last_entered_round < 0),
+            key=lambda r: r.lease_expires_at,
+        )  # fmt: skip
+        horizon = max(FORGET_AFTER_LEASES * self.lease_seconds(), FORGET_FLOOR_SECONDS)
+        old = [r for r in silent if now - r.lease_expires_at >= horizon]
+        drop = {r.island_id: r for r in [*silent[: max(0, len(silent) - MAX_SILENT)], *old]}
+        for island_id, rec in drop.items():
+            del self.islands[island_id]
+            if rec.goodput is not None:
+                rec.goodput.left_at = rec.lease_expires_at
+                self.past_goodput.append(rec.goodput)
+            if self.bootstrapper == island_id:
+                self.bootstrapper = None
+        return list(drop)
 
     def live(self) -> list[IslandRecord]:
         now = self.clock()
