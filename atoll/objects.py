@@ -426,7 +426,7 @@ class Lease:
             except Conflict:
                 return
             except StoreError as err:  # the store is unreachable: keep trying until the lease runs out
-                left = self.seconds - (self.monotonic() - self._renewed)
+                left = max(self.seconds - (self.monotonic() - self._renewed), 0.0)
                 self.trouble = (
                     f"the store does not answer: the lease was not renewed ({err}); it lapses in {left:.0f} s"
                 )
