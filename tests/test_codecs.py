@@ -500,8 +500,9 @@ def test_property_random_bytes_only_raise_wire_format_error(data, spec):
 
 def test_codec_specs():
     assert available_codecs() == sorted(
-        ["identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "dcttopk", "powersgd"]
+        ["identity", "fp16", "bf16", "int8", "int4", "int2", "topk", "dcttopk", "powersgd", "sparse"]
     )
+    assert get_codec("sparse").spec == "sparse:density=0.0078125,bits=2,chunk=4096"
     assert get_codec("dcttopk:fraction=0.01").spec == "dcttopk:fraction=0.01,values=int8,chunk=64"
     assert get_codec("int8:block=128,scale=fp16").spec == "int8:block=128,scale=fp16"
     assert get_codec("topk:fraction=0.01").spec == "topk:fraction=0.01,values=int8"
@@ -515,6 +516,9 @@ def test_codec_specs():
         ("topk:foo=1", r"bad parameter 'foo=1' \(it takes fraction, values\)"),
         ("dcttopk:chunk=0", "chunk"),
         ("dcttopk:chunk=1000", "chunk"),
+        ("sparse:density=0", "density"),
+        ("sparse:bits=9", "bits"),
+        ("sparse:chunk=4", "chunk"),
     ]:
         with pytest.raises(ValueError, match=msg):
             get_codec(bad)

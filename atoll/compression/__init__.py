@@ -1,7 +1,8 @@
 """Codecs for pseudo-gradients and their wire format.
 
 ``get_codec("int8")``, ``get_codec("int4:block=128,scale=fp16")``, ``get_codec("topk:fraction=0.01")``,
-``get_codec("dcttopk:fraction=0.01")`` (top-k in a block-DCT basis), ``get_codec("powersgd:rank=4")``;
+``get_codec("dcttopk:fraction=0.01")`` (top-k in a block-DCT basis), ``get_codec("powersgd:rank=4")``,
+``get_codec("sparse:density=0.0078125,bits=2,chunk=4096")`` (per-chunk top-k, 2-bit values, compact indices);
 wrap a lossy one in :class:`ErrorFeedback` to carry its error over.
 """
 
@@ -13,6 +14,7 @@ from atoll.compression.cast import Bf16Codec, Fp16Codec, IdentityCodec
 from atoll.compression.dct import DctTopKCodec
 from atoll.compression.feedback import ErrorFeedback
 from atoll.compression.powersgd import PowerSGDCodec
+from atoll.compression.sparse import SparseCodec
 from atoll.compression.topk import TopKCodec
 from atoll.compression.wire import WireFormatError, peek_codec_id
 
@@ -28,6 +30,7 @@ _REGISTRY: dict[str, type[Codec]] = {
         TopKCodec,
         DctTopKCodec,
         PowerSGDCodec,
+        SparseCodec,
     )
 }
 _BY_ID = {cls.codec_id: cls for cls in _REGISTRY.values()}
