@@ -3,8 +3,8 @@ the islands' checkpoints (``--checkpoint-dir s3://...``).
 
 The store is the durable copy; each works on a machine-local copy of it (the coordinator:
 :mod:`~atoll.coordinator.disk.mirror`), so every reader and writer of the files stays as it is.
-This module is the store itself (:class:`ObjectStore`: objects under one prefix) and the one-writer
-rule without a shared disk (:class:`Lease`).
+This module is the store itself (:class:`ObjectStore`: objects under one prefix); the one-writer
+rule without a shared disk is :class:`atoll.lease.Lease`.
 
 Client: boto3. Measured against obstore on SeaweedFS on this 2-core machine (130 MB objects,
 loopback): PUT 0.98 s against 0.80 s, GET 0.27 s against 0.21 s; boto3 was chosen for the
@@ -18,17 +18,11 @@ that URL is ``https://``. boto3 is an optional dependency: ``pip install 'atoll[
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
-import socket
 import tempfile
 import threading
-import time
 import urllib.parse
-import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -245,20 +239,6 @@ class ObjectStore:
             raise store_error(err, self.url, rel) from None
 
 
-def _read_lease(body: bytes, where: str) -> dict:
-    """A lease's JSON, checked: one line naming the object when it is not a lease."""
-    try:
-        held = json.loads(body or b"{}")
-        if not isinstance(held, dict):
-            raise ValueError("not a JSON object")
-        expires = float(held.get("expires", 0))
-        if not math.isfinite(expires):
-            raise ValueError(f"expires {expires}")
-    except (ValueError, TypeError, RecursionError) as err:
-        raise StoreError(f"{where} is not a lease atoll wrote ({err}); if no coordinator runs, delete it") from None
-    return {**held, "expires": expires}
-
-
 def is_loopback(url: str) -> bool:
     return is_loopback_host(urllib.parse.urlparse(url).hostname or "")
 
@@ -321,142 +301,3 @@ def store_error(err, url: str, rel: str) -> StoreError:
     if code == "NoSuchBucket":
         return StoreError(f"{url}: the bucket {url[len(SCHEME) :].partition('/')[0]} does not exist; create it first")
     return StoreError(f"{where}: {type(err).__name__}: {err}")
-
-
-# ---- one writer per run ---------------------------------------------------------------------------
-class Lease:
-    """``prefix/lease.json``, held by one coordinator: created with a create-only PUT, renewed with a
-    PUT conditional on the ETag it last wrote, taken over only once expired, and only by a PUT
-    conditional on the ETag of the expired lease it read: of two coordinators that race for it, one
-    write wins. A holder that fails to renew in time stops writing (:attr:`lost`; ``on_lost``).
-
-    The expiry is the holder's wall clock plus ``seconds``; a contender waits ``skew`` more seconds on
-    its own clock before it calls a lease expired (clocks of the two machines may differ by that;
-    default: 5 s, or half the lease if that is shorter).
-    Log records are written create-only too (:class:`~atoll.coordinator.disk.mirror.Mirror`): even
-    a holder that missed its loss cannot write a round another one wrote."""
-
-    def __init__(
-        self,
-        store: ObjectStore,
-        seconds: float = 30.0,
-        *,
-        skew: float | None = None,
-        clock: Callable[[], float] = time.time,
-        monotonic: Callable[[], float] = time.monotonic,
-        on_lost: Callable[[str], None] | None = None,
-    ) -> None:
-        if not 0 < seconds < math.inf:
-            raise ValueError(f"a lease lasts a finite number of seconds > 0, got {seconds}")
-        # Each lease request is given up after a sixth of the lease, tried once: a renewal attempt then
-        # ends within a third of it, so a store that stalls is heard of (a WARNING, /healthz) well within
-        # the lease, and a lapse is seen when it happens, not when the store answers again.
-        self.store = store.within(max(0.5, seconds / 6))
-        self.seconds, self.clock, self.monotonic, self.on_lost = seconds, clock, monotonic, on_lost
-        self.skew = min(5.0, seconds / 2) if skew is None else skew
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.etag: str | None = None
-        self.lost: str | None = None
-        """Why this coordinator no longer holds the lease (None while it does)."""
-        self.trouble: str | None = None
-        """Why the last renewal failed, while the lease still runs (None: renewed on time)."""
-        self._renewed = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _body(self) -> bytes:
-        now = self.clock()
-        return json.dumps({"owner": self.owner, "expires": now + self.seconds, "seconds": self.seconds}).encode()
-
-    def acquire(self) -> Lease:
-        """Take the lease, or StoreError naming its holder and when it expires."""
-        got = self.store.get(LEASE)
-        started = self.monotonic()
-        try:
-            if got is None:
-                self.etag = self.store.put_bytes(LEASE, self._body(), create_only=True)
-            else:
-                held = _read_lease(got[0], f"{self.store.url}/{LEASE}")
-                expires = held["expires"]
-                left = expires + self.skew - self.clock()
-                if left > 0:
-                    raise StoreError(
-                        f"{self.store.url} is held by coordinator {held.get('owner', '?')} for {left:.0f} s more "
-                        f"(its lease, {self.store.url}/{LEASE}); two coordinators never write one run: stop it, "
-                        "or start this one once the lease has expired"
-                    )
-                self.etag = self.store.put_bytes(LEASE, self._body(), if_match=got[1])
-                if expires:  # (0: given back by a clean stop)
-                    log.warning(
-                        "took over %s from coordinator %s (its lease expired)", self.store.url, held.get("owner")
-                    )
-        except Conflict:
-            raise StoreError(f"{self.store.url}: another coordinator took the lease at the same moment") from None
-        self._renewed = started
-        self._thread = threading.Thread(target=self._renew_loop, name="atoll-lease", daemon=True)
-        self._thread.start()
-        return self
-
-    def check(self) -> None:
-        """StoreError unless the lease is held and was renewed within its time: before a durable write,
-        and again once it is done (a write that outlasted the lease publishes nothing)."""
-        if self.lost is None and self.monotonic() - self._renewed > self.seconds:
-            self._lose(f"the lease was not renewed for {self.monotonic() - self._renewed:.0f} s")
-        if self.lost is not None:
-            raise StoreError(f"{self.store.url}: this coordinator no longer holds the run ({self.lost})")
-
-    def renew(self) -> None:
-        """Extend the lease by a write conditional on the last one (Conflict: someone took it). The
-        lease counts from before the write (its expiry is written then), however long the PUT takes."""
-        started = self.monotonic()
-        try:
-            self.etag = self.store.put_bytes(LEASE, self._body(), if_match=self.etag)
-        except Conflict:
-            self._lose("another coordinator took the lease")
-            raise
-        self._renewed = started
-        if self.trouble is not None:
-            log.warning("renewed the lease on %s again", self.store.url)
-            self.trouble = None
-
-    def _renew_loop(self) -> None:
-        while not self._stop.wait(self.seconds / 3):
-            try:
-                self.renew()
-            except Conflict:
-                return
-            except StoreError as err:  # the store is unreachable: keep trying until the lease runs out
-                left = max(self.seconds - (self.monotonic() - self._renewed), 0.0)
-                self.trouble = (
-                    f"the store does not answer: the lease was not renewed ({err}); it lapses in {left:.0f} s"
-                )
-                log.warning("could not renew the lease on %s (%s); it lapses in %.0f s", self.store.url, err, left)
-                if left <= 0:
-                    self._lose(f"the store was unreachable for {self.seconds:.0f} s")
-                    return
-
-    def lose(self, why: str) -> None:
-        """This coordinator found out otherwise that another one writes the run (a record it was about to
-        write exists): as a failed renewal."""
-        self._lose(why)
-
-    def _lose(self, why: str) -> None:
-        if self.lost is None:
-            self.lost = why
-            log.error("%s: this coordinator lost the run's lease (%s); it stops writing", self.store.url, why)
-            if self.on_lost is not None:
-                self.on_lost(why)
-
-    def release(self) -> None:
-        """Stop renewing and give the lease back (a clean stop: the next coordinator need not wait)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self.lost is None and self.etag is not None:
-            try:  # only our own lease: expire it with a conditional write (a delete is not conditional everywhere)
-                expired = json.dumps({"owner": self.owner, "expires": 0}).encode()
-                self.store.put_bytes(LEASE, expired, if_match=self.etag)
-            except StoreError as err:
-                log.warning("could not give back the lease on %s: %s", self.store.url, err)
-        self.etag = None

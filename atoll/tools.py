@@ -220,7 +220,8 @@ def _rollback(ns: argparse.Namespace, state_dir: Path) -> int:
 def restore_store(ns: argparse.Namespace) -> int:
     """Put the run of a local state dir (a coordinator's working copy whose store lost it) into an object
     store that holds no run: verified first, under the store's lease, each file create-only."""
-    from atoll.objects import Lease, ObjectStore, is_url
+    from atoll.lease import Lease
+    from atoll.objects import ObjectStore, is_url
 
     if not is_url(ns.state_dir):
         raise _fail(f"--state-dir {ns.state_dir!r}: the store to put the run in, s3://BUCKET/PREFIX")

@@ -20,7 +20,8 @@ from atoll.cli import main as cli_main
 from atoll.coordinator.disk.mirror import Mirror
 from atoll.harness.seaweed import free_ports
 from atoll.islands._transport.client import RetryPolicy
-from atoll.objects import LEASE, Conflict, Lease, ObjectStore, StoreError
+from atoll.lease import Lease
+from atoll.objects import LEASE, Conflict, ObjectStore, StoreError
 
 pytestmark = pytest.mark.usefixtures("s3_server")
 

@@ -14,7 +14,8 @@ from test_object_store import run_rounds
 
 from atoll.cli import main as cli_main
 from atoll.coordinator.disk.mirror import Mirror
-from atoll.objects import LEASE, Lease, ObjectStore, StoreError
+from atoll.lease import Lease
+from atoll.objects import LEASE, ObjectStore, StoreError
 
 pytestmark = pytest.mark.usefixtures("s3_server")
 

@@ -5,7 +5,7 @@ With ``--state-dir s3://bucket/prefix`` the coordinator reads and writes its sta
 :mod:`~atoll.coordinator.disk.snapshots`), in a local working dir (``--work-dir``), and the store
 is what survives the machine:
 
-- at start, after taking the run's :class:`~atoll.objects.Lease`, :meth:`Mirror.pull`
+- at start, after taking the run's :class:`~atoll.lease.Lease`, :meth:`Mirror.pull`
   makes the working dir, the coordinator's own marked cache, the store's copy
   (:mod:`~atoll.coordinator.disk.workcopy`), then the restore reads it and checks every file as on a
   local disk;
@@ -31,7 +31,8 @@ from pathlib import Path
 
 from atoll.coordinator.disk import snapshots, workcopy
 from atoll.coordinator.disk.upload import RecordUpload
-from atoll.objects import Conflict, Lease, ObjectStore, StoreError
+from atoll.lease import Lease
+from atoll.objects import Conflict, ObjectStore, StoreError
 
 log = logging.getLogger("atoll.coordinator")
 
