@@ -52,6 +52,14 @@ def layout(n: int, chunk: int, k: int) -> tuple[int, int, int]:
     return full, tail, full * k + min(k, tail)
 
 
+def counts_of(chunks: int, tail: int, k: int) -> np.ndarray:
+    """Values kept in each chunk: ``k``, and ``min(k, tail)`` in a last, shorter chunk."""
+    counts = np.full(chunks, k, dtype=np.int64)
+    if tail:
+        counts[-1] = min(k, tail)
+    return counts
+
+
 def coding_for(chunk: int, k: int) -> int:
     """Offsets or a bitmap, whichever is smaller: k offsets of w bits, or ``chunk`` bits."""
     return OFFSETS if k * offset_bits(chunk) <= chunk else BITMAP
@@ -185,9 +193,7 @@ class SparseCodec(Codec):
     def _indices(self, frame) -> np.ndarray:
         """The kept values' indices in the tensor (int64), checked."""
         (chunk, k, _, coding), full, tail, total, chunks, _, at = self._parts(frame)
-        counts = np.full(chunks, k, dtype=np.int64)
-        if tail:
-            counts[-1] = min(k, tail)
+        counts = counts_of(chunks, tail, k)
         starts = np.arange(chunks, dtype=np.int64) * chunk
         if coding == BITMAP:
             bitmap = np.unpackbits(np.frombuffer(frame.body[at:], dtype=np.uint8), count=frame.numel, bitorder="little")
@@ -211,9 +217,7 @@ class SparseCodec(Codec):
     def _values(self, frame, device) -> torch.Tensor:
         (_, k, bits, _), full, tail, total, chunks, codes_at, _ = self._parts(frame)
         scales = read_tensor(frame.body, torch.float32, chunks)
-        counts = torch.full((chunks,), k, dtype=torch.int64)
-        if tail:
-            counts[-1] = min(k, tail)
+        counts = torch.from_numpy(counts_of(chunks, tail, k))
         codes = torch.from_numpy(unpack_bits(frame.body[codes_at:], total, bits)).to(device)
         level = (1 << bits) - 1
         s = torch.repeat_interleave(scales.to(device), counts.to(device))
@@ -222,9 +226,7 @@ class SparseCodec(Codec):
     def _norm_bound(self, frame):
         (_, k, bits, _), _, tail, _, chunks, _, _ = self._parts(frame)
         scales = read_tensor(frame.body, torch.float32, chunks).to(torch.float64)
-        counts = torch.full((chunks,), float(k), dtype=torch.float64)
-        if tail:
-            counts[-1] = float(min(k, tail))
+        counts = torch.from_numpy(counts_of(chunks, tail, k)).to(torch.float64)
         return norm_bound((scales * counts.sqrt()).to(torch.float32), float((1 << bits) - 1))
 
     def _decode_into(self, frame, out, alpha, accumulate):
