@@ -47,6 +47,15 @@ def downlink_of(codec: str, downlink: str) -> str:
     return downlink
 
 
+def island_argv(name: str, address: str, work: Path, seed: int, rounds: int, a) -> list[str]:
+    return [
+        "island", "--data", str(work.parent / "corpus.bin"), "--coordinator", address, "--island-id", name,
+        "--run-id", "cq", "--inner-lr", "3e-3", "--heartbeat-seconds", "0.5", "--give-up-seconds", "300",
+        "--no-eval-every-round", "--seed", str(seed), "--data-seed", str(1000 * seed + ord(name)),
+        "--batch-size", str(a.batch_size), "--rounds", str(rounds), *a.model_flags.split(),
+    ]  # fmt: skip
+
+
 def run(codec: str, h: int, rounds: int, seed: int, a, work: Path) -> dict:
     work.mkdir(parents=True)
     lossy = codec.split(":")[0] != "identity"
@@ -59,15 +68,7 @@ def run(codec: str, h: int, rounds: int, seed: int, a, work: Path) -> dict:
     t0 = time.monotonic()
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(work / "state", flags)
-        procs = [
-            group.start(name, [
-                "island", "--data", str(work.parent / "corpus.bin"), "--coordinator", address, "--island-id", name,
-                "--run-id", "cq", "--inner-lr", "3e-3", "--heartbeat-seconds", "0.5", "--give-up-seconds", "300",
-                "--no-eval-every-round", "--seed", str(seed), "--data-seed", str(1000 * seed + ord(name)),
-                "--batch-size", str(a.batch_size), "--rounds", str(rounds), *a.model_flags.split(),
-            ])  # fmt: skip
-            for name in names
-        ]
+        procs = [group.start(name, island_argv(name, address, work, seed, rounds, a)) for name in names]
         for p in procs:
             if p.wait(timeout=a.timeout) != 0:
                 raise RuntimeError(f"island {p.name} exited with {p.poll()}:\n{p.log_tail()}")
