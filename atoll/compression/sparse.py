@@ -1,19 +1,30 @@
 """``sparse``: per-chunk top-k, values in a few bits, compact indices (SparseLoCo's recipe).
 
-Each chunk of ``chunk`` consecutive values keeps its ``k = round(density * chunk)`` largest magnitudes
-(a last, shorter chunk keeps ``min(k, its length)``). The kept values are quantised to ``bits`` bits on
-odd levels ``(2j - L) * s``, ``L = 2^bits - 1``, ``s`` = the chunk's largest kept magnitude / L (2 bits:
-±s, ±3s; no zero: a value sits on a level at most s away, and error feedback carries the rest). Each
-index is its offset in its chunk in ``w = bit_length(chunk - 1)`` bits, or the chunk's bitmap where
-that is smaller (a density above 1/w): both fixed for a spec and a shape, so the payload's size is
-known before it is encoded, as a push header declares it.
+Each chunk of ``chunk`` consecutive values keeps its ``k = round(density * chunk)`` largest magnitudes;
+a last, shorter chunk of ``t`` values keeps its share, ``max(1, round(k * t / chunk))`` (at most ``t``).
+The kept values are quantised to ``bits`` bits on odd levels ``(2j - L) * s``, ``L = 2^bits - 1``,
+``s`` = the chunk's largest kept magnitude / L rounded to bfloat16 (2 bits: ±s, ±3s; no zero: a value
+sits on a level at most s away, and error feedback carries the rest).
 
-Body: the chunks' scales (fp32), the codes (``bits`` each), then the offsets (``w`` bits each) or the
-bitmap (one bit per value), each packed little-end-first. Params: ``chunk, k, bits, coding``.
+The indices, sorted in each chunk, are coded in whichever of three fixed-size forms is smallest for
+the chunk and ``k`` (fixed for a spec and a shape, so the payload's size is known before it is
+encoded, as a push header declares it):
+
+- Elias-Fano (the default's: 9 bits an index at 1/128 of 4096): each offset's ``l = floor(log2(chunk
+  / k))`` low bits as they are, and its high part ``h = offset >> l`` in unary, as the set bit ``h + i``
+  (the i-th offset of the chunk) of the chunk's ``count + ((length - 1) >> l) + 1`` bits: the Rice code
+  of the sorted gaps, laid out so every chunk takes the same bits;
+- offsets: ``w = bit_length(chunk - 1)`` bits each;
+- a bitmap: one bit a value (from a density of about 1/w up).
+
+Body: the chunks' scales (bfloat16), the codes (``bits`` each), then the indices: Elias-Fano's low
+bits of every index, then every chunk's high bits; or the offsets; or the bitmap. Each packed
+little-end-first. Params: ``chunk, k, bits, coding``.
 
 Decoding adds ``K`` values at their indices (O(K), not O(numel)). Every size-like field is checked
 against the tensor's size and the body's length before anything is allocated for it, and the indices
-are checked inside their chunks and strictly increasing (the bitmap: exactly ``k`` set a chunk).
+are checked inside their chunks and strictly increasing (Elias-Fano and the bitmap: exactly each
+chunk's count of bits set in its span).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import torch
 
 from atoll.compression.base import (
     Codec,
+    chunk_elems,
     expect_body,
     expect_params,
     norm_bound,
@@ -38,7 +50,8 @@ from atoll.compression.base import (
 from atoll.compression.wire import WireFormatError
 
 _PARAMS = struct.Struct("<IIBB")  # chunk, k, bits, coding
-OFFSETS, BITMAP = 0, 1
+OFFSETS, BITMAP, ELIAS_FANO = 0, 1, 2
+CODINGS = (OFFSETS, BITMAP, ELIAS_FANO)
 MAX_CHUNK = 1 << 20
 
 
@@ -46,42 +59,74 @@ def offset_bits(chunk: int) -> int:
     return max(1, (chunk - 1).bit_length())
 
 
-def layout(n: int, chunk: int, k: int) -> tuple[int, int, int]:
-    """(full chunks, the last chunk's length (0: none), values kept in all: K)."""
-    full, tail = divmod(n, chunk)
-    return full, tail, full * k + min(k, tail)
+def low_bits(chunk: int, k: int) -> int:
+    """Elias-Fano's low bits an index: ``floor(log2(chunk / k))``."""
+    return max(1, chunk // k).bit_length() - 1
 
 
-def counts_of(chunks: int, tail: int, k: int) -> np.ndarray:
-    """Values kept in each chunk: ``k``, and ``min(k, tail)`` in a last, shorter chunk."""
-    counts = np.full(chunks, k, dtype=np.int64)
-    if tail:
-        counts[-1] = min(k, tail)
-    return counts
+def tail_count(k: int, chunk: int, tail: int) -> int:
+    """Values a last chunk of ``tail`` values keeps: its share of ``k``, at least one."""
+    return min(tail, max(1, (k * tail + chunk // 2) // chunk))
+
+
+class Layout:
+    """Where everything lies in the body of a payload of ``n`` values (params ``chunk, k, bits,
+    coding``), all from integers already bounded."""
+
+    def __init__(self, n: int, chunk: int, k: int, bits: int, coding: int) -> None:
+        self.n, self.chunk, self.k, self.bits, self.coding = n, chunk, k, bits, coding
+        self.full, self.tail = divmod(n, chunk)
+        self.tail_k = tail_count(k, chunk, self.tail) if self.tail else 0
+        self.chunks = self.full + (1 if self.tail else 0)
+        self.total = self.full * k + self.tail_k
+        self.low = low_bits(chunk, k)
+        self.span = k + ((chunk - 1) >> self.low) + 1  # Elias-Fano's high bits of a full chunk
+        self.tail_span = self.tail_k + ((self.tail - 1) >> self.low) + 1 if self.tail else 0
+        self.codes_at = 2 * self.chunks
+        self.index_at = self.codes_at + -(-self.total * bits // 8)
+        if coding == OFFSETS:
+            index_bits = self.total * offset_bits(chunk)
+        elif coding == BITMAP:
+            index_bits = n
+        else:
+            self.high_at = self.index_at + -(-self.total * self.low // 8)
+            index_bits = 8 * (self.high_at - self.index_at) + self.full * self.span + self.tail_span
+        self.body_len = self.index_at + -(-index_bits // 8)
+
+    def counts(self) -> np.ndarray:
+        counts = np.full(self.chunks, self.k, dtype=np.int64)
+        if self.tail:
+            counts[-1] = self.tail_k
+        return counts
+
+
+def chunk_bits(chunk: int, k: int, coding: int) -> int:
+    if coding == OFFSETS:
+        return k * offset_bits(chunk)
+    if coding == BITMAP:
+        return chunk
+    low = low_bits(chunk, k)
+    return k * low + k + ((chunk - 1) >> low) + 1
 
 
 def coding_for(chunk: int, k: int) -> int:
-    """Offsets or a bitmap, whichever is smaller: k offsets of w bits, or ``chunk`` bits."""
-    return OFFSETS if k * offset_bits(chunk) <= chunk else BITMAP
-
-
-def body_len(n: int, chunk: int, k: int, bits: int, coding: int) -> int:
-    full, tail, total = layout(n, chunk, k)
-    chunks = full + (1 if tail else 0)
-    index_bytes = -(-total * offset_bits(chunk) // 8) if coding == OFFSETS else -(-n // 8)
-    return 4 * chunks + -(-total * bits // 8) + index_bytes
+    """The smallest coding of a chunk's ``k`` indices (Elias-Fano first on a tie, then offsets)."""
+    return min((ELIAS_FANO, OFFSETS, BITMAP), key=lambda c: chunk_bits(chunk, k, c))
 
 
 def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
-    """Non-negative integers below 2^width, ``width`` bits each, packed little-end-first."""
-    shifts = np.arange(width, dtype=np.int64)
-    bits = ((values.astype(np.int64)[:, None] >> shifts) & 1).astype(np.uint8)
-    return np.packbits(bits.reshape(-1), bitorder="little")
+    """Non-negative integers below 2^width (width <= 16), ``width`` bits each, packed little-end-first."""
+    bits = np.unpackbits(values.astype("<u2").view(np.uint8), bitorder="little").reshape(-1, 16)
+    return np.packbits(bits[:, :width], bitorder="little")
 
 
 def unpack_bits(buf: memoryview, count: int, width: int) -> np.ndarray:
-    bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), count=count * width, bitorder="little")
-    return (bits.reshape(count, width).astype(np.int64) << np.arange(width, dtype=np.int64)).sum(axis=1)
+    """``count`` integers of ``width`` bits (<= 16) packed little-end-first, as int64."""
+    bits = np.zeros((count, 16), dtype=np.uint8)
+    bits[:, :width] = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), count=count * width, bitorder="little").reshape(
+        count, width
+    )
+    return np.packbits(bits, axis=1, bitorder="little").view("<u2").reshape(-1).astype(np.int64)
 
 
 class SparseCodec(Codec):
@@ -98,142 +143,173 @@ class SparseCodec(Codec):
             raise ValueError(f"sparse: chunk must be in 8..{MAX_CHUNK}, got {chunk}")
         self.density, self.bits, self.chunk = density, bits, chunk
         self.k = min(chunk, max(1, round(density * chunk)))
+        self.coding = coding_for(chunk, self.k)
 
     @property
     def spec(self) -> str:
         return f"sparse:density={self.density:g},bits={self.bits},chunk={self.chunk}"
 
+    def layout(self, n: int) -> Layout:
+        return Layout(n, self.chunk, self.k, self.bits, self.coding)
+
     # ---- encoding ---------------------------------------------------------------------------------
-    def _select(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sorted offsets in their chunks, the kept values, each chunk's count), on ``flat``'s device."""
-        n, c, k = flat.numel(), self.chunk, self.k
-        full, tail, _ = layout(n, c, k)
-        offsets, values, counts = [], [], []
-        if full:
-            x = flat.narrow(0, 0, full * c).view(full, c)
-            top = torch.topk(x.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
-            offsets.append(top.reshape(-1))
-            values.append(torch.gather(x, 1, top).reshape(-1))
-            counts += [k] * full
-        if tail:
-            t = flat.narrow(0, full * c, tail)
-            kt = min(k, tail)
-            top = torch.topk(t.abs(), kt, sorted=False).indices.sort().values
-            offsets.append(top)
-            values.append(t[top])
-            counts.append(kt)
-        device = flat.device
-
-        def cat(xs, dtype):
-            return torch.cat(xs) if xs else torch.empty(0, dtype=dtype, device=device)
-
-        return cat(offsets, torch.int64), cat(values, torch.float32), torch.tensor(counts, device=device)
-
     def _encode(self, flat, shape, state):
-        n, coding = flat.numel(), coding_for(self.chunk, self.k)
-        params = _PARAMS.pack(self.chunk, self.k, self.bits, coding)
+        lay = self.layout(flat.numel())
+        params = _PARAMS.pack(self.chunk, self.k, self.bits, self.coding)
 
         def write(body: memoryview) -> None:
-            offsets, values, counts = self._select(flat)
+            offsets, values, scales, per_value = self._select(flat, lay)
             level = (1 << self.bits) - 1
-            chunk_of = torch.repeat_interleave(torch.arange(counts.numel(), device=flat.device), counts)
-            top = torch.zeros(counts.numel(), device=flat.device).scatter_reduce_(
-                0, chunk_of, values.abs(), reduce="amax", include_self=True
-            )
-            scales = top / level
-            s = scales[chunk_of]
-            q = torch.where(s > 0, values / torch.where(s > 0, s, 1.0), 0.0)
-            codes = torch.round((q + level) / 2).clamp_(0, level).to(torch.int64)
-            pos = 0
-            to_host(write_tensor(body, torch.float32, counts.numel()), scales)
-            pos += 4 * counts.numel()
-            packed = pack_bits(codes.cpu().numpy(), self.bits)  # (payload-sized: the host packs the bits)
-            body[pos : pos + packed.nbytes] = packed.tobytes()
-            pos += packed.nbytes
-            if coding == OFFSETS:
-                packed = pack_bits(offsets.cpu().numpy(), offset_bits(self.chunk))
+            q = torch.where(per_value > 0, values / torch.where(per_value > 0, per_value, 1.0), 0.0)
+            codes = torch.round((q + level) / 2).clamp_(0, level).to(torch.uint8)
+            to_host(write_tensor(body, torch.bfloat16, lay.chunks), scales)
+            host_offsets = offsets.cpu().numpy()  # (payload-sized: the host packs the bits)
+            self._put(body, lay.codes_at, pack_bits(codes.cpu().numpy(), self.bits))
+            if lay.coding == OFFSETS:
+                self._put(body, lay.index_at, pack_bits(host_offsets, offset_bits(self.chunk)))
+            elif lay.coding == BITMAP:
+                bitmap = np.zeros(lay.n, dtype=np.uint8)
+                bitmap[host_offsets + self._starts(lay)] = 1
+                self._put(body, lay.index_at, np.packbits(bitmap, bitorder="little"))
             else:
-                starts = torch.arange(counts.numel(), device=flat.device) * self.chunk
-                bitmap = np.zeros(n, dtype=np.uint8)
-                bitmap[(offsets + starts[chunk_of]).cpu().numpy()] = 1
-                packed = np.packbits(bitmap, bitorder="little")
-            body[pos : pos + packed.nbytes] = packed.tobytes()
+                self._put(body, lay.index_at, pack_bits(host_offsets & ((1 << lay.low) - 1), lay.low))
+                high = np.zeros(8 * (lay.body_len - lay.high_at), dtype=np.uint8)
+                high[(host_offsets >> lay.low) + self._high_base(lay)] = 1
+                self._put(body, lay.high_at, np.packbits(high, bitorder="little"))
 
-        return params, body_len(n, self.chunk, self.k, self.bits, coding), write
+        return params, lay.body_len, write
+
+    @staticmethod
+    def _put(body: memoryview, at: int, packed: np.ndarray) -> None:
+        body[at : at + packed.nbytes] = packed.tobytes()
+
+    def _select(self, flat: torch.Tensor, lay: Layout):
+        """(offsets sorted in their chunks (int64), the kept values, each chunk's scale (bf16), each
+        kept value's scale (fp32)), flat, on ``flat``'s device. Chunks are chosen a cache-sized block
+        of them at a time (one kernel on an accelerator), their magnitudes in one reused buffer."""
+        level = (1 << self.bits) - 1
+        offsets = torch.empty(lay.total, dtype=torch.int64, device=flat.device)
+        values = torch.empty(lay.total, device=flat.device)
+        scales = torch.empty(lay.chunks, dtype=torch.bfloat16, device=flat.device)
+        per_value = torch.empty(lay.total, device=flat.device)
+        block = max(1, chunk_elems(flat.device) // lay.chunk)
+        magnitudes = torch.empty(min(block, max(1, lay.full)) * lay.chunk, device=flat.device)
+        row, kept = 0, 0
+        for start, rows, length, keep in self._groups(lay):
+            for first in range(0, rows, block):
+                n = min(block, rows - first)
+                x = flat.narrow(0, start + first * length, n * length).view(n, length)
+                mag = torch.abs(x, out=magnitudes[: n * length].view(n, length))
+                top = torch.topk(mag, keep, dim=1, sorted=False).indices.sort(dim=1).values
+                v = torch.gather(x, 1, top)
+                s = scales.narrow(0, row, n)
+                s.copy_(v.abs().amax(dim=1).div_(level))  # rounded to bfloat16 as it is stored
+                offsets.narrow(0, kept, n * keep).copy_(top.view(-1))
+                values.narrow(0, kept, n * keep).copy_(v.view(-1))
+                per_value.narrow(0, kept, n * keep).view(n, keep).copy_(s[:, None])
+                row, kept = row + n, kept + n * keep
+        return offsets, values, scales, per_value
+
+    @staticmethod
+    def _groups(lay: Layout):
+        """(first value, chunks, chunk length, values kept a chunk) of the full chunks and the last one."""
+        if lay.full:
+            yield 0, lay.full, lay.chunk, lay.k
+        if lay.tail:
+            yield lay.full * lay.chunk, 1, lay.tail, lay.tail_k
+
+    @staticmethod
+    def _starts(lay: Layout) -> np.ndarray:
+        """Each kept value's chunk's first index in the tensor."""
+        return np.repeat(np.arange(lay.chunks, dtype=np.int64) * lay.chunk, lay.counts())
+
+    @staticmethod
+    def _high_base(lay: Layout) -> np.ndarray:
+        """Each kept value's bit in its chunk's Elias-Fano high bits but for its high part: the chunk's
+        first bit plus the value's rank in its chunk."""
+        base = np.repeat(np.arange(lay.full, dtype=np.int64) * lay.span, lay.k).reshape(lay.full, lay.k)
+        base += np.arange(lay.k, dtype=np.int64)
+        tail = lay.full * lay.span + np.arange(lay.tail_k, dtype=np.int64)
+        return np.concatenate([base.reshape(-1), tail])
 
     def _sizes(self, shape):
-        n = math.prod(shape)
-        return _PARAMS.size, body_len(n, self.chunk, self.k, self.bits, coding_for(self.chunk, self.k))
+        return _PARAMS.size, self.layout(math.prod(shape)).body_len
 
     # ---- decoding ---------------------------------------------------------------------------------
-    def _params(self, frame) -> tuple[int, int, int, int]:
+    def _layout_of(self, frame) -> Layout:
         chunk, k, bits, coding = expect_params(frame, _PARAMS, self.name)
-        if not 8 <= chunk <= MAX_CHUNK or not 1 <= k <= chunk or not 1 <= bits <= 8 or coding not in (OFFSETS, BITMAP):
+        if not 8 <= chunk <= MAX_CHUNK or not 1 <= k <= chunk or not 1 <= bits <= 8 or coding not in CODINGS:
             raise WireFormatError(f"sparse: bad params chunk={chunk} k={k} bits={bits} coding={coding}")
-        return chunk, k, bits, coding
+        return Layout(frame.numel, chunk, k, bits, coding)
 
     def _check(self, frame):
-        chunk, k, bits, coding = self._params(frame)
-        expect_body(frame, body_len(frame.numel, chunk, k, bits, coding), self.name)
-        self._indices(frame)  # inside their chunks, strictly increasing (the bitmap: k set in each)
+        lay = self._layout_of(frame)
+        expect_body(frame, lay.body_len, self.name)
+        self._indices(frame, lay)  # inside their chunks, strictly increasing, each chunk's count
 
     def _conforms(self, frame):
-        chunk, k, bits, coding = self._params(frame)
-        if (chunk, k, bits, coding) != (self.chunk, self.k, self.bits, coding_for(self.chunk, self.k)):
-            raise WireFormatError(f"sparse: chunk={chunk} k={k} bits={bits} coding={coding}, not the run's {self.spec}")
+        lay = self._layout_of(frame)
+        if (lay.chunk, lay.k, lay.bits, lay.coding) != (self.chunk, self.k, self.bits, self.coding):
+            raise WireFormatError(
+                f"sparse: chunk={lay.chunk} k={lay.k} bits={lay.bits} coding={lay.coding}, not the run's {self.spec}"
+            )
 
-    def _parts(self, frame):
-        """(params, full chunks, tail, K, the chunk count, each part's byte offset in the body)."""
-        chunk, k, bits, coding = self._params(frame)
-        full, tail, total = layout(frame.numel, chunk, k)
-        chunks = full + (1 if tail else 0)
-        codes_at = 4 * chunks
-        return (chunk, k, bits, coding), full, tail, total, chunks, codes_at, codes_at + -(-total * bits // 8)
-
-    def _indices(self, frame) -> np.ndarray:
+    def _indices(self, frame, lay: Layout) -> np.ndarray:
         """The kept values' indices in the tensor (int64), checked."""
-        (chunk, k, _, coding), full, tail, total, chunks, _, at = self._parts(frame)
-        counts = counts_of(chunks, tail, k)
-        starts = np.arange(chunks, dtype=np.int64) * chunk
-        if coding == BITMAP:
-            bitmap = np.unpackbits(np.frombuffer(frame.body[at:], dtype=np.uint8), count=frame.numel, bitorder="little")
+        body, total = frame.body, lay.total
+        if lay.coding == BITMAP:
+            bitmap = np.unpackbits(np.frombuffer(body[lay.index_at :], dtype=np.uint8), count=lay.n, bitorder="little")
             index = np.flatnonzero(bitmap)
-            per = np.bincount(index // chunk, minlength=chunks) if index.size else np.zeros(chunks, dtype=np.int64)
-            if index.size != total or not np.array_equal(per, counts):
+            per = np.bincount(index // lay.chunk, minlength=lay.chunks) if index.size else np.zeros(0, dtype=np.int64)
+            if index.size != total or not np.array_equal(per, lay.counts()):
                 raise WireFormatError("sparse: the bitmap's counts disagree with the header")
             return index
-        offsets = unpack_bits(frame.body[at:], total, offset_bits(chunk))
-        chunk_of = np.repeat(np.arange(chunks, dtype=np.int64), counts)
-        lengths = np.full(chunks, chunk, dtype=np.int64)
-        if tail:
-            lengths[-1] = tail
-        if total and (offsets >= lengths[chunk_of]).any():
-            raise WireFormatError("sparse: an index lies outside its chunk")
-        same = chunk_of[1:] == chunk_of[:-1]
-        if total > 1 and (offsets[1:][same] <= offsets[:-1][same]).any():
-            raise WireFormatError("sparse: indices must be strictly increasing in their chunk")
-        return starts[chunk_of] + offsets
+        if lay.coding == OFFSETS:
+            offsets = unpack_bits(body[lay.index_at :], total, offset_bits(lay.chunk))
+        else:
+            high_bits = lay.full * lay.span + lay.tail_span
+            high = np.unpackbits(np.frombuffer(body[lay.high_at :], dtype=np.uint8), count=high_bits, bitorder="little")
+            at = np.flatnonzero(high)
+            if at.size != total:
+                raise WireFormatError(f"sparse: {at.size} Elias-Fano high bits set, the header says {total}")
+            base = self._high_base(lay)  # a chunk's bits lie from its base (rank 0) on, before the next's
+            ends = np.repeat(np.arange(1, lay.chunks + 1, dtype=np.int64) * lay.span, lay.counts())
+            if lay.tail:
+                ends[lay.full * lay.k :] = high_bits
+            if total and ((at < base).any() or (at >= ends).any()):
+                raise WireFormatError("sparse: a chunk's Elias-Fano high bits disagree with its count")
+            offsets = ((at - base) << lay.low) | unpack_bits(body[lay.index_at :], total, lay.low)
+        self._check_offsets(offsets, lay)
+        return offsets + self._starts(lay)
 
-    def _values(self, frame, device) -> torch.Tensor:
-        (_, k, bits, _), full, tail, total, chunks, codes_at, _ = self._parts(frame)
-        scales = read_tensor(frame.body, torch.float32, chunks)
-        counts = torch.from_numpy(counts_of(chunks, tail, k))
-        codes = torch.from_numpy(unpack_bits(frame.body[codes_at:], total, bits)).to(device)
-        level = (1 << bits) - 1
-        s = torch.repeat_interleave(scales.to(device), counts.to(device))
-        return (2 * codes - level).to(torch.float32) * s
+    @staticmethod
+    def _check_offsets(offsets: np.ndarray, lay: Layout) -> None:
+        for begin, (_, rows, length, keep) in zip((0, lay.full * lay.k), SparseCodec._groups(lay), strict=False):
+            part = offsets[begin : begin + rows * keep].reshape(rows, keep)
+            if (part >= length).any():
+                raise WireFormatError("sparse: an index lies outside its chunk")
+            if keep > 1 and (part[:, 1:] <= part[:, :-1]).any():
+                raise WireFormatError("sparse: indices must be strictly increasing in their chunk")
+
+    def _values(self, frame, lay: Layout, device) -> torch.Tensor:
+        scales = read_tensor(frame.body, torch.bfloat16, lay.chunks).to(device=device, dtype=torch.float32)
+        counts = torch.from_numpy(lay.counts()).to(device)
+        codes = torch.from_numpy(unpack_bits(frame.body[lay.codes_at :], lay.total, lay.bits)).to(device)
+        level = (1 << lay.bits) - 1
+        return (2 * codes.to(torch.float32) - level) * torch.repeat_interleave(scales, counts)
 
     def _norm_bound(self, frame):
-        (_, k, bits, _), _, tail, _, chunks, _, _ = self._parts(frame)
-        scales = read_tensor(frame.body, torch.float32, chunks).to(torch.float64)
-        counts = torch.from_numpy(counts_of(chunks, tail, k)).to(torch.float64)
-        return norm_bound((scales * counts.sqrt()).to(torch.float32), float((1 << bits) - 1))
+        lay = self._layout_of(frame)
+        scales = read_tensor(frame.body, torch.bfloat16, lay.chunks).to(torch.float64)
+        counts = torch.from_numpy(lay.counts()).to(torch.float64)
+        return norm_bound((scales * counts.sqrt()).to(torch.float32), float((1 << lay.bits) - 1))
 
     def _decode_into(self, frame, out, alpha, accumulate):
-        index = torch.from_numpy(self._indices(frame)).to(out.device)
-        values = self._values(frame, out.device)
+        lay = self._layout_of(frame)
+        index = torch.from_numpy(self._indices(frame, lay)).to(out.device)
+        values = self._values(frame, lay, out.device)
         if accumulate:
             out.index_add_(0, index, weighted(values, alpha))  # O(K): only what the payload holds
         else:
             out.zero_()
-            out[index] = values
+            out[index] = weighted(values, alpha)
