@@ -12,7 +12,7 @@ import torch
 from conftest import exact_config
 
 from atoll.compression import codec_of, get_codec
-from atoll.compression.sparse import BITMAP, ELIAS_FANO, OFFSETS, pack_bits
+from atoll.compression.sparse import BITMAP, ELIAS_FANO, OFFSETS, pack_bits, unpack_bits
 from atoll.compression.wire import WireFormatError, pack, unpack
 from atoll.protos import coordinator_pb2 as pb
 
@@ -92,6 +92,18 @@ def test_a_3m_parameter_gpt_takes_300x_fewer_bytes_than_fp32():
     payloads = sum(codec.encoded_size(tuple(p.shape)) for p in model.parameters())
     assert numel > 3_000_000
     assert 4 * numel / (payloads + 32 * len(list(model.parameters()))) >= 300
+
+
+@pytest.mark.parametrize("width", range(1, 17))
+def test_bits_pack_little_end_first_and_back(width):
+    """Every width a field may take, against NumPy's bit by bit packing, for counts that end mid-byte."""
+    rng = np.random.default_rng(width)
+    for count in (1, 7, 8, 9, 1001):
+        values = rng.integers(0, 1 << width, count)
+        bits = ((values[:, None] >> np.arange(width)) & 1).astype(np.uint8).reshape(-1)
+        want = np.packbits(bits, bitorder="little")
+        np.testing.assert_array_equal(pack_bits(values, width), want)
+        np.testing.assert_array_equal(unpack_bits(memoryview(want.tobytes()), count, width), values)
 
 
 PARAMS = struct.Struct("<IIBB")

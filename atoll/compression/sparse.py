@@ -114,19 +114,51 @@ def coding_for(chunk: int, k: int) -> int:
     return min((ELIAS_FANO, OFFSETS, BITMAP), key=lambda c: chunk_bits(chunk, k, c))
 
 
+def _group(width: int) -> tuple[int, int]:
+    """(values, bytes) of the smallest run of ``width``-bit values that ends on a byte."""
+    values = 8 // math.gcd(width, 8)
+    return values, values * width // 8
+
+
 def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
-    """Non-negative integers below 2^width (width <= 16), ``width`` bits each, packed little-end-first."""
-    bits = np.unpackbits(values.astype("<u2").view(np.uint8), bitorder="little").reshape(-1, 16)
-    return np.packbits(bits[:, :width], bitorder="little")
+    """Non-negative integers below 2^width (width <= 16), ``width`` bits each, packed little-end-first:
+    a run of values that ends on a byte at a time, as one 64-bit word, where one fits."""
+    count, (per, nbytes) = values.size, _group(width)
+    if nbytes > 8:  # 9, 11, 13, 15 bits: bit by bit
+        bits = np.unpackbits(values.astype("<u2").view(np.uint8), bitorder="little").reshape(-1, 16)
+        return np.packbits(bits[:, :width], bitorder="little")
+    groups = -(-count // per)
+    v = np.zeros(groups * per, dtype=np.uint64)
+    v[:count] = values
+    shifts = np.arange(per, dtype=np.uint64) * np.uint64(width)
+    words = np.bitwise_or.reduce(v.reshape(groups, per) << shifts, axis=1).astype("<u8")
+    return words.view(np.uint8).reshape(groups, 8)[:, :nbytes].reshape(-1)[: -(-count * width // 8)]
 
 
 def unpack_bits(buf: memoryview, count: int, width: int) -> np.ndarray:
-    """``count`` integers of ``width`` bits (<= 16) packed little-end-first, as int64."""
-    bits = np.zeros((count, 16), dtype=np.uint8)
-    bits[:, :width] = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), count=count * width, bitorder="little").reshape(
-        count, width
-    )
-    return np.packbits(bits, axis=1, bitorder="little").view("<u2").reshape(-1).astype(np.int64)
+    """``count`` integers of ``width`` bits (<= 16) packed little-end-first (uint8 or uint16)."""
+    raw, (per, nbytes) = np.frombuffer(buf, dtype=np.uint8), _group(width)
+    used = -(-count * width // 8)
+    dtype = np.uint8 if width <= 8 else np.uint16
+    mask = (1 << width) - 1
+    if nbytes > 8:  # each value from the 3 bytes it lies in
+        padded = np.zeros(used + 3, dtype=np.uint8)
+        padded[:used] = raw[:used]
+        pos = np.arange(count, dtype=np.int64) * width
+        at = pos >> 3
+        word = (
+            padded[at].astype(np.uint32)
+            | padded[at + 1].astype(np.uint32) << 8
+            | padded[at + 2].astype(np.uint32) << 16
+        )
+        return ((word >> (pos & 7).astype(np.uint32)) & mask).astype(dtype)
+    groups = -(-count // per)
+    words = np.zeros((groups, 8), dtype=np.uint8)
+    flat = np.zeros(groups * nbytes, dtype=np.uint8)
+    flat[:used] = raw[:used]
+    words[:, :nbytes] = flat.reshape(groups, nbytes)
+    shifts = np.arange(per, dtype=np.uint64) * np.uint64(width)
+    return ((words.view("<u8") >> shifts) & np.uint64(mask)).reshape(-1)[:count].astype(dtype)
 
 
 class SparseCodec(Codec):
