@@ -58,7 +58,7 @@ def test_a_body_that_does_not_come_is_answered_408(start_server):
         with socket.create_connection(("127.0.0.1", admin.port), timeout=10) as s:
             s.sendall(
                 b"POST /api/config HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n"
-                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"quorum\""
+                b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"quorum"'
             )
             answer = s.recv(4096)
         assert answer.startswith(b"HTTP/1.1 408"), answer[:80]

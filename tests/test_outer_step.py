@@ -110,7 +110,7 @@ def test_momentum_is_persisted_and_pull_full_is_bitwise(start_server, raw_island
 
 
 # ---- the outer step ---------------------------------------------------------------------------
-@pytest.mark.parametrize("downlink", ["identity", "int8"])
+@pytest.mark.parametrize("downlink", ["identity", "int8", "sparse", "sparse:density=0.05,chunk=64"])
 def test_outer_step_in_place_matches_numpy(downlink):
     rng = np.random.default_rng(0)
     shapes = {"w": (5, 3), "bn.running_mean": (3,)}
@@ -145,7 +145,9 @@ def test_outer_step_in_place_matches_numpy(downlink):
     np.testing.assert_allclose(opt.buffers["w"].numpy(), g["w"], atol=1e-6)
 
 
-@pytest.mark.parametrize("downlink", ["identity", "int8", "int4", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "downlink", ["identity", "int8", "int4", "bf16", "fp16", "sparse", "sparse:density=0.05,chunk=64"]
+)
 def test_outer_step_made_chunk_by_chunk_is_bitwise_the_whole_tensor_one(downlink):
     """A chunked codec gets each tensor's outer step a cache-sized chunk at a time (one pass over θ,
     momentum and the error feedback instead of ten): θ_{r+1}, the payloads, the momentum and the

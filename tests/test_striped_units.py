@@ -68,8 +68,11 @@ async def receive(sends: list[list[bytes]], declared: int, take: int):
 
 def test_units_in_order_over_two_connections_arrive_whole():
     got, error, _ = asyncio.run(
-        receive([[unit(0, MiB, 1), unit(2 * MiB, MiB, 3), UNIT.pack(END, 0)], [unit(MiB, MiB, 2), UNIT.pack(END, 0)]],
-                declared=3 * MiB, take=3 * MiB)  # fmt: skip
+        receive(
+            [[unit(0, MiB, 1), unit(2 * MiB, MiB, 3), UNIT.pack(END, 0)], [unit(MiB, MiB, 2), UNIT.pack(END, 0)]],
+            declared=3 * MiB,
+            take=3 * MiB,
+        )  # fmt: skip
     )
     assert error is None and got == bytes([1]) * MiB + bytes([2]) * MiB + bytes([3]) * MiB
 

@@ -43,6 +43,8 @@ from atoll.compression.base import (
     expect_params,
     norm_bound,
     read_tensor,
+    report,
+    span,
     to_host,
     weighted,
     write_tensor,
@@ -184,16 +186,17 @@ class SparseCodec(Codec):
     def layout(self, n: int) -> Layout:
         return Layout(n, self.chunk, self.k, self.bits, self.coding)
 
+    @property
+    def chunked_input(self) -> bool:
+        return True  # chunks are encoded independently, a cache-sized block of them at a time
+
     # ---- encoding ---------------------------------------------------------------------------------
     def _encode(self, flat, shape, state):
         lay = self.layout(flat.numel())
         params = _PARAMS.pack(self.chunk, self.k, self.bits, self.coding)
 
         def write(body: memoryview) -> None:
-            offsets, values, scales, per_value = self._select(flat, lay)
-            level = (1 << self.bits) - 1
-            q = torch.where(per_value > 0, values / torch.where(per_value > 0, per_value, 1.0), 0.0)
-            codes = torch.round((q + level) / 2).clamp_(0, level).to(torch.uint8)
+            offsets, codes, scales = self._select(flat, lay)
             to_host(write_tensor(body, torch.bfloat16, lay.chunks), scales)
             host_offsets = offsets.cpu().numpy()  # (payload-sized: the host packs the bits)
             self._put(body, lay.codes_at, pack_bits(codes.cpu().numpy(), self.bits))
@@ -215,32 +218,41 @@ class SparseCodec(Codec):
     def _put(body: memoryview, at: int, packed: np.ndarray) -> None:
         body[at : at + packed.nbytes] = packed.tobytes()
 
-    def _select(self, flat: torch.Tensor, lay: Layout):
-        """(offsets sorted in their chunks (int64), the kept values, each chunk's scale (bf16), each
-        kept value's scale (fp32)), flat, on ``flat``'s device. Chunks are chosen a cache-sized block
-        of them at a time (one kernel on an accelerator), their magnitudes in one reused buffer."""
-        level = (1 << self.bits) - 1
-        offsets = torch.empty(lay.total, dtype=torch.int64, device=flat.device)
-        values = torch.empty(lay.total, device=flat.device)
-        scales = torch.empty(lay.chunks, dtype=torch.bfloat16, device=flat.device)
-        per_value = torch.empty(lay.total, device=flat.device)
-        block = max(1, chunk_elems(flat.device) // lay.chunk)
-        magnitudes = torch.empty(min(block, max(1, lay.full)) * lay.chunk, device=flat.device)
+    def _select(self, flat, lay: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(offsets sorted in their chunks (int64), their codes (uint8), each chunk's scale (bf16)) of
+        a flat tensor or a :class:`Chunks` input, on its device: a cache-sized block of chunks at a
+        time (one kernel on an accelerator), read once and in order, their magnitudes in one reused
+        buffer. A :class:`Chunks` input that wants it is told each block's decoded values."""
+        level, device = (1 << self.bits) - 1, flat.device
+        offsets = torch.empty(lay.total, dtype=torch.int64, device=device)
+        codes = torch.empty(lay.total, dtype=torch.uint8, device=device)
+        scales = torch.empty(lay.chunks, dtype=torch.bfloat16, device=device)
+        block = max(1, chunk_elems(device) // lay.chunk)
+        scratch = torch.empty(min(block, max(1, lay.full)) * lay.chunk, device=device)
         row, kept = 0, 0
         for start, rows, length, keep in self._groups(lay):
             for first in range(0, rows, block):
                 n = min(block, rows - first)
-                x = flat.narrow(0, start + first * length, n * length).view(n, length)
-                mag = torch.abs(x, out=magnitudes[: n * length].view(n, length))
+                at = start + first * length
+                x = span(flat, at, n * length).view(n, length)
+                mag = torch.abs(x, out=scratch[: n * length].view(n, length))
                 top = torch.topk(mag, keep, dim=1, sorted=False).indices.sort(dim=1).values
                 v = torch.gather(x, 1, top)
                 s = scales.narrow(0, row, n)
                 s.copy_(v.abs().amax(dim=1).div_(level))  # rounded to bfloat16 as it is stored
+                per = s.float()[:, None]
+                q = torch.where(per > 0, v / torch.where(per > 0, per, 1.0), 0.0)
+                c = torch.round((q + level) / 2).clamp_(0, level)
                 offsets.narrow(0, kept, n * keep).copy_(top.view(-1))
-                values.narrow(0, kept, n * keep).copy_(v.view(-1))
-                per_value.narrow(0, kept, n * keep).view(n, keep).copy_(s[:, None])
+                codes.narrow(0, kept, n * keep).copy_(c.view(-1))
+
+                def decoded(x=x, top=top, c=c, per=per, n=n, length=length) -> torch.Tensor:
+                    out = scratch[: n * length].view(n, length).zero_()  # (the magnitudes are done with)
+                    return out.scatter_(1, top, (2 * c - level) * per).view(-1)  # as _values makes them
+
+                report(flat, at, decoded)
                 row, kept = row + n, kept + n * keep
-        return offsets, values, scales, per_value
+        return offsets, codes, scales
 
     @staticmethod
     def _groups(lay: Layout):
