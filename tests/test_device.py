@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from conftest import exact_config, make_diloco
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from atoll.compression import ErrorFeedback, get_codec
@@ -74,6 +74,13 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def real_zeros(codec, shape) -> bytearray:
+    """A payload of zeros made outside the fake mode: a fake tensor's bytes are never written, and a
+    codec that checks its indices (sparse) refuses a payload of zero bytes."""
+    with unset_fake_temporarily():
+        return codec.encode(torch.zeros(shape), {})
+
+
 def fake_model():
     """Built on the CPU, its tensors moved to the fake GPU (call inside FakeTensorMode)."""
     torch.manual_seed(0)
@@ -87,7 +94,7 @@ def fake_model():
 
 
 @pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("spec", ["identity", "int8", "int8+ef", "powersgd:rank=2"])
+@pytest.mark.parametrize("spec", ["identity", "int8", "int8+ef", "powersgd:rank=2", "sparse", "sparse+ef"])
 def test_exchange_math_stays_on_the_device(where, spec):
     """Delta, encode up to the host payload, decode and apply, overlap merge: no device mixing, and
     only the encoded bytes (plus, with host placement, the outer state itself) cross."""
@@ -121,12 +128,12 @@ def test_exchange_math_stays_on_the_device(where, spec):
             st.take_snapshot()
             st.apply(ident.encode(torch.zeros(st.shard.sizes)), full=False)
             st.load_into_param(merge=True)  # θ ← θ_start + (θ − θ_snapshot)
-            st.apply(codec.encode(torch.zeros(st.shard.sizes), {}), full=False)
+            st.apply(real_zeros(codec, st.shard.sizes), full=False)
             st.load_into_param(merge=False)
             assert st.shard.local().device == CUDA
 
 
-@pytest.mark.parametrize("spec", ["identity", "int8", "int8+ef", "int4", "powersgd:rank=2"])
+@pytest.mark.parametrize("spec", ["identity", "int8", "int8+ef", "int4", "powersgd:rank=2", "sparse", "sparse+ef"])
 def test_staged_payloads_stay_on_the_device_until_their_one_copy(spec):
     """Staged (atoll.compression.staging): the mirror is on the parameters' device, the codec's
     arithmetic and error feedback's decode run there, and only payload bytes cross each way (views
@@ -145,6 +152,7 @@ def test_staged_payloads_stay_on_the_device_until_their_one_copy(spec):
             payload = staging.settle(st.encode(codec))
         assert st._stage.mirror.device == CUDA
         assert encoding.d2h <= 2 * len(payload) and encoding.h2d <= len(payload) + 4096, (encoding.d2h, encoding.h2d)
+        payload = real_zeros(codec, shard.sizes) if "sparse" in spec else payload  # (its bytes unwritten: fake)
         with CrossingCounter() as decoding:
             st.apply(payload, full=False)
         assert decoding.h2d <= 2 * len(payload) and decoding.d2h == 0

@@ -102,8 +102,8 @@ def test_bits_pack_little_end_first_and_back(width):
         values = rng.integers(0, 1 << width, count)
         bits = ((values[:, None] >> np.arange(width)) & 1).astype(np.uint8).reshape(-1)
         want = np.packbits(bits, bitorder="little")
-        np.testing.assert_array_equal(pack_bits(values, width), want)
-        np.testing.assert_array_equal(unpack_bits(memoryview(want.tobytes()), count, width), values)
+        np.testing.assert_array_equal(pack_bits(torch.from_numpy(values), width).numpy(), want)
+        np.testing.assert_array_equal(unpack_bits(torch.from_numpy(want), count, width).numpy(), values)
 
 
 PARAMS = struct.Struct("<IIBB")
@@ -135,7 +135,7 @@ def test_bad_payloads_are_refused_with_the_codecs_reason():
     offsets = [1, 5, 9, 2, 3, 4, 10, 20, 30, 0]
 
     def with_offsets(values) -> bytearray:
-        return forged(good, body=bytes(body[:at]) + pack_bits(np.array(values), 6).tobytes())
+        return forged(good, body=bytes(body[:at]) + pack_bits(torch.tensor(values), 6).numpy().tobytes())
 
     assert codec_of(with_offsets(offsets)).decode(with_offsets(offsets), shape).count_nonzero() <= 10
     refused(with_offsets([1, 5, 9, 2, 3, 4, 10, 20, 30, 8]), shape, "outside its chunk")  # tail of 8
@@ -152,7 +152,7 @@ def test_bad_payloads_are_refused_with_the_codecs_reason():
     assert PARAMS.unpack(bytes(fb.params))[3] == BITMAP
     bad = bytearray(fb.body)
     bad[-1] ^= 0x01  # one more bit set in the tail's bitmap
-    refused(forged(g, body=bytes(bad)), shape, "counts disagree")
+    refused(forged(g, body=bytes(bad)), shape, "bitmap bits disagree with the header")
     other = get_codec("sparse:density=0.1,bits=2,chunk=64").encode(torch.randn(shape))
     codec_of(other).decode(other, shape)
     with pytest.raises(WireFormatError, match="not the run's sparse"):
@@ -212,10 +212,10 @@ def test_bad_elias_fano_indices_are_refused():
     ones = np.flatnonzero(high)
     extra = high.copy()
     extra[np.flatnonzero(high == 0)[0]] = 1
-    refused(with_bits(extra), shape, "high bits set")
+    refused(with_bits(extra), shape, "high bits disagree with the header")
     fewer = high.copy()
     fewer[ones[0]] = 0
-    refused(with_bits(fewer), shape, "high bits set")
+    refused(with_bits(fewer), shape, "high bits disagree with the header")
     # a set bit inside the next chunk's span: chunk 1 holds 9, chunk 0 holds 7
     crossing = high.copy()
     crossing[ones[7]] = 0
@@ -231,3 +231,25 @@ def test_bad_elias_fano_indices_are_refused():
     first_two[[0, 1, 3, 5, 7, 9, 11, 13]] = 1  # high parts 0, 0, 1, 2, 3, 4, 5, 6
     same[0:5] = same[5:10]
     refused(with_bits(first_two, same), shape, "strictly increasing")
+
+
+@pytest.mark.parametrize("spec", ["int8", "sparse", "sparse:density=0.05,bits=3,chunk=64"])
+def test_error_feedback_subtracts_what_was_sent_as_each_chunk_is_encoded(spec):
+    """Error feedback around a chunked codec takes each chunk's decoded values as it is encoded, with
+    no decode of the payload: its residual is bit for bit x + βe − decode(payload), round after round;
+    and the caller's x is never written into (it was, on the first round, through a view of it)."""
+    from atoll.compression import ErrorFeedback
+
+    codec, gen = get_codec(spec), torch.Generator().manual_seed(7)
+    ef, state, residual = ErrorFeedback(codec, 0.5), {}, None
+    for _ in range(3):
+        x = torch.randn(3, 3000, generator=gen)
+        x.view(-1)[:10] = -0.0
+        given = x.clone()
+        payload = ef.encode(x, state)
+        assert x.numpy().tobytes() == given.numpy().tobytes()
+        want = x.clone() if residual is None else torch.add(x, residual, alpha=0.5)
+        codec.decode_add_(payload, want, alpha=-1.0)
+        assert state["residual"].numpy().tobytes() == want.numpy().tobytes()
+        residual = want
+    assert residual.abs().sum() > 0

@@ -95,10 +95,10 @@ class Layout:
             index_bits = 8 * (self.high_at - self.index_at) + self.full * self.span + self.tail_span
         self.body_len = self.index_at + -(-index_bits // 8)
 
-    def counts(self) -> np.ndarray:
-        counts = np.full(self.chunks, self.k, dtype=np.int64)
-        if self.tail:
-            counts[-1] = self.tail_k
+    def counts(self, device=None) -> torch.Tensor:
+        """Values kept in each chunk (int64, on ``device``)."""
+        counts = torch.full((self.chunks,), self.k, dtype=torch.int64, device=device)
+        counts.narrow(0, self.full, self.chunks - self.full).fill_(self.tail_k)  # the last, short chunk's
         return counts
 
 
@@ -122,45 +122,43 @@ def _group(width: int) -> tuple[int, int]:
     return values, values * width // 8
 
 
-def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
-    """Non-negative integers below 2^width (width <= 16), ``width`` bits each, packed little-end-first:
-    a run of values that ends on a byte at a time, as one 64-bit word, where one fits."""
-    count, (per, nbytes) = values.size, _group(width)
-    if nbytes > 8:  # 9, 11, 13, 15 bits: bit by bit
-        bits = np.unpackbits(values.astype("<u2").view(np.uint8), bitorder="little").reshape(-1, 16)
-        return np.packbits(bits[:, :width], bitorder="little")
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Non-negative integers below 2^width (width <= 16), ``width`` bits each, packed little-end-first
+    (uint8, on ``values``' device): a run of values that ends on a byte at a time, as one 64-bit word
+    (at most 56 of its bits used), where one fits; else bit by bit."""
+    count, (per, nbytes) = values.numel(), _group(width)
+    used, device = -(-count * width // 8), values.device
+    if nbytes > 8:  # 9, 11, 13, 15 bits
+        bits = (values.long().view(-1, 1) >> torch.arange(width, device=device)) & 1
+        flat = torch.zeros(8 * used, dtype=torch.int64, device=device)
+        flat.narrow(0, 0, count * width).copy_(bits.view(-1))
+        return (flat.view(-1, 8) << torch.arange(8, device=device)).sum(1).to(torch.uint8)
     groups = -(-count // per)
-    v = np.zeros(groups * per, dtype=np.uint64)
-    v[:count] = values
-    shifts = np.arange(per, dtype=np.uint64) * np.uint64(width)
-    words = np.bitwise_or.reduce(v.reshape(groups, per) << shifts, axis=1).astype("<u8")
-    return words.view(np.uint8).reshape(groups, 8)[:, :nbytes].reshape(-1)[: -(-count * width // 8)]
+    v = torch.zeros(groups * per, dtype=torch.int64, device=device)
+    v.narrow(0, 0, count).copy_(values)
+    words = (v.view(groups, per) << (torch.arange(per, device=device) * width)).sum(1)  # disjoint fields: OR
+    return words.view(torch.uint8).view(groups, 8).narrow(1, 0, nbytes).reshape(-1).narrow(0, 0, used)
 
 
-def unpack_bits(buf: memoryview, count: int, width: int) -> np.ndarray:
-    """``count`` integers of ``width`` bits (<= 16) packed little-end-first (uint8 or uint16)."""
-    raw, (per, nbytes) = np.frombuffer(buf, dtype=np.uint8), _group(width)
-    used = -(-count * width // 8)
-    dtype = np.uint8 if width <= 8 else np.uint16
-    mask = (1 << width) - 1
+def unpack_bits(raw: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """``count`` integers of ``width`` bits (<= 16) packed little-end-first in the uint8 tensor ``raw``
+    (at least their bytes), as int64 on its device."""
+    (per, nbytes), device = _group(width), raw.device
+    used, mask = -(-count * width // 8), (1 << width) - 1
     if nbytes > 8:  # each value from the 3 bytes it lies in
-        padded = np.zeros(used + 3, dtype=np.uint8)
-        padded[:used] = raw[:used]
-        pos = np.arange(count, dtype=np.int64) * width
+        padded = torch.zeros(used + 3, dtype=torch.int64, device=device)
+        padded.narrow(0, 0, used).copy_(raw.narrow(0, 0, used))
+        pos = torch.arange(count, dtype=torch.int64, device=device) * width
         at = pos >> 3
-        word = (
-            padded[at].astype(np.uint32)
-            | padded[at + 1].astype(np.uint32) << 8
-            | padded[at + 2].astype(np.uint32) << 16
-        )
-        return ((word >> (pos & 7).astype(np.uint32)) & mask).astype(dtype)
+        word = padded[at] | padded[at + 1] << 8 | padded[at + 2] << 16
+        return (word >> (pos & 7)) & mask
     groups = -(-count // per)
-    words = np.zeros((groups, 8), dtype=np.uint8)
-    flat = np.zeros(groups * nbytes, dtype=np.uint8)
-    flat[:used] = raw[:used]
-    words[:, :nbytes] = flat.reshape(groups, nbytes)
-    shifts = np.arange(per, dtype=np.uint64) * np.uint64(width)
-    return ((words.view("<u8") >> shifts) & np.uint64(mask)).reshape(-1)[:count].astype(dtype)
+    flat = torch.zeros(groups * nbytes, dtype=torch.uint8, device=device)
+    flat.narrow(0, 0, used).copy_(raw.narrow(0, 0, used))
+    words = torch.zeros(groups, 8, dtype=torch.uint8, device=device)
+    words.narrow(1, 0, nbytes).copy_(flat.view(groups, nbytes))
+    shifts = torch.arange(per, device=device) * width  # (an arithmetic shift: the mask drops the sign)
+    return ((words.view(torch.int64) >> shifts) & mask).reshape(-1).narrow(0, 0, count)
 
 
 class SparseCodec(Codec):
@@ -196,27 +194,27 @@ class SparseCodec(Codec):
         params = _PARAMS.pack(self.chunk, self.k, self.bits, self.coding)
 
         def write(body: memoryview) -> None:
-            offsets, codes, scales = self._select(flat, lay)
+            offsets, codes, scales = self._select(flat, lay)  # packed on their device: only bytes cross
             to_host(write_tensor(body, torch.bfloat16, lay.chunks), scales)
-            host_offsets = offsets.cpu().numpy()  # (payload-sized: the host packs the bits)
-            self._put(body, lay.codes_at, pack_bits(codes.cpu().numpy(), self.bits))
+            self._put(body, lay.codes_at, pack_bits(codes, self.bits))
             if lay.coding == OFFSETS:
-                self._put(body, lay.index_at, pack_bits(host_offsets, offset_bits(self.chunk)))
-            elif lay.coding == BITMAP:
-                bitmap = np.zeros(lay.n, dtype=np.uint8)
-                bitmap[host_offsets + self._starts(lay)] = 1
-                self._put(body, lay.index_at, np.packbits(bitmap, bitorder="little"))
-            else:
-                self._put(body, lay.index_at, pack_bits(host_offsets & ((1 << lay.low) - 1), lay.low))
-                high = np.zeros(8 * (lay.body_len - lay.high_at), dtype=np.uint8)
-                high[(host_offsets >> lay.low) + self._high_base(lay)] = 1
-                self._put(body, lay.high_at, np.packbits(high, bitorder="little"))
+                self._put(body, lay.index_at, pack_bits(offsets, offset_bits(self.chunk)))
+                return
+            flags = torch.zeros(8 * (lay.body_len - (lay.index_at if lay.coding == BITMAP else lay.high_at)),
+                                dtype=torch.uint8, device=offsets.device)  # fmt: skip
+            if lay.coding == BITMAP:
+                flags.index_fill_(0, offsets + self._starts(lay, offsets.device), 1)
+                self._put(body, lay.index_at, pack_bits(flags, 1))
+                return
+            self._put(body, lay.index_at, pack_bits(offsets & ((1 << lay.low) - 1), lay.low))
+            flags.index_fill_(0, (offsets >> lay.low) + self._high_base(lay, offsets.device), 1)
+            self._put(body, lay.high_at, pack_bits(flags, 1))
 
         return params, lay.body_len, write
 
     @staticmethod
-    def _put(body: memoryview, at: int, packed: np.ndarray) -> None:
-        body[at : at + packed.nbytes] = packed.tobytes()
+    def _put(body: memoryview, at: int, packed: torch.Tensor) -> None:
+        to_host(write_tensor(body, torch.uint8, packed.numel(), offset=at), packed)
 
     def _select(self, flat, lay: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(offsets sorted in their chunks (int64), their codes (uint8), each chunk's scale (bf16)) of
@@ -235,19 +233,19 @@ class SparseCodec(Codec):
                 n = min(block, rows - first)
                 at = start + first * length
                 x = span(flat, at, n * length).view(n, length)
-                mag = torch.abs(x, out=scratch[: n * length].view(n, length))
+                mag = torch.abs(x, out=scratch.narrow(0, 0, n * length).view(n, length))
                 top = torch.topk(mag, keep, dim=1, sorted=False).indices.sort(dim=1).values
                 v = torch.gather(x, 1, top)
                 s = scales.narrow(0, row, n)
                 s.copy_(v.abs().amax(dim=1).div_(level))  # rounded to bfloat16 as it is stored
-                per = s.float()[:, None]
+                per = s.float().unsqueeze(1)
                 q = torch.where(per > 0, v / torch.where(per > 0, per, 1.0), 0.0)
                 c = torch.round((q + level) / 2).clamp_(0, level)
                 offsets.narrow(0, kept, n * keep).copy_(top.view(-1))
                 codes.narrow(0, kept, n * keep).copy_(c.view(-1))
 
                 def decoded(x=x, top=top, c=c, per=per, n=n, length=length) -> torch.Tensor:
-                    out = scratch[: n * length].view(n, length).zero_()  # (the magnitudes are done with)
+                    out = scratch.narrow(0, 0, n * length).view(n, length).zero_()  # (the magnitudes are done with)
                     return out.scatter_(1, top, (2 * c - level) * per).view(-1)  # as _values makes them
 
                 report(flat, at, decoded)
@@ -263,18 +261,19 @@ class SparseCodec(Codec):
             yield lay.full * lay.chunk, 1, lay.tail, lay.tail_k
 
     @staticmethod
-    def _starts(lay: Layout) -> np.ndarray:
+    def _starts(lay: Layout, device) -> torch.Tensor:
         """Each kept value's chunk's first index in the tensor."""
-        return np.repeat(np.arange(lay.chunks, dtype=np.int64) * lay.chunk, lay.counts())
+        starts = torch.arange(lay.chunks, dtype=torch.int64, device=device) * lay.chunk
+        return torch.repeat_interleave(starts, lay.counts(device), output_size=lay.total)
 
     @staticmethod
-    def _high_base(lay: Layout) -> np.ndarray:
+    def _high_base(lay: Layout, device) -> torch.Tensor:
         """Each kept value's bit in its chunk's Elias-Fano high bits but for its high part: the chunk's
         first bit plus the value's rank in its chunk."""
-        base = np.repeat(np.arange(lay.full, dtype=np.int64) * lay.span, lay.k).reshape(lay.full, lay.k)
-        base += np.arange(lay.k, dtype=np.int64)
-        tail = lay.full * lay.span + np.arange(lay.tail_k, dtype=np.int64)
-        return np.concatenate([base.reshape(-1), tail])
+        rows = torch.arange(lay.full, dtype=torch.int64, device=device).unsqueeze(1) * lay.span
+        full = rows + torch.arange(lay.k, dtype=torch.int64, device=device)
+        tail = lay.full * lay.span + torch.arange(lay.tail_k, dtype=torch.int64, device=device)
+        return torch.cat([full.view(-1), tail])
 
     def _sizes(self, shape):
         return _PARAMS.size, self.layout(math.prod(shape)).body_len
@@ -289,7 +288,7 @@ class SparseCodec(Codec):
     def _check(self, frame):
         lay = self._layout_of(frame)
         expect_body(frame, lay.body_len, self.name)
-        self._indices(frame, lay)  # inside their chunks, strictly increasing, each chunk's count
+        check_indices(np.frombuffer(frame.body, dtype=np.uint8), lay)
 
     def _conforms(self, frame):
         lay = self._layout_of(frame)
@@ -298,62 +297,100 @@ class SparseCodec(Codec):
                 f"sparse: chunk={lay.chunk} k={lay.k} bits={lay.bits} coding={lay.coding}, not the run's {self.spec}"
             )
 
-    def _indices(self, frame, lay: Layout) -> np.ndarray:
-        """The kept values' indices in the tensor (int64), checked."""
-        body, total = frame.body, lay.total
-        if lay.coding == BITMAP:
-            bitmap = np.unpackbits(np.frombuffer(body[lay.index_at :], dtype=np.uint8), count=lay.n, bitorder="little")
-            index = np.flatnonzero(bitmap)
-            per = np.bincount(index // lay.chunk, minlength=lay.chunks) if index.size else np.zeros(0, dtype=np.int64)
-            if index.size != total or not np.array_equal(per, lay.counts()):
-                raise WireFormatError("sparse: the bitmap's counts disagree with the header")
-            return index
-        if lay.coding == OFFSETS:
-            offsets = unpack_bits(body[lay.index_at :], total, offset_bits(lay.chunk))
-        else:
-            high_bits = lay.full * lay.span + lay.tail_span
-            high = np.unpackbits(np.frombuffer(body[lay.high_at :], dtype=np.uint8), count=high_bits, bitorder="little")
-            at = np.flatnonzero(high)
-            if at.size != total:
-                raise WireFormatError(f"sparse: {at.size} Elias-Fano high bits set, the header says {total}")
-            base = self._high_base(lay)  # a chunk's bits lie from its base (rank 0) on, before the next's
-            ends = np.repeat(np.arange(1, lay.chunks + 1, dtype=np.int64) * lay.span, lay.counts())
-            if lay.tail:
-                ends[lay.full * lay.k :] = high_bits
-            if total and ((at < base).any() or (at >= ends).any()):
-                raise WireFormatError("sparse: a chunk's Elias-Fano high bits disagree with its count")
-            offsets = ((at - base) << lay.low) | unpack_bits(body[lay.index_at :], total, lay.low)
-        self._check_offsets(offsets, lay)
-        return offsets + self._starts(lay)
+    def _indices(self, frame, lay: Layout, device) -> torch.Tensor:
+        """The kept values' indices in the tensor (int64, on ``device``: the payload's bytes cross, the
+        bits are unpacked there, in shapes known in advance). Checked on the host first (``frame()``:
+        :func:`check_indices`)."""
 
-    @staticmethod
-    def _check_offsets(offsets: np.ndarray, lay: Layout) -> None:
-        for begin, (_, rows, length, keep) in zip((0, lay.full * lay.k), SparseCodec._groups(lay), strict=False):
-            part = offsets[begin : begin + rows * keep].reshape(rows, keep)
-            if (part >= length).any():
-                raise WireFormatError("sparse: an index lies outside its chunk")
-            if keep > 1 and (part[:, 1:] <= part[:, :-1]).any():
-                raise WireFormatError("sparse: indices must be strictly increasing in their chunk")
+        def part(at: int, end: int | None = None) -> torch.Tensor:
+            end = lay.body_len if end is None else end
+            return read_tensor(frame.body, torch.uint8, end - at, at, device=device)
+
+        def set_bits(flags: torch.Tensor) -> torch.Tensor:
+            """Where the first ``total`` set bits lie (the i-th: the first place the running count is i)."""
+            want = torch.arange(1, lay.total + 1, dtype=torch.int64, device=device)
+            return torch.searchsorted(flags.cumsum(0), want)
+
+        if lay.coding == BITMAP:
+            return set_bits(unpack_bits(part(lay.index_at), lay.n, 1))
+        if lay.coding == OFFSETS:
+            offsets = unpack_bits(part(lay.index_at), lay.total, offset_bits(lay.chunk))
+        else:
+            at = set_bits(unpack_bits(part(lay.high_at), lay.full * lay.span + lay.tail_span, 1))
+            low = unpack_bits(part(lay.index_at, lay.high_at), lay.total, lay.low)
+            offsets = ((at - self._high_base(lay, device)) << lay.low) | low
+        return offsets + self._starts(lay, device)
 
     def _values(self, frame, lay: Layout, device) -> torch.Tensor:
-        scales = read_tensor(frame.body, torch.bfloat16, lay.chunks).to(device=device, dtype=torch.float32)
-        counts = torch.from_numpy(lay.counts()).to(device)
-        codes = torch.from_numpy(unpack_bits(frame.body[lay.codes_at :], lay.total, lay.bits)).to(device)
+        scales = read_tensor(frame.body, torch.bfloat16, lay.chunks, device=device).to(torch.float32)
+        codes = read_tensor(frame.body, torch.uint8, lay.index_at - lay.codes_at, lay.codes_at, device=device)
         level = (1 << lay.bits) - 1
-        return (2 * codes.to(torch.float32) - level) * torch.repeat_interleave(scales, counts)
+        per = torch.repeat_interleave(scales, lay.counts(device), output_size=lay.total)
+        return (2 * unpack_bits(codes, lay.total, lay.bits).to(torch.float32) - level) * per
 
     def _norm_bound(self, frame):
         lay = self._layout_of(frame)
         scales = read_tensor(frame.body, torch.bfloat16, lay.chunks).to(torch.float64)
-        counts = torch.from_numpy(lay.counts()).to(torch.float64)
+        counts = lay.counts().to(torch.float64)
         return norm_bound((scales * counts.sqrt()).to(torch.float32), float((1 << lay.bits) - 1))
 
     def _decode_into(self, frame, out, alpha, accumulate):
         lay = self._layout_of(frame)
-        index = torch.from_numpy(self._indices(frame, lay)).to(out.device)
+        index = self._indices(frame, lay, out.device)
         values = self._values(frame, lay, out.device)
         if accumulate:
             out.index_add_(0, index, weighted(values, alpha))  # O(K): only what the payload holds
         else:
-            out.zero_()
-            out[index] = weighted(values, alpha)
+            out.zero_().index_copy_(0, index, weighted(values, alpha))
+
+
+# ---- the host's check of a payload's indices (NumPy: the bytes are there, whatever device decodes) ----
+def _np_unpack(raw: np.ndarray, count: int, width: int) -> np.ndarray:
+    """:func:`unpack_bits` in NumPy (int64), a byte-aligned run of values at a time where one fits in
+    a 64-bit word, else bit by bit."""
+    used, (per, nbytes) = -(-count * width // 8), _group(width)
+    if nbytes > 8:
+        bits = np.unpackbits(raw, count=count * width, bitorder="little").reshape(count, width).astype(np.int64)
+        return (bits << np.arange(width, dtype=np.int64)).sum(axis=1)
+    groups = -(-count // per)
+    flat = np.zeros(groups * nbytes, dtype=np.uint8)
+    flat[:used] = raw[:used]
+    words = np.zeros((groups, 8), dtype=np.uint8)
+    words[:, :nbytes] = flat.reshape(groups, nbytes)
+    shifts = np.arange(per, dtype=np.uint64) * np.uint64(width)
+    return ((words.view("<u8") >> shifts) & np.uint64((1 << width) - 1)).reshape(-1)[:count].astype(np.int64)
+
+
+def check_indices(body: np.ndarray, lay: Layout) -> None:
+    """WireFormatError unless the payload's indices lie inside their chunks, strictly increasing,
+    and each chunk holds exactly its count (Elias-Fano's high bits and the bitmap: inside the chunk's
+    own span). Only arrays of the payload's counts (bounded by the tensor's size) are made."""
+    total = lay.total
+    counts = np.full(lay.chunks, lay.k, dtype=np.int64)
+    counts[lay.full :] = lay.tail_k
+    if lay.coding == BITMAP:
+        index = np.flatnonzero(np.unpackbits(body[lay.index_at :], count=lay.n, bitorder="little"))
+        if index.size != total or not np.array_equal(np.bincount(index // lay.chunk, minlength=lay.chunks), counts):
+            raise WireFormatError(f"sparse: the bitmap bits disagree with the header ({index.size} set, {total} kept)")
+        return
+    if lay.coding == OFFSETS:
+        offsets = _np_unpack(body[lay.index_at :], total, offset_bits(lay.chunk))
+    else:
+        high_bits = lay.full * lay.span + lay.tail_span
+        at = np.flatnonzero(np.unpackbits(body[lay.high_at :], count=high_bits, bitorder="little"))
+        if at.size != total:
+            raise WireFormatError(
+                f"sparse: the Elias-Fano high bits disagree with the header ({at.size} set, {total} kept)"
+            )
+        chunk_of = np.repeat(np.arange(lay.chunks, dtype=np.int64), counts)
+        rank = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        base, ends = chunk_of * lay.span + rank, np.minimum((chunk_of + 1) * lay.span, high_bits)
+        if total and ((at < base) | (at >= ends)).any():
+            raise WireFormatError("sparse: a chunk's Elias-Fano high bits disagree with its count")
+        offsets = ((at - base) << lay.low) | _np_unpack(body[lay.index_at : lay.high_at], total, lay.low)
+    for begin, (_, rows, length, keep) in zip((0, lay.full * lay.k), SparseCodec._groups(lay), strict=False):
+        got = offsets[begin : begin + rows * keep].reshape(rows, keep)
+        if (got >= length).any():
+            raise WireFormatError("sparse: an index lies outside its chunk")
+        if keep > 1 and (got[:, 1:] <= got[:, :-1]).any():
+            raise WireFormatError("sparse: indices must be strictly increasing in their chunk")
