@@ -7,7 +7,24 @@ import contextlib
 import torch
 
 from atoll.compression import staging
-from atoll.compression.base import Codec
+from atoll.compression.base import Chunks, Codec
+
+
+class _Residual(Chunks):
+    """``x`` read a chunk at a time by a chunked codec, each chunk left holding ``x − decode`` once it is
+    encoded (the codec reports the bits of ``decode(payload)`` for it: x − d is x + (−d), bit for bit)."""
+
+    wants_decoded = True
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__(x.numel(), x.device)
+        self.x = x.view(-1)
+
+    def span(self, start: int, length: int) -> torch.Tensor:
+        return self.x.narrow(0, start, length)
+
+    def encoded(self, start: int, decoded: torch.Tensor) -> None:
+        self.x.narrow(0, start, decoded.numel()).sub_(decoded)
 
 
 class ErrorFeedback:
@@ -53,13 +70,17 @@ class ErrorFeedback:
                     f"residual is {tuple(residual.shape)} on {residual.device}, tensor {tuple(x.shape)} on {x.device}"
                 )
             x = torch.add(x, residual, alpha=self.decay)  # alpha 1 is exactly x + residual
-        elif x is tensor:
+        elif tensor.dtype == torch.float32:  # x is a view of the caller's tensor: never written into
             x = x.clone()
-        payload = self.inner.encode(x, state.setdefault("inner", {}), out=out)
-        stage = staging.current()  # staged: the body is still on the device, read it there
-        with stage.again() if stage is not None else contextlib.nullcontext():
-            # Our own payload, just made (staged, its checksum is not even written yet).
-            self.inner.decode_add_(payload, x.contiguous() if not x.is_contiguous() else x, alpha=-1.0, verified=True)
+        x = x.contiguous()
+        if self.inner.chunked_input:  # each chunk's decoded values subtracted as it is encoded: no decode
+            payload = self.inner.encode_chunks(_Residual(x), tuple(x.shape), state.setdefault("inner", {}), out=out)
+        else:
+            payload = self.inner.encode(x, state.setdefault("inner", {}), out=out)
+            stage = staging.current()  # staged: the body is still on the device, read it there
+            with stage.again() if stage is not None else contextlib.nullcontext():
+                # Our own payload, just made (staged, its checksum is not even written yet).
+                self.inner.decode_add_(payload, x, alpha=-1.0, verified=True)
         state["residual"] = x  # x + e - D(C(x + e))
         return payload
 
