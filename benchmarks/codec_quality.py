@@ -3,7 +3,7 @@ counted on the wire, for each codec spec over several seeds.
 
     python benchmarks/codec_quality.py [--codecs identity int8 sparse ...] [--downlink same|SPEC]
         [--sync-every 30 100] [--rounds 12 4] [--islands 3] [--seeds 0 1 2]
-        [--model-flags "--n-layer 4 --n-embd 256"] [--json out.json]
+        [--model-flags "--n-layer 4 --n-embd 256"] [--coordinator-flags "..."] [--json out.json]
 
 Every run: one coordinator (sync, every round waits for all the islands: equal tokens per round
 whatever the codec) and ``--islands`` reference islands (``atoll island``) that train ``--rounds``
@@ -63,6 +63,7 @@ def run(codec: str, h: int, rounds: int, seed: int, a, work: Path) -> dict:
     flags = [*COMMON, "--codec", codec, "--downlink-codec", down, "--sync-every", str(h)]
     flags += ["--quorum", str(a.islands), "--total-rounds", str(rounds)]
     flags += ["--error-feedback"] if lossy else []
+    flags += a.coordinator_flags.split()  # (after the rest: argparse keeps a flag's last value)
     names = [chr(ord("A") + i) for i in range(a.islands)]
     sent, received, digests = {}, {}, {}
     t0 = time.monotonic()
@@ -82,7 +83,8 @@ def run(codec: str, h: int, rounds: int, seed: int, a, work: Path) -> dict:
     curve = evaluate(work / "state", str(work.parent / "corpus.bin"), a.model_flags)
     steady = [r for r in sorted(sent) if r > 0 and len(sent[r]) == a.islands]  # round 0 also carries θ_0
     return {
-        "codec": codec, "downlink": down, "sync_every": h, "rounds": rounds, "seed": seed, "curve": curve,
+        "codec": codec, "downlink": down, "flags": a.coordinator_flags, "sync_every": h, "rounds": rounds,
+        "seed": seed, "curve": curve,
         "seconds": seconds,
         "up_per_island": statistics.mean(statistics.mean(sent[r].values()) for r in steady) if steady else None,
         "down_per_island": statistics.mean(statistics.mean(received[r].values()) for r in steady) if steady else None,
@@ -156,6 +158,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--model-flags", default="--n-layer 4 --n-embd 256")
+    p.add_argument("--coordinator-flags", default="", help='more coordinator flags ("--outer-momentum 0 ...")')
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--pool", type=Path, nargs="+", default=None, help="run nothing: these --json files' runs")
