@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-CODEC_ORDER = ("identity", "bf16", "int8", "int4", "int2", "dcttopk", "topk")
+CODEC_ORDER = ("identity", "bf16", "int8", "int4", "int2", "sparse", "dcttopk", "topk")
 """Codecs from the least to the most lossy (the order the table lists them)."""
 CODEC_TIER = {"identity": 0, "bf16": 0, "fp16": 0, "int8": 0, "int4": 1}
 """What the recommendation weighs first: int8 both ways trains as identity does here (benchmarks/RESULTS.md,
@@ -66,15 +66,26 @@ DECODE_SECONDS_PER_PARAM = {
     "topk": 0.63e-9,
     "dcttopk": 6.47e-9,
     "powersgd": 1.29e-9,
+    "sparse": 2.2e-9,
 }
 """The coordinator's decoding of one push into the round's sum, per parameter, one CPU thread
 (``python benchmarks/coordinator_costs.py`` at 124M, benchmarks/RESULTS.md)."""
 OUTER_SECONDS_PER_PARAM = 5.7e-9
 """The coordinator's outer step per parameter, one CPU thread, with the downlink's encoding (int8 or
 identity: the same), θ's finiteness check and the record streamed to disk (the same benchmark)."""
+OUTER_SECONDS_PER_PARAM_BY_DOWNLINK = {"sparse": 26.4e-9}
+"""The same for a downlink whose encoding costs more than int8's (``sparse``: its per-chunk top-k)."""
+SPARSE_DOWNLINK = "sparse:density=0.03125"
+"""The coordinator's update codec for islands that push ``sparse``: 4x the uplink's default density,
+room for the union of four islands' values, still >100x fewer bytes than fp32 (see downlink_for)."""
 RECORD_SECONDS = 0.02
 """Each exchange's record made durable before its update is served (its header, fsync, rename): the
 coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_utilisation.py``'s runs."""
+
+
+def outer_per_param(downlink: str) -> float:
+    """The outer step's seconds per parameter with ``downlink`` (a spec) as the update's codec."""
+    return OUTER_SECONDS_PER_PARAM_BY_DOWNLINK.get(downlink.split(":", 1)[0], OUTER_SECONDS_PER_PARAM)
 
 
 def decode_per_param(name: str) -> float:
@@ -191,8 +202,10 @@ class Estimate:
 
 
 def downlink_for(codec: str) -> str:
-    """The coordinator's default update codec for an island codec: int8, or identity for plain DiLoCo."""
-    return "identity" if codec == "identity" else "int8"
+    """The coordinator's update codec for an island codec: identity for plain DiLoCo, ``sparse`` (at
+    :data:`SPARSE_DOWNLINK`'s density) for sparse pushes, int8 for the rest."""
+    name = codec.split(":", 1)[0]
+    return "identity" if name == "identity" else SPARSE_DOWNLINK if name == "sparse" else "int8"
 
 
 def sizes(shapes: list[tuple[int, ...]], codec: str) -> int:
@@ -220,7 +233,7 @@ def estimate(
     down = downlink_for(cand.codec)
     up_bytes, down_bytes = sizes(shapes, cand.codec), sizes(shapes, down)
     streams = streams_for(link)
-    outer = OUTER_SECONDS_PER_PARAM * params if outer_seconds is None else outer_seconds
+    outer = outer_per_param(down) * params if outer_seconds is None else outer_seconds
     codec = get_codec(cand.codec)
     decode = decode_per_param(codec.name) * params if decode_seconds is None else decode_seconds
     p = cand.fragments
@@ -238,7 +251,7 @@ def estimate(
     if cand.overlap_steps:  # the own work on the training thread, the exchange behind τ steps
         stall = p * max(0.0, exchange - hidden) + host_seconds
     else:  # streamed with the transfers: the apply with the pull, a stateless codec's encoding with the push
-        apply = min(host_seconds, decode_per_param(down) * params) / p
+        apply = min(host_seconds, decode_per_param(down.split(":", 1)[0]) * params) / p
         encode = host_seconds / p - apply
         out = push + encode if codec.stateful else max(push, encode)
         stall = p * (out + coordinator / p + max(pull, apply))

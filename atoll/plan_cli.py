@@ -8,8 +8,8 @@ import math
 
 from atoll.plan import CODEC_ORDER, Link, plan
 
-DEFAULT_CODECS = ["identity", "int8", "int4", "dcttopk"]
-DEFAULT_H = [100, 250, 500, 1000]
+DEFAULT_CODECS = ["identity", "int8", "int4", "sparse", "dcttopk"]
+DEFAULT_H = [30, 100, 250, 500, 1000]
 VOCAB = {"tiny": 65, "gpt-small": 65, "gpt-125m": 50257}
 
 
@@ -139,8 +139,9 @@ def table(got, ns) -> list[str]:
     rows: dict[tuple, dict] = {}
     for e in got:  # the recommended first, then by utilisation
         rows.setdefault((e.codec, e.downlink_codec, e.sync_every, e.fragments), {})[e.overlap_steps > 0] = e
+    down = max(8, *(len(e.downlink_codec) for e in got))
     lines = [
-        f"{'codec':>8} {'down':>8} {'H':>5} {'P':>2} {'up MB':>8} {'down MB':>8} {'sync s':>7} {'(coord)':>7} "
+        f"{'codec':>8} {'down':>{down}} {'H':>5} {'P':>2} {'up MB':>8} {'down MB':>8} {'sync s':>7} {'(coord)':>7} "
         f"{'plain':>6} {'τ':>4} {'overlap':>7}"
     ]
     best = got[0]
@@ -148,7 +149,7 @@ def table(got, ns) -> list[str]:
         plain, over = pair.get(False), pair.get(True)
         e = plain or over
         cells = [
-            f"{e.codec:>8} {e.downlink_codec:>8} {e.sync_every:>5} {e.fragments:>2}",
+            f"{e.codec:>8} {e.downlink_codec:>{down}} {e.sync_every:>5} {e.fragments:>2}",
             f"{e.bytes_up_per_round / 1e6:>8.1f} {e.bytes_down_per_round / 1e6:>8.1f}",
             f"{e.sync_seconds:>7.2f} {e.coordinator_seconds:>7.2f}",
             f"{plain.utilisation:>6.1%}" if plain else f"{'-':>6}",

@@ -182,3 +182,25 @@ def test_the_plan_table_shows_the_plain_exchange_beside_the_overlapped_one_and_s
     assert plain < 90, h100  # the plain exchange at H=100 is far from the target
     assert "recommended: reaches 97% with the least lossy codec (int8), then the smallest H" in out
     assert "assumes the island's host CPU is free" in out
+
+
+def test_sparse_pushes_get_a_sparse_update_whose_encoding_the_outer_step_pays():
+    """Islands that push ``sparse`` pull a sparse update (SPARSE_DOWNLINK's density): both directions'
+    bytes are the codec's own sizes, the coordinator decodes each push at sparse's cost and its outer
+    step pays the downlink's top-k (OUTER_SECONDS_PER_PARAM_BY_DOWNLINK), not int8's pass."""
+    from atoll.plan import OUTER_SECONDS_PER_PARAM_BY_DOWNLINK, SPARSE_DOWNLINK, downlink_for
+
+    assert downlink_for("sparse") == downlink_for("sparse:density=0.005") == SPARSE_DOWNLINK
+    assert downlink_for("identity") == "identity" and downlink_for("int4") == "int8"
+    shapes = [(50257, 768), (768,), (3072, 768)]
+    n = sum(math.prod(s) for s in shapes)
+    e = estimate(
+        Candidate(codec="sparse", sync_every=30, overlap_steps=0, fragments=1),
+        shapes=shapes, step_seconds=0.3, islands=3, link=Link(rate_mbit=100, rtt_ms=100),
+    )  # fmt: skip
+    assert e.downlink_codec == SPARSE_DOWNLINK
+    assert e.bytes_up_per_round == sum(get_codec("sparse").encoded_size(s) for s in shapes)
+    assert e.bytes_down_per_round == sum(get_codec(SPARSE_DOWNLINK).encoded_size(s) for s in shapes)
+    assert 4 * n / e.bytes_up_per_round > 300 and 4 * n / e.bytes_down_per_round > 100
+    outer = OUTER_SECONDS_PER_PARAM_BY_DOWNLINK["sparse"] * n
+    assert e.coordinator_seconds == pytest.approx(3 * DECODE_SECONDS_PER_PARAM["sparse"] * n + outer + RECORD_SECONDS)
