@@ -1,7 +1,7 @@
 """Compute utilisation at 124M over an emulated WAN, islands replaying an accelerator's step time.
 
     python benchmarks/wan_utilisation.py [--link 100:100] [--islands 2] [--step-seconds 0.1]
-        [--sync-every 100] [--rounds 4] [--codec int8] [--overlap 0 30] [--fragments 1]
+        [--sync-every 100] [--rounds 4] [--codec int8] [--overlap 0 30] [--fragments 1] [--tls]
     python benchmarks/wan_utilisation.py --replan LOG    # today's planner against earlier runs' JSON lines
 
 Runs itself under ``unshare -rn``. Each island is a process in a network namespace of its own,
@@ -9,7 +9,10 @@ joined to the coordinator's by its own emulated link (:mod:`atoll.harness.netlin
 the hosts' TCP buffers at the kernel's defaults). An island holds the real gpt-125m in fp32 and the
 real DiLoCo wrapper (its pushes, pulls, codecs, overlap and streaming fragments); its inner step is
 replayed: it sleeps ``--step-seconds`` (an accelerator's step, the host idle meanwhile) and nudges
-one parameter so that every round has a pseudo-gradient to send. Utilisation = the steps' replayed
+one parameter so that every round has a pseudo-gradient to send. The coordinator's update goes in
+``atoll plan``'s downlink for the codec (:func:`atoll.plan.downlink_for`: sparse for sparse pushes),
+with error feedback on the islands for the codecs that drop values (sparse, top-k); ``--tls``: the
+coordinator serves TLS (a self-signed certificate the islands take as their CA). Utilisation = the steps' replayed
 time / the wall time, over the rounds after the first ``--warmup`` (θ_0's upload and download, and
 the islands falling into step: the one that uploaded θ_0 waits once for the other) and before the
 last (drained at the end), both islands together. Beside each measured figure, what ``atoll plan``
@@ -44,18 +47,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from atoll.harness.netlink import Link, LinkSpec, enter_namespace  # noqa: E402
+from atoll.plan import downlink_for  # noqa: E402
+
+DROPS_VALUES = ("sparse", "topk", "dcttopk")
+"""Codecs whose islands run with error feedback here (what they do not send is carried, not lost)."""
 
 
 def island(addresses: str, name: str, a) -> None:
     """One island (run in its namespace): prints a JSON line with its step times."""
     import torch
 
-    from atoll.islands import CoordinatorLink, DiLoCo, RetryPolicy
+    from atoll.islands import ClientTls, CoordinatorLink, DiLoCo, RetryPolicy
     from atoll.models import TinyGPT, preset
 
     torch.set_num_threads(1)
     model = TinyGPT(preset("gpt-125m", vocab_size=50257))
-    link = CoordinatorLink(addresses, run_id="u", island_id=name, retry=RetryPolicy(give_up_seconds=600))
+    tls = ClientTls(ca=a.tls_ca) if a.tls_ca else None
+    link = CoordinatorLink(addresses, run_id="u", island_id=name, retry=RetryPolicy(give_up_seconds=600), tls=tls)
     nudge = next(iter(model.parameters()))
     marks, host = [], []
     with DiLoCo(model, link, overlap_steps=a.overlap_steps, streaming=a.fragments > 1) as sync:
@@ -81,9 +89,18 @@ def measure(a, overlap: int) -> dict:
         flags = [
             "--host", "0.0.0.0", "--port", "0", "--port-file", str(port_file), "--state-dir", str(Path(tmp) / "s"),
             "--run-id", "u", "--sync-every", str(a.sync_every), "--quorum", str(a.islands), "--codec", a.codec,
-            "--downlink-codec", "identity" if a.codec == "identity" else "int8", "--round-deadline-seconds", "900",
+            "--downlink-codec", downlink_for(a.codec), "--round-deadline-seconds", "900",
             "--log-level", "WARNING", "--threads", "1",
         ]  # fmt: skip
+        if a.codec.split(":")[0] in DROPS_VALUES:
+            flags += ["--error-feedback"]
+        ca = ""
+        if a.tls:
+            from wire import certificate  # benchmarks/wire.py, beside this script
+
+            cert, key = certificate(Path(tmp), *(link.coordinator_host for link in links))
+            flags += ["--tls-cert", str(cert), "--tls-key", str(key)]
+            ca = str(cert)
         flags += ["--admin-port", "0", "--admin-port-file", str(Path(tmp) / "admin")]
         if a.fragments > 1:
             flags += ["--fragments", str(a.fragments)]
@@ -99,7 +116,7 @@ def measure(a, overlap: int) -> dict:
             for i, link in enumerate(links):
                 addresses = ",".join(f"{link.coordinator_host}:{p}" for p in ports)
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--island", addresses, f"site-{i}",
-                       "--overlap-steps", str(overlap), *island_flags(a)]  # fmt: skip
+                       "--overlap-steps", str(overlap), *island_flags(a), "--tls-ca", ca]  # fmt: skip
                 procs.append(subprocess.Popen(link.site_command(cmd), stdout=subprocess.PIPE, text=True, cwd=ROOT))
             outs = [p.communicate(timeout=3600)[0] for p in procs]
             if any(p.returncode for p in procs):
@@ -185,20 +202,21 @@ def host_work(codec: str, repeat: int = 3) -> float:
     the update's decoding (int8, or identity) and its apply with the progress kept (overlap's merge)."""
     import torch
 
-    from atoll.compression import get_codec
+    from atoll.compression import ErrorFeedback, get_codec
     from atoll.models import TinyGPT, preset
-    from atoll.plan import downlink_for
 
     torch.set_num_threads(1)
     params = [p.detach() for p in TinyGPT(preset("gpt-125m", vocab_size=50257)).parameters()]
     start = [p.clone() for p in params]
     up, down = get_codec(codec), get_codec(downlink_for(codec))
+    if codec.split(":")[0] in DROPS_VALUES:
+        up = ErrorFeedback(up)
     updates = [down.encode((p * 1e-3).contiguous()) for p in params]
-    times = []
+    times, states = [], {}
     for _ in range(repeat):
         began = time.perf_counter()
         for p, s, u in zip(params, start, updates, strict=True):
-            up.encode((s - p).contiguous())
+            up.encode((s - p).contiguous(), states.setdefault(id(p), {}))
             new = down.decode(u, p.shape)
             p.add_(new).sub_(s)  # θ_new + (θ − θ_start)
         times.append(time.perf_counter() - began)
@@ -220,7 +238,7 @@ def predicted(a, overlap: int, host_seconds: float = 0.0) -> tuple[float, float,
     e = estimate(
         Candidate(codec=a.codec, sync_every=a.sync_every, overlap_steps=overlap, fragments=a.fragments),
         shapes=shapes, step_seconds=a.step_seconds, islands=a.islands,
-        link=PlanLink(rate_mbit=rate, rtt_ms=rtt, mtu=9000, tls=False), host_seconds=host_seconds,
+        link=PlanLink(rate_mbit=rate, rtt_ms=rtt, mtu=9000, tls=getattr(a, "tls", False)), host_seconds=host_seconds,
     )  # fmt: skip
     return e.utilisation, e.sync_seconds, e.stall_seconds
 
@@ -233,7 +251,7 @@ def replan(log: Path) -> None:
             continue
         r = json.loads(line)
         keys = ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")
-        a = argparse.Namespace(**{k: r[k] for k in keys})
+        a = argparse.Namespace(**{k: r[k] for k in keys}, tls=r.get("tls", False))
         util, sync, stall = predicted(a, r["overlap_steps"], r["run_host_seconds"])
         print(
             f"{r['link']} x{r['islands']} H={r['sync_every']} {r['codec']} τ={r['overlap_steps']} "
@@ -255,6 +273,8 @@ def main() -> None:
     p.add_argument("--overlap", type=int, nargs="+", default=[0, 30], help="overlap steps τ to run, each")
     p.add_argument("--overlap-steps", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--tls", action="store_true", help="the coordinator serves TLS (a self-signed certificate)")
+    p.add_argument("--tls-ca", default="", help=argparse.SUPPRESS)
     p.add_argument("--island", nargs=2, metavar=("ADDRESSES", "NAME"), help=argparse.SUPPRESS)
     p.add_argument(
         "--replan", type=Path, metavar="LOG", help="print today's planner against the JSON lines of earlier runs"
@@ -270,7 +290,7 @@ def main() -> None:
     print(
         f"gpt-125m, {a.islands} islands each on its own {a.link} link (Mbit/s:ms), a replayed step of "
         f"{a.step_seconds:g} s, H={a.sync_every}, {a.codec}, {a.fragments} fragment(s), {a.rounds} rounds "
-        f"(measured: {a.warmup} to {a.rounds - 2})",
+        f"(measured: {a.warmup} to {a.rounds - 2}){', TLS' if a.tls else ''}",
         flush=True,
     )
     host = host_work(a.codec)
@@ -291,7 +311,8 @@ def main() -> None:
             f"seconds lost a round, by step: {got['lost_per_round']}",
             flush=True,
         )
-        settings = {k: getattr(a, k) for k in ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")}
+        keys = ("link", "islands", "step_seconds", "sync_every", "codec", "fragments", "tls")
+        settings = {k: getattr(a, k) for k in keys}
         print(
             json.dumps(
                 {**settings, "overlap_steps": tau, **got, "predicted": util, "sync": sync,

@@ -103,12 +103,14 @@ def disk_floor(nbytes: int, where: Path) -> float:
     return statistics.median(took)
 
 
-def certificate(where: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
-    """A self-signed certificate and key for ``host`` (the island takes the certificate as its CA)."""
+def certificate(where: Path, host: str = "127.0.0.1", *more: str) -> tuple[Path, Path]:
+    """A self-signed certificate and key for ``host`` (and the ``more`` addresses the same server is
+    reached at; the island takes the certificate as its CA)."""
     cert, key = where / "cert.pem", where / "key.pem"
+    names = ",".join(f"IP:{h}" for h in (host, *more))
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
-         "-subj", f"/CN={host}", "-addext", f"subjectAltName=IP:{host}", "-keyout", str(key), "-out", str(cert)],
+         "-subj", f"/CN={host}", "-addext", f"subjectAltName={names}", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
     return cert, key
