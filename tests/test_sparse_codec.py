@@ -249,7 +249,23 @@ def test_error_feedback_subtracts_what_was_sent_as_each_chunk_is_encoded(spec):
         payload = ef.encode(x, state)
         assert x.numpy().tobytes() == given.numpy().tobytes()
         want = x.clone() if residual is None else torch.add(x, residual, alpha=0.5)
-        codec.decode_add_(payload, want, alpha=-1.0)
+        want -= codec.decode(payload, (3, 3000))
         assert state["residual"].numpy().tobytes() == want.numpy().tobytes()
         residual = want
     assert residual.abs().sum() > 0
+
+
+def test_adding_an_update_at_its_indices_is_bit_for_bit_adding_its_decode():
+    """An island adds a sparse update in O(K) (``add_decoded_``: the kept values at their indices); the
+    coordinator makes θ_{r+1} = decode(u) + θ_r: the same bits, -0.0 and +0.0 in θ included (a
+    decode holds -0.0 where nothing was kept)."""
+    codec = get_codec("sparse:density=0.05,chunk=64")
+    assert codec.adds_exactly
+    gen = torch.Generator().manual_seed(2)
+    theta = torch.randn(5000, generator=gen)
+    theta[:300:3], theta[1:300:3] = -0.0, 0.0
+    payload = codec.encode(torch.randn(5000, generator=gen))
+    coordinator = codec.decode(payload, (5000,)) + theta
+    island = codec.add_decoded_(payload, theta.clone())
+    assert island.numpy().tobytes() == coordinator.numpy().tobytes()
+    assert (torch.signbit(island[:300:3]) | (island[:300:3] != 0)).all()  # -0.0 stayed -0.0

@@ -165,6 +165,10 @@ class SparseCodec(Codec):
     name = "sparse"
     codec_id = 10
     params: ClassVar[dict[str, type]] = {"density": float, "bits": int, "chunk": int}
+    adds_exactly = True
+    """A decode holds -0.0 where nothing was kept, and x + (-0.0) is x for every x (+0.0 and -0.0
+    too), so the coordinator's θ_{r+1} = decode(u) + θ_r is bit for bit θ_r with the kept values added
+    at their indices: what an island's O(K) ``decode_add_`` does."""
 
     def __init__(self, density: float = 1 / 128, bits: int = 2, chunk: int = 4096) -> None:
         if not 0 < density <= 1:
@@ -245,7 +249,7 @@ class SparseCodec(Codec):
                 codes.narrow(0, kept, n * keep).copy_(c.view(-1))
 
                 def decoded(x=x, top=top, c=c, per=per, n=n, length=length) -> torch.Tensor:
-                    out = scratch.narrow(0, 0, n * length).view(n, length).zero_()  # (the magnitudes are done with)
+                    out = scratch.narrow(0, 0, n * length).view(n, length).fill_(-0.0)  # (magnitudes done with)
                     return out.scatter_(1, top, (2 * c - level) * per).view(-1)  # as _values makes them
 
                 report(flat, at, decoded)
@@ -341,7 +345,7 @@ class SparseCodec(Codec):
         if accumulate:
             out.index_add_(0, index, weighted(values, alpha))  # O(K): only what the payload holds
         else:
-            out.zero_().index_copy_(0, index, weighted(values, alpha))
+            out.fill_(-0.0).index_copy_(0, index, weighted(values, alpha))  # -0.0 elsewhere: see adds_exactly
 
 
 # ---- the host's check of a payload's indices (NumPy: the bytes are there, whatever device decodes) ----
