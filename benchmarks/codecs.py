@@ -1,13 +1,14 @@
 """Codec throughput beside a memcpy measured in the same run.
 
-    python benchmarks/codecs.py [--numel 67108864] [--repeat 3] [--specs int8,topk:fraction=0.01]
+    python benchmarks/codecs.py [--numel 67108864] [--repeat 3] [--specs int8 topk:fraction=0.01]
 
 For each codec: encode and decode GB/s (fp32 bytes of the tensor per second), each as a ratio to
 a plain memcpy of the same tensor into a preallocated buffer (best of ``--repeat``, measured
 interleaved with the codec so machine noise hits both), compression ratio and relative error
-||x - x_hat|| / ||x||. Encode reuses its payload buffer across calls (as an island does every
-round); "decode" is decode-and-accumulate into an fp32 buffer (the coordinator's path);
-"dec(new)" allocates its output, to show what fresh pages cost on this machine.
+||x - x_hat|| / ||x||; last, each codec's encode and decode-add time against int8's. Encode
+reuses its payload buffer across calls (as an island does every round); "decode" is
+decode-and-accumulate into an fp32 buffer (the coordinator's path); "dec(new)" allocates its
+output, to show what fresh pages cost on this machine.
 
 The process applies :func:`atoll.memory.tune_for_bulk_buffers` first, as ``atoll island`` and
 the daemon do (huge pages for large buffers); ``ATOLL_MALLOC_TUNING=0`` measures without it.
@@ -34,6 +35,7 @@ DEFAULT_SPECS = [
     "topk:fraction=0.01",
     "dcttopk:fraction=0.01",
     "powersgd:rank=4",
+    "sparse",
 ]
 
 
@@ -79,11 +81,16 @@ def main() -> None:
         f"{t_copy / t_full:10.3f}",
         flush=True,
     )
-    for spec in specs:
-        measure(spec, x, dst, acc, mat_shape, args.repeat)
+    times = {spec: measure(spec, x, dst, acc, mat_shape, args.repeat) for spec in specs}
+    if "int8" in times:  # each codec's encode and decode-add against int8's, both measured in this run
+        e8, d8 = times["int8"]
+        print("against int8: " + ", ".join(f"{s} {e / e8:.2f}x / {d / d8:.2f}x" for s, (e, d) in times.items()))
 
 
-def measure(spec: str, x: torch.Tensor, dst: torch.Tensor, acc: torch.Tensor, mat_shape, repeat: int) -> None:
+def measure(
+    spec: str, x: torch.Tensor, dst: torch.Tensor, acc: torch.Tensor, mat_shape, repeat: int
+) -> tuple[float, float]:
+    """Prints the codec's row; returns its encode and decode-add seconds."""
     nbytes = 4 * x.numel()
     codec = get_codec(spec)
     t_in = x.view(mat_shape) if spec.startswith(("powersgd", "dcttopk")) else x  # both work on matrices
@@ -106,6 +113,7 @@ def measure(spec: str, x: torch.Tensor, dst: torch.Tensor, acc: torch.Tensor, ma
         f"{t_mem / t_dec:10.3f} {t_mem / t_new:15.3f} {nbytes / len(payload):8.1f} {rel:9.2e}",
         flush=True,
     )
+    return t_enc, t_dec
 
 
 if __name__ == "__main__":
