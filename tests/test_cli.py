@@ -270,3 +270,17 @@ def test_atoll_status_at_the_grpc_or_bulk_port_is_one_line(start_server, capsys,
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "not its gRPC --port" in err or "http://127.0.0.1" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_of_a_codec_that_drops_values_without_error_feedback_warns(group, tmp_path):
+    """``--codec sparse`` (or top-k) sends a few values of each pseudo-gradient: without error feedback
+    the rest is lost every round, so the daemon says so at its start (it does not with feedback)."""
+    bare, _ = group.start_coordinator(tmp_path / "a", ["--run-id", "w", "--codec", "sparse"], name="bare")
+    fed, _ = group.start_coordinator(
+        tmp_path / "b", ["--run-id", "w", "--codec", "sparse", "--error-feedback"], name="fed"
+    )
+    bare.stop()
+    fed.stop()
+    assert "WARNING" in bare.log_tail() and "without --error-feedback" in bare.log_tail()
+    assert "without --error-feedback" not in fed.log_tail()
