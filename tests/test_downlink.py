@@ -63,3 +63,19 @@ def test_a_logged_update_that_is_not_a_sealed_payload_is_refused_when_read(tmp_p
     bytes that are not such a payload fail it, like a flipped bit."""
     log_update(tmp_path, 0, {"w": bytearray(b"abc")})
     assert wal.load_update(tmp_path, 1) is None
+
+
+def test_a_chain_of_sparse_updates_is_taken_until_it_would_outweigh_one_fp32_theta(tmp_path):
+    """A sparse update is ~1/110 of θ in fp32 (sparse:density=0.03125 here): an island far behind gets
+    the chain of updates while it weighs no more than one θ, and θ itself beyond (the bound holds
+    whatever the codec)."""
+    specs = {"w": (512, 512), "b": (512,)}
+    down, sparse = Downlink(tmp_path, window=1000), get_codec("sparse:density=0.03125")
+    regions = [("w", None), ("b", None)]
+    per_round = sum(sparse.encoded_size(s) for s in specs.values())
+    full = sum(identity_size(s) for s in specs.values())
+    most = full // per_round
+    assert most > 100  # ~1/110 of an fp32 θ each
+    assert down.catch_up_pays(1000 - most, 1000, regions, specs, "sparse:density=0.03125")
+    assert not down.catch_up_pays(1000 - most - 1, 1000, regions, specs, "sparse:density=0.03125")
+    assert most * per_round <= full < (most + 1) * per_round
