@@ -131,8 +131,8 @@ def report(runs: list[dict], numel: int) -> None:
     print(f"{'H':>4} {'codec (up)':<40} {'down':<28} {'up x':>7} {'down x':>7} {'loss (mean)':>11} {'vs identity':>12}"
           "  seeds (loss, gap)  θ same")  # fmt: skip
     for h in sorted({r["sync_every"] for r in runs}):
-        for codec in dict.fromkeys(r["codec"] for r in runs if r["sync_every"] == h):
-            rs = [r for r in runs if r["sync_every"] == h and r["codec"] == codec]
+        for key in dict.fromkeys(variant(r) for r in runs if r["sync_every"] == h):
+            rs = [r for r in runs if r["sync_every"] == h and variant(r) == key]
             up = statistics.mean(r["up_per_island"] for r in rs)
             down = statistics.mean(r["down_per_island"] for r in rs)
             losses = [r["curve"][-1][2] for r in rs]
@@ -144,8 +144,15 @@ def report(runs: list[dict], numel: int) -> None:
                 for r in rs
             )
             same = "yes" if all(r["identical"] for r in rs) else "NO"
-            print(f"{h:>4} {codec:<40} {rs[0]['downlink']:<28} {4 * numel / up:7.1f} {4 * numel / down:7.1f} "
-                  f"{statistics.mean(losses):11.4f} {gap:>12}  {seeds}  {same}")  # fmt: skip
+            codec, down_codec, flags = key
+            flags = f"  [{flags}]" if flags else ""
+            print(f"{h:>4} {codec:<40} {down_codec:<28} {4 * numel / up:7.1f} {4 * numel / down:7.1f} "
+                  f"{statistics.mean(losses):11.4f} {gap:>12}  {seeds}  {same}{flags}")  # fmt: skip
+
+
+def variant(r: dict) -> tuple[str, str, str]:
+    """What a row of the table is: the codec up, the one down and the coordinator's extra flags."""
+    return r["codec"], r["downlink"], r.get("flags", "")
 
 
 def main() -> None:
