@@ -75,9 +75,7 @@ OUTER_SECONDS_PER_PARAM = 5.7e-9
 identity: the same), θ's finiteness check and the record streamed to disk (the same benchmark)."""
 OUTER_SECONDS_PER_PARAM_BY_DOWNLINK = {"sparse": 26.4e-9}
 """The same for a downlink whose encoding costs more than int8's (``sparse``: its per-chunk top-k)."""
-SPARSE_DOWNLINK = "sparse:density=0.03125"
-"""The coordinator's update codec for islands that push ``sparse``: 4x the uplink's default density,
-room for the union of four islands' values, still >100x fewer bytes than fp32 (see downlink_for)."""
+
 RECORD_SECONDS = 0.02
 """Each exchange's record made durable before its update is served (its header, fsync, rename): the
 coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_utilisation.py``'s runs."""
@@ -202,10 +200,11 @@ class Estimate:
 
 
 def downlink_for(codec: str) -> str:
-    """The coordinator's update codec for an island codec: identity for plain DiLoCo, ``sparse`` (at
-    :data:`SPARSE_DOWNLINK`'s density) for sparse pushes, int8 for the rest."""
-    name = codec.split(":", 1)[0]
-    return "identity" if name == "identity" else SPARSE_DOWNLINK if name == "sparse" else "int8"
+    """The update codec the plan gives an island codec: identity for plain DiLoCo, else what a run
+    that names none gets (:func:`atoll.compression.downlink_for`: sparse for sparse, int8)."""
+    from atoll.compression import downlink_for as rule
+
+    return "identity" if codec == "identity" else rule(codec)
 
 
 def sizes(shapes: list[tuple[int, ...]], codec: str) -> int:

@@ -106,3 +106,18 @@ def test_a_run_saved_before_the_decoupled_share_keeps_its_full_step():
     assert RunConfig.from_json(RunConfig(run_id="r", decoupled_step="share").to_json()).decoupled_step == "share"
     with pytest.raises(ValueError, match="decoupled_step"):
         RunConfig(run_id="r", decoupled_step="half")
+
+
+def test_a_run_that_names_no_downlink_gets_sparse_for_sparse_pushes_and_int8_otherwise():
+    """(Before: int8 down whatever went up: a sparse run pulled |θ|/4 every round.) The rule is stored
+    resolved, so a restart that names no downlink either finds the same run."""
+    from atoll.coordinator import RunConfig
+
+    assert RunConfig().downlink_codec == "int8" and RunConfig(codec="identity").downlink_codec == "int8"
+    sparse = RunConfig(codec="sparse")
+    assert sparse.downlink_codec == "sparse:density=0.03125,bits=2,chunk=4096"
+    assert RunConfig(codec="sparse:density=0.004,bits=3").downlink_codec == "sparse:density=0.016,bits=3,chunk=4096"
+    assert RunConfig(codec="sparse", downlink_codec="int8").downlink_codec == "int8"
+    assert RunConfig.from_json(sparse.to_json()) == sparse
+    with pytest.raises(ValueError, match="codec: unknown codec 'nope'"):
+        RunConfig(codec="nope")

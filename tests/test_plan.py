@@ -185,12 +185,14 @@ def test_the_plan_table_shows_the_plain_exchange_beside_the_overlapped_one_and_s
 
 
 def test_sparse_pushes_get_a_sparse_update_whose_encoding_the_outer_step_pays():
-    """Islands that push ``sparse`` pull a sparse update (SPARSE_DOWNLINK's density): both directions'
+    """Islands that push ``sparse`` pull a sparse update (at 4x their density): both directions'
     bytes are the codec's own sizes, the coordinator decodes each push at sparse's cost and its outer
     step pays the downlink's top-k (OUTER_SECONDS_PER_PARAM_BY_DOWNLINK), not int8's pass."""
-    from atoll.plan import OUTER_SECONDS_PER_PARAM_BY_DOWNLINK, SPARSE_DOWNLINK, downlink_for
+    from atoll.plan import OUTER_SECONDS_PER_PARAM_BY_DOWNLINK, downlink_for
 
-    assert downlink_for("sparse") == downlink_for("sparse:density=0.005") == SPARSE_DOWNLINK
+    SPARSE_DOWNLINK = "sparse:density=0.03125,bits=2,chunk=4096"
+    assert downlink_for("sparse") == SPARSE_DOWNLINK
+    assert downlink_for("sparse:density=0.005,bits=3") == "sparse:density=0.02,bits=3,chunk=4096"
     assert downlink_for("identity") == "identity" and downlink_for("int4") == "int8"
     shapes = [(50257, 768), (768,), (3072, 768)]
     n = sum(math.prod(s) for s in shapes)

@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from atoll.compression import get_codec
+from atoll.compression import downlink_for, get_codec
 from atoll.coordinator.policy import grace
 
 OUTER_MODES = ("sync", "decoupled")
@@ -35,8 +35,10 @@ class RunConfig:
     powersgd:rank=R. int8 both ways is the default: within 0.02% of identity's eval loss on the demo
     and benchmarks/convergence.py at a quarter of the bytes (benchmarks/RESULTS.md); identity is
     plain DiLoCo, bit for bit."""
-    downlink_codec: str = "int8"
-    """Codec of the outer update sent back to islands (same choices; with downlink error feedback)."""
+    downlink_codec: str = "auto"
+    """Codec of the outer update sent back to islands (same choices; with downlink error feedback).
+    auto: sparse at 4x the density for sparse pushes, int8 for the rest
+    (:func:`atoll.compression.downlink_for`)."""
     error_feedback: bool = False
     """Islands carry what the lossy uplink codec dropped into the next round (per-rank residual)."""
     error_feedback_decay: float = 1.0
@@ -111,6 +113,11 @@ class RunConfig:
     island's delta in the mean, so an absurd claim would take the run over."""
 
     def __post_init__(self) -> None:
+        if self.downlink_codec == "auto":  # what a run that names no downlink gets (stored resolved)
+            try:
+                object.__setattr__(self, "downlink_codec", downlink_for(self.codec))
+            except ValueError as err:
+                raise ValueError(f"codec: {err}") from None
         if not self.run_id or len(self.run_id) > 128:
             raise ValueError(f"run_id must be 1..128 characters, got {self.run_id!r}")
         for name, bounds in RANGES.items():

@@ -27,8 +27,9 @@ class DemoArgs:
     """Islands carry the lossy codec's error into the next round."""
     error_feedback_decay: float = 1.0
     """β: error feedback sends C(Δ + β·residual) (1: classic)."""
-    downlink_codec: str = "int8"
-    """Codec of the outer update the coordinator sends back."""
+    downlink_codec: str = "auto"
+    """Codec of the outer update the coordinator sends back (auto: the coordinator's rule for the
+    uplink codec: sparse for sparse, else int8)."""
     overlap_steps: int = 0
     """Islands keep training while the exchange is in flight and apply it this many steps later."""
     outer_mode: str = "sync"
