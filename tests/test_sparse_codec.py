@@ -269,3 +269,27 @@ def test_adding_an_update_at_its_indices_is_bit_for_bit_adding_its_decode():
     island = codec.add_decoded_(payload, theta.clone())
     assert island.numpy().tobytes() == coordinator.numpy().tobytes()
     assert (torch.signbit(island[:300:3]) | (island[:300:3] != 0)).all()  # -0.0 stayed -0.0
+
+
+@pytest.mark.parametrize("spec", ["int8", "sparse", "sparse:density=0.05,bits=3,chunk=64"])
+def test_error_feedback_of_a_difference_is_made_in_the_residuals_own_storage(spec):
+    """An island's ``encode_difference(θ_start, θ)`` around a chunked codec makes β·e + (a − b) a chunk
+    at a time in e's storage (nothing of |θ| allocated after the first round): with β = 1 the payloads
+    and residuals are the bits of encode(a − b), round after round, θ in bf16 too."""
+    from atoll.compression import ErrorFeedback
+
+    codec, gen = get_codec(spec), torch.Generator().manual_seed(9)
+    fused, plain = ErrorFeedback(codec), ErrorFeedback(codec)
+    s_fused, s_plain = {}, {}
+    for r in range(3):
+        a = torch.randn(3, 3000, generator=gen)
+        b = torch.randn(3, 3000, generator=gen).to(torch.bfloat16 if r == 1 else torch.float32)
+        got = fused.encode_difference(a, b, s_fused)
+        want = plain.encode(a.float() - b.float(), s_plain)
+        assert bytes(got) == bytes(want)
+        if r == 0:  # (the first e: 0 + d against d, equal up to the sign of a zero)
+            assert torch.equal(s_fused["residual"], s_plain["residual"])
+        else:
+            assert s_fused["residual"].numpy().tobytes() == s_plain["residual"].numpy().tobytes()
+    residual = s_fused["residual"]
+    assert fused.encode_difference(a, b, s_fused) is not None and s_fused["residual"] is residual  # reused

@@ -7,24 +7,37 @@ import contextlib
 import torch
 
 from atoll.compression import staging
-from atoll.compression.base import Chunks, Codec
+from atoll.compression.base import Chunks, Codec, chunk_elems
 
 
 class _Residual(Chunks):
-    """``x`` read a chunk at a time by a chunked codec, each chunk left holding ``x − decode`` once it is
-    encoded (the codec reports the bits of ``decode(payload)`` for it: x − d is x + (−d), bit for bit)."""
+    """The residual ``e`` read a chunk at a time by a chunked codec. With ``a`` and ``b`` each chunk is
+    first made ``β·e + (a − b)`` in e's own storage (the pseudo-gradient is never whole: one scratch
+    chunk); once encoded it is left holding ``itself − decode`` (the codec reports the bits of
+    ``decode(payload)`` for it: x − d is x + (−d), bit for bit)."""
 
     wants_decoded = True
 
-    def __init__(self, x: torch.Tensor) -> None:
-        super().__init__(x.numel(), x.device)
-        self.x = x.view(-1)
+    def __init__(self, e: torch.Tensor, a=None, b=None, decay: float = 1.0) -> None:
+        super().__init__(e.numel(), e.device)
+        self.e, self.decay = e.view(-1), decay
+        self.a = None if a is None else a.detach().reshape(-1)
+        self.b = None if b is None else b.detach().reshape(-1)
+        self._scratch = None if a is None else torch.empty(min(e.numel(), chunk_elems(e.device)), device=e.device)
 
     def span(self, start: int, length: int) -> torch.Tensor:
-        return self.x.narrow(0, start, length)
+        e = self.e.narrow(0, start, length)
+        if self.a is not None:
+            d = torch.sub(
+                self.a.narrow(0, start, length), self.b.narrow(0, start, length), out=self._scratch.narrow(0, 0, length)
+            )
+            if self.decay != 1.0:
+                e.mul_(self.decay)
+            e.add_(d)  # β·e + d (+ is commutative: with β = 1, the bits of d + e)
+        return e
 
     def encoded(self, start: int, decoded: torch.Tensor) -> None:
-        self.x.narrow(0, start, decoded.numel()).sub_(decoded)
+        self.e.narrow(0, start, decoded.numel()).sub_(decoded)
 
 
 class ErrorFeedback:
@@ -55,7 +68,19 @@ class ErrorFeedback:
         return False  # the residual needs the whole input
 
     def encode_difference(self, a: torch.Tensor, b: torch.Tensor, state: dict | None = None, *, out=None) -> bytearray:
-        return self.encode(a.float() - b.float(), state, out=out)
+        """``encode(a − b)``; around a chunked codec made in the residual's own storage a chunk at a time
+        (no tensor of |a| allocated or written whole but e itself, from the second round)."""
+        if state is None or not self.inner.chunked_input or a.shape != b.shape:
+            return self.encode(a.float() - b.float(), state, out=out)
+        e = state.get("residual")
+        if e is None:
+            e = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
+        elif e.shape != a.shape or e.device != a.device:
+            raise ValueError(f"residual is {tuple(e.shape)} on {e.device}, tensor {tuple(a.shape)} on {a.device}")
+        source = _Residual(e, a, b, self.decay)
+        payload = self.inner.encode_chunks(source, tuple(a.shape), state.setdefault("inner", {}), out=out)
+        state["residual"] = e
+        return payload
 
     def encode(self, tensor: torch.Tensor, state: dict | None = None, *, out: bytearray | None = None) -> bytearray:
         """Everything on ``tensor``'s device; the residual in ``state`` must be there too (the caller
