@@ -211,6 +211,7 @@ def run(ns) -> int:
         print(line)
     best = got[0]
     flags = f"--codec {best.codec} --downlink-codec {best.downlink_codec} --sync-every {best.sync_every}"
+    flags += " --error-feedback" if get_codec(best.codec).drops_values else ""
     flags += f" --fragments {best.fragments}" if best.fragments > 1 else ""
     island = f" --overlap-steps {best.overlap_steps}" if best.overlap_steps else ""
     island += " --streaming" if best.fragments > 1 else ""

@@ -46,11 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from atoll.compression import get_codec  # noqa: E402
 from atoll.harness.netlink import Link, LinkSpec, enter_namespace  # noqa: E402
 from atoll.plan import downlink_for  # noqa: E402
-
-DROPS_VALUES = ("sparse", "topk", "dcttopk")
-"""Codecs whose islands run with error feedback here (what they do not send is carried, not lost)."""
 
 
 def island(addresses: str, name: str, a) -> None:
@@ -92,7 +90,7 @@ def measure(a, overlap: int) -> dict:
             "--downlink-codec", downlink_for(a.codec), "--round-deadline-seconds", "900",
             "--log-level", "WARNING", "--threads", "1",
         ]  # fmt: skip
-        if a.codec.split(":")[0] in DROPS_VALUES:
+        if get_codec(a.codec).drops_values:  # what it does not send is carried, not lost
             flags += ["--error-feedback"]
         ca = ""
         if a.tls:
@@ -209,7 +207,7 @@ def host_work(codec: str, repeat: int = 3) -> float:
     params = [p.detach() for p in TinyGPT(preset("gpt-125m", vocab_size=50257)).parameters()]
     start = [p.clone() for p in params]
     up, down = get_codec(codec), get_codec(downlink_for(codec))
-    if codec.split(":")[0] in DROPS_VALUES:
+    if up.drops_values:
         up = ErrorFeedback(up)
     updates = [down.encode((p * 1e-3).contiguous()) for p in params]
     times, states = [], {}

@@ -165,6 +165,9 @@ class Codec:
     ``alpha``), and its decode never gives -0.0 (so that equals ``0 + alpha * decode``)."""
     stateful: ClassVar[bool] = False
     """Whether ``encode`` reads or writes per-tensor ``state`` (then encoding twice is not the same)."""
+    drops_values: ClassVar[bool] = False
+    """Whether a payload sends only some of the tensor's values (top-k, sparse): what it drops is lost
+    unless error feedback carries it into the next round."""
     adds_exactly: ClassVar[bool] = False
     """Whether ``decode_add_(payload, out)`` (alpha 1) is bit for bit ``out + decode(payload)``: it is
     for codecs that decode element by element; a codec that decodes through a matmul or a transform

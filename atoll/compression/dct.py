@@ -123,6 +123,7 @@ class DctTopKCodec(Codec):
     name = "dcttopk"
     params: ClassVar[dict[str, type]] = {"fraction": float, "values": str, "chunk": int}
     codec_id = 9
+    drops_values = True
 
     def __init__(self, fraction: float = 0.01, values: str = "int8", chunk: int = 64) -> None:
         check_sparse_options(self.name, fraction, values)

@@ -165,6 +165,7 @@ class SparseCodec(Codec):
     name = "sparse"
     codec_id = 10
     params: ClassVar[dict[str, type]] = {"density": float, "bits": int, "chunk": int}
+    drops_values = True
     adds_exactly = True
     """A decode holds -0.0 where nothing was kept, and x + (-0.0) is x for every x (+0.0 and -0.0
     too), so the coordinator's θ_{r+1} = decode(u) + θ_r is bit for bit θ_r with the kept values added

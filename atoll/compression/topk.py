@@ -159,6 +159,7 @@ class TopKCodec(Codec):
     name = "topk"
     codec_id = 7
     params: ClassVar[dict[str, type]] = {"fraction": float, "values": str}
+    drops_values = True
 
     def __init__(self, fraction: float = 0.01, values: str = "int8") -> None:
         check_sparse_options(self.name, fraction, values)

@@ -8,6 +8,7 @@ import logging
 import signal
 from pathlib import Path
 
+from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.transport.corelog import CoreLog
 from atoll.coordinator.transport.server import CoordinatorServer
@@ -16,8 +17,6 @@ from atoll.memory import tune_for_bulk_buffers
 from atoll.objects import ObjectStore, is_url
 
 log = logging.getLogger("atoll.coordinator")
-DROPS_VALUES = ("sparse", "topk", "dcttopk")
-"""Codecs that send only some of a pseudo-gradient's values (the rest is lost without error feedback)."""
 
 
 def write_port_file(path: Path, ports: int | list[int]) -> None:
@@ -62,7 +61,7 @@ async def serve(
     losing the store's lease stops the daemon (exit code 1). Returns the exit code: 0 after a signal
     or a complete run, 1 when a background task failed."""
     admin = admin or {}
-    if config.codec.split(":", 1)[0] in DROPS_VALUES and not config.error_feedback:
+    if get_codec(config.codec).drops_values and not config.error_feedback:
         log.warning(
             "codec %s sends some values of each pseudo-gradient and drops the rest: without --error-feedback "
             "the islands lose what it dropped every round (benchmarks/RESULTS.md: add --error-feedback)",
