@@ -206,3 +206,15 @@ def test_sparse_pushes_get_a_sparse_update_whose_encoding_the_outer_step_pays():
     assert 4 * n / e.bytes_up_per_round > 300 and 4 * n / e.bytes_down_per_round > 100
     outer = OUTER_SECONDS_PER_PARAM_BY_DOWNLINK["sparse"] * n
     assert e.coordinator_seconds == pytest.approx(3 * DECODE_SECONDS_PER_PARAM["sparse"] * n + outer + RECORD_SECONDS)
+
+
+def test_a_recommended_codec_that_drops_values_comes_with_error_feedback(capsys):
+    """Without --error-feedback a sparse run loses what each push drops: the flags to copy say it."""
+    args = ["plan", "--model", "gpt-125m", "--step-seconds", "0.3", "--bandwidth-mbit", "100", "--rtt-ms", "100"]
+    assert main([*args, "--islands", "3", "--codec", "sparse", "--sync-every", "30", "100"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("atoll coordinator"))
+    assert "--codec sparse --downlink-codec sparse:density=0.03125,bits=2,chunk=4096" in line
+    assert "--error-feedback" in line
+    assert main([*args, "--codec", "int8", "--sync-every", "500"]) == 0
+    assert "--error-feedback" not in capsys.readouterr().out
