@@ -249,7 +249,7 @@ class SparseCodec(Codec):
                 offsets.narrow(0, kept, n * keep).copy_(top.view(-1))
                 codes.narrow(0, kept, n * keep).copy_(c.view(-1))
 
-                def decoded(x=x, top=top, c=c, per=per, n=n, length=length) -> torch.Tensor:
+                def decoded(top=top, c=c, per=per, n=n, length=length) -> torch.Tensor:
                     out = scratch.narrow(0, 0, n * length).view(n, length).fill_(-0.0)  # (magnitudes done with)
                     return out.scatter_(1, top, (2 * c - level) * per).view(-1)  # as _values makes them
 
