@@ -77,7 +77,6 @@ OUTER_SECONDS_PER_PARAM = 5.7e-9
 identity: the same), θ's finiteness check and the record streamed to disk (the same benchmark)."""
 OUTER_SECONDS_PER_PARAM_BY_DOWNLINK = {"sparse": 26.4e-9}
 """The same for a downlink whose encoding costs more than int8's (``sparse``: its per-chunk top-k)."""
-
 RECORD_SECONDS = 0.02
 """Each exchange's record made durable before its update is served (its header, fsync, rename): the
 coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_utilisation.py``'s runs."""
@@ -85,7 +84,9 @@ coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_u
 
 def outer_per_param(downlink: str) -> float:
     """The outer step's seconds per parameter with ``downlink`` (a spec) as the update's codec."""
-    return OUTER_SECONDS_PER_PARAM_BY_DOWNLINK.get(downlink.split(":", 1)[0], OUTER_SECONDS_PER_PARAM)
+    from atoll.compression import codec_name
+
+    return OUTER_SECONDS_PER_PARAM_BY_DOWNLINK.get(codec_name(downlink), OUTER_SECONDS_PER_PARAM)
 
 
 def decode_per_param(name: str) -> float:
@@ -252,7 +253,7 @@ def estimate(
     if cand.overlap_steps:  # the own work on the training thread, the exchange behind τ steps
         stall = p * max(0.0, exchange - hidden) + host_seconds
     else:  # streamed with the transfers: the apply with the pull, a stateless codec's encoding with the push
-        apply = min(host_seconds, decode_per_param(down.split(":", 1)[0]) * params) / p
+        apply = min(host_seconds, decode_per_param(get_codec(down).name) * params) / p
         encode = host_seconds / p - apply
         out = push + encode if codec.stateful else max(push, encode)
         stall = p * (out + coordinator / p + max(pull, apply))
