@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from goodput import make_text_corpus  # noqa: E402  (benchmarks/goodput.py, beside this)
 
+from atoll.compression import codec_name  # noqa: E402
 from atoll.coordinator.disk import snapshots  # noqa: E402
 from atoll.harness import ProcessGroup  # noqa: E402
 
@@ -42,7 +43,7 @@ COMMON += ["--bulk-port", "-1", "--keep-snapshots", "100000", "--snapshot-every"
 
 
 def downlink_of(codec: str, downlink: str) -> str:
-    if downlink == "same" or codec.split(":")[0] in ("identity", "int8", "fp16", "bf16"):
+    if downlink == "same" or codec_name(codec) in ("identity", "int8", "fp16", "bf16"):
         return codec
     return downlink
 
@@ -58,7 +59,7 @@ def island_argv(name: str, address: str, work: Path, seed: int, rounds: int, a) 
 
 def run(codec: str, h: int, rounds: int, seed: int, a, work: Path) -> dict:
     work.mkdir(parents=True)
-    lossy = codec.split(":")[0] != "identity"
+    lossy = codec_name(codec) != "identity"
     down = downlink_of(codec, a.downlink)
     flags = [*COMMON, "--codec", codec, "--downlink-codec", down, "--sync-every", str(h)]
     flags += ["--quorum", str(a.islands), "--total-rounds", str(rounds)]
