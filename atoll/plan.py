@@ -68,15 +68,16 @@ DECODE_SECONDS_PER_PARAM = {
     "topk": 0.63e-9,
     "dcttopk": 6.47e-9,
     "powersgd": 1.29e-9,
-    "sparse": 2.2e-9,
+    "sparse": 1.37e-9,
 }
 """The coordinator's decoding of one push into the round's sum, per parameter, one CPU thread
 (``python benchmarks/coordinator_costs.py`` at 124M, benchmarks/RESULTS.md)."""
 OUTER_SECONDS_PER_PARAM = 5.7e-9
 """The coordinator's outer step per parameter, one CPU thread, with the downlink's encoding (int8 or
 identity: the same), θ's finiteness check and the record streamed to disk (the same benchmark)."""
-OUTER_SECONDS_PER_PARAM_BY_DOWNLINK = {"sparse": 26.4e-9}
-"""The same for a downlink whose encoding costs more than int8's (``sparse``: its per-chunk top-k)."""
+OUTER_SECONDS_PER_PARAM_BY_DOWNLINK = {"sparse": 15.8e-9}
+"""The same for a downlink whose encoding costs more than int8's: ``sparse``'s per-chunk top-k (1.97 s at
+124M on one thread against int8's 0.68 s, benchmarks/RESULTS.md "Issue 52")."""
 RECORD_SECONDS = 0.02
 """Each exchange's record made durable before its update is served (its header, fsync, rename): the
 coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_utilisation.py``'s runs."""
