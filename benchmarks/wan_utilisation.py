@@ -136,7 +136,7 @@ def measure(a, overlap: int) -> dict:
     written = {h["round"]: h for h in served}  # a record's write and publish are timed after it is logged
     for h in history:
         h.update({k: written.get(h["round"], {}).get(k, 0.0) for k in ("persist_seconds", "publish_seconds")})
-    utils, lost, host, exchange, blocked = [], [], [], [], []
+    utils, lost, host, exchange, blocked, per_exchange = [], [], [], [], [], []
     for out in outs:
         got = json.loads(out.strip().splitlines()[-1])
         marks = got["marks"]
@@ -146,6 +146,7 @@ def measure(a, overlap: int) -> dict:
         measured = [v for r, v in per_round.items() if a.warmup <= r < a.rounds - 1]
         host += [own for own, _, _ in measured]
         exchange += [on_link for _, on_link, _ in measured]
+        per_exchange.append(round(statistics.mean(on_link for _, on_link, _ in measured), 3) if measured else 0.0)
         blocked += [sync for _, _, sync in measured]
         h = a.sync_every
         starts = [marks[r * h][0] for r in range(a.rounds)] + [marks[-1][0]]
@@ -153,6 +154,7 @@ def measure(a, overlap: int) -> dict:
         utils.append(h * a.step_seconds * len(walls) / sum(walls))
         lost.append(where_lost(marks, a, len(walls), overlap))
     return {"utilisation": statistics.mean(utils), "per_island": utils, "lost_per_round": lost,
+            "exchange_per_island": per_exchange,
             "run_host_seconds": statistics.mean(host) if host else 0.0,
             "run_exchange_seconds": statistics.mean(exchange) if exchange else 0.0,
             "run_sync_seconds": statistics.mean(blocked) if blocked else 0.0,
@@ -301,7 +303,8 @@ def main() -> None:
         util_run_host, _, stall = predicted(a, tau, run_host)
         print(
             f"  overlap τ={tau}: utilisation {got['utilisation']:.1%} (islands "
-            f"{', '.join(f'{u:.1%}' for u in got['per_island'])}); atoll plan predicts {util:.1%} "
+            f"{', '.join(f'{u:.1%}' for u in got['per_island'])}; their exchanges "
+            f"{', '.join(f'{x:.2f}' for x in got['exchange_per_island'])} s); atoll plan predicts {util:.1%} "
             f"(an exchange {sync:.2f} s), {util_host:.1%} with --host-seconds {host:.2f}, {util_run_host:.1%} "
             f"with the islands' own host_seconds {run_host:.2f}; a round's exchanges took {run_exchange:.2f} s "
             f"on the link and coordinator (predicted {sync:.2f}; the coordinator's own part: {got['coordinator']}),"
