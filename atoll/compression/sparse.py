@@ -101,6 +101,13 @@ class Layout:
         counts.narrow(0, self.full, self.chunks - self.full).fill_(self.tail_k)  # the last, short chunk's
         return counts
 
+    def host_counts(self) -> np.ndarray:
+        """:meth:`counts` in NumPy, for the host's check of a payload (never a torch tensor: a fake
+        tensor mode would fake it)."""
+        counts = np.full(self.chunks, self.k, dtype=np.int64)
+        counts[self.full :] = self.tail_k
+        return counts
+
 
 def chunk_bits(chunk: int, k: int, coding: int) -> int:
     if coding == OFFSETS:
@@ -371,8 +378,7 @@ def check_indices(body: np.ndarray, lay: Layout) -> None:
     and each chunk holds exactly its count (Elias-Fano's high bits and the bitmap: inside the chunk's
     own span). Only arrays of the payload's counts (bounded by the tensor's size) are made."""
     total = lay.total
-    counts = np.full(lay.chunks, lay.k, dtype=np.int64)
-    counts[lay.full :] = lay.tail_k
+    counts = lay.host_counts()
     if lay.coding == BITMAP:
         index = np.flatnonzero(np.unpackbits(body[lay.index_at :], count=lay.n, bitorder="little"))
         if index.size != total or not np.array_equal(np.bincount(index // lay.chunk, minlength=lay.chunks), counts):
