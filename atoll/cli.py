@@ -9,94 +9,12 @@ not take) prints one line and exits non-zero; no traceback.
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
 import logging
-import os
 import sys
-import textwrap
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from atoll.errors import UserError
-
-LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstrings under a dataclass's fields (``x: int = 1`` then ``\"\"\"what x is\"\"\"``)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):  # no source (frozen app): no help text, still works
-        return {}
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _field_type(f: dataclasses.Field) -> type:
-    """The scalar type of a config field (``int | None`` gives ``int``)."""
-    name = f.type if isinstance(f.type, str) else f.type.__name__
-    return _TYPES[name.split("|")[0].strip()]
-
-
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip=(), track_given: bool = False) -> None:
-    """One ``--flag`` per field of a config dataclass, with the field's docstring as help.
-
-    ``track_given``: flags default to None, so the caller can tell what was given on the command line
-    (the dataclass's own default applies otherwise)."""
-    docs = field_docs(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        required = f.default is dataclasses.MISSING
-        kind = _field_type(f)
-        doc = docs.get(f.name, "")
-        shown = "required" if required else f"default: {default}"
-        help_text = f"{doc} ({shown})" if doc else f"({shown})"
-        help_text = help_text.replace("%", "%%")
-        if kind is bool:
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                action=argparse.BooleanOptionalAction,
-                default=None if track_given else default,
-                help=help_text,
-            )
-            continue
-        parser.add_argument(
-            flag,
-            dest=f.name,
-            type=kind,
-            default=None if track_given else default,
-            required=required,
-            metavar=kind.__name__.upper(),
-            help=help_text,
-        )
-
-
-def _config_from(cls, ns: argparse.Namespace, **extra):
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
-    values = {k: v for k, v in values.items() if v is not None}
-    values.update(extra)
-    return cls(**values)
-
-
-def _given(cls, ns: argparse.Namespace) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(cls) if getattr(ns, f.name, None) is not None)
+from atoll.flags import LOG_LEVELS, add_dataclass_args, config_from, given_fields, run_command, tokens_glued
 
 
 def _version() -> str:
@@ -115,7 +33,7 @@ def _subparser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     from atoll.coordinator.config import RunConfig
     from atoll.harness.demo import DemoArgs
-    from atoll.workload.island import IslandArgs
+    from atoll.workload import command as island_command
 
     parser = argparse.ArgumentParser(
         prog="atoll",
@@ -231,13 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 0 by itself once the run is complete (--total-rounds) and every live island holds the "
         "final θ (for batch schedulers)",
     )
-    _add_dataclass_args(coord, RunConfig, track_given=True)
+    add_dataclass_args(coord, RunConfig, track_given=True)
 
-    island = _subparser(sub, "island", "run the reference island (a GPT on the bundled text or your tokens)")
-    _add_dataclass_args(island, IslandArgs)
+    island_command.add_arguments(_subparser(sub, "island", island_command.HELP))
 
     demo = _subparser(sub, "demo", "coordinator + islands as processes on loopback, a few rounds")
-    _add_dataclass_args(demo, DemoArgs)
+    add_dataclass_args(demo, DemoArgs)
 
     from atoll import plan_cli
 
@@ -297,7 +214,7 @@ def _coordinator(ns: argparse.Namespace) -> int:
     from atoll.coordinator.transport.security import IslandTokens, TlsConfig
     from atoll.sharding import parse_shard
 
-    config = _config_from(RunConfig, ns)
+    config = config_from(RunConfig, ns)
     if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
         raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
     for flag, port, low in (
@@ -344,7 +261,7 @@ def _coordinator(ns: argparse.Namespace) -> int:
             "max_pull_bytes": ns.max_pull_bytes,
             "stream_idle_seconds": ns.stream_idle_seconds,
             "bulk_port": None if ns.bulk_port < 0 else ns.bulk_port,
-            "given": _given(RunConfig, ns),
+            "given": given_fields(RunConfig, ns),
             "store_lease_seconds": ns.store_lease_seconds,
         },
     )
@@ -354,31 +271,15 @@ MIN_LEASE_SECONDS, MAX_LEASE_SECONDS = 1.0, 86400.0
 """--store-lease-seconds: renewed every third of it, so under a second leaves a store's round trip no
 room; past a day a dead coordinator's run waits longer than any operator would."""
 
-TOKEN_FLAGS = ("--token", "--admin-token")
-"""Flags whose value is a bearer token: the next word is the value whatever it looks like. argparse
-takes a word that begins with '-' for a flag, and a URL-safe token (``secrets.token_urlsafe``, as
-docs/two-site-run.md makes them) begins with '-' one time in 64."""
-
-
-def _tokens_glued(argv: list[str]) -> list[str]:
-    """``argv`` with each ``TOKEN_FLAG VALUE`` as ``TOKEN_FLAG=VALUE`` (a flag with no word after it
-    stays as it is: argparse says what is missing)."""
-    out, words = [], iter(argv)
-    for word in words:
-        value = next(words, None) if word in TOKEN_FLAGS else None
-        out.append(word if value is None else f"{word}={value}")
-    return out
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line as ``main`` reads it; a wrong flag gets the subcommand's usage (exit 2)."""
     parser = build_parser()
-    ns, unknown = parser.parse_known_args(_tokens_glued(argv))
-    if ns.command == "island" and any(a == "--sync-every" or a.startswith("--sync-every=") for a in unknown):
-        parser.subcommands["island"].error(
-            "--sync-every is the run's: the coordinator decides H (atoll coordinator --sync-every) and islands "
-            "learn it when they join; an island may sync on a time budget instead (--sync-every-seconds)"
-        )
+    ns, unknown = parser.parse_known_args(tokens_glued(argv))
+    if ns.command == "island":
+        from atoll.workload.command import refuse_run_flags
+
+        refuse_run_flags(parser.subcommands["island"], unknown)
     if unknown:  # the subcommand's usage, not the top-level one
         parser.subcommands[ns.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return ns
@@ -386,50 +287,46 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, island_hooks=None) -> int:
     """``island_hooks``: seams of ``atoll island``'s loop (:class:`atoll.workload.hooks.IslandHooks`;
-    the harness's entry point passes its fault hooks)."""
+    the harness's entry point, :mod:`atoll.harness.island`, runs the island without this module)."""
     words = list(sys.argv[1:] if argv is None else argv)
     ns = parse_args(words)
     logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from atoll.coordinator.config import ConfigMismatch
     from atoll.coordinator.disk.snapshots import StateError
-    from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable
+    from atoll.workload.command import REFUSALS
 
-    try:
-        if ns.command == "coordinator":
-            return _coordinator(ns)
-        if ns.command == "island":
-            from atoll.workload.island import IslandArgs, run_island
+    return run_command(
+        ns.command,
+        lambda: _dispatch(ns, words, island_hooks),
+        build_parser().subcommands[ns.command],
+        (StateError, ConfigMismatch, *REFUSALS),
+    )
 
-            return run_island(_config_from(IslandArgs, ns), words, island_hooks)
-        if ns.command == "demo":
-            from atoll.harness.demo import DemoArgs, run_demo
 
-            return run_demo(_config_from(DemoArgs, ns))
-        if ns.command == "plan":
-            from atoll import plan_cli
+def _dispatch(ns: argparse.Namespace, words: list[str], island_hooks) -> int:
+    if ns.command == "coordinator":
+        return _coordinator(ns)
+    if ns.command == "island":
+        from atoll.workload.command import run
 
-            return plan_cli.run(ns)
-        from atoll import tools
+        return run(ns, words, island_hooks)
+    if ns.command == "demo":
+        from atoll.harness.demo import DemoArgs, run_demo
 
-        commands = {
-            "status": tools.status,
-            "export": tools.export,
-            "rollback": tools.rollback,
-            "restore-store": tools.restore_store,
-        }
-        return commands[ns.command](ns)
-    except (StateError, ConfigMismatch, CoordinatorRefused, CoordinatorUnreachable, UserError) as err:
-        print(f"atoll {ns.command}: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"atoll {ns.command}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `atoll status | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
-        return 141  # as a process killed by SIGPIPE, the shell's convention
-    except ValueError as err:
-        build_parser().subcommands[ns.command].error(str(err))
-    return 2
+        return run_demo(config_from(DemoArgs, ns))
+    if ns.command == "plan":
+        from atoll import plan_cli
+
+        return plan_cli.run(ns)
+    from atoll import tools
+
+    commands = {
+        "status": tools.status,
+        "export": tools.export,
+        "rollback": tools.rollback,
+        "restore-store": tools.restore_store,
+    }
+    return commands[ns.command](ns)
 
 
 if __name__ == "__main__":

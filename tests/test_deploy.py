@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from atoll.cli import _config_from, build_parser
+from atoll.cli import build_parser
 from atoll.coordinator.config import RunConfig
+from atoll.flags import config_from
 from atoll.workload.island import IslandArgs
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -77,8 +78,8 @@ def test_every_deploy_file_is_covered():
 def test_command_parses_and_builds_a_valid_config(name, argv):
     ns = build_parser().parse_args(argv)  # SystemExit on an unknown flag or bad value
     if ns.command == "coordinator":
-        _config_from(RunConfig, ns)
+        config_from(RunConfig, ns)
     elif ns.command == "island":
-        _config_from(IslandArgs, ns)
+        config_from(IslandArgs, ns)
     else:
         pytest.fail(f"{name}: unexpected command {ns.command}")

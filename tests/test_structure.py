@@ -147,3 +147,17 @@ def test_reasons_are_the_protos_and_each_has_a_status_code():
     assert set(CODE) == set(Reason) and set(Reason) >= FATAL
     assert Reason.NOT_JOINED == "REASON_NOT_JOINED" and wire_number(Reason.NOT_JOINED) == 3
     assert Reason.NOT_JOINED not in FATAL and Reason.MODEL_MISMATCH in FATAL
+
+
+def test_no_arrow_runs_back_up_from_the_harness_to_the_cli():
+    """The CLI wires the product and the harness together (``atoll demo``); the harness starts islands
+    through the island's own entry point (:mod:`atoll.workload.command`), never through the CLI."""
+    mods = modules()
+    up = {
+        (name, imported)
+        for name, path in mods.items()
+        if name.startswith("atoll.harness")
+        for imported in imports_of(name, path, set(mods))
+        if imported in ("atoll.cli", "atoll.__main__")
+    }
+    assert up == set()

@@ -1,11 +1,13 @@
 """``python -m atoll.harness.island --faults JSON island ...``: the reference island with the harness's
-fault hooks (:class:`atoll.harness.faults.IslandFaults`); every other argument is ``atoll``'s own."""
+fault hooks (:class:`atoll.harness.faults.IslandFaults`); every other argument is ``atoll``'s own, read
+by the island's own entry point (:func:`atoll.workload.command.main`: the same flags and exit codes)."""
 
 from __future__ import annotations
 
 import sys
 
 from atoll.harness.faults import IslandFaults
+from atoll.workload.command import main as island_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,9 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         at = argv.index("--faults")
         spec = argv[at + 1]
         del argv[at : at + 2]
-    from atoll.cli import main as atoll_main
-
-    return atoll_main(argv, island_hooks=IslandFaults(spec))
+    return island_main(argv, IslandFaults(spec))
 
 
 if __name__ == "__main__":
