@@ -161,3 +161,24 @@ def test_no_arrow_runs_back_up_from_the_harness_to_the_cli():
         if imported in ("atoll.cli", "atoll.__main__")
     }
     assert up == set()
+
+
+def module_map_misses(text: str) -> list[str]:
+    """The modules of the package that docs/design.md's "Module layout" does not name (by file name)."""
+    import re
+
+    start = text.index("## Module layout")
+    section = text[start : text.index("\n## ", start + 1)]
+    missing = []
+    for name, path in modules().items():
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        if not re.search(rf"(?<![\w.]){re.escape(path.stem)}(\.py)?(?![\w])", section):
+            missing.append(name)
+    return missing
+
+
+def test_the_module_map_in_the_design_names_every_module():
+    design = ROOT.parent / "docs" / "design.md"
+    assert module_map_misses(design.read_text()) == []
+    assert "atoll.compression.sparse" in module_map_misses("## Module layout\nnothing here\n## Next\n")
