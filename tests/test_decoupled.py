@@ -442,3 +442,30 @@ def test_a_decoupled_islands_wait_for_its_update_is_bounded_and_counted_as_block
         assert 2.0 * compute * 0.9 <= blocked <= 2.0 * compute + 0.5  # (join's own lateness)
     finally:
         a.close()
+
+
+def test_the_decoupled_step_rules_are_a_registry_that_the_config_and_the_optimizer_read():
+    """Each rule is data (its choices), looked up by name once; a name not in it is refused naming them."""
+    from atoll.coordinator.config import RunConfig
+    from atoll.coordinator.policy import steps
+    from atoll.coordinator.state.delayed import DelayedNesterov
+    from atoll.coordinator.state.model import GlobalModel
+
+    assert list(steps.RULES) == ["share", "full", "delayed", "whole", "progress", "even", "spread"]
+    assert RunConfig(run_id="t").decoupled_step == steps.DEFAULT == "spread"
+    with pytest.raises(ValueError, match="decoupled_step must be one of share, full, delayed, whole, progress"):
+        RunConfig(run_id="t", outer_mode="decoupled", decoupled_step="fast")
+    assert [r.name for r in steps.RULES.values() if r.progress_share] == ["progress", "even", "spread"]
+    assert [r.name for r in steps.RULES.values() if r.long_delta_whole] == ["whole"]
+    assert [r.name for r in steps.RULES.values() if not r.by_share] == ["full"]
+    for name, rule in steps.RULES.items():
+        model = GlobalModel(RunConfig(run_id="t", outer_mode="decoupled", decoupled_step=name))
+        model.define({"w": (4,)}, frozenset(), None)
+        delayed = isinstance(model.optimizer, DelayedNesterov)
+        assert delayed == (name not in ("share", "full")), name
+        assert not delayed or model.optimizer.advance == {"progress": "progress", "even": "even"}.get(
+            name, "spread" if name == "spread" else "once"
+        )
+    sync = GlobalModel(RunConfig(run_id="t", decoupled_step="even"))  # sync mode: the rule does not apply
+    sync.define({"w": (4,)}, frozenset(), None)
+    assert not isinstance(sync.optimizer, DelayedNesterov)

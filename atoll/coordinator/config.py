@@ -8,10 +8,9 @@ import math
 from dataclasses import dataclass
 
 from atoll.compression import downlink_for, get_codec
-from atoll.coordinator.policy import grace
+from atoll.coordinator.policy import grace, steps
 
 OUTER_MODES = ("sync", "decoupled")
-DECOUPLED_STEPS = ("share", "full", "delayed", "whole", "progress", "even", "spread")
 TOKENS_PER_STEP_BOUND = 1 << 24
 """Default bound on the tokens an island may claim per inner step (16.8M, above the global batch of
 any published LLM run): a push claiming more than H x this is refused."""
@@ -53,36 +52,13 @@ class RunConfig:
     arrival order). decoupled: islands never wait; each applies the update when it arrives, keeping the
     progress made since its push, and its next push is folded with its staleness (timing-dependent by
     design). ``quorum`` is then the minimum quorum of a round."""
-    decoupled_step: str = "spread"
-    """decoupled: how far a round made of some of the islands steps. share: by its share of a full
-    round (Σ w_i s_i Δ_i over the larger of the round's weight and the live islands' usual weights
-    together), so each contribution moves θ as it would in a round of everyone; full: as far as a
-    round of everyone (the mean of what came), which stepped ~N times as far per unit of work with N
-    islands (benchmarks/RESULTS.md, "the quality map"); delayed: by its share as ``share``, and the
-    outer momentum advanced and applied only once the rounds since it last was add up to a full
-    round's share (Delayed Nesterov, :class:`~atoll.coordinator.state.delayed.DelayedNesterov`; with
-    ``share`` the momentum is applied at every small round, N times per round's worth of work);
-    whole: as ``delayed``, but a delta of n > H inner steps (its island trained on while its exchange
-    was out, or carried a push too stale to fold) enters whole with its tokens' weight, and the
-    island's usual weight is its weight per H steps, where the other rules enter it scaled by H/n
-    and so drop 1 − H/n of that island's progress (:func:`~atoll.coordinator.policy.weighting.step_scale`);
-    progress: as ``delayed``, with each island's progress since its last push entering as its share of a
-    round of everyone (a long delta once, at one island's share, where ``whole`` enters it at full size),
-    the round's share S uncapped, and the momentum stepping as S full rounds of the mean gradient would
-    (:func:`~atoll.coordinator.policy.weighting.round_share`, :func:`~atoll.coordinator.state.delayed.momentum_steps`);
-    even: as ``progress``, with every round stepping the momentum as its own share's worth of full rounds
-    (nothing held back until the shares add up to one, which made every other round's step ~1.6x as long
-    as the one before and θ's loss rise after it; :class:`~atoll.coordinator.state.delayed.DelayedNesterov`).
-    even was level with progress on the quality map (9 seeds at speeds 1:2:4:8 and 6 at 1:1:4, H=10,
-    within 0-3% at equal tokens either way; level at equal speeds; progress was level with whole, both
-    below barrier at equal wall time at every point with a slow island) and halved the one-round rises
-    of θ's loss under the chaos trace (benchmarks/RESULTS.md, "the held-back momentum"); spread (the
-    default): as ``even``, with a round stepping at most 1.5x the usual share (at least a full
-    round's) and the rest of its work joining the rounds after, so a cut island's carried delta
-    (share 2.4-3) no longer steps at once: under the chaos trace the largest one-round rise of θ's
-    loss went from +0.08 to +0.04-0.05, level with even on the map at H=10 with slow islands
-    (:data:`~atoll.coordinator.state.delayed.SPREAD_CAP`; benchmarks/RESULTS.md, "a round of many
-    rounds' work spread"). A run stored with another rule keeps it."""
+    decoupled_step: str = steps.DEFAULT
+    """decoupled: how far a round made of some of the islands steps, one of the rules of
+    :mod:`atoll.coordinator.policy.steps`: share, full, delayed, whole, progress, even, spread (the
+    default: a round steps by its share of a round of everyone, each island's progress entering once,
+    the momentum stepped every round, at most 1.5x the usual share; the rest joins the rounds after).
+    Each rule, and what it measured: docs/design.md, "The decoupled-step rules". A run stored with
+    another rule keeps it."""
     late_policy: str = "fold"
     """A push for a closed round: fold it into the open round (down-weighted; the default), or drop it."""
     staleness_weight: float = 0.5
@@ -130,8 +106,7 @@ class RunConfig:
         grace.parse(self.grace_window)
         if self.outer_mode not in OUTER_MODES:
             raise ValueError(f"outer_mode must be one of {', '.join(OUTER_MODES)}, got {self.outer_mode!r}")
-        if self.decoupled_step not in DECOUPLED_STEPS:
-            raise ValueError(f"decoupled_step must be one of {', '.join(DECOUPLED_STEPS)}, got {self.decoupled_step!r}")
+        steps.rule(self.decoupled_step)
         if self.late_policy not in ("drop", "fold"):
             raise ValueError(f"late_policy must be 'drop' or 'fold', got {self.late_policy!r}")
         if self.aggregation not in ("mean", "clipped_mean", "median"):
@@ -148,7 +123,7 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
         fields = json.loads(text)
-        fields.setdefault("decoupled_step", "full")  # a run saved before the rule keeps the step it had
+        fields.setdefault("decoupled_step", steps.STORED_BEFORE_RULES)  # it keeps the step it had
         return cls(**fields)
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import enum
 
+from atoll.coordinator.policy.steps import DecoupledStep
+
 
 class PushClass(enum.Enum):
     NEW = "new"
@@ -60,17 +62,7 @@ def weight(
     return w * staleness_weight**late_by if late_by else w
 
 
-PROGRESS_RULES = ("progress", "even", "spread")
-"""The decoupled rules under which each island's progress since its last push enters as its share of a
-round of everyone and the round's share is uncapped (:func:`round_share`); they differ in the momentum."""
-PER_ROUND_WEIGHT_RULES = ("whole", *PROGRESS_RULES)
-"""The decoupled rules under which an island's usual weight is its weight per H inner steps."""
-DELAYED_NESTEROV_RULES = ("delayed", "whole", *PROGRESS_RULES)
-"""The decoupled rules whose outer optimizer is Delayed Nesterov (the momentum once per full round's
-share; ``progress`` steps it as that share's full rounds would)."""
-
-
-def step_scale(rule: str | None, sync_every: int, inner_steps: int) -> float:
+def step_scale(rule: DecoupledStep | None, sync_every: int, inner_steps: int) -> float:
     """Decoupled: a delta of n > H inner steps (its island trained on while its exchange was out, or
     carried a dropped push) enters the mean scaled by H/n, an estimate of the H-step update, while its
     weight stays its tokens. At full size, in rounds that each stepped as far as a round of everyone
@@ -79,21 +71,21 @@ def step_scale(rule: str | None, sync_every: int, inner_steps: int) -> float:
     (it has re-based on the new θ): ``whole`` (a round steps by its share, capped at a full round's)
     enters it whole. ``rule``: the decoupled run's ``decoupled_step`` (None: sync mode, scale 1). 1 for
     n <= H."""
-    if rule is None or rule == "whole" or inner_steps <= sync_every:
+    if rule is None or rule.long_delta_whole or inner_steps <= sync_every:
         return 1.0
     return sync_every / inner_steps
 
 
-def per_round_weight(rule: str, weight: float, sync_every: int, inner_steps: int) -> float:
-    """An island's usual weight: under the :data:`PER_ROUND_WEIGHT_RULES` its contribution's weight per
+def per_round_weight(rule: DecoupledStep | None, weight: float, sync_every: int, inner_steps: int) -> float:
+    """An island's usual weight: under a rule with ``usual_weight_per_h`` its contribution's weight per
     H inner steps, so that one long delta does not shrink the share of every round after it; else the
     weight itself."""
-    if rule in PER_ROUND_WEIGHT_RULES and inner_steps > sync_every:
+    if rule is not None and rule.usual_weight_per_h and inner_steps > sync_every:
         return weight * sync_every / inner_steps
     return weight
 
 
-def round_share(rule: str, weight: float, entered: float, full: float) -> tuple[float, float]:
+def round_share(rule: DecoupledStep, weight: float, entered: float, full: float) -> tuple[float, float]:
     """A decoupled round of some islands under ``rule`` (not ``full``): (its share of a full round, the
     denominator D of its mean Σ w_i s_i Δ_i / D). ``even`` is ``progress`` here (it differs in the
     momentum: :class:`~atoll.coordinator.state.delayed.DelayedNesterov`). ``weight``: Σ w_i, the work
@@ -106,6 +98,6 @@ def round_share(rule: str, weight: float, entered: float, full: float) -> tuple[
     outer momentum took it: the one-round spikes under the chaos trace). The share is the work that
     entered, uncapped: Delayed Nesterov steps the momentum as that many full rounds of the round's
     gradient per full round would. The other rules: D = max(Σ w_i, full), the share capped at 1."""
-    if rule in PROGRESS_RULES:
+    if rule.progress_share:
         return (weight / full if full > 0 else 1.0), max(entered, full)
     return (min(weight / full, 1.0) if full > 0 else 1.0), max(weight, full)

@@ -19,7 +19,7 @@ from atoll.compression import WireFormatError, get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.errors import Reason, invalid, refuse
 from atoll.coordinator.messages import PushHeader, PushKind, PushOutcome, PushResult
-from atoll.coordinator.policy import weighting
+from atoll.coordinator.policy import steps, weighting
 from atoll.coordinator.policy.weighting import PushClass, classify
 from atoll.coordinator.run import checks
 from atoll.coordinator.run.owners import Owners
@@ -165,7 +165,7 @@ class Pushes:
         if ranks is None:
             return PushResult(PushOutcome.STAGED, ledger.round, committed=False, bytes_received=plan.num_bytes)
         late = cls is PushClass.LATE
-        rule = c.decoupled_step if c.outer_mode == "decoupled" else None  # (None: sync mode, no step scale)
+        rule = self._rule()  # (None: sync mode, no step scale)
         try:
             checks.coverage(self.model.specs, ranks, f"island {plan.island_id!r} discarded for round {ledger.round}")
             weight = self._weight(plan, ledger.round - plan.round if late else 0)
@@ -195,7 +195,7 @@ class Pushes:
         )
         acc.commit(plan.island_id, plan.round, record, late)
         usual = self._weight(plan, 0) if late else weight
-        rec.usual_weight = weighting.per_round_weight(c.decoupled_step, usual, c.sync_every, first.inner_steps)
+        rec.usual_weight = weighting.per_round_weight(self._rule(), usual, c.sync_every, first.inner_steps)
         if rec.last_push_at is not None:
             rec.cycle.observe(now - rec.last_push_at)
         rec.last_push_at = now
@@ -263,10 +263,16 @@ class Pushes:
         round of everyone (sync mode, the ``full`` rule) has no share and Σ w_i."""
         c, acc = self._config(), self.accumulator
         weight = acc.weight_total()
-        if c.outer_mode != "decoupled" or c.decoupled_step == "full":
+        rule = self._rule()
+        if rule is None or not rule.by_share:
             return None, weight
         full = usual_weight(self.membership.islands.values(), self.membership.clock())
-        return weighting.round_share(c.decoupled_step, weight, acc.entered_weight(c.decoupled_step, c.sync_every), full)
+        return weighting.round_share(rule, weight, acc.entered_weight(rule, c.sync_every), full)
+
+    def _rule(self) -> steps.DecoupledStep | None:
+        """The decoupled run's step rule (None: sync mode)."""
+        c = self._config()
+        return steps.rule(c.decoupled_step) if c.outer_mode == "decoupled" else None
 
     def _weight(self, plan: PushPlan, late_by: int) -> float:
         """The island's weight in the round's mean (:func:`~atoll.coordinator.policy.weighting.weight`),

@@ -16,6 +16,7 @@ import torch
 from atoll.compression.base import weighted
 from atoll.coordinator.errors import Reason, refuse
 from atoll.coordinator.policy.goodput import tokens_per_step
+from atoll.coordinator.policy.steps import DecoupledStep
 from atoll.coordinator.policy.weighting import PushClass, step_scale
 from atoll.coordinator.state import robust
 from atoll.coordinator.state.budget import InflightBudget, Reservation
@@ -172,7 +173,7 @@ class RoundAccumulator:
     def weight_total(self) -> float:
         return sum(c.weight for c in self.committed.values()) + sum(c.weight for c in self.late.values())
 
-    def entered_weight(self, rule: str, sync_every: int) -> float:
+    def entered_weight(self, rule: DecoupledStep, sync_every: int) -> float:
         """Σ w_i s_i over the round's contributions, s_i the step scale of a decoupled run's delta under
         ``rule`` (:func:`~atoll.coordinator.policy.weighting.step_scale`)."""
         return sum(

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from atoll.coordinator.policy.steps import Advance
 from atoll.coordinator.state.outer import NesterovSGD
-
-MOMENTUM_ADVANCES = ("once", "progress", "even", "spread")
-"""When :class:`DelayedNesterov`'s momentum advances: ``once`` when the rounds since it last did add
-up to a full round's share, by their mean gradient (Liu et al. 2024); ``progress`` the same, as that
-many full rounds (:func:`momentum_steps`); ``even`` every round, as its own share's worth of full
-rounds; ``spread`` as ``even``, a round stepping at most :data:`SPREAD_CAP` times the usual share."""
 
 SPREAD_CAP = 1.5
 """``spread``: a round steps at most this many times the usual share (the rounds' shares averaged, a
@@ -61,13 +56,15 @@ class DelayedNesterov(NesterovSGD):
         lr: float,
         momentum: float,
         nesterov: bool,
-        advance: str = "once",
+        advance: Advance | str = Advance.ONCE,
     ) -> None:
-        if advance not in MOMENTUM_ADVANCES:
-            raise ValueError(f"advance must be one of {', '.join(MOMENTUM_ADVANCES)}, got {advance!r}")
+        try:
+            advance = Advance(advance)
+        except ValueError:
+            raise ValueError(f"advance must be one of {', '.join(a.value for a in Advance)}, got {advance!r}") from None
         super().__init__(shapes, lr=lr, momentum=momentum, nesterov=nesterov)
         self.advance = advance
-        """When the momentum advances (:data:`MOMENTUM_ADVANCES`)."""
+        """When the momentum advances (:class:`~atoll.coordinator.policy.steps.Advance`)."""
         self._steps: tuple[float, float, float, float] | None = None
         """This round's coefficients from :func:`momentum_steps` when it advances S > 1 rounds' worth
         (``even``, ``spread``: S > 0, every round; ``spread``: S capped)."""
@@ -88,8 +85,8 @@ class DelayedNesterov(NesterovSGD):
             raise ValueError(f"a round's share must be at least 0, got {share}")
         self.pending_share += share
         k = self.pending_share
-        if self.advance in ("even", "spread"):  # k: what waits and this round's share (spread: capped)
-            if self.advance == "spread":
+        if self.advance.every_round:  # k: what waits and this round's share (spread: capped)
+            if self.advance.capped:
                 k = min(k, max(1.0, SPREAD_CAP * self.usual_share))
                 self.usual_share += USUAL_SHARE_PULL * (share - self.usual_share)
             self._take = k / self.pending_share if self.pending_share > 0.0 else 1.0
@@ -97,11 +94,11 @@ class DelayedNesterov(NesterovSGD):
             self._steps = momentum_steps(self.momentum, k, self.nesterov) if k > 0.0 else None
             return
         self._advance = 1.0 / self.pending_share if self.pending_share >= 1.0 - 1e-9 else None
-        per_share = self.advance == "progress"
+        per_share = self.advance.as_full_rounds
         self._steps = momentum_steps(self.momentum, k, self.nesterov) if per_share and k > 1.0 else None
 
     def end_round(self) -> None:
-        if self.advance in ("even", "spread"):  # (even: the whole of it, take 1)
+        if self.advance.every_round:  # (even: the whole of it, take 1)
             self.pending_share *= 1.0 - self._take
         elif self._advance is not None:
             self.pending_share = 0.0
@@ -110,10 +107,10 @@ class DelayedNesterov(NesterovSGD):
         m, acc = self.buffers[name], self.pending[name]
         if g.shape != m.shape:
             m, acc = (t.view(-1).narrow(0, start, g.numel()) for t in (m, acc))
-        if self.advance in ("even", "spread") and self._steps is None:  # a round of no share
+        if self.advance.every_round and self._steps is None:  # a round of no share
             return g.mul_(-self.lr)
         acc.add_(g)
-        if self.advance == "spread":  # k full rounds of ĝ = G / S (k = S unless capped); the rest waits
+        if self.advance.capped:  # k full rounds of ĝ = G / S (k = S unless capped); the rest waits
             c, d, part_m, part_g = self._steps
             k = self._take / self._advance
             torch.mul(acc, (k + part_g) * self._advance, out=g).add_(m, alpha=part_m)
@@ -142,7 +139,7 @@ class DelayedNesterov(NesterovSGD):
         out = super().state_tensors()
         out.update({f"pending/{k}": v for k, v in self.pending.items()})
         out["pending_share"] = torch.tensor([self.pending_share], dtype=torch.float64)
-        if self.advance == "spread":
+        if self.advance.capped:
             out["usual_share"] = torch.tensor([self.usual_share], dtype=torch.float64)
         return out
 

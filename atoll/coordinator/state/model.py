@@ -13,7 +13,7 @@ import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.policy.weighting import DELAYED_NESTEROV_RULES, PROGRESS_RULES
+from atoll.coordinator.policy import steps
 from atoll.coordinator.state.delayed import DelayedNesterov
 from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import Leases
@@ -81,10 +81,9 @@ class GlobalModel:
         self.aliases = dict(aliases or {})
         c = self._config
         shapes = {k: s for k, s in self.specs.items() if k not in self.buffers}
-        delayed = c.outer_mode == "decoupled" and c.decoupled_step in DELAYED_NESTEROV_RULES
+        advance = steps.rule(c.decoupled_step).advance if c.outer_mode == "decoupled" else None
         opts = {"lr": c.outer_lr, "momentum": c.outer_momentum, "nesterov": c.nesterov}
-        if delayed:
-            advance = c.decoupled_step if c.decoupled_step in PROGRESS_RULES else "once"
+        if advance is not None:
             self.optimizer = DelayedNesterov(shapes, **opts, advance=advance)
         else:
             self.optimizer = NesterovSGD(shapes, **opts)
