@@ -12,6 +12,7 @@ from conftest import exact_config, http, post_json, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from atoll.coordinator import CoordinatorServer
+from atoll.coordinator.options import AdminOptions, PlacementOptions
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (4, 3)}
@@ -31,7 +32,7 @@ def metrics(base, token=None):
 
 
 def test_endpoints_follow_a_round(start_server, raw_island):
-    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=1), admin_port=0)
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=1), admin=AdminOptions(port=0))
     base = srv.server.admin.address
     assert get(base + "/healthz") == (200, "ok\n")
     a = raw_island(srv.address, "a", SHAPES)
@@ -55,7 +56,7 @@ def test_endpoints_follow_a_round(start_server, raw_island):
 
 
 def test_token_protects_everything_but_healthz(start_server):
-    srv = start_server(admin_port=0, admin_token="s3cret")
+    srv = start_server(admin=AdminOptions(port=0, token="s3cret"))
     base = srv.server.admin.address
     assert get(base + "/healthz")[0] == 200
     for path in ("/metrics", "/api/status"):
@@ -67,7 +68,7 @@ def test_token_protects_everything_but_healthz(start_server):
 def test_non_loopback_admin_needs_a_token(tmp_path):
     import asyncio
 
-    server = CoordinatorServer(exact_config(run_id="t"), tmp_path, admin_host="0.0.0.0", admin_port=0)
+    server = CoordinatorServer(exact_config(run_id="t"), tmp_path, admin=AdminOptions(host="0.0.0.0", port=0))
     with pytest.raises(ValueError, match="needs a token"):
         asyncio.run(server.start())
     assert server._server is None  # refused before the gRPC port opened
@@ -77,7 +78,7 @@ def test_non_loopback_admin_needs_a_token(tmp_path):
 def test_metrics_carry_loss_tokens_and_each_islands_state(start_server, raw_island):
     from prometheus_client.parser import text_string_to_metric_families
 
-    srv = start_server(exact_config(run_id="t", sync_every=1), admin_port=0)
+    srv = start_server(exact_config(run_id="t", sync_every=1), admin=AdminOptions(port=0))
     a = raw_island(srv.address, "a", {"w": (2, 2)})
     a.join()
     a.push({"w": torch.zeros(2, 2)}, round_=0, kind=pb.PUSH_KIND_INIT)
@@ -102,8 +103,7 @@ def test_lease_expiry_is_logged_and_fragment_lines_say_which(start_server, raw_i
     caplog.set_level(logging.INFO, logger="atoll")
     srv = start_server(
         exact_config(run_id="t", sync_every=1, lease_seconds=0.3),
-        shard=(1, 2),
-        partition="layers",
+        placement=PlacementOptions(shard=(1, 2), partition="layers"),
         name="fragment 1/2: ",
     )
     a = raw_island(srv.address, "a", {"w": (2, 2)})
@@ -118,7 +118,7 @@ def test_lease_expiry_is_logged_and_fragment_lines_say_which(start_server, raw_i
 
 # ---- operator control ----------------------------------------------------------------------------
 def test_control_endpoints_need_a_token(start_server):
-    srv = start_server(admin_port=0)
+    srv = start_server(admin=AdminOptions(port=0))
     code, body = post_json(srv.server.admin.address + "/api/config", {"quorum": 1}, "")
     assert code == 403 and "--admin-token" in body
 
@@ -129,7 +129,7 @@ def rand(shapes=SHAPES):
 
 def test_dashboard_accepts_the_token_in_the_authorization_header(start_server):
     """(Before: only ?token= worked for the page, while the API took only the header.)"""
-    srv = start_server(admin_port=0, admin_token="s3cret")
+    srv = start_server(admin=AdminOptions(port=0, token="s3cret"))
     base = srv.server.admin.address
     assert get(base + "/", token="s3cret")[0] == 200
     assert get(base + "/dashboard?token=s3cret")[0] == 200
@@ -137,7 +137,7 @@ def test_dashboard_accepts_the_token_in_the_authorization_header(start_server):
 
 
 def test_status_json_is_valid_with_a_closed_round(start_server, raw_island):
-    srv = start_server(exact_config(run_id="t", sync_every=1), admin_port=0)
+    srv = start_server(exact_config(run_id="t", sync_every=1), admin=AdminOptions(port=0))
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     a.push(rand(), round_=0, kind=pb.PUSH_KIND_INIT)
@@ -160,7 +160,7 @@ def test_status_json_is_valid_with_a_closed_round(start_server, raw_island):
 def test_config_values_the_protocol_cannot_carry_and_deep_json_get_a_4xx_and_change_nothing(start_server, caplog):
     """(Before: quorum 2^31 answered 200 and broke every later Join; NaN turned the delta bound off;
     a deeply nested body, or one that is not UTF-8, answered 500 with a server traceback.)"""
-    srv = start_server(admin_port=0, admin_token="tok")
+    srv = start_server(admin=AdminOptions(port=0, token="tok"))
     url = srv.server.admin.address + "/api/config"
     for body in ({"quorum": 2147483648}, {"quorum": 1e30}, {"total_rounds": 2**63}, {"max_tokens_per_round": 2**64}):
         code, text = post_json(url, body, "tok")
@@ -183,7 +183,7 @@ def test_an_island_at_the_admin_port_is_one_line_per_peer_not_a_traceback_per_re
 
     from atoll.islands._transport.probe import PREFACE
 
-    srv = start_server(admin_port=0)
+    srv = start_server(admin=AdminOptions(port=0))
     caplog.set_level(logging.DEBUG)
     for _ in range(5):  # what a gRPC client sends first
         with socket.create_connection(("127.0.0.1", srv.server.admin.port), timeout=5) as sock:

@@ -11,6 +11,7 @@ import torch
 from conftest import exact_config
 
 from atoll.coordinator import RunConfig
+from atoll.coordinator.options import SecurityOptions
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason
 from atoll.protos.status import reason_of
@@ -238,7 +239,7 @@ def test_unknown_method_without_a_token_is_unimplemented_without_a_traceback(sta
     server traceback logged per call.)"""
     from atoll.coordinator.transport.security import IslandTokens
 
-    srv = start_server(tokens=IslandTokens({"a": "tok-a"}))
+    srv = start_server(security=SecurityOptions(tokens=IslandTokens({"a": "tok-a"})))
     caplog.set_level(logging.DEBUG)
     with grpc.insecure_channel(srv.address) as channel:
         with pytest.raises(grpc.RpcError) as info:

@@ -10,6 +10,7 @@ import torch
 from conftest import exact_config
 
 from atoll.compression import get_codec
+from atoll.coordinator.options import NetworkOptions
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.rpc import MAPPED_ENTRY_BYTES, BufferPool, EntryAssembler
 
@@ -125,7 +126,9 @@ def test_a_theta_still_streamed_to_an_island_is_never_summed_into(start_server, 
     """A full-θ pull of θ_1 that reads slowly, while round 1 closes and round 2's first push arrives:
     the next round's sum must not take θ_1's memory (the pull's lease), or the island would receive
     round 2's push instead of θ_1."""
-    srv = start_server(exact_config(run_id="t", sync_every=1, outer_lr=1.0, outer_momentum=0.0), bulk_port=None)
+    srv = start_server(
+        exact_config(run_id="t", sync_every=1, outer_lr=1.0, outer_momentum=0.0), network=NetworkOptions(bulk_port=None)
+    )
     a = raw_island(srv.address, "a", {"w": (2048, 2048)})
     a.join()
     a.push({"w": torch.randn(2048, 2048)}, round_=0, kind=pb.PUSH_KIND_INIT)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import exact_config, wait_for
 
+from atoll.coordinator.options import NetworkOptions, SecurityOptions
 from atoll.coordinator.transport.security import IslandTokens
 from atoll.harness.cuts import reset
 from atoll.islands._transport.client import BulkPort, CoordinatorClient, PartialUpdate, RetryPolicy
@@ -48,7 +49,9 @@ def scenario(start_server, raw_island, state_dir, **server_kwargs):
 def test_a_round_over_the_bulk_port_equals_one_over_grpc(start_server, raw_island, tmp_path):
     joined, header, pulled, counters = scenario(start_server, raw_island, tmp_path / "bulk")
     assert joined[0].bulk_port > 0 and joined[0].bulk_port == joined[1].bulk_port
-    joined_g, header_g, pulled_g, counters_g = scenario(start_server, raw_island, tmp_path / "grpc", bulk_port=None)
+    joined_g, header_g, pulled_g, counters_g = scenario(
+        start_server, raw_island, tmp_path / "grpc", network=NetworkOptions(bulk_port=None)
+    )
     assert joined_g[0].bulk_port == 0
     assert header.kind == header_g.kind == pb.UPDATE_KIND_DELTA and header.round == header_g.round == 1
     assert pulled == pulled_g  # the same update, byte for byte
@@ -186,7 +189,7 @@ def test_an_eager_push_refused_or_answered_at_its_header_leaves_nothing_behind(s
 def test_island_tokens_hold_on_the_bulk_port(start_server, raw_island, tmp_path):
     path = tmp_path / "tokens.json"
     path.write_text(json.dumps({"a": "ta", "b": "tb"}))
-    srv = start_server(exact_config(run_id="t", sync_every=1), tokens=IslandTokens.load(path))
+    srv = start_server(exact_config(run_id="t", sync_every=1), security=SecurityOptions(tokens=IslandTokens.load(path)))
     a = raw_island(srv.address, "a", SHAPES)
     a.client = CoordinatorClient(srv.address, retry=RetryPolicy(give_up_seconds=5), token="ta")
     port = a.join().bulk_port
@@ -269,7 +272,7 @@ def test_the_port_takes_connections_again_after_an_accept_fails():
 
 
 def test_junk_and_silence_are_dropped_and_the_port_keeps_serving(start_server, raw_island):
-    srv = start_server(exact_config(run_id="t", sync_every=1), stream_idle_seconds=0.5)
+    srv = start_server(exact_config(run_id="t", sync_every=1), network=NetworkOptions(stream_idle_seconds=0.5))
     a = raw_island(srv.address, "a", SHAPES)
     port = a.join().bulk_port
     with socket.create_connection(("127.0.0.1", port), timeout=5) as junk:
@@ -289,7 +292,7 @@ def test_junk_and_silence_are_dropped_and_the_port_keeps_serving(start_server, r
 def test_a_trickled_preamble_and_too_many_connections_are_cut_off(start_server, raw_island):
     """A preamble has a deadline, not an idle limit (a byte now and then does not keep a connection),
     and connections past the cap are closed as they come; then the port serves as before."""
-    srv = start_server(exact_config(run_id="t", sync_every=1), stream_idle_seconds=1.0)
+    srv = start_server(exact_config(run_id="t", sync_every=1), network=NetworkOptions(stream_idle_seconds=1.0))
     a = raw_island(srv.address, "a", SHAPES)
     port = a.join().bulk_port
     counters = srv.server.counters

@@ -14,6 +14,7 @@ from conftest import collect_events, coordinator_flags, exact_config, island_fla
 
 from atoll.cli import build_parser
 from atoll.cli import main as cli_main
+from atoll.coordinator.options import AdminOptions
 from atoll.protos import coordinator_pb2 as pb
 
 
@@ -161,8 +162,7 @@ def test_ctrl_c_leaves_the_run_with_one_line_and_a_model_mismatch_is_one_line(gr
 def test_atoll_status_prints_the_run_at_a_glance(start_server, raw_island):
     srv = start_server(
         exact_config(run_id="glance", sync_every=1),
-        admin_port=0,
-        admin_token="tok",
+        admin=AdminOptions(port=0, token="tok"),
     )
     a = raw_island(srv.address, "a", {"w": (2, 2)}, run_id="glance")
     a.join()
@@ -252,7 +252,7 @@ def test_sync_every_on_an_island_says_the_run_decides_h(capsys):
 
 def test_atoll_status_into_a_pipe_closed_early_is_no_traceback(start_server):
     """`atoll status | head -1` raised BrokenPipeError with a traceback."""
-    srv = start_server(admin_port=0)
+    srv = start_server(admin=AdminOptions(port=0))
     cmd = [sys.executable, "-m", "atoll", "status", "--admin", srv.server.admin.address]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader went away before the first line
@@ -264,7 +264,7 @@ def test_atoll_status_into_a_pipe_closed_early_is_no_traceback(start_server):
 @pytest.mark.parametrize("port", ["grpc", "bulk"])
 def test_atoll_status_at_the_grpc_or_bulk_port_is_one_line(start_server, capsys, port):
     """Hardening round 5, item 13: `atoll status --admin` pointed at the gRPC port gave a traceback."""
-    srv = start_server(admin_port=0)
+    srv = start_server(admin=AdminOptions(port=0))
     target = srv.server.port if port == "grpc" else srv.server.bulk.port
     assert cli_main(["status", "--admin", f"http://127.0.0.1:{target}"]) == 1
     err = capsys.readouterr().err

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import exact_config
 
+from atoll.coordinator.options import AdminOptions
 from atoll.protos import coordinator_pb2 as pb
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -67,8 +68,7 @@ def test_dashboard_renders_live_charts_and_timeline(start_server, raw_island, tm
             quorum=1,
             round_deadline_seconds=0.3,
         ),
-        admin_port=0,
-        admin_token="tok",
+        admin=AdminOptions(port=0, token="tok"),
     )
     a, b = raw_island(srv.address, "a", SHAPES, run_id="dash"), raw_island(srv.address, "b<i>", SHAPES, run_id="dash")
     a.join()

@@ -458,7 +458,7 @@ def test_the_decoupled_step_rules_are_a_registry_that_the_config_and_the_optimiz
     assert [r.name for r in steps.RULES.values() if r.progress_share] == ["progress", "even", "spread"]
     assert [r.name for r in steps.RULES.values() if r.long_delta_whole] == ["whole"]
     assert [r.name for r in steps.RULES.values() if not r.by_share] == ["full"]
-    for name, rule in steps.RULES.items():
+    for name in steps.RULES:
         model = GlobalModel(RunConfig(run_id="t", outer_mode="decoupled", decoupled_step=name))
         model.define({"w": (4,)}, frozenset(), None)
         delayed = isinstance(model.optimizer, DelayedNesterov)

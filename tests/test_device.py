@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from atoll.compression import ErrorFeedback, get_codec
 from atoll.compression.staging import DeviceStaging
 from atoll.coordinator import RunConfig
+from atoll.coordinator.options import PlacementOptions
 from atoll.islands._shard_state import Placement, ShardState
 from atoll.islands._shards import local_shards
 from atoll.islands._transport.client import RetryPolicy
@@ -201,8 +202,7 @@ def test_streaming_fragments_on_a_fake_gpu(start_server, tmp_path):
         start_server(
             exact_config(run_id="t", sync_every=4),
             tmp_path / f"f{i}",
-            shard=(i, 2),
-            partition="layers",
+            placement=PlacementOptions(shard=(i, 2), partition="layers"),
         )
         for i in range(2)
     ]

@@ -11,6 +11,7 @@ import torch
 from conftest import IDENTITY_FLAGS, ServerThread, exact_config, http, wait_for
 
 from atoll.coordinator.disk import lock, snapshots, wal
+from atoll.coordinator.options import AdminOptions
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (4, 3), "b": (5,)}
@@ -38,7 +39,7 @@ def test_failed_save_keeps_the_round_unpublished_reports_it_and_recovers(start_s
     """A full disk at the close of round 0: the round stays unpublished, an ERROR names the cause,
     /healthz answers 503 with it, and the round is published by itself once saving works again.
     (Before: the decider task died silently; /healthz said ok; rounds never closed again.)"""
-    srv = start_server(exact_config(run_id="t", sync_every=1), admin_port=0)
+    srv = start_server(exact_config(run_id="t", sync_every=1), admin=AdminOptions(port=0))
     base = srv.server.admin.address
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
@@ -211,7 +212,7 @@ def test_a_second_coordinator_on_a_served_port_fails_at_once_naming_it(start_ser
     import subprocess
     import sys
 
-    srv = start_server(state_dir=tmp_path / "first", admin_port=0)
+    srv = start_server(state_dir=tmp_path / "first", admin=AdminOptions(port=0))
     port = {"--port": srv.server.port, "--bulk-port": srv.server.bulk.port, "--admin-port": srv.server.admin.port}
     cmd = [sys.executable, "-m", "atoll", "coordinator", "--state-dir", str(tmp_path / "second"), "--run-id", "t"]
     flags = {"--port": "0", "--bulk-port": "0", "--admin-port": "0", which: str(port[which])}

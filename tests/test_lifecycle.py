@@ -31,6 +31,7 @@ from conftest import (
 from small_island import H, batches, config, island
 
 from atoll.coordinator.disk import snapshots
+from atoll.coordinator.options import AdminOptions
 from atoll.coordinator.run.pulls import wait_event
 from atoll.coordinator.state.membership import IslandState, island_state
 from atoll.islands import CoordinatorRefused
@@ -221,7 +222,7 @@ def test_a_stalled_quorum_is_reported_and_cleared_live(start_server, raw_island,
     """Quorum 2, one site dies for good: the run says it is stuck and how to unblock it; the operator
     evicts the dead island and lowers the quorum over the admin API; the round closes."""
     caplog.set_level(logging.WARNING, logger="atoll")
-    srv = start_server(config(quorum=2, lease_seconds=0.5), admin_port=0, admin_token="tok")
+    srv = start_server(config(quorum=2, lease_seconds=0.5), admin=AdminOptions(port=0, token="tok"))
     base = srv.server.admin.address
     shapes = {"w": (3, 2)}
     a, b = raw_island(srv.address, "a", shapes), raw_island(srv.address, "b", shapes)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from atoll.cli import main as cli_main
 from atoll.coordinator.disk.mirror import Mirror
+from atoll.coordinator.options import StorageOptions
 from atoll.harness.seaweed import free_ports
 from atoll.islands._transport.client import RetryPolicy
 from atoll.lease import Lease
@@ -133,7 +134,12 @@ def test_a_coordinator_that_lost_its_disk_is_replaced_bitwise_from_the_store(s3_
     history bitwise, and trains on."""
     store = ObjectStore.from_url(s3_url)
     config = exact_config(run_id="t", sync_every=2, outer_momentum=0.9)
-    first = start_server(config, tmp_path / "work-1", store=store, store_lease_seconds=5.0, snapshot_every=2)
+    first = start_server(
+        config,
+        tmp_path / "work-1",
+        store=store,
+        storage=StorageOptions(lease_seconds=5.0, snapshot_every=2),
+    )
     run_rounds(first, 5)
     before = state_of(first)
     assert before[0] == 5
@@ -142,7 +148,12 @@ def test_a_coordinator_that_lost_its_disk_is_replaced_bitwise_from_the_store(s3_
     first.stop()  # a clean stop gives the lease back
     shutil.rmtree(tmp_path / "work-1")
 
-    second = start_server(config, tmp_path / "work-2", store=store, store_lease_seconds=5.0, snapshot_every=2)
+    second = start_server(
+        config,
+        tmp_path / "work-2",
+        store=store,
+        storage=StorageOptions(lease_seconds=5.0, snapshot_every=2),
+    )
     after = state_of(second)
     assert after[0] == before[0]
     assert all(torch.equal(before[1][k], after[1][k]) for k in before[1])
@@ -163,7 +174,7 @@ def test_a_coordinator_that_lost_its_disk_is_replaced_bitwise_from_the_store(s3_
 def test_a_second_coordinator_on_a_held_run_is_refused_naming_the_holder(s3_url, start_server, tmp_path, capsys):
     store = ObjectStore.from_url(s3_url)
     config = exact_config(run_id="t", sync_every=2)
-    first = start_server(config, tmp_path / "one", store=store, store_lease_seconds=30.0)
+    first = start_server(config, tmp_path / "one", store=store, storage=StorageOptions(lease_seconds=30.0))
     try:
         with pytest.raises(StoreError, match="is held by coordinator"):
             start_server(config, tmp_path / "two", store=store)
@@ -312,7 +323,10 @@ def test_a_rollback_in_the_store_is_what_the_next_coordinator_restores(s3_url, s
     store = ObjectStore.from_url(s3_url)
     config = exact_config(run_id="t", sync_every=2)
     srv = start_server(
-        config, tmp_path / "w1", store=store, store_lease_seconds=5.0, snapshot_every=2, keep_snapshots=3
+        config,
+        tmp_path / "w1",
+        store=store,
+        storage=StorageOptions(lease_seconds=5.0, snapshot_every=2, keep_snapshots=3),
     )
     run_rounds(srv, 6)
     srv.stop()
@@ -322,7 +336,7 @@ def test_a_rollback_in_the_store_is_what_the_next_coordinator_restores(s3_url, s
     target = sorted(listed)[-2]
     assert cli_main(["rollback", "--state-dir", s3_url, "--round", str(target)]) == 0
     assert any(k.startswith("discarded/") for k in store.listing())  # set aside in the store, not lost
-    again = start_server(config, tmp_path / "w2", store=store, store_lease_seconds=5.0)
+    again = start_server(config, tmp_path / "w2", store=store, storage=StorageOptions(lease_seconds=5.0))
     assert again.inspect(lambda s: s.round) == target
     again.stop()
 

@@ -12,6 +12,7 @@ import torch
 from conftest import exact_config, make_diloco, wait_for
 
 from atoll.coordinator import RunConfig
+from atoll.coordinator.options import PlacementOptions
 from atoll.islands import CoordinatorRefused, DiLoCo
 from atoll.islands._transport.client import RetryPolicy
 from atoll.sharding import layer_partition, layout_digest
@@ -164,7 +165,10 @@ def test_overlap_must_be_below_h(start_server):
 
 
 def fragment_servers(start_server, tmp_path, n: int):
-    return [start_server(config(), tmp_path / f"f{i}", shard=(i, n), partition="layers") for i in range(n)]
+    return [
+        start_server(config(), tmp_path / f"f{i}", placement=PlacementOptions(shard=(i, n), partition="layers"))
+        for i in range(n)
+    ]
 
 
 def test_layer_partition_is_contiguous_and_balanced():

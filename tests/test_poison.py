@@ -13,6 +13,7 @@ from conftest import exact_config
 
 from atoll.coordinator import RunConfig
 from atoll.coordinator.disk.snapshots import load
+from atoll.coordinator.options import AdminOptions
 from atoll.coordinator.run import checks
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import Reason
@@ -158,7 +159,7 @@ def test_a_reported_loss_is_bounded_and_its_mean_cannot_overflow(start_server, r
     from conftest import http
 
     config = exact_config(run_id="t", sync_every=1, quorum=2, max_tokens_per_round=2**62)
-    srv = start_server(config, admin_port=0)
+    srv = start_server(config, admin=AdminOptions(port=0))
     a, b = raw_island(srv.address, "a", SHAPES), raw_island(srv.address, "b", SHAPES)
     a.join()
     b.join()
@@ -181,7 +182,7 @@ def test_a_non_finite_figure_never_takes_the_status_endpoints_down(start_server,
 
     from atoll.cli import main
 
-    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=1), admin_port=0)
+    srv = start_server(exact_config(run_id="t", sync_every=1, quorum=1), admin=AdminOptions(port=0))
     a = raw_island(srv.address, "a", SHAPES)
     a.join()
     a.push(filled(1.0), round_=0, kind=pb.PUSH_KIND_INIT)

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from atoll.coordinator.options import AdminOptions, NetworkOptions, SecurityOptions
 from atoll.coordinator.transport.security import IslandTokens, TlsConfig
 from atoll.islands._transport.client import BulkPort, ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands._transport.streams import TcpPush
@@ -96,7 +97,7 @@ def join(client, island="a"):
 
 def test_tls_server(start_server, pki, caplog):
     caplog.set_level(logging.INFO, logger="atoll")
-    srv = start_server(tls=TlsConfig(cert=pki / "server.pem", key=pki / "server.key"))
+    srv = start_server(security=SecurityOptions(tls=TlsConfig(cert=pki / "server.pem", key=pki / "server.key")))
     ok = CoordinatorClient(srv.address, retry=FAST, tls=ClientTls(ca=str(pki / "ca.pem")))
     joined = join(ok)
     assert joined.bootstrap
@@ -111,7 +112,11 @@ def test_tls_server(start_server, pki, caplog):
 
 def test_mutual_tls_requires_a_client_certificate(start_server, pki, caplog):
     caplog.set_level(logging.INFO, logger="atoll")
-    srv = start_server(tls=TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem"))
+    srv = start_server(
+        security=SecurityOptions(
+            tls=TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem")
+        )
+    )
     no_cert = CoordinatorClient(srv.address, retry=SLOW, tls=ClientTls(ca=str(pki / "ca.pem")))
     with pytest.raises(WrongEndpoint, match="requires a client certificate"):
         join(no_cert)
@@ -133,8 +138,12 @@ def test_tls_mistakes_and_the_admin_port_are_said_at_the_first_try(start_server,
     outage ("unreachable ... Socket closed") for the whole connect timeout. The first Join now says
     what is wrong, without a retry, as a refusal (WrongEndpoint, a CoordinatorRefused)."""
     caplog.set_level(logging.INFO, logger="atoll")
-    mtls = start_server(tls=TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem"))
-    plain = start_server(state_dir=tmp_path / "plain", admin_port=0)
+    mtls = start_server(
+        security=SecurityOptions(
+            tls=TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem")
+        )
+    )
+    plain = start_server(state_dir=tmp_path / "plain", admin=AdminOptions(port=0))
     cases = [
         (mtls.address, ClientTls(ca=str(pki / "other-ca.pem")), "does not verify with the island's CA"),
         (
@@ -168,7 +177,7 @@ def free_port() -> int:
 
 def test_island_tokens(start_server):
     tokens = IslandTokens({"a": "token-a", "b": "token-b"})
-    srv = start_server(exact_config(run_id="t", sync_every=1), tokens=tokens)
+    srv = start_server(exact_config(run_id="t", sync_every=1), security=SecurityOptions(tokens=tokens))
     none = CoordinatorClient(srv.address, retry=FAST)
     wrong = CoordinatorClient(srv.address, retry=FAST, token="nope")
     a = CoordinatorClient(srv.address, retry=FAST, token="token-a")
@@ -266,7 +275,7 @@ def tls_round(start_server, raw_island, pki, state_dir, streams=None, **server_k
     tokens = IslandTokens({"a": "ta", "b": "tb"})
     tls = TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem")
     config = exact_config(run_id="t", sync_every=1, quorum=2)
-    srv = start_server(config, state_dir, tls=tls, tokens=tokens, **server_kwargs)
+    srv = start_server(config, state_dir, security=SecurityOptions(tls=tls, tokens=tokens), **server_kwargs)
     mine = ClientTls(ca=str(pki / "ca.pem"), cert=str(pki / "client.pem"), key=str(pki / "client.key"))
     gen = torch.Generator().manual_seed(7)
     a = raw_island(srv.address, "a", SHAPES, tls=mine, token="ta", bulk_streams=streams)
@@ -284,7 +293,9 @@ def test_the_bulk_port_speaks_tls_with_the_same_certificates_and_tokens(start_se
     """With --tls-cert the bulk port is served over TLS (mutual TLS and island tokens as on gRPC), and TLS
     islands push and pull there: the same update, byte for byte, as over gRPC."""
     srv, port, pulled, counters = tls_round(start_server, raw_island, pki, tmp_path / "bulk")
-    _, port_g, pulled_g, counters_g = tls_round(start_server, raw_island, pki, tmp_path / "grpc", bulk_port=None)
+    _, port_g, pulled_g, counters_g = tls_round(
+        start_server, raw_island, pki, tmp_path / "grpc", network=NetworkOptions(bulk_port=None)
+    )
     assert port > 0 and port_g == 0
     assert pulled == pulled_g and sum(map(len, pulled)) > 4 << 20
     assert counters["bulk_calls"] == 4 and counters_g["bulk_calls"] == 0  # three pushes and a pull

@@ -22,6 +22,7 @@ from conftest import exact_config
 
 from atoll import cli
 from atoll.coordinator.disk import snapshots
+from atoll.coordinator.options import StorageOptions
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (64, 32), "b": (32,)}
@@ -34,7 +35,7 @@ def made_state(tmp_path_factory):
     from tests.conftest import RawIsland, ServerThread
 
     state = tmp_path_factory.mktemp("made") / "state"
-    srv = ServerThread(exact_config(run_id="t", sync_every=1), state, snapshot_every=1).start()
+    srv = ServerThread(exact_config(run_id="t", sync_every=1), state, storage=StorageOptions(snapshot_every=1)).start()
     a = RawIsland(srv.address, "a", SHAPES)
     try:
         a.join()

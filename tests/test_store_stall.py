@@ -14,6 +14,7 @@ from test_object_store import run_rounds
 
 from atoll.cli import main as cli_main
 from atoll.coordinator.disk.mirror import Mirror
+from atoll.coordinator.options import StorageOptions
 from atoll.lease import Lease
 from atoll.objects import LEASE, ObjectStore, StoreError
 
@@ -28,7 +29,7 @@ def test_a_stalled_store_is_a_warning_and_unhealthy_within_the_lease(s3_server, 
     srv = start_server(
         exact_config(run_id="t", sync_every=2),
         store=ObjectStore.from_url(s3_url),
-        store_lease_seconds=3.0,
+        storage=StorageOptions(lease_seconds=3.0),
         on_lost=lost.append,
     )
     run_rounds(srv, 1)

@@ -17,6 +17,7 @@ import torch
 from atoll import cli
 from atoll.coordinator import RunConfig
 from atoll.coordinator.disk import snapshots, wal
+from atoll.coordinator.options import StorageOptions
 from atoll.protos import coordinator_pb2 as pb
 
 SHAPES = {"w": (256, 64), "b": (64,)}
@@ -53,7 +54,7 @@ def run(state, rounds: int, codec: str = "int8", **options):
 def logged(tmp_path_factory):
     """Four rounds with no snapshot after θ_0's: the log holds rounds 0-3."""
     state = tmp_path_factory.mktemp("wal") / "state"
-    return state, run(state, 4, snapshot_every=100)
+    return state, run(state, 4, storage=StorageOptions(snapshot_every=100))
 
 
 def copy_of(logged, tmp_path):
@@ -84,7 +85,7 @@ def test_a_sparse_downlinks_residual_replays_bitwise_from_the_log(tmp_path):
     and residual, bitwise; each record holds a sparse update (2.4 KB here, mostly the record's
     metadata, where int8's are over |θ|/4 = 16 KB)."""
     state = tmp_path / "state"
-    params, extra = run(state, 4, codec="sparse", snapshot_every=100)
+    params, extra = run(state, 4, codec="sparse", storage=StorageOptions(snapshot_every=100))
     snap = snapshots.load(state)
     assert snap.round == 4 and all(torch.equal(snap.params[k], params[k]) for k in params)
     assert set(snap.extra) == set(extra) and all(torch.equal(snap.extra[k], extra[k]) for k in extra)
@@ -96,7 +97,7 @@ def test_a_sparse_downlinks_residual_replays_bitwise_from_the_log(tmp_path):
 
 def test_snapshots_come_every_k_rounds_and_the_log_is_pruned_behind_them(tmp_path):
     state = tmp_path / "state"
-    params, extra = run(state, 5, snapshot_every=2)
+    params, extra = run(state, 5, storage=StorageOptions(snapshot_every=2))
     assert [snapshots.read_round(p) for p in snapshots.snapshot_paths(state)] == [2, 4]
     assert [r for r, _ in wal.optimizer_files(state)] == [5]
     snap = snapshots.load(state)  # snapshot 4 + round 4's record + optimizer-5
@@ -203,7 +204,7 @@ def test_a_crash_before_the_background_write_keeps_theta_exact_and_says_what_it_
 
 def test_a_rollback_sets_the_log_after_it_aside(tmp_path):
     state = tmp_path / "state"
-    run(state, 5, snapshot_every=2)
+    run(state, 5, storage=StorageOptions(snapshot_every=2))
     done = subprocess.run(
         [sys.executable, "-m", "atoll", "rollback", "--state-dir", str(state), "--round", "2"],
         capture_output=True,
@@ -222,7 +223,7 @@ def test_a_record_streamed_during_the_step_is_the_same_record_and_its_failures_f
     so the save after the step is the header and an fsync. The records replay to the same θ and
     optimizer state bitwise as records written whole; a write that fails falls back to the whole
     write (the round is still durable) and leaves no stray file."""
-    whole = run(tmp_path / "whole", 3, snapshot_every=100)
+    whole = run(tmp_path / "whole", 3, storage=StorageOptions(snapshot_every=100))
     monkeypatch.setattr(wal, "STREAM_MIN_BYTES", 0)
     finished, real_finish = [], wal.RecordStream.finish
 
@@ -231,7 +232,7 @@ def test_a_record_streamed_during_the_step_is_the_same_record_and_its_failures_f
         return finished[-1]
 
     monkeypatch.setattr(wal.RecordStream, "finish", finish)
-    streamed = run(tmp_path / "streamed", 3, snapshot_every=100)
+    streamed = run(tmp_path / "streamed", 3, storage=StorageOptions(snapshot_every=100))
     assert finished == [True, True, True]
     for state in ("whole", "streamed"):
         snap = snapshots.load(tmp_path / state)
@@ -253,7 +254,7 @@ def test_a_record_streamed_during_the_step_is_the_same_record_and_its_failures_f
         return real_pwrite(fd, data, at)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
-    run(tmp_path / "full", 2, snapshot_every=100)
+    run(tmp_path / "full", 2, storage=StorageOptions(snapshot_every=100))
     assert finished == [False, False] and snapshots.load(tmp_path / "full").round == 2
     assert not [p for p in (tmp_path / "full" / wal.LOG).iterdir() if p.name.endswith(".tmp")]
 

@@ -57,6 +57,7 @@ from atoll.coordinator.policy import grace, phase
 from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.policy.rounds import RoundPolicy
 from atoll.coordinator.run import checks, saved
+from atoll.coordinator.run.options import LimitsOptions, PlacementOptions, StorageOptions
 from atoll.coordinator.run.owners import Owners
 from atoll.coordinator.run.pulls import Pulls, wait_event
 from atoll.coordinator.run.pushes import Pushes
@@ -68,7 +69,6 @@ from atoll.coordinator.state.membership import Membership, island_state
 from atoll.coordinator.state.model import GlobalModel
 from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
 from atoll.objects import ObjectStore
-from atoll.sharding import PARTITIONS
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -83,46 +83,40 @@ class RunState:
         state_dir: Path,
         *,
         clock: Callable[[], float] = time.monotonic,
-        shard: tuple[int, int] = (0, 1),
-        partition: str = "hash",
-        keep_snapshots: int = 2,
-        snapshot_every: int = 8,
-        max_inflight_bytes: int = 0,
-        max_pull_bytes: int = 0,
+        placement: PlacementOptions | None = None,
+        storage: StorageOptions | None = None,
+        limits: LimitsOptions | None = None,
         given: frozenset[str] | None = None,
         name: str = "",
         store: ObjectStore | None = None,
         on_lost: Callable[[str], None] | None = None,
-        store_lease_seconds: float = 15.0,
     ) -> None:
-        """``shard``: (index, count) of this coordinator; ``partition``: "hash" or "layers" (see
-        :mod:`atoll.sharding`). ``max_inflight_bytes``: push bytes admitted at once (0: two whole fp32
-        pushes of the model with their framing, at least 256 MiB). ``max_pull_bytes``: the memory pulls
-        hold at once (0: two fp32 copies of the model, at least 256 MiB). ``given``: the config fields the
-        operator set (None: all); on a restart the stored run's math must match them and its
-        operational fields take them. ``snapshot_every``: rounds between the full snapshots written
-        in the background (each round is durable by its log record before it is published).
-        ``name``: prefix of this coordinator's log lines ("fragment 1/4: "), empty when it is alone.
-        ``store``: where the state lives (an object store; ``state_dir`` is then its working copy,
-        :mod:`~atoll.coordinator.disk.mirror`), held under a lease of ``store_lease_seconds`` (a
-        coordinator that replaces a dead one waits that long); ``on_lost(why)`` when it is lost."""
-        if partition not in PARTITIONS:
-            raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
-        if keep_snapshots < 1:
-            raise ValueError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
-        self.shard, self.partition, self.keep_snapshots = shard, partition, keep_snapshots
+        """``placement``: this coordinator's shard and how tensors map to shards; ``storage``: snapshots
+        and the store's lease; ``limits``: what it holds at once (:mod:`atoll.coordinator.run.options`).
+        ``given``: the config fields the operator set (None: all); on a restart the stored run's math
+        must match them and its operational fields take them. ``name``: prefix of this coordinator's
+        log lines ("fragment 1/4: "), empty when it is alone. ``store``: where the state lives (an
+        object store; ``state_dir`` is then its working copy, :mod:`~atoll.coordinator.disk.mirror`),
+        held under the lease; ``on_lost(why)`` when it is lost."""
+        placement, storage, limits = (
+            placement or PlacementOptions(),
+            storage or StorageOptions(),
+            limits or LimitsOptions(),
+        )
+        self.shard, self.partition = placement.shard, placement.partition
+        self.keep_snapshots = storage.keep_snapshots
         self.state_dir = Path(state_dir)
         self.clock = clock
         self.config = config
         self.given = given
         self.name = name
         self.membership = Membership(clock, lambda: self.config.lease_seconds)
-        self.accumulator = RoundAccumulator(max_inflight_bytes)
+        self.accumulator = RoundAccumulator(limits.max_inflight_bytes)
         self.model = GlobalModel(config)
         self.ledger = Ledger(clock())
-        self.downlink = Downlink(self.state_dir, max_pull_bytes=max_pull_bytes)
-        self.writer = StateWriter(self.state_dir, every=snapshot_every, keep=keep_snapshots)
-        self.store, self._on_lost, self.store_lease_seconds = store, on_lost, store_lease_seconds
+        self.downlink = Downlink(self.state_dir, max_pull_bytes=limits.max_pull_bytes)
+        self.writer = StateWriter(self.state_dir, every=storage.snapshot_every, keep=storage.keep_snapshots)
+        self.store, self._on_lost, self.store_lease_seconds = store, on_lost, storage.lease_seconds
         owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
         self.pushes = Pushes(owners, clock=clock, name=name)
         self.pulls = Pulls(

@@ -15,12 +15,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.run.decider import run_decider
+from atoll.coordinator.run.options import LimitsOptions, PlacementOptions, StorageOptions
 from atoll.coordinator.run.run_state import RunState
 from atoll.coordinator.state.outer import NonFiniteTheta
 from atoll.coordinator.transport.bulk_port import BulkServer
 from atoll.coordinator.transport.counters import Counters
-from atoll.coordinator.transport.security import IslandTokens, TlsConfig, TokenInterceptor
-from atoll.coordinator.transport.service import STREAM_IDLE_SECONDS, CoordinatorServicer, add_servicer
+from atoll.coordinator.transport.options import AdminOptions, NetworkOptions, SecurityOptions
+from atoll.coordinator.transport.security import TokenInterceptor
+from atoll.coordinator.transport.service import CoordinatorServicer, add_servicer
 from atoll.errors import PortInUse
 from atoll.objects import ObjectStore
 from atoll.protos.rpc import SERVER_OPTIONS, SERVICE_NAME
@@ -49,60 +51,47 @@ class CoordinatorServer:
         config: RunConfig,
         state_dir: Path,
         *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        admin_host: str = "127.0.0.1",
-        admin_port: int | None = None,
-        admin_token: str | None = None,
-        tls: TlsConfig | None = None,
-        tokens: IslandTokens | None = None,
-        shard: tuple[int, int] = (0, 1),
-        partition: str = "hash",
-        keep_snapshots: int = 2,
-        snapshot_every: int = 8,
-        max_inflight_bytes: int = 0,
-        max_pull_bytes: int = 0,
-        stream_idle_seconds: float = STREAM_IDLE_SECONDS,
-        bulk_port: int | None = 0,
+        network: NetworkOptions | None = None,
+        admin: AdminOptions | None = None,
+        security: SecurityOptions | None = None,
+        placement: PlacementOptions | None = None,
+        storage: StorageOptions | None = None,
+        limits: LimitsOptions | None = None,
         given: Iterable[str] | None = None,
         name: str = "",
         store: ObjectStore | None = None,
         on_lost: Callable[[str], None] | None = None,
-        store_lease_seconds: float = 15.0,
     ) -> None:
-        """``store``: the run's state lives there (``--state-dir s3://...``), ``state_dir`` is its local
-        working copy; ``on_lost(why)``: called when this coordinator loses the store's lease.
-        ``admin_port``: serve the admin HTTP endpoints there (0 picks a port; None: no admin server).
-        ``shard``/``partition``: this coordinator's shard and how tensors map to shards (atoll.sharding).
-        ``given``: the RunConfig fields the operator set explicitly (None: all of them); on an existing
-        state dir those of the run's math must match it, and its operational ones take them.
-        ``name``: prefix of this server's log lines (a fragment's).
-        ``bulk_port``: serve pushes and pulls as TCP streams there too (0 picks a port; None: no bulk
-        port), on ``host``; with ``tls``, over TLS with the same certificates (:mod:`atoll.protos.bulk`)."""
+        """The run ``config`` served from ``state_dir`` (a local dir: an object store's working copy
+        when ``store`` is given), with typed options per concern (:mod:`atoll.coordinator.options`
+        builds them from the command line). ``admin.port``: serve the admin HTTP endpoints there (0
+        picks a port; None: no admin server). ``network.bulk_port``: serve pushes and pulls as TCP
+        streams there too (0 picks a port; None: no bulk port), on ``network.host``; with TLS, over TLS
+        with the same certificates (:mod:`atoll.protos.bulk`). ``given``: the RunConfig fields the
+        operator set explicitly (None: all of them); on an existing state dir those of the run's math
+        must match it, and its operational ones take them. ``name``: prefix of this server's log lines
+        (a fragment's). ``on_lost(why)``: called when this coordinator loses the store's lease."""
+        network, admin, security = network or NetworkOptions(), admin or AdminOptions(), security or SecurityOptions()
         self.config = config
-        self.admin_args = (admin_host, admin_port, admin_token)
-        self.tls = tls
-        self.tokens = tokens
+        self.admin_options = admin
+        self.tls = security.tls
+        self.tokens = security.tokens
         self.state_options = dict(
-            shard=shard,
-            partition=partition,
-            keep_snapshots=keep_snapshots,
-            snapshot_every=snapshot_every,
-            max_inflight_bytes=max_inflight_bytes,
-            max_pull_bytes=max_pull_bytes,
+            placement=placement,
+            storage=storage,
+            limits=limits,
             given=None if given is None else frozenset(given),
             name=name,
             store=store,
             on_lost=on_lost,
-            store_lease_seconds=store_lease_seconds,
         )
-        self.stream_idle_seconds = stream_idle_seconds
-        self.requested_bulk_port = bulk_port
+        self.stream_idle_seconds = network.stream_idle_seconds
+        self.requested_bulk_port = network.bulk_port
         self.bulk: BulkServer | None = None
         self.admin = None
         self.state_dir = Path(state_dir)
-        self.host = host
-        self.requested_port = port
+        self.host = network.host
+        self.requested_port = network.port
         self.port: int | None = None
         self.name = name
         self.state: RunState | None = None
@@ -122,7 +111,7 @@ class CoordinatorServer:
     async def start(self) -> None:
         """Restore the run (refusing a state dir that does not verify), then serve. PortInUse (one
         line) when a port it was told to bind is served already, before anything listens."""
-        admin_host, admin_port, admin_token = self.admin_args
+        admin_host, admin_port, admin_token = self.admin_options.host, self.admin_options.port, self.admin_options.token
         for what, host, port in (
             ("--port", self.host, self.requested_port),
             ("--bulk-port", self.host, self.requested_bulk_port),
