@@ -37,11 +37,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig, apply_operational
-from atoll.coordinator.disk import snapshots, wal, workcopy
+from atoll.coordinator.disk import wal, workcopy
 from atoll.coordinator.disk.lock import StateLock
 from atoll.coordinator.disk.mirror import Mirror
 from atoll.coordinator.disk.writer import StateWriter
-from atoll.coordinator.errors import Reason, refuse
 from atoll.coordinator.messages import (
     IslandCall,
     JoinAnswer,
@@ -56,7 +55,8 @@ from atoll.coordinator.messages import (
 from atoll.coordinator.policy import grace, phase
 from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.policy.rounds import RoundPolicy
-from atoll.coordinator.run import checks, saved
+from atoll.coordinator.run import saved
+from atoll.coordinator.run.islands import Islands
 from atoll.coordinator.run.options import LimitsOptions, PlacementOptions, StorageOptions
 from atoll.coordinator.run.owners import Owners
 from atoll.coordinator.run.pulls import Pulls, wait_event
@@ -103,6 +103,7 @@ class RunState:
             storage or StorageOptions(),
             limits or LimitsOptions(),
         )
+        self.placement = placement
         self.shard, self.partition = placement.shard, placement.partition
         self.keep_snapshots = storage.keep_snapshots
         self.state_dir = Path(state_dir)
@@ -117,7 +118,8 @@ class RunState:
         self.downlink = Downlink(self.state_dir, max_pull_bytes=limits.max_pull_bytes)
         self.writer = StateWriter(self.state_dir, every=storage.snapshot_every, keep=storage.keep_snapshots)
         self.store, self._on_lost, self.store_lease_seconds = store, on_lost, storage.lease_seconds
-        owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
+        owners = self.owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
+        self.islands = Islands(owners, placement, self.state_dir, name)
         self.pushes = Pushes(owners, clock=clock, name=name)
         self.pulls = Pulls(
             owners, downlink=self.downlink, waiting=lambda: self.waiting, stalled=lambda: self.stall is not None
@@ -186,7 +188,7 @@ class RunState:
             raise
 
     def _restore(self) -> bool:
-        loaded = saved.load(self)
+        loaded = saved.load(self.state_dir, self.store, self.config, self.given, self.placement, self.name)
         if loaded is None:
             return False
         snap, self.config = loaded
@@ -213,75 +215,18 @@ class RunState:
 
     # ---- membership ------------------------------------------------------------------------------
     def join(self, req: JoinRequest) -> JoinAnswer:
-        checks.run_id(self.config, req.run_id)
-        num_ranks = checks.join(req, self.shard, self.partition, self.config)
-        specs = checks.tensors(req.tensors)
-        checks.aliases_of(req.tensors)
-        model = self.model
-        if model.ready:
-            if self.partition == "layers" and req.layout_digest != model.layout_digest:
-                raise refuse(
-                    Reason.MODEL_MISMATCH,
-                    f"island's model layout {req.layout_digest} differs from the run's {model.layout_digest}: "
-                    "islands would cut different fragments",
-                )
-            checks.same_model(model.specs, specs, model.buffers, checks.buffers_of(req.tensors))
-        model.card = model.card or req.model_card  # (the first island that says what the model is)
-        was_departed = req.island_id in self.membership.departed
-        _, new = self.membership.join(
-            req.island_id,
-            num_ranks=num_ranks,
-            session_id=req.session_id,
-            round_=self.round,
-            tensors=req.tensors,
-            layout_digest=req.layout_digest,
-        )
-        if new:
-            self.accumulator.drop_island(req.island_id)
-        if not model.ready:
-            self.accumulator.size_budget(specs, self.name)
-        if was_departed:
-            self._write_departed()
-        bootstrap = not model.ready and self.ledger.sealed is None and self.membership.claim_bootstrap(req.island_id)
-        log.info(
-            "%sisland %s joined (%d ranks) at round %d%s",
-            self.name,
-            req.island_id,
-            num_ranks,
-            self.round,
-            ", bootstrapping θ" if bootstrap else "",
-        )
-        self.ledger.poke.set()
-        return JoinAnswer(
-            config=self.config,
-            round=self.round,
-            bootstrap=bootstrap,
-            codec=self.config.codec,
-            run_complete=self.run_complete,
-        )
+        return self.islands.join(req)
 
     def heartbeat(self, call: IslandCall) -> tuple[int, float, bool]:
         """(open round, lease seconds, run complete)."""
-        checks.run_id(self.config, call.run_id)
-        self.membership.touch(call.island_id, call.session_id)
-        return self.round, self.config.lease_seconds, self.run_complete
+        return self.islands.heartbeat(call)
 
     def leave(self, call: IslandCall) -> None:
-        checks.run_id(self.config, call.run_id)
-        self.membership.touch(call.island_id, call.session_id)
-        self.membership.leave(call.island_id)
-        self.accumulator.drop_island(call.island_id)
-        self._write_departed()
-        log.info("%sisland %s left at round %d", self.name, call.island_id, self.round)
-        self.ledger.poke.set()
+        self.islands.leave(call)
 
     def evict(self, island_id: str) -> None:
         """Remove an island for good (operator): it no longer counts, its joins are refused."""
-        self.membership.evict(island_id)  # KeyError for an unknown island
-        self.accumulator.drop_island(island_id)
-        self._write_departed()
-        log.warning("%sisland %s evicted by an operator at round %d", self.name, island_id, self.round)
-        self.ledger.poke.set()
+        self.islands.evict(island_id)
 
     def set_operational(self, values: dict) -> list[str]:
         """Change operational fields of the live run (operator); returns what changed. Persisted
@@ -291,10 +236,6 @@ class RunState:
             log.warning("%srun %s changed by an operator: %s", self.name, self.config.run_id, line)
         self.ledger.poke.set()
         return changes
-
-    def _write_departed(self) -> None:
-        if self.model.ready:  # before θ_0 there is no run to protect
-            snapshots.write_departed(self.state_dir, self.membership.departed)
 
     # ---- pushes and pulls ------------------------------------------------------------------------
     async def plan_push(self, h: PushHeader) -> PushPlan | PushResult:
@@ -432,7 +373,7 @@ class RunState:
                 log.info("%sclosed round %d (%s): loss %s, outer step %.3fs + log %.3fs", self.name, sealed.round,
                          record["reason"], loss, *took)  # fmt: skip
                 record["publish_seconds"] = time.perf_counter() - published
-                snap = saved.snapshot(self, self.model.params, self.round, list(self.history))
+                snap = saved.snapshot(self.owners, self.placement, self.model.params, self.round, list(self.history))
                 self.writer.after_publish(snap, keep_from=self.downlink.keep_from(self.round) - 1)
             if self.run_complete:  # the run ending as configured: news, not a warning
                 log.info("%srun %s is complete after %d rounds", self.name, self.config.run_id, self.round)
@@ -442,7 +383,7 @@ class RunState:
         """The write that makes ``sealed`` durable, for a worker thread (what it writes is read here):
         θ_0's snapshot, or a round's log record (update, history record, membership, config)."""
         if sealed.record is None:
-            snap = saved.snapshot(self, sealed.params, sealed.round + 1, self.history)
+            snap = saved.snapshot(self.owners, self.placement, sealed.params, sealed.round + 1, self.history)
             return lambda: self.writer.bootstrap(snap)
         r, islands, config = sealed.round, self.membership.to_json()["islands"], self.config
         return lambda: self.writer.log_round(r, sealed.payloads, sealed.record, islands, config)
