@@ -195,14 +195,15 @@ class Pushes:
         )
         acc.commit(plan.island_id, plan.round, record, late)
         usual = self._weight(plan, 0) if late else weight
-        rec.usual_weight = weighting.per_round_weight(self._rule(), usual, c.sync_every, first.inner_steps)
-        if rec.last_push_at is not None:
-            rec.cycle.observe(now - rec.last_push_at)
-        rec.last_push_at = now
-        if rec.goodput is not None:
-            rec.goodput.entered(first.compute_seconds, first.blocked_seconds, first.tokens)
-        rec.rounds_committed += 1  # (a folded delta entered θ too: a slow island showed 0 rounds all run)
-        rec.last_entered_round = ledger.round
+        rec.entered(
+            ledger.round,
+            now=now,
+            usual_weight=weighting.per_round_weight(self._rule(), usual, c.sync_every, first.inner_steps),
+            compute_seconds=first.compute_seconds,
+            blocked_seconds=first.blocked_seconds,
+            tokens=first.tokens,
+            on_time=None if late else (plan.round, ledger.opened_at),
+        )
         if late:
             log.info(
                 "%sround %d: folded island %s's late delta for round %d (weight %.3g)",
@@ -213,8 +214,6 @@ class Pushes:
                 weight,
             )
         else:
-            rec.last_committed_round = plan.round
-            rec.arrival.observe(now - ledger.opened_at)
             log.info(
                 "%sround %d: island %s committed (%d tokens)", self.name, ledger.round, plan.island_id, plan.tokens
             )

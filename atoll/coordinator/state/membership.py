@@ -75,6 +75,32 @@ class IslandRecord:
     round's fresh pushes (:mod:`atoll.coordinator.policy.phase`), for its pull of that round's update."""
     expiry_logged: bool = field(default=False, repr=False)
 
+    def entered(
+        self,
+        round_: int,
+        *,
+        now: float,
+        usual_weight: float,
+        compute_seconds: float,
+        blocked_seconds: float,
+        tokens: int,
+        on_time: tuple[int, float] | None,
+    ) -> None:
+        """Its push entered θ in the open round ``round_`` at ``now``, weighing ``usual_weight`` not
+        down-weighted for lateness, with the compute it reported; ``on_time``: (the round it was for,
+        when that round opened) for a push that committed on time, None for one folded late."""
+        self.usual_weight = usual_weight
+        if self.last_push_at is not None:
+            self.cycle.observe(now - self.last_push_at)
+        self.last_push_at = now
+        if self.goodput is not None:
+            self.goodput.entered(compute_seconds, blocked_seconds, tokens)
+        self.rounds_committed += 1  # (a folded delta entered θ too: a slow island showed 0 rounds all run)
+        self.last_entered_round = round_
+        if on_time is not None:
+            self.last_committed_round, opened_at = on_time
+            self.arrival.observe(now - opened_at)
+
 
 def island_state(rec: IslandRecord, now: float, open_round: int) -> str:
     if rec.lease_expires_at <= now:
