@@ -42,6 +42,7 @@ from atoll.compression import get_codec  # noqa: E402
 from atoll.coordinator.config import RunConfig  # noqa: E402
 from atoll.coordinator.disk import snapshots, wal  # noqa: E402
 from atoll.coordinator.disk.mirror import Mirror  # noqa: E402
+from atoll.coordinator.disk.store import ObjectState  # noqa: E402
 from atoll.coordinator.disk.writer import StateWriter  # noqa: E402
 from atoll.coordinator.state.model import GlobalModel  # noqa: E402
 from atoll.harness.seaweed import SeaweedS3  # noqa: E402
@@ -67,10 +68,11 @@ def in_the_round(theta: dict[str, torch.Tensor], config: RunConfig, store: Objec
     base = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in theta.items()}
     writers = {"none": None, "disk": StateWriter(tmp / "round-disk", every=10**6, keep=1)}
     for way, name, streams in (("store, streamed", "streamed", True), ("store, after the step", "after", False)):
-        writers[way] = StateWriter(tmp / f"round-{name}", every=10**6, keep=1)
         beside = ObjectStore(store.bucket, f"round-{name}")  # (not under the run's prefix)
-        writers[way].mirror = Mirror(beside, writers[way].state_dir)
-        writers[way].mirror.streams = streams
+        kept = ObjectState(beside)
+        kept.mirror = Mirror(beside, tmp / f"round-{name}")
+        kept.mirror.streams = streams
+        writers[way] = StateWriter(tmp / f"round-{name}", every=10**6, keep=1, store=kept)
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in writers}
     for r in range(repeat + 1):
         for way in list(writers) if r % 2 == 0 else list(reversed(writers)):

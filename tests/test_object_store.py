@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from atoll.cli import main as cli_main
 from atoll.coordinator.disk.mirror import Mirror
+from atoll.coordinator.disk.store import ObjectState
 from atoll.coordinator.options import StorageOptions
 from atoll.harness.seaweed import free_ports
 from atoll.islands._transport.client import RetryPolicy
@@ -137,8 +138,8 @@ def test_a_coordinator_that_lost_its_disk_is_replaced_bitwise_from_the_store(s3_
     first = start_server(
         config,
         tmp_path / "work-1",
-        store=store,
-        storage=StorageOptions(lease_seconds=5.0, snapshot_every=2),
+        store=ObjectState(store, lease_seconds=5.0),
+        storage=StorageOptions(snapshot_every=2),
     )
     run_rounds(first, 5)
     before = state_of(first)
@@ -151,8 +152,8 @@ def test_a_coordinator_that_lost_its_disk_is_replaced_bitwise_from_the_store(s3_
     second = start_server(
         config,
         tmp_path / "work-2",
-        store=store,
-        storage=StorageOptions(lease_seconds=5.0, snapshot_every=2),
+        store=ObjectState(store, lease_seconds=5.0),
+        storage=StorageOptions(snapshot_every=2),
     )
     after = state_of(second)
     assert after[0] == before[0]
@@ -174,10 +175,10 @@ def test_a_coordinator_that_lost_its_disk_is_replaced_bitwise_from_the_store(s3_
 def test_a_second_coordinator_on_a_held_run_is_refused_naming_the_holder(s3_url, start_server, tmp_path, capsys):
     store = ObjectStore.from_url(s3_url)
     config = exact_config(run_id="t", sync_every=2)
-    first = start_server(config, tmp_path / "one", store=store, storage=StorageOptions(lease_seconds=30.0))
+    first = start_server(config, tmp_path / "one", store=ObjectState(store, lease_seconds=30.0))
     try:
         with pytest.raises(StoreError, match="is held by coordinator"):
-            start_server(config, tmp_path / "two", store=store)
+            start_server(config, tmp_path / "two", store=ObjectState(store))
         # the rollback tool too: the run is live (listing the snapshots reads a copy: allowed)
         assert cli_main(["rollback", "--state-dir", s3_url, "--round", "0"]) == 1
         assert "is held by coordinator" in capsys.readouterr().err
@@ -325,8 +326,8 @@ def test_a_rollback_in_the_store_is_what_the_next_coordinator_restores(s3_url, s
     srv = start_server(
         config,
         tmp_path / "w1",
-        store=store,
-        storage=StorageOptions(lease_seconds=5.0, snapshot_every=2, keep_snapshots=3),
+        store=ObjectState(store, lease_seconds=5.0),
+        storage=StorageOptions(snapshot_every=2, keep_snapshots=3),
     )
     run_rounds(srv, 6)
     srv.stop()
@@ -336,7 +337,7 @@ def test_a_rollback_in_the_store_is_what_the_next_coordinator_restores(s3_url, s
     target = sorted(listed)[-2]
     assert cli_main(["rollback", "--state-dir", s3_url, "--round", str(target)]) == 0
     assert any(k.startswith("discarded/") for k in store.listing())  # set aside in the store, not lost
-    again = start_server(config, tmp_path / "w2", store=store, storage=StorageOptions(lease_seconds=5.0))
+    again = start_server(config, tmp_path / "w2", store=ObjectState(store, lease_seconds=5.0))
     assert again.inspect(lambda s: s.round) == target
     again.stop()
 
@@ -443,9 +444,10 @@ def test_a_record_goes_up_while_the_step_makes_it_and_is_the_local_file_byte_for
     config = RunConfig(run_id="r", codec="int8")
 
     def write_round(local, loss: float = 1.0):
-        writer = StateWriter(local, every=100, keep=1)
-        writer.mirror = Mirror(store, local)
-        writer.mirror.streams = True  # (on its own a store on loopback takes records after the step)
+        kept = ObjectState(store)
+        kept.mirror = Mirror(store, local)
+        kept.mirror.streams = True  # (on its own a store on loopback takes records after the step)
+        writer = StateWriter(local, every=100, keep=1, store=kept)
         hint = wal.head_hint({k: len(p) for k, p in update.items()}, lambda: {}, [{"round": 2}])
         assert hint is not None  # (an update this large is streamed)
         with writer.streaming(2, lambda name, payload: None, hint) as made:
@@ -488,9 +490,10 @@ def test_a_streamed_record_the_store_refused_a_part_of_is_put_whole(s3_url, tmp_
     monkeypatch.setattr(upload_mod.RecordUpload, "_put", refuse_part_3)
     store = ObjectStore.from_url(s3_url)
     update = {"t": get_codec("int8").encode(torch.randn(30 << 20))}
-    writer = StateWriter(tmp_path / "a", every=100, keep=1)
-    writer.mirror = Mirror(store, tmp_path / "a")
-    writer.mirror.streams = True
+    kept = ObjectState(store)
+    kept.mirror = Mirror(store, tmp_path / "a")
+    kept.mirror.streams = True
+    writer = StateWriter(tmp_path / "a", every=100, keep=1, store=kept)
     hint = wal.head_hint({k: len(p) for k, p in update.items()}, lambda: {}, [{"round": 0}])
     with writer.streaming(0, lambda name, payload: None, hint) as made:
         made("t", update["t"])

@@ -14,7 +14,7 @@ from test_object_store import run_rounds
 
 from atoll.cli import main as cli_main
 from atoll.coordinator.disk.mirror import Mirror
-from atoll.coordinator.options import StorageOptions
+from atoll.coordinator.disk.store import ObjectState
 from atoll.lease import Lease
 from atoll.objects import LEASE, ObjectStore, StoreError
 
@@ -28,9 +28,7 @@ def test_a_stalled_store_is_a_warning_and_unhealthy_within_the_lease(s3_server, 
     lost: list[str] = []
     srv = start_server(
         exact_config(run_id="t", sync_every=2),
-        store=ObjectStore.from_url(s3_url),
-        storage=StorageOptions(lease_seconds=3.0),
-        on_lost=lost.append,
+        store=ObjectState(ObjectStore.from_url(s3_url), lease_seconds=3.0, on_lost=lost.append),
     )
     run_rounds(srv, 1)
     assert srv.inspect(lambda s: s.unhealthy()) is None

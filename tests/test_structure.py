@@ -182,3 +182,12 @@ def test_the_module_map_in_the_design_names_every_module():
     design = ROOT.parent / "docs" / "design.md"
     assert module_map_misses(design.read_text()) == []
     assert "atoll.compression.sparse" in module_map_misses("## Module layout\nnothing here\n## Next\n")
+
+
+def test_the_state_is_kept_behind_one_interface():
+    """RunState and the writer call the state store (:mod:`atoll.coordinator.disk.store`) the same way
+    whether it is a local dir or an object store: neither names the mirror nor asks which it is."""
+    for rel in ("coordinator/run/run_state.py", "coordinator/disk/writer.py"):
+        source = (ROOT / rel).read_text()
+        assert "mirror" not in source.lower(), rel
+        assert "ObjectState" not in source and "ObjectStore" not in source, rel

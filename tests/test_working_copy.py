@@ -18,6 +18,7 @@ from atoll.compression import codec_of
 from atoll.compression.wire import SEALED_DIGEST, unpack
 from atoll.coordinator.disk import snapshots, wal, workcopy
 from atoll.coordinator.disk.snapshots import StateError
+from atoll.coordinator.disk.store import ObjectState
 from atoll.coordinator.disk.verified import META_DIGEST, TRAILERS, header_bytes, header_of
 from atoll.coordinator.options import StorageOptions
 from atoll.objects import Missing, ObjectStore, StoreError
@@ -43,7 +44,7 @@ def test_a_local_runs_state_dir_is_refused_untouched(s3_url, start_server, tmp_p
     (local / "notes.txt").write_text("mine")
     before = files_of(local)
     with pytest.raises(StoreError, match=r"is not a working copy of s3://.*give --work-dir a new or empty dir") as err:
-        start_server(exact_config(run_id="t", sync_every=2), local, store=ObjectStore.from_url(s3_url))
+        start_server(exact_config(run_id="t", sync_every=2), local, store=ObjectState(ObjectStore.from_url(s3_url)))
     assert "\n" not in str(err.value)
     assert files_of(local) == before
     assert ObjectStore.from_url(s3_url).listing() == {}  # (and nothing went to the store: no lease either)
@@ -52,12 +53,12 @@ def test_a_local_runs_state_dir_is_refused_untouched(s3_url, start_server, tmp_p
 def test_a_working_copy_of_another_store_is_refused(s3_url, start_server, tmp_path):
     config = exact_config(run_id="t", sync_every=2)
     work = tmp_path / "w"
-    srv = start_server(config, work, store=ObjectStore.from_url(s3_url), storage=StorageOptions(lease_seconds=5.0))
+    srv = start_server(config, work, store=ObjectState(ObjectStore.from_url(s3_url), lease_seconds=5.0))
     run_rounds(srv, 1)
     srv.stop()
     before = files_of(work)
     with pytest.raises(StoreError, match=rf"is the working copy of {s3_url}, not of {s3_url}-other"):
-        start_server(config, work, store=ObjectStore.from_url(s3_url + "-other"))
+        start_server(config, work, store=ObjectState(ObjectStore.from_url(s3_url + "-other")))
     assert files_of(work) == before
 
 
@@ -68,7 +69,9 @@ def test_a_wiped_store_is_refused_naming_both_and_restored_from_the_copy(s3_url,
     store = ObjectStore.from_url(s3_url)
     config = exact_config(run_id="t", sync_every=2, outer_momentum=0.9)
     work = tmp_path / "w"
-    srv = start_server(config, work, store=store, storage=StorageOptions(lease_seconds=5.0, snapshot_every=2))
+    srv = start_server(
+        config, work, store=ObjectState(store, lease_seconds=5.0), storage=StorageOptions(snapshot_every=2)
+    )
     run_rounds(srv, 5)
     before = state_of(srv)
     srv.stop()
@@ -76,7 +79,7 @@ def test_a_wiped_store_is_refused_naming_both_and_restored_from_the_copy(s3_url,
         store.delete(rel)
     kept = files_of(work)
     with pytest.raises(StoreError) as err:
-        start_server(config, work, store=store, storage=StorageOptions(lease_seconds=5.0))
+        start_server(config, work, store=ObjectState(store, lease_seconds=5.0))
     line = str(err.value)
     assert f"{s3_url} holds no run, but its working copy {work} holds run t up to round 5" in line
     assert f"atoll restore-store --from {work} --state-dir {s3_url}" in line
@@ -85,7 +88,7 @@ def test_a_wiped_store_is_refused_naming_both_and_restored_from_the_copy(s3_url,
     assert "put run t (round 5)" in capsys.readouterr().out
     assert cli_main(["restore-store", "--from", str(work), "--state-dir", s3_url]) == 1  # never over a run
     assert "holds a run already" in capsys.readouterr().err
-    again = start_server(config, work, store=store, storage=StorageOptions(lease_seconds=5.0))
+    again = start_server(config, work, store=ObjectState(store, lease_seconds=5.0))
     assert same_state(before, state_of(again))
 
 
@@ -96,7 +99,9 @@ def test_a_same_size_record_or_a_damaged_file_is_fetched_again_from_the_store(s3
     store = ObjectStore.from_url(s3_url)
     config = exact_config(run_id="t", sync_every=2)
     work = tmp_path / "w"
-    srv = start_server(config, work, store=store, storage=StorageOptions(lease_seconds=5.0, snapshot_every=100))
+    srv = start_server(
+        config, work, store=ObjectState(store, lease_seconds=5.0), storage=StorageOptions(snapshot_every=100)
+    )
     run_rounds(srv, 5)
     before = state_of(srv)
     srv.stop()
@@ -124,7 +129,7 @@ def test_a_same_size_record_or_a_damaged_file_is_fetched_again_from_the_store(s3
     data[-3] ^= 0xFF
     snap.write_bytes(bytes(data))
 
-    again = start_server(config, work, store=store, storage=StorageOptions(lease_seconds=5.0))
+    again = start_server(config, work, store=ObjectState(store, lease_seconds=5.0))
     assert same_state(before, state_of(again))
     again.stop()
     assert path.read_bytes() == store.get(f"{wal.LOG}/{wal.record_name(3)}")[0]
@@ -138,8 +143,8 @@ def test_only_the_runs_own_names_are_fetched(s3_url, start_server, tmp_path, cap
     srv = start_server(
         config,
         tmp_path / "w1",
-        store=store,
-        storage=StorageOptions(lease_seconds=5.0, snapshot_every=100),
+        store=ObjectState(store, lease_seconds=5.0),
+        storage=StorageOptions(snapshot_every=100),
     )
     run_rounds(srv, 4)
     before = state_of(srv)
@@ -150,7 +155,7 @@ def test_only_the_runs_own_names_are_fetched(s3_url, start_server, tmp_path, cap
     store.put_bytes(f"{wal.LOG}/round-000000001.safetensors", bytes(forged))
     assert forged != real
     with caplog.at_level(logging.WARNING, logger="atoll.coordinator"):
-        again = start_server(config, tmp_path / "w2", store=store, storage=StorageOptions(lease_seconds=5.0))
+        again = start_server(config, tmp_path / "w2", store=ObjectState(store, lease_seconds=5.0))
     assert same_state(before, state_of(again))
     again.stop()
     fetched = files_of(tmp_path / "w2")

@@ -7,11 +7,13 @@ import dataclasses
 import gc
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from atoll.compression import get_codec
+from atoll.coordinator.disk.store import LocalState, ObjectState, StateStore
 from atoll.coordinator.options import CoordinatorOptions
 from atoll.coordinator.transport.corelog import CoreLog
 from atoll.coordinator.transport.server import CoordinatorServer
@@ -30,13 +32,21 @@ def write_port_file(path: Path, ports: int | list[int]) -> None:
     write_atomic(path, [text.encode()], durable=False)
 
 
-def where_state_lives(state_dir, work_dir: Path | None = None) -> tuple[Path, ObjectStore | None]:
-    """(the local state dir, the object store) for ``--state-dir``: a path (no store), or an
-    ``s3://bucket/prefix`` URL whose working copy is ``work_dir`` (default: under the temp dir)."""
+def where_state_lives(
+    state_dir,
+    work_dir: Path | None = None,
+    *,
+    lease_seconds: float = 15.0,
+    on_lost: Callable[[str], None] | None = None,
+) -> tuple[Path, StateStore]:
+    """(the local state dir, where the state is kept) for ``--state-dir``: a path (the dir itself), or
+    an ``s3://bucket/prefix`` URL whose working copy is ``work_dir`` (default: under the temp dir), held
+    under a lease of ``lease_seconds``; ``on_lost(why)`` when the lease is lost. Built once, here."""
     if not is_url(state_dir):
-        return Path(state_dir), None
+        return Path(state_dir), LocalState()
     store = ObjectStore.from_url(state_dir)
-    return Path(work_dir or store.default_work_dir("state")), store
+    kept = ObjectState(store, lease_seconds=lease_seconds, on_lost=on_lost)
+    return Path(work_dir or store.default_work_dir("state")), kept
 
 
 async def serve(options: CoordinatorOptions) -> int:
@@ -56,7 +66,6 @@ async def serve(options: CoordinatorOptions) -> int:
             "the islands lose what it dropped every round (benchmarks/RESULTS.md: add --error-feedback)",
             config.codec,
         )
-    state_dir, store = where_state_lives(options.state_dir, options.work_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     lost: list[str] = []
@@ -65,12 +74,16 @@ async def serve(options: CoordinatorOptions) -> int:
         lost.append(why)
         loop.call_soon_threadsafe(stop.set)
 
+    state_dir, store = where_state_lives(
+        options.state_dir, options.work_dir, lease_seconds=options.storage.lease_seconds, on_lost=on_lost
+    )
+
     fragments = options.placement.fragments
     if fragments > 0:
         places = [
             (
                 options.fragment(i, state_dir / f"fragment-{i}"),
-                store and store.child(f"fragment-{i}"),
+                store.child(f"fragment-{i}"),
                 f"fragment {i}/{fragments}: ",
             )
             for i in range(fragments)
@@ -90,7 +103,6 @@ async def serve(options: CoordinatorOptions) -> int:
             given=place.given,
             name=name,
             store=place_store,
-            on_lost=on_lost if place_store is not None else None,
         )
         for place, place_store, name in places
     ]

@@ -29,15 +29,12 @@ import threading
 import time
 from pathlib import Path
 
-from atoll.coordinator.disk import snapshots, workcopy
+from atoll.coordinator.disk import snapshots, wal, workcopy
 from atoll.coordinator.disk.upload import RecordUpload
 from atoll.lease import Lease
 from atoll.objects import Conflict, ObjectStore, StoreError
 
 log = logging.getLogger("atoll.coordinator")
-
-RECORDS = "log/round-"
-"""Log records go up on the critical path (:meth:`Mirror.put_record`), never with a sync."""
 
 
 def _local_files(root: Path) -> dict[str, Path]:
@@ -194,7 +191,7 @@ class Mirror:
             self.lease.check()
         local = _local_files(self.local)
         for rel, path in sorted(local.items()):
-            if rel.startswith(RECORDS):
+            if wal.is_record(rel):  # records go up on the critical path (put_record), never with a sync
                 continue
             try:
                 st = path.stat()

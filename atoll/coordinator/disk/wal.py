@@ -55,6 +55,17 @@ def record_name(round_: int) -> str:
     return f"round-{round_:08d}.safetensors"
 
 
+def record_rel(round_: int) -> str:
+    """Round ``round_``'s record, relative to the state dir (as an object store names it too)."""
+    return f"{LOG}/{record_name(round_)}"
+
+
+def is_record(rel: str) -> bool:
+    """Whether ``rel`` (relative to the state dir, '/'-separated) names a round's log record."""
+    head, _, name = rel.rpartition("/")
+    return head == LOG and RECORD.fullmatch(name) is not None
+
+
 def optimizer_name(round_: int) -> str:
     return f"optimizer-{round_:08d}.safetensors"
 

@@ -21,14 +21,15 @@ from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.disk import snapshots, wal
-from atoll.coordinator.disk.mirror import Mirror
+from atoll.coordinator.disk.store import LocalState, StateStore
 from atoll.coordinator.disk.upload import RecordUpload
 
 log = logging.getLogger("atoll.coordinator")
 
 
 class StateWriter:
-    def __init__(self, state_dir: Path, *, every: int, keep: int) -> None:
+    def __init__(self, state_dir: Path, *, every: int, keep: int, store: StateStore | None = None) -> None:
+        """``store``: where the state is kept, ``state_dir`` its dir or working copy (default: the dir)."""
         if every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {every}")
         self.state_dir, self.every, self.keep = Path(state_dir), every, keep
@@ -40,17 +41,16 @@ class StateWriter:
         self._stream: wal.RecordStream | None = None
         """The record of the round being stepped, written as its update is made."""
         self._upload: RecordUpload | None = None
-        """The same record going up to the store as it is made (with a mirror)."""
-        self.mirror: Mirror | None = None
-        """The store this dir is the working copy of (``--state-dir s3://...``): a record is durable
-        once it is there, the background's files follow it."""
+        """The same record going up to the store as it is made (an object store's)."""
+        self.store = store or LocalState()
+        """Where the state is kept: a record is durable once it is there, the background's files follow it."""
 
     @property
     def trouble(self) -> str | None:
         """Why the state is not being kept as it should (a background write failing, the store's lease or
         uploads in trouble); None when it is."""
-        if self.mirror is not None and self.mirror.trouble is not None:
-            return self.mirror.trouble
+        if self.store.trouble is not None:
+            return self.store.trouble
         return None if self.failed is None else f"the background checkpoint fails ({self.failed})"
 
     def restored(self) -> None:
@@ -60,8 +60,7 @@ class StateWriter:
     # ---- before a publish (a worker thread; raises when the write fails) ------------------------
     def bootstrap(self, snap: snapshots.Snapshot) -> None:
         snapshots.save(self.state_dir, snap, keep=None)
-        if self.mirror is not None:
-            self.mirror.sync()
+        self.store.sync()
 
     def log_round(self, round_: int, payloads: dict, record: dict, islands: dict, config: RunConfig) -> None:
         stream, self._stream = self._stream, None
@@ -70,16 +69,15 @@ class StateWriter:
             wal.append(self.state_dir, round_, payloads, record, islands, config, stream=stream)
         except BaseException:
             if upload is not None:
-                self.mirror.abandon_record(upload)
+                self.store.abandon_record(upload)
             raise
         finally:
             if stream is not None:
                 stream.abandon()  # finished or not: nothing of it is left behind
-        if self.mirror is not None:  # durable once in the store (sent while the step ran, if it streamed)
-            streamed = upload if stream is not None and stream.finished else None
-            if upload is not None and streamed is None:
-                self.mirror.abandon_record(upload)
-            self.mirror.put_record(self.state_dir / wal.LOG / wal.record_name(round_), upload=streamed)
+        streamed = upload if stream is not None and stream.finished else None  # (sent while the step ran)
+        if upload is not None and streamed is None:
+            self.store.abandon_record(upload)
+        self.store.put_record(self.state_dir / wal.record_rel(round_), upload=streamed)  # durable once there
 
     @contextlib.contextmanager
     def streaming(self, round_: int, made, head_hint: int | None) -> Iterator:
@@ -92,11 +90,7 @@ class StateWriter:
             return
         self._drop_stream()
         stream = self._stream = wal.RecordStream(self.state_dir, round_, head_hint)
-        upload = None
-        if self.mirror is not None:  # the record goes up to the store as it is made, too
-            upload = self._upload = self.mirror.stream_record(
-                wal.LOG + "/" + wal.record_name(round_), stream.head_bytes
-            )
+        upload = self._upload = self.store.stream_record(wal.record_rel(round_), stream.head_bytes)  # (or none)
 
         def both(name: str, payload) -> None:
             stream.add(name, payload)
@@ -127,8 +121,7 @@ class StateWriter:
             else:
                 wal.write_optimizer(self.state_dir, snap.round, snap.extra)
             wal.prune(self.state_dir, snapshot_round=newest, keep_from=keep_from)
-            if self.mirror is not None:
-                self.mirror.sync_later()  # up in the background: the next outer step does not wait
+            self.store.sync_later()  # (an object store's: up in the background, the next step does not wait)
 
         self._thread = threading.Thread(target=self._run, args=(write,), name="atoll-checkpoints", daemon=True)
         self._thread.start()
@@ -146,9 +139,7 @@ class StateWriter:
         round was never published)."""
         self.wait()
         self._drop_stream()
-        mirror, self.mirror = self.mirror, None
-        if mirror is not None:
-            mirror.close()  # (and its lease given back)
+        self.store.close()  # (an object store's lease given back)
 
     def _drop_stream(self) -> None:
         """The record being streamed will not be this round's (the step failed, or the server stops)."""
@@ -157,7 +148,7 @@ class StateWriter:
         if stream is not None:
             stream.abandon()
         if upload is not None:
-            self.mirror.abandon_record(upload)
+            self.store.abandon_record(upload)
 
     def wait(self) -> None:
         if self._thread is not None:

@@ -37,9 +37,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig, apply_operational
-from atoll.coordinator.disk import wal, workcopy
+from atoll.coordinator.disk import wal
 from atoll.coordinator.disk.lock import StateLock
-from atoll.coordinator.disk.mirror import Mirror
+from atoll.coordinator.disk.store import LocalState, StateStore
 from atoll.coordinator.disk.writer import StateWriter
 from atoll.coordinator.messages import (
     IslandCall,
@@ -68,7 +68,6 @@ from atoll.coordinator.state.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger
 from atoll.coordinator.state.membership import Membership, island_state
 from atoll.coordinator.state.model import GlobalModel
 from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
-from atoll.objects import ObjectStore
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -88,16 +87,15 @@ class RunState:
         limits: LimitsOptions | None = None,
         given: frozenset[str] | None = None,
         name: str = "",
-        store: ObjectStore | None = None,
-        on_lost: Callable[[str], None] | None = None,
+        store: StateStore | None = None,
     ) -> None:
         """``placement``: this coordinator's shard and how tensors map to shards; ``storage``: snapshots
         and the store's lease; ``limits``: what it holds at once (:mod:`atoll.coordinator.run.options`).
         ``given``: the config fields the operator set (None: all); on a restart the stored run's math
         must match them and its operational fields take them. ``name``: prefix of this coordinator's
-        log lines ("fragment 1/4: "), empty when it is alone. ``store``: where the state lives (an
-        object store; ``state_dir`` is then its working copy, :mod:`~atoll.coordinator.disk.mirror`),
-        held under the lease; ``on_lost(why)`` when it is lost."""
+        log lines ("fragment 1/4: "), empty when it is alone. ``store``: where the state is kept
+        (:mod:`~atoll.coordinator.disk.store`; default: ``state_dir`` itself; an object store's makes
+        ``state_dir`` its working copy)."""
         placement, storage, limits = (
             placement or PlacementOptions(),
             storage or StorageOptions(),
@@ -116,8 +114,10 @@ class RunState:
         self.model = GlobalModel(config)
         self.ledger = Ledger(clock())
         self.downlink = Downlink(self.state_dir, max_pull_bytes=limits.max_pull_bytes)
-        self.writer = StateWriter(self.state_dir, every=storage.snapshot_every, keep=storage.keep_snapshots)
-        self.store, self._on_lost, self.store_lease_seconds = store, on_lost, storage.lease_seconds
+        self.store = store or LocalState()
+        self.writer = StateWriter(
+            self.state_dir, every=storage.snapshot_every, keep=storage.keep_snapshots, store=self.store
+        )
         owners = self.owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
         self.islands = Islands(owners, placement, self.state_dir, name)
         self.pushes = Pushes(owners, clock=clock, name=name)
@@ -174,21 +174,18 @@ class RunState:
     def restore(self) -> bool:
         """Load the newest verified snapshot and the log after it; True if there was one. StateError /
         ConfigMismatch (one line each) when the state dir cannot be trusted or does not fit the config."""
-        if self.store is not None:  # a dir that is not this store's working copy is refused untouched
-            workcopy.check_dir(self.state_dir, self.store)
+        self.store.check(self.state_dir)  # (a dir that is not an object store's working copy: refused untouched)
         if self._dir_lock is None:  # one writer per state dir, from here until close()
             self._dir_lock = StateLock(self.state_dir).acquire("starting a coordinator on it")
         try:
-            if self.store is not None and self.writer.mirror is None:  # one writer per run in the store too
-                self.writer.mirror = Mirror.open(self.store, self.state_dir, lease_seconds=self.store_lease_seconds,
-                                                 on_lost=self._on_lost, run_id=self.config.run_id)  # fmt: skip
+            self.store.open(self.state_dir, self.config.run_id)  # (an object store's lease: one writer per run)
             return self._restore()
         except BaseException:
             self.close()
             raise
 
     def _restore(self) -> bool:
-        loaded = saved.load(self.state_dir, self.store, self.config, self.given, self.placement, self.name)
+        loaded = saved.load(self.state_dir, self.store.url, self.config, self.given, self.placement, self.name)
         if loaded is None:
             return False
         snap, self.config = loaded

@@ -9,7 +9,6 @@ from atoll.coordinator.config import ConfigMismatch, RunConfig, reconcile
 from atoll.coordinator.disk import snapshots
 from atoll.coordinator.run.options import PlacementOptions
 from atoll.coordinator.run.owners import Owners
-from atoll.objects import ObjectStore
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -39,17 +38,17 @@ def snapshot(
 
 def load(
     state_dir: Path,
-    store: ObjectStore | None,
+    where: str | None,
     requested: RunConfig,
     given: frozenset[str] | None,
     placement: PlacementOptions,
     name: str = "",
 ) -> tuple[snapshots.Snapshot, RunConfig] | None:
-    """The newest verified snapshot in ``state_dir`` (``store``'s working copy, if given) with the log
+    """The newest verified snapshot in ``state_dir`` (the working copy of the store at ``where``, if any) with the log
     after it, and the run's config reconciled with the ``requested`` one (the ``given`` operational
     fields win, each change said in a line prefixed by ``name``; None: all were given; a mismatch of
     the run's math or of the shard is a ConfigMismatch); None when the dir holds none."""
-    snap = snapshots.load(state_dir, where=store.url if store is not None else None)
+    snap = snapshots.load(state_dir, where=where)
     if snap is None:
         return None
     shard, partition = placement.shard, placement.partition

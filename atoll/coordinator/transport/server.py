@@ -7,13 +7,14 @@ import contextlib
 import errno
 import logging
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from atoll.coordinator.config import RunConfig
+from atoll.coordinator.disk.store import StateStore
 from atoll.coordinator.run.decider import run_decider
 from atoll.coordinator.run.options import LimitsOptions, PlacementOptions, StorageOptions
 from atoll.coordinator.run.run_state import RunState
@@ -24,7 +25,6 @@ from atoll.coordinator.transport.options import AdminOptions, NetworkOptions, Se
 from atoll.coordinator.transport.security import TokenInterceptor
 from atoll.coordinator.transport.service import CoordinatorServicer, add_servicer
 from atoll.errors import PortInUse
-from atoll.objects import ObjectStore
 from atoll.protos.rpc import SERVER_OPTIONS, SERVICE_NAME
 
 log = logging.getLogger("atoll.coordinator")
@@ -59,8 +59,7 @@ class CoordinatorServer:
         limits: LimitsOptions | None = None,
         given: Iterable[str] | None = None,
         name: str = "",
-        store: ObjectStore | None = None,
-        on_lost: Callable[[str], None] | None = None,
+        store: StateStore | None = None,
     ) -> None:
         """The run ``config`` served from ``state_dir`` (a local dir: an object store's working copy
         when ``store`` is given), with typed options per concern (:mod:`atoll.coordinator.options`
@@ -70,7 +69,8 @@ class CoordinatorServer:
         with the same certificates (:mod:`atoll.protos.bulk`). ``given``: the RunConfig fields the
         operator set explicitly (None: all of them); on an existing state dir those of the run's math
         must match it, and its operational ones take them. ``name``: prefix of this server's log lines
-        (a fragment's). ``on_lost(why)``: called when this coordinator loses the store's lease."""
+        (a fragment's). ``store``: where the state is kept (:mod:`atoll.coordinator.disk.store`;
+        default: ``state_dir`` itself)."""
         network, admin, security = network or NetworkOptions(), admin or AdminOptions(), security or SecurityOptions()
         self.config = config
         self.admin_options = admin
@@ -83,7 +83,6 @@ class CoordinatorServer:
             given=None if given is None else frozenset(given),
             name=name,
             store=store,
-            on_lost=on_lost,
         )
         self.stream_idle_seconds = network.stream_idle_seconds
         self.requested_bulk_port = network.bulk_port
