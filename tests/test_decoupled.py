@@ -75,7 +75,7 @@ def test_a_slow_decoupled_island_pushes_early_and_is_folded_with_its_staleness(s
             wait_for(lambda: not fast._exchanges.in_flight() or not fast._exchanges.in_flight()[0].thread.is_alive())
             fast.step(tokens=0)
         assert srv.inspect(lambda s: s.round) == 3 and slow.round == 0
-        wait_for(lambda: slow._routes.sessions[0].latest_round == 3)  # heard by a heartbeat
+        wait_for(lambda: slow.link.sessions[0].latest_round == 3)  # heard by a heartbeat
         slow.step(tokens=32, loss=inner_step(s_model, s_opt, data[0]))  # one step, and it pushes
         wait_for(lambda: srv.inspect(lambda s: ("slow", 0) in s.accumulator.late))
         record = srv.inspect(lambda s: s.accumulator.late[("slow", 0)])

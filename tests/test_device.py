@@ -185,7 +185,7 @@ def test_an_island_on_a_fake_gpu_runs_rounds_against_a_real_coordinator(start_se
             staged_copies=staged,
             retry=RetryPolicy(give_up_seconds=20),
         ).start()
-        assert len(sync._routes.stagings) == int(staged)
+        assert len(sync._outer.stagings) == int(staged)
         try:
             for _ in range(13):
                 sync.step(tokens=256, loss=1.0)

@@ -15,6 +15,7 @@ import torch
 from conftest import ServerThread, inner_step, make_diloco, wait_for
 from small_island import H, batches, config, island, make_model
 
+from atoll.coordinator.options import NetworkOptions
 from atoll.islands import DiLoCo
 from atoll.objects import ObjectStore
 
@@ -201,7 +202,7 @@ def test_the_same_process_rejoins_a_restarted_coordinator(tmp_path):
         for b in batches(H):
             sync.step(tokens=32, loss=inner_step(model, opt, b))
         srv.stop()
-        srv = ServerThread(config(), tmp_path / "state", port=port).start()
+        srv = ServerThread(config(), tmp_path / "state", network=NetworkOptions(port=port)).start()
         for b in batches(H):
             sync.step(tokens=32, loss=inner_step(model, opt, b))
         assert srv.inspect(lambda s: s.round) == 2

@@ -37,10 +37,10 @@ def test_round_stats_split_the_sync_into_the_islands_own_work_and_its_wait(start
     b.start()
     clock, own, waits = FakeClock(), [], []
     a._schedule.clock = clock
-    for state in a._routes.states.values():
+    for _, state in a._outer.items():
         state.encode = moving(clock, 0.25, state.encode, own)
         state.apply = moving(clock, 0.5, state.apply, own)
-    session = a._routes.sessions[0]
+    session = a.link.sessions[0]
     pull = session.pull_until_ready
 
     def waited(*args, **kw):

@@ -129,7 +129,7 @@ def test_a_staged_island_ends_on_the_same_theta_as_a_direct_one(start_server, tm
             staged_copies=staged,
             retry=RetryPolicy(give_up_seconds=20),
         ).start()
-        stagings = sync._routes.stagings
+        stagings = sync._outer.stagings
         assert len(stagings) == (1 if staged else 0)
         try:
             gen = torch.Generator().manual_seed(1)

@@ -27,13 +27,17 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Unpack
 
+from atoll.compression.staging import pinned_buffer
 from atoll.islands import _resume as resume
+from atoll.islands import _theta as theta
 from atoll.islands._exchanges import Exchanges, Flight, RoundStats
 from atoll.islands._link import CoordinatorLink
 from atoll.islands._options import DiLoCoKwargs, DiLoCoOptions
-from atoll.islands._routes import Routes
+from atoll.islands._outer_state import OuterState
+from atoll.islands._route_table import RouteTable
 from atoll.islands._schedule import Schedule, update_wait_seconds
 from atoll.islands._shards import local_shards, model_card, tied_aliases
+from atoll.islands._terms import settle
 from atoll.islands.errors import Preempted
 
 log = logging.getLogger("atoll.island")
@@ -87,7 +91,8 @@ class DiLoCo:
         """Inner steps taken (``step`` calls), across rounds."""
         self.history: list[RoundStats] = []
         """Every finished round's stats, oldest first."""
-        self._routes: Routes | None = None
+        self._table: RouteTable | None = None
+        self._outer: OuterState | None = None
         self._schedule: Schedule | None = None
         self._exchanges: Exchanges | None = None
         self._resume: dict | None = None
@@ -107,11 +112,24 @@ class DiLoCo:
             src = dist.get_global_rank(o.process_group, 0) if o.process_group is not None else 0
             dist.broadcast_object_list(shared, src=src, group=o.process_group)
             link.session_id = shared[0]
-        card = model_card(self.model, o.model_card)
-        routes = Routes(o, shards, link, self._rank, self._num_ranks, tied_aliases(self.model), card)
-        schedule = Schedule(len(routes.sessions), streaming=o.streaming, sync_every_seconds=o.sync_every_seconds)
+        card, aliases = model_card(self.model, o.model_card), tied_aliases(self.model)
+        table = RouteTable.of(shards, len(link.addresses), streaming=o.streaming)
+        outer = OuterState(shards, o)
+        requests = [
+            table.join_request(i, codec=o.codec, num_ranks=self._num_ranks, aliases=aliases, card=card)
+            for i in range(len(table))
+        ]
+        sessions = link.open(
+            self._rank, self._num_ranks, requests, [table.regions(i) for i in range(len(table))], group=o.process_group
+        )
+        if outer.on_cuda:  # pulled entries land in pinned memory, reused
+            for session in sessions:
+                session.client.buffers.make = pinned_buffer
+        schedule = Schedule(len(table), streaming=o.streaming, sync_every_seconds=o.sync_every_seconds)
         exchanges = Exchanges(
-            routes,
+            table,
+            outer,
+            link,
             schedule,
             overlap=bool(o.overlap_steps),
             align=o.align_pushes,
@@ -120,23 +138,28 @@ class DiLoCo:
         )
         try:
             joined = link.join()
-            routes.settle(joined)
-            exchanges.overlap = exchanges.overlap or routes.decoupled  # the run's mode, known from the join
+            link.terms = settle(o, sessions, joined)
+            exchanges.overlap = exchanges.overlap or link.terms.decoupled  # the run's mode, known from the join
             if self._resume is not None:
-                done = resume.resume(self._resume, routes, exchanges, joined, lambda: routes.complete())
+                done = resume.resume(
+                    self._resume,
+                    table,
+                    outer,
+                    sessions,
+                    exchanges,
+                    joined,
+                    lambda: all(s.run_complete for s in sessions),
+                )
                 self.history.extend(done)
             else:
-                for s, resp in zip(routes.sessions, joined, strict=True):
-                    if resp.bootstrap and routes.bootstrap(s):
-                        routes.keep_own_theta(s)  # the run's θ_0 is this upload: nothing to pull back
-                    else:
-                        routes.pull_theta(s)
+                for s, resp in zip(sessions, joined, strict=True):
+                    theta.start(s, table, outer, claimed=resp.bootstrap)
         except BaseException:
             link.close(leave=False)  # a failed start must not keep the island alive on the coordinator
             raise
-        self._routes, self._schedule, self._exchanges = routes, schedule, exchanges
+        self._table, self._outer, self._schedule, self._exchanges = table, outer, schedule, exchanges
         self._watch_sigterm()
-        schedule.begin(routes.sync_every)
+        schedule.begin(link.terms.sync_every)
         if self._resume is not None:
             saved = self._resume.get("routes", self._resume.get("links"))  # "links": an earlier release
             for count, sd in zip(schedule.routes, saved, strict=True):
@@ -153,7 +176,7 @@ class DiLoCo:
     def close(self, leave: bool = True) -> None:
         """Leave the run. An exchange still in flight is abandoned (call ``drain()`` first to wait
         for it and apply it)."""
-        if self._routes is None:
+        if self._table is None:
             return
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
@@ -163,7 +186,7 @@ class DiLoCo:
             log.warning("%s: closing with round %d's exchange in flight; abandoned", self.island_id, self.round)
             self._exchanges.abandon()
         self.link.close(leave)
-        self._routes = None
+        self._table = self._outer = None
 
     # ---- what the island is and where it stands -------------------------------------------------
     @property
@@ -177,19 +200,19 @@ class DiLoCo:
     @property
     def sync_every(self) -> int:
         """H: inner steps per round (the run's, once started)."""
-        return self._routes.sync_every if self._routes else (self.options.sync_every or 0)
+        return self._terms.sync_every if self._terms else (self.options.sync_every or 0)
 
     @property
     def decoupled(self) -> bool:
         """The run's outer mode is decoupled (``atoll coordinator --outer-mode decoupled``; known once
         started): step() never waits for an outer step, and the model holds local progress on top of
         the global θ."""
-        return bool(self._routes and self._routes.decoupled)
+        return bool(self._terms and self._terms.decoupled)
 
     @property
     def codec(self):
         """The codec this island pushes with (the run's, once started)."""
-        return self._routes.codec if self._routes else None
+        return self._terms.codec if self._terms else None
 
     @property
     def round(self) -> int:
@@ -223,7 +246,15 @@ class DiLoCo:
         return bool(sessions) and all(s.run_complete for s in sessions) and not self._exchanges.in_flight()
 
     def _sessions(self) -> list:
-        return self._routes.sessions if self._routes else []
+        return self.link.sessions if self._table else []
+
+    @property
+    def _terms(self):
+        """The run's terms, once started (the link keeps them)."""
+        return self.link.terms if self._table else None
+
+    def _device(self) -> torch.device:
+        return self._table.routes[0][0].local().device
 
     # ---- SIGTERM ---------------------------------------------------------------------------------
     def _watch_sigterm(self) -> None:
@@ -244,7 +275,7 @@ class DiLoCo:
         """Whether ``flag`` holds on any rank of the island (one MAX all-reduce when it has several)."""
         if self._num_ranks == 1:
             return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self._routes.shards[0].local().device)
+        t = torch.tensor([1.0 if flag else 0.0], device=self._device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.options.process_group)
         return bool(t.item())
 
@@ -263,12 +294,12 @@ class DiLoCo:
         ``tokens``: tokens this rank processed in the step; the island's count is their sum over
         ``token_group`` (all ranks, by default), taken once per sync. ``loss``: this step's loss.
         """
-        if self._routes is None:
+        if self._table is None:
             raise RuntimeError("DiLoCo.start() was not called")
         self.inner_steps += 1
         self._schedule.count(tokens, loss)
         done = None
-        decoupled = self._routes.decoupled
+        decoupled = self._terms.decoupled
         for flight in self._exchanges.in_flight():
             if decoupled:  # applied once it arrived (on every rank), never waited for
                 if not self._any_rank(flight.thread is not None and flight.thread.is_alive()):
@@ -305,13 +336,13 @@ class DiLoCo:
         return self._finish(flight)
 
     def _due_routes(self) -> list[int]:
-        sessions, busy = self._routes.sessions, set(self._exchanges.by_route)
+        sessions, busy = self.link.sessions, set(self._exchanges.by_route)
         if self.options.sync_every_seconds is None:
             due = [i for i in self._schedule.due_by_steps(busy) if not sessions[i].run_complete]
-            return sorted(set(due) | set(self._behind(busy))) if self._routes.decoupled else due
+            return sorted(set(due) | set(self._behind(busy))) if self._terms.decoupled else due
         if not self._any_rank(self._schedule.budget_spent()):  # the island's ranks agree on when to sync
             return []
-        if self._routes.decoupled:  # the budget is up with the last one still out: train on
+        if self._terms.decoupled:  # the budget is up with the last one still out: train on
             return [] if busy else list(range(len(sessions)))
         for flight in self._exchanges.in_flight():  # the budget is up with the last one still out
             self._finish(flight)
@@ -322,16 +353,16 @@ class DiLoCo:
         H steps would come too stale to fold. They push now with the steps they have: an island slower
         than the others takes fewer inner steps per round, as DyLU (Liu et al. 2024) sets them from
         the workers' speeds, here from the rounds the island sees go by. The island's ranks agree."""
-        sessions, counts = self._routes.sessions, self._schedule.routes
+        sessions, counts = self.link.sessions, self._schedule.routes
         flags = [
             i not in busy
             and counts[i].steps > 0
             and not sessions[i].run_complete
-            and sessions[i].latest_round - sessions[i].round >= self._routes.push_behind
+            and sessions[i].latest_round - sessions[i].round >= self._terms.push_behind
             for i in range(len(sessions))
         ]
         if self._num_ranks > 1:
-            t = torch.tensor(flags, dtype=torch.float32, device=self._routes.shards[0].local().device)
+            t = torch.tensor(flags, dtype=torch.float32, device=self._device())
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.options.process_group)
             flags = [bool(x) for x in t.tolist()]
         return [i for i, behind in enumerate(flags) if behind]
@@ -340,7 +371,7 @@ class DiLoCo:
         """Push this round's pseudo-gradient to every shard, wait for the outer step and apply it
         (whatever ``overlap_steps`` says; an exchange already in flight is finished first)."""
         self.drain()
-        return self._finish(self._begin(list(range(len(self._routes.sessions)))))
+        return self._finish(self._begin(list(range(len(self.link.sessions)))))
 
     def last_round(self) -> None:
         """The exchange this island starts next is its last (``atoll island --rounds``): should the
@@ -372,13 +403,13 @@ class DiLoCo:
 
     def global_params(self) -> dict[str, torch.Tensor]:
         """This rank's regions of θ for the current round, as received (fp32), keyed by name."""
-        return {s.name: self._routes.states[s.key].start for s in self._routes.shards}
+        return {s.name: self._outer.of(s).start for s in self._table.all_shards()}
 
     def pseudo_gradient(self) -> dict[tuple, torch.Tensor]:
         """This rank's pseudo-gradient so far, θ_round_start − θ, per region it pushes (name, offsets,
         sizes; a region several ranks hold is pushed by the lowest of them), on the parameters'
         device: for inspection, e.g. in ``before_push``."""
-        return {s.key: self._routes.states[s.key].delta() for s in self._routes.shards if s.owned}
+        return {s.key: self._outer.of(s).delta() for s in self._table.all_shards() if s.owned}
 
     # ---- checkpoints (atoll.islands._resume) ------------------------------------------------------
     def state_dict(self) -> dict:
@@ -387,15 +418,17 @@ class DiLoCo:
         pushed but not applied yet (its payloads, so a resumed island re-pushes the same bytes).
         Tensors are CPU copies; save it with the model and inner optimizer (torch.save, or one entry
         per rank beside a torch.distributed.checkpoint of the model)."""
-        if self._routes is None:
+        if self._table is None:
             raise RuntimeError("state_dict() needs a started DiLoCo")
-        return resume.state_dict(self._identity(), self.inner_steps, self._routes, self._schedule, self._exchanges)
+        return resume.state_dict(
+            self._identity(), self.inner_steps, self._outer, self.link.sessions, self._schedule, self._exchanges
+        )
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore a state from :meth:`state_dict` before ``start()``: start() then rejoins (with the
         same session, so a restarted process is not taken for a second one), re-pushes an exchange that
         was in flight (idempotent) and catches up by exact deltas if the run moved on."""
-        if self._routes is not None:
+        if self._table is not None:
             raise RuntimeError("load_state_dict() goes before start()")
         resume.check(self._identity(), sd)
         self.link.session_id = sd["session_id"]

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from atoll.islands._link import CoordinatorLink
 from atoll.islands._messages import Pulled, PushHeader, PushKind, PushOutcome, Update
-from atoll.islands._routes import Routes
+from atoll.islands._outer_state import OuterState
+from atoll.islands._route_table import RouteTable
 from atoll.islands._schedule import Schedule
 from atoll.islands._transport.convert import push_header_from_wire
 
@@ -229,9 +231,20 @@ class Exchanges:
     """The island's exchanges in flight, one per route at most (a flight may cover several)."""
 
     def __init__(
-        self, routes: Routes, schedule: Schedule, *, overlap: bool, align: bool = True, group=None, token_group=None
+        self,
+        table: RouteTable,
+        outer: OuterState,
+        link: CoordinatorLink,
+        schedule: Schedule,
+        *,
+        overlap: bool,
+        align: bool = True,
+        group=None,
+        token_group=None,
     ) -> None:
-        self.routes = routes
+        """Exchanges over ``link``'s sessions (route i: session i) of ``table``'s routes, changing
+        ``outer``; the run's terms are the link's (it has joined)."""
+        self.table, self.outer, self.link = table, outer, link
         self.schedule = schedule
         self.overlap = overlap
         self.align = align
@@ -240,7 +253,7 @@ class Exchanges:
         self.token_group = token_group
         self.by_route: dict[int, Flight] = {}
         """The exchange in flight per route, if any."""
-        me = routes.sessions[0].me
+        me = link.sessions[0].me
         self.rank, self.num_ranks, self.island_id = me.rank, me.num_ranks, me.island_id
         self._warned_tokens = False
 
@@ -256,7 +269,8 @@ class Exchanges:
         (a checkpoint's write: a push the coordinator counts always has a durable checkpoint)."""
         clock = self.schedule.clock
         started = clock()
-        routes, sessions = self.routes, self.routes.sessions
+        table, outer, link, sessions = self.table, self.outer, self.link, self.link.sessions
+        codec = link.terms.codec
         count = self.schedule.routes[indices[0]]
         steps, tokens, compute = count.carried  # the work of a dropped push, still in θ
         compute, blocked = compute + count.compute_seconds(started), count.blocked
@@ -268,31 +282,31 @@ class Exchanges:
             loss=count.mean_loss(),
             pushed_at=pushed_at,
             merge=self.overlap,
-            bytes0=routes.link.bytes(indices),
-            lease_on=lambda payload: routes.leases.take(payload, f"round {sessions[indices[0]].round}'s push"),
-            settle=routes.on_host,
+            bytes0=link.bytes(indices),
+            lease_on=lambda payload: outer.leases.take(payload, f"round {sessions[indices[0]].round}'s push"),
+            settle=outer.on_host,
         )
         # A stateless codec (no error feedback, no warm start) on a plain exchange (θ stays put until it
         # is applied) streams: each payload is encoded as the push stream asks for it, and again if
         # asked again. Otherwise the payloads are encoded now and kept until the exchange is done.
-        streamed = not flight.merge and not routes.codec.stateful
+        streamed = not flight.merge and not codec.stateful
         if streamed:
-            flight.rebuild, flight.encoder = routes.encode, routes.encoder
+            flight.rebuild = lambda i: outer.encode(table.owned(i), codec)
+            flight.encoder = lambda i: outer.encoder(table.owned(i), codec)
         for i in indices:
-            owned = routes.owned(i)
-            payloads = None if streamed else [flight.kept(p) for p in routes.encode(i)]
-            sizes = routes.sizes(i) if streamed else [len(p) for p in payloads]
+            owned = table.owned(i)
+            payloads = None if streamed else [flight.kept(p) for p in outer.encode(owned, codec)]
+            sizes = [codec.encoded_size(s.sizes) for s in owned] if streamed else [len(p) for p in payloads]
             flight.max_payload_numel = max([flight.max_payload_numel, *(s.local().numel() for s in owned)])
             if flight.merge:
-                for s in routes.route_shards[i]:
-                    routes.states[s.key].take_snapshot()
+                outer.take_snapshots(table.shards(i))
             session = sessions[i]
             header = session.header(
                 PushKind.DELTA,
                 session.round,
                 owned,
                 sizes,
-                routes.codec.spec,
+                codec.spec,
                 tokens=flight.tokens,
                 loss=flight.loss,
                 steps=flight.steps,
@@ -323,7 +337,7 @@ class Exchanges:
 
     def _io(self, flight: Flight) -> None:
         """Push on every route first, then wait for each shard's outer step; no parameter is touched."""
-        sessions, routes = self.routes.sessions, self.routes
+        sessions, table, outer, link = self.link.sessions, self.table, self.outer, self.link
         began, own = flight.clock(), flight.host  # (only this thread adds to host while it runs)
         try:
             if flight.ready is not None:
@@ -334,17 +348,16 @@ class Exchanges:
             for i, header, _ in flight.pushes:
                 dropped = flight.outcomes[i] is PushOutcome.ROUND_CLOSED
                 if dropped:  # re-based on the new θ with the round's progress kept (before any update lands)
-                    for s in routes.route_shards[i]:
-                        routes.states[s.key].keep_base()
+                    outer.keep_base(table.shards(i))
                 # In the background (overlap) updates are kept and applied by the training thread; on
                 # the training thread they are applied entry by entry as they arrive.
                 buffered = flight.thread is not None
                 flight.result = sessions[i].pull_until_ready(
                     header.round,
                     on_update=(lambda h, pl, i=i: flight.updates.append((i, h, pl))) if buffered else None,
-                    on_entry=None if buffered else flight.timed(routes.entry_applier(i)),
+                    on_entry=None if buffered else flight.timed(outer.applier(table.shards(i))),
                     repush=None if dropped else (lambda i=i, h=header: (h, flight.source(i))),
-                    cancel=routes.link.stopping,
+                    cancel=link.stopping,
                 )
         except BaseException as err:  # re-raised in the training loop by finish()
             flight.error = err
@@ -370,8 +383,8 @@ class Exchanges:
         headers = {i: h for i, h, _ in flight.pushes}
         for i in flight.routes:
             dropped = flight.outcomes.get(i) is PushOutcome.ROUND_CLOSED
-            self.routes.apply_all(i, by_route.get(i, []))
-            self.routes.load_params(i, merge=flight.merge or dropped)
+            self.outer.apply_all(self.table.shards(i), by_route.get(i, []))
+            self.outer.load_params(self.table.shards(i), merge=flight.merge or dropped)
             self._align(i, headers.get(i), [h for h, _ in by_route.get(i, [])])
             if dropped:  # what the push said it covers (also for a flight restored from a checkpoint)
                 h = headers[i]
@@ -379,12 +392,12 @@ class Exchanges:
         flight.updates = []
         flight.host += clock() - applying
         flight.blocked += clock() - started
-        return flight.stats(self.routes.link.bytes(flight.routes), self._island_bytes, run_complete())
+        return flight.stats(self.link.bytes(flight.routes), self._island_bytes, run_complete())
 
     def _align(self, route: int, pushed: PushHeader | None, updates: list) -> None:
         """Decoupled: move the route's next pushes by where this push landed in its round, as the
         coordinator said with the round's update (:meth:`RouteCount.aligned`)."""
-        if pushed is None or pushed.inner_steps <= 0 or not self.align or not self.routes.decoupled:
+        if pushed is None or pushed.inner_steps <= 0 or not self.align or not self.link.terms.decoupled:
             return  # (a sync run's updates carry no offset: its ranks take no collective for one)
         offsets = [u.arrival_offset for u in updates if u.arrival_offset is not None]
         offset, step_seconds = offsets[0] if offsets else -math.inf, pushed.compute_seconds / pushed.inner_steps
@@ -419,4 +432,4 @@ class Exchanges:
         return int(t[0].item()), int(t[1].item())
 
     def _device(self) -> torch.device:
-        return self.routes.shards[0].local().device
+        return self.table.routes[0][0].local().device

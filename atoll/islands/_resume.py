@@ -10,8 +10,10 @@ from typing import NamedTuple
 
 from atoll.islands._exchanges import Exchanges, RoundStats, flight_state, restore_flight
 from atoll.islands._messages import JoinAnswer
-from atoll.islands._routes import Routes
+from atoll.islands._outer_state import OuterState
+from atoll.islands._route_table import RouteTable
 from atoll.islands._schedule import Schedule
+from atoll.islands._transport.session import Session
 
 log = logging.getLogger("atoll.island")
 STATE_FORMAT = "atoll-diloco-1"
@@ -27,9 +29,12 @@ class Who(NamedTuple):
     num_ranks: int
 
 
-def state_dict(who: Who, inner_steps: int, routes: Routes, schedule: Schedule, exchanges: Exchanges) -> dict:
+def state_dict(
+    who: Who, inner_steps: int, outer: OuterState, sessions: list[Session], schedule: Schedule, exchanges: Exchanges
+) -> dict:
     """See :meth:`DiLoCo.state_dict`."""
-    snapshots = {k: st.snapshot for k, st in routes.states.items() if st.snapshot is not None}
+    states = dict(outer.items())
+    snapshots = {k: st.snapshot for k, st in states.items() if st.snapshot is not None}
     return {
         "format": STATE_FORMAT,
         "run_id": who.run_id,
@@ -40,10 +45,10 @@ def state_dict(who: Who, inner_steps: int, routes: Routes, schedule: Schedule, e
         "inner_steps": inner_steps,
         "routes": [
             {"round": s.round, "run_complete": s.run_complete, **schedule.routes[s.index].state_dict()}
-            for s in routes.sessions
+            for s in sessions
         ],
         "flights": [flight_state(f) for f in exchanges.in_flight()],
-        "shards": {key_str(k): st.state_dict() for k, st in routes.states.items()},
+        "shards": {key_str(k): st.state_dict() for k, st in states.items()},
         "snapshots": {key_str(k): t.detach().to("cpu", copy=True) for k, t in snapshots.items()},
     }
 
@@ -62,21 +67,28 @@ def check(who: Who, sd: dict) -> None:
 
 
 def resume(
-    sd: dict, routes: Routes, exchanges: Exchanges, joined: list[JoinAnswer], run_complete: Callable[[], bool]
+    sd: dict,
+    table: RouteTable,
+    outer: OuterState,
+    sessions: list[Session],
+    exchanges: Exchanges,
+    joined: list[JoinAnswer],
+    run_complete: Callable[[], bool],
 ) -> list[RoundStats]:
     """start() after load_state_dict(): outer state back, flights re-pushed, catch up if behind.
     Returns the stats of the exchanges it finished (a plain one that was in flight, or any, when the
     run is complete: the island then ends holding its final θ, no inner step taken)."""
-    keys = {key_str(k): k for k in routes.states}
+    states = dict(outer.items())
+    keys = {key_str(k): k for k in states}
     if set(keys) != set(sd["shards"]):
         raise ValueError("the saved DiLoCo state is of another model layout (its shards differ)")
     for name, shard_sd in sd["shards"].items():
-        state = routes.states[keys[name]]
+        state = states[keys[name]]
         state.load_state_dict(shard_sd)
         if name in sd["snapshots"]:
             state.snapshot = state.placement.keep(sd["snapshots"][name].to(state.device))
     counts = sd.get("routes", sd.get("links"))  # "links": a checkpoint of an earlier release
-    for s, count_sd in zip(routes.sessions, counts, strict=True):
+    for s, count_sd in zip(sessions, counts, strict=True):
         s.round = int(count_sd["round"])
         s.run_complete = s.run_complete or bool(count_sd["run_complete"])
     in_flight, finished = set(), []
@@ -88,13 +100,13 @@ def resume(
         exchanges.launch(flight)
         if not flight.merge:
             finished.append(exchanges.finish(flight, run_complete))
-    for s, resp in zip(routes.sessions, joined, strict=True):
+    for s, resp in zip(sessions, joined, strict=True):
         if s.index in in_flight or resp.round <= s.round:
             continue
         # The run moved on while this island was down: its partial round is stale.
         log.warning("%s: the run moved on to round %d meanwhile; catching up", s.me.island_id, resp.round)
-        s.pull_until_ready(s.round, on_entry=routes.entry_applier(s.index))
-        routes.load_params(s.index, merge=False)
+        s.pull_until_ready(s.round, on_entry=outer.applier(table.shards(s.index)))
+        outer.load_params(table.shards(s.index), merge=False)
         counts[s.index].update(steps=0, tokens=0, losses=[])
     return finished
 

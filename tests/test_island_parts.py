@@ -1,0 +1,69 @@
+"""The island's parts, each on its own: the route table (pure), the outer state's one checked path for
+updates, and the run's terms settled from the Join answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atoll.compression import WireFormatError, get_codec
+from atoll.islands._messages import Entry, Update, UpdateKind
+from atoll.islands._options import DiLoCoOptions
+from atoll.islands._outer_state import OuterState
+from atoll.islands._route_table import RouteTable
+from atoll.islands._shards import local_shards
+from atoll.sharding import shard_of
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def test_the_route_table_routes_each_tensor_where_the_coordinator_looks_for_it():
+    shards = local_shards(model())
+    table = RouteTable.of(shards, 2, streaming=False)
+    assert len(table) == 2 and table.digest == ""
+    for i in range(2):
+        assert all(shard_of(s.name, 2) == i for s in table.shards(i))
+        assert [r.name for r in table.regions(i)] == [s.name for s in table.shards(i)]
+    assert sorted(s.name for s in table.all_shards()) == sorted(s.name for s in shards)
+    request = table.join_request(1, codec="int8", num_ranks=1, aliases={}, card="{}")()
+    assert request.codecs == ("int8",) and request.shard_index == 1 and request.num_shards == 2
+    assert [t.name for t in request.tensors] == [s.name for s in table.shards(1)] and request.partition == "hash"
+    streaming = RouteTable.of(shards, 2, streaming=True)
+    assert (
+        streaming.digest
+        and streaming.join_request(0, codec=None, num_ranks=1, aliases={}, card="")().partition == "layers"
+    )
+    assert [s.name for r in streaming.routes for s in r] == [s.name for s in shards]  # contiguous, in order
+    with pytest.raises(ValueError, match=r"coordinator shards \[\d+(, \d+)*\] of 9 own none of the model's tensors"):
+        RouteTable.of(shards, 9, streaming=False)
+
+
+def test_an_update_reaches_the_outer_state_by_one_checked_path_and_a_corrupt_one_changes_nothing():
+    m = model()
+    shards = local_shards(m)
+    outer = OuterState(shards, DiLoCoOptions())
+    ident = get_codec("identity")
+    theta = {s.name: torch.randn(s.sizes) for s in shards}
+    full = Update(UpdateKind.FULL, 0, entries=tuple(Entry(s.name, (), (), 0) for s in shards))
+    outer.apply_all(shards, [(full, [(s.name, ident.encode(theta[s.name])) for s in shards])])
+    for s in shards:
+        assert torch.equal(outer.of(s).start.cpu(), theta[s.name])
+    step = {s.name: torch.full(s.sizes, 0.5) for s in shards}
+    delta = Update(UpdateKind.DELTA, 1, entries=full.entries)
+    payloads = [(s.name, ident.encode(step[s.name])) for s in shards]
+    bad = list(payloads)
+    bad[-1] = (bad[-1][0], bytearray(bad[-1][1])[:-3])  # the last entry cut short
+    with pytest.raises(WireFormatError):
+        outer.apply_all(shards, [(delta, bad)])
+    for s in shards:  # checked whole before any was applied
+        assert torch.equal(outer.of(s).start.cpu(), theta[s.name])
+    apply = outer.applier(shards)  # entry by entry, as a pull streams them: the same check, then apply
+    for i, (_, payload) in enumerate(payloads):
+        apply(delta, i, payload)
+    for s in shards:
+        assert torch.equal(outer.of(s).start.cpu(), theta[s.name] + 0.5)
+    with pytest.raises(RuntimeError, match="is no region of this rank"):
+        apply(Update(UpdateKind.DELTA, 2, entries=(Entry("nope", (), (), 0),)), 0, payloads[0][1])
