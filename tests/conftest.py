@@ -328,7 +328,7 @@ def make_diloco(model, address: str, **kw):
     """``DiLoCo(model, CoordinatorLink(address, ...), **options)``: the link's arguments (run id "t" by
     default) taken out of ``kw``, the rest DiLoCo's options."""
     from atoll.islands import CoordinatorLink, DiLoCo
-    from atoll.islands._diloco import LINK_ARGUMENTS
+    from atoll.islands._legacy import LINK_ARGUMENTS
 
     kw.setdefault("run_id", "t")
     link_kw = {k: kw.pop(k) for k in list(kw) if k in LINK_ARGUMENTS}

@@ -21,7 +21,7 @@ from conftest import exact_config, inner_step, make_diloco, wait_for
 
 from atoll.coordinator import RunConfig
 from atoll.islands import CoordinatorLink, CoordinatorRefused, DiLoCo
-from atoll.islands import _diloco as diloco_module
+from atoll.islands import _legacy as diloco_module
 from atoll.islands._transport import session as session_module
 from atoll.islands._transport.client import RetryPolicy
 from atoll.protos import coordinator_pb2 as pb

@@ -17,11 +17,9 @@ exchanges in flight (:mod:`exchanges`) and checkpoints (:mod:`resume`).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import signal
 import threading
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,6 +29,7 @@ from atoll.compression.staging import pinned_buffer
 from atoll.islands import _resume as resume
 from atoll.islands import _theta as theta
 from atoll.islands._exchanges import Exchanges, Flight, RoundStats
+from atoll.islands._legacy import LINK_ARGUMENTS, from_deprecated_form
 from atoll.islands._link import CoordinatorLink
 from atoll.islands._options import DiLoCoKwargs, DiLoCoOptions
 from atoll.islands._outer_state import OuterState
@@ -41,10 +40,6 @@ from atoll.islands._terms import settle
 from atoll.islands.errors import Preempted
 
 log = logging.getLogger("atoll.island")
-
-LINK_ARGUMENTS = frozenset(inspect.signature(CoordinatorLink).parameters) - {"connect"}
-"""The keyword arguments of the deprecated form that belong to the link."""
-_legacy_warned = False
 
 
 class DiLoCo:
@@ -74,7 +69,7 @@ class DiLoCo:
         self, model: torch.nn.Module, link: CoordinatorLink | None = None, /, **options: Unpack[DiLoCoKwargs]
     ) -> None:
         if not isinstance(link, CoordinatorLink):
-            link, options = _from_deprecated_form(link, options)
+            link, options = from_deprecated_form(link, options)
         misplaced = sorted(LINK_ARGUMENTS & options.keys())
         if misplaced:
             raise TypeError(f"{', '.join(misplaced)}: these belong to the CoordinatorLink, not to DiLoCo")
@@ -437,30 +432,3 @@ class DiLoCo:
 
     def _identity(self) -> resume.Who:
         return resume.Who(self.run_id, self.island_id, self.link.session_id, self._rank, self._num_ranks)
-
-
-def _from_deprecated_form(inner_optimizer, options: dict) -> tuple[CoordinatorLink, dict]:
-    """``DiLoCo(model, inner_optimizer, coordinator=..., run_id=..., ...)``: the link built from its
-    keyword arguments, and the rest as options; warns once per process, naming the new form."""
-    global _legacy_warned
-    if "coordinator" not in options:
-        raise TypeError("DiLoCo(model, link, **options) needs a CoordinatorLink (or the deprecated coordinator=)")
-    options = dict(options)
-    link_kw = {k: options.pop(k) for k in list(options) if k in LINK_ARGUMENTS}
-    factory = options.pop("client_factory", None)
-    if factory is not None:
-        retry, token, tls = link_kw.get("retry"), link_kw.get("token"), link_kw.get("tls")
-        link_kw["connect"] = lambda address: factory(address, retry=retry, token=token, tls=tls)
-    if options.pop("keep_last_delta", False):
-        warnings.warn("keep_last_delta is gone: call sync.pseudo_gradient() (e.g. in before_push)", FutureWarning, 3)
-    if not _legacy_warned:
-        _legacy_warned = True
-        warnings.warn(
-            "DiLoCo(model, inner_optimizer, coordinator=..., run_id=..., island_id=...) is deprecated and will "
-            "be removed in the next release; use DiLoCo(model, CoordinatorLink(coordinator, run_id=..., "
-            "island_id=...), **options) (the inner optimizer is not needed)",
-            FutureWarning,
-            stacklevel=3,
-        )
-    del inner_optimizer  # never used: the user's loop steps it
-    return CoordinatorLink(**link_kw), options
