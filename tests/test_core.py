@@ -14,21 +14,12 @@ from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.disk import snapshots, wal
 from atoll.coordinator.messages import EntryDecl as Entry
-from atoll.coordinator.messages import (
-    IslandCall,
-    JoinRequest,
-    PullRequest,
-    PushHeader,
-    PushKind,
-    PushOutcome,
-    PushResult,
-    TensorDecl,
-    UpdateKind,
-)
+from atoll.coordinator.messages import IslandCall, JoinRequest, PullRequest, PushHeader, PushResult, TensorDecl
 from atoll.coordinator.policy.rounds import Decision, decide
 from atoll.coordinator.run.decider import view
 from atoll.coordinator.run.run_state import RunState
 from atoll.coordinator.state.plans import Received
+from atoll.protos.vocabulary import PushKind, PushOutcome, UpdateKind
 
 SHAPES = {"w": (3, 2), "b": (4,)}
 IDENT = get_codec("identity")

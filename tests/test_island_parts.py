@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from atoll.compression import WireFormatError, get_codec
-from atoll.islands._messages import Entry, Update, UpdateKind
+from atoll.islands._messages import Entry, Update
 from atoll.islands._options import DiLoCoOptions
 from atoll.islands._outer_state import OuterState
 from atoll.islands._route_table import RouteTable
 from atoll.islands._shards import local_shards
+from atoll.protos.vocabulary import UpdateKind
 from atoll.sharding import shard_of
 
 

@@ -15,10 +15,10 @@ from conftest import FakeClock, inner_step, wait_for
 from small_island import H, batches, config, island
 from test_core import join, pull, push, rand, run_state
 
-from atoll.coordinator.messages import PushKind, UpdateKind
 from atoll.coordinator.policy.phase import arrival_offsets
 from atoll.islands import _schedule
 from atoll.islands._schedule import RouteCount
+from atoll.protos.vocabulary import PushKind, UpdateKind
 
 
 def test_each_island_hears_how_far_its_push_landed_from_the_rounds_median(tmp_path):

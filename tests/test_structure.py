@@ -191,3 +191,16 @@ def test_the_state_is_kept_behind_one_interface():
         source = (ROOT / rel).read_text()
         assert "mirror" not in source.lower(), rel
         assert "ObjectState" not in source and "ObjectStore" not in source, rel
+
+
+def test_one_vocabulary_no_enum_is_defined_twice():
+    """The protocol's words (push kinds, outcomes, update kinds) are defined once
+    (:mod:`atoll.protos.vocabulary`) and used by both ends: no two modules define an enum of one name."""
+    where: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any("Enum" in ast.unparse(b) for b in node.bases):
+                where.setdefault(node.name, []).append(name)
+    twice = {k: v for k, v in where.items() if len(v) > 1}
+    assert twice == {}
+    assert where["PushOutcome"] == ["atoll.protos.vocabulary"]

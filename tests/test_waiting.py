@@ -3,9 +3,10 @@ state machine: its transitions driven by hand with the coordinator's answers, no
 
 from __future__ import annotations
 
-from atoll.islands._messages import Update, UpdateKind
+from atoll.islands._messages import Update
 from atoll.islands._transport import waiting
-from atoll.islands._transport.waiting import MAX_RESYNCS, Act, Stage
+from atoll.islands._transport.waiting import MAX_RESYNCS, Act, WaitStage
+from atoll.protos.vocabulary import UpdateKind
 
 
 def not_ready(round_: int, **kw) -> Update:
@@ -27,7 +28,7 @@ def answer(w, u, *, can_upload=False, last=False):
 def test_a_wait_ends_at_the_outer_step_past_its_round():
     w = waiting.start(3, can_repush=True)
     w, act = answer(w, not_ready(3, committed=True))
-    assert act is Act.PULL and (w.stage, w.have_round) == (Stage.WAITING, 3)
+    assert act is Act.PULL and (w.stage, w.have_round) == (WaitStage.WAITING, 3)
     w, act = answer(w, delta(4))
     assert act is Act.DONE and w.have_round == 4
 
@@ -38,9 +39,9 @@ def test_a_tentative_update_that_broke_resyncs_and_a_lost_round_is_waited_for_ag
     told the coordinator has no push of its, pushes again."""
     w = waiting.start(3, can_repush=True)
     w, act = waiting.broken(w)
-    assert act is Act.PULL and (w.stage, w.have_round, w.lost) == (Stage.RESYNCING, -1, 3)
+    assert act is Act.PULL and (w.stage, w.have_round, w.lost) == (WaitStage.RESYNCING, -1, 3)
     w, act = answer(w, full(3))
-    assert act is Act.PULL and (w.stage, w.have_round, w.lost) == (Stage.WAITING, 3, None)
+    assert act is Act.PULL and (w.stage, w.have_round, w.lost) == (WaitStage.WAITING, 3, None)
     w, act = answer(w, not_ready(3, committed=False))
     assert act is Act.REPUSH
     w = waiting.repushed(w, round_closed=False)
@@ -75,7 +76,7 @@ def test_updates_that_keep_breaking_fail():
 def test_an_island_behind_catches_up_one_delta_at_a_time_without_repushing():
     w = waiting.start(5, can_repush=True)
     w, act = answer(w, delta(6, latest=8))
-    assert act is Act.PULL and (w.stage, w.have_round, w.may_repush) == (Stage.CATCHING_UP, 6, False)
+    assert act is Act.PULL and (w.stage, w.have_round, w.may_repush) == (WaitStage.CATCHING_UP, 6, False)
     w, act = answer(w, delta(7, latest=8))
     assert act is Act.PULL and w.have_round == 7
     w, act = answer(w, delta(8, latest=8))

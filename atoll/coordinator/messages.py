@@ -6,7 +6,6 @@ protobuf. Enum values name what happened, so no caller matches text.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +13,7 @@ import torch
 
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.regions import Region
+from atoll.protos.vocabulary import PushKind, PushOutcome, UpdateKind
 
 PARAMETER, BUFFER = "parameter", "buffer"
 """Tensor kinds: trained parameters take the outer optimizer; floating-point buffers are averaged."""
@@ -64,11 +64,6 @@ class IslandCall:
     session_id: str = ""
 
 
-class PushKind(enum.Enum):
-    DELTA = "delta"
-    INIT = "init"
-
-
 @dataclass(frozen=True)
 class EntryDecl:
     name: str
@@ -96,21 +91,6 @@ class PushHeader:
     blocked_seconds: float = 0.0
 
 
-class PushOutcome(enum.Enum):
-    COMMITTED = "committed"
-    """The island's contribution counts in the open round (or θ_0 is in)."""
-    STAGED = "staged"
-    """This rank is in; other ranks of the island are still missing."""
-    DUPLICATE = "duplicate"
-    """Received before: nothing changed."""
-    FOLDED = "folded"
-    """Late, folded into the open round with a staleness weight."""
-    ROUND_CLOSED = "round_closed"
-    """The round closed without it: dropped."""
-    RUN_COMPLETE = "run_complete"
-    """The run reached its total rounds."""
-
-
 @dataclass(frozen=True)
 class PushResult:
     outcome: PushOutcome
@@ -133,12 +113,6 @@ class PullRequest:
     wait_seconds: float = 0.0
     regions: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
     """(name, offsets, sizes); empty offsets and sizes: the whole tensor; no regions: every tensor."""
-
-
-class UpdateKind(enum.Enum):
-    NOT_READY = "not_ready"
-    FULL = "full"
-    DELTA = "delta"
 
 
 @dataclass

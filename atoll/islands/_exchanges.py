@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 from atoll.islands._link import CoordinatorLink
-from atoll.islands._messages import Pulled, PushHeader, PushKind, PushOutcome, Update
+from atoll.islands._messages import Pulled, PushHeader, Update
 from atoll.islands._outer_state import OuterState
 from atoll.islands._route_table import RouteTable
 from atoll.islands._schedule import Schedule
 from atoll.islands._transport.convert import push_header_from_wire
+from atoll.protos.vocabulary import PushKind, PushOutcome
 
 log = logging.getLogger("atoll.island")
 

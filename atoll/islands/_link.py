@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from atoll.islands._messages import JoinAnswer
-from atoll.islands._terms import RunTerms
+from atoll.islands._terms import IslandTerms
 from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy, Transport, parse_addresses
 from atoll.islands._transport.session import Identity, Session
 
@@ -92,7 +92,7 @@ class CoordinatorLink:
         (a leave still tries, for its own few seconds)."""
         self._group = None
         self._heartbeat: threading.Thread | None = None
-        self.terms: RunTerms | None = None
+        self.terms: IslandTerms | None = None
         """The run's terms as the Join answers settled them (:func:`atoll.islands._terms.settle`), once joined."""
 
     # ---- membership ------------------------------------------------------------------------------

@@ -11,29 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class PushKind(enum.Enum):
-    DELTA = "delta"
-    INIT = "init"
-
-
-class PushOutcome(enum.Enum):
-    COMMITTED = "committed"
-    """The island's contribution counts in the open round (or θ_0 is in)."""
-    STAGED = "staged"
-    """This rank is in; other ranks of the island are still missing."""
-    DUPLICATE = "duplicate"
-    FOLDED = "folded"
-    """Late, folded into the open round with a staleness weight."""
-    ROUND_CLOSED = "round_closed"
-    """The round closed without it: the island keeps its work and carries it into its next push."""
-    RUN_COMPLETE = "run_complete"
-
-
-class UpdateKind(enum.Enum):
-    NOT_READY = "not_ready"
-    FULL = "full"
-    DELTA = "delta"
+from atoll.protos.vocabulary import PushKind, UpdateKind
 
 
 class Pulled(enum.Enum):

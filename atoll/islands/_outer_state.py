@@ -14,11 +14,12 @@ import torch
 
 from atoll.compression import codec_of
 from atoll.compression.staging import DeviceStaging
-from atoll.islands._messages import Update, UpdateKind
+from atoll.islands._messages import Update
 from atoll.islands._options import DiLoCoOptions
 from atoll.islands._shard_state import Placement, ShardState
 from atoll.islands._shards import LocalShard
 from atoll.memory import Leases
+from atoll.protos.vocabulary import UpdateKind
 
 
 class OuterState:

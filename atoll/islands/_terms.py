@@ -16,7 +16,10 @@ log = logging.getLogger("atoll.island")
 
 
 @dataclass(frozen=True)
-class RunTerms:
+class IslandTerms:
+    """The terms this island follows, settled from the Join answers (the wire's RunTerms, and its own
+    options where they apply)."""
+
     sync_every: int
     """H: inner steps per round (the run's, unless the island set its own)."""
     decoupled: bool
@@ -28,7 +31,7 @@ class RunTerms:
     """The codec this island pushes with: the run's, wrapped in error feedback when the run asks for it."""
 
 
-def settle(options: DiLoCoOptions, sessions: list[Session], joined: list[JoinAnswer]) -> RunTerms:
+def settle(options: DiLoCoOptions, sessions: list[Session], joined: list[JoinAnswer]) -> IslandTerms:
     """The run's terms from the shards' Join answers. The island's own H is warned about when it
     differs; every shard must run the same codec (RuntimeError); ``overlap_steps`` must be below H
     (ValueError). Each session starts at its shard's round (unless it resumed at one)."""
@@ -74,4 +77,4 @@ def settle(options: DiLoCoOptions, sessions: list[Session], joined: list[JoinAns
             resp.codec,
             "decoupled" if decoupled else "sync",
         )
-    return RunTerms(sync_every, decoupled, push_behind, codec)
+    return IslandTerms(sync_every, decoupled, push_behind, codec)

@@ -4,10 +4,11 @@ else pull the run's θ (uploading θ_0 meanwhile should the claim pass to this i
 from __future__ import annotations
 
 from atoll.compression import get_codec
-from atoll.islands._messages import Pulled, PushKind, PushOutcome
+from atoll.islands._messages import Pulled
 from atoll.islands._outer_state import OuterState
 from atoll.islands._route_table import RouteTable
 from atoll.islands._transport.session import Session
+from atoll.protos.vocabulary import PushKind, PushOutcome
 
 
 def bootstrap(session: Session, table: RouteTable, outer: OuterState) -> bool:

@@ -12,12 +12,13 @@ import math
 import time
 from collections.abc import Callable
 
-from atoll.coordinator.messages import PullAnswer, PullRequest, UpdateKind
+from atoll.coordinator.messages import PullAnswer, PullRequest
 from atoll.coordinator.run import checks
 from atoll.coordinator.run.owners import Owners
 from atoll.coordinator.state.downlink import Downlink
 from atoll.coordinator.state.ledger import Confirmation, Stage
 from atoll.protos.rpc import DURABLE_WAIT_SECONDS
+from atoll.protos.vocabulary import UpdateKind
 
 MAX_WAIT_SECONDS = 60.0
 

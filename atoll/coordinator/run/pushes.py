@@ -18,7 +18,7 @@ import torch
 from atoll.compression import WireFormatError, get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.errors import Reason, invalid, refuse
-from atoll.coordinator.messages import PushHeader, PushKind, PushOutcome, PushResult
+from atoll.coordinator.messages import PushHeader, PushResult
 from atoll.coordinator.policy import steps, weighting
 from atoll.coordinator.policy.weighting import PushClass, classify
 from atoll.coordinator.run import checks
@@ -28,6 +28,7 @@ from atoll.coordinator.state.accumulator import assemble
 from atoll.coordinator.state.ledger import BOOTSTRAP
 from atoll.coordinator.state.membership import usual_weight
 from atoll.coordinator.state.plans import Committed, PushPlan, StagedRank, release
+from atoll.protos.vocabulary import PushKind, PushOutcome
 
 log = logging.getLogger("atoll.coordinator")
 

@@ -48,8 +48,6 @@ from atoll.coordinator.messages import (
     PullAnswer,
     PullRequest,
     PushHeader,
-    PushKind,
-    PushOutcome,
     PushResult,
 )
 from atoll.coordinator.policy import grace, phase
@@ -68,6 +66,7 @@ from atoll.coordinator.state.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger
 from atoll.coordinator.state.membership import Membership, island_state
 from atoll.coordinator.state.model import GlobalModel
 from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
+from atoll.protos.vocabulary import PushKind, PushOutcome
 
 log = logging.getLogger("atoll.coordinator")
 

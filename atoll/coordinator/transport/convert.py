@@ -12,15 +12,13 @@ from atoll.coordinator.messages import (
     JoinRequest,
     PullRequest,
     PushHeader,
-    PushKind,
-    PushOutcome,
     PushResult,
     TensorDecl,
-    UpdateKind,
 )
 from atoll.names import canonical_name
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.dtypes import TORCH_FROM_PB
+from atoll.protos.vocabulary import PushKind, PushOutcome, UpdateKind
 
 PUSH_OUTCOMES = {o: getattr(pb, f"PUSH_OUTCOME_{o.name}") for o in PushOutcome}
 UPDATE_KINDS = {k: getattr(pb, f"UPDATE_KIND_{k.name}") for k in UpdateKind}

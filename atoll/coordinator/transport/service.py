@@ -15,12 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from atoll.coordinator.errors import Reason, RequestError, invalid, refuse
-from atoll.coordinator.messages import (
-    IslandCall,
-    PushKind,
-    PushOutcome,
-    PushResult,
-)
+from atoll.coordinator.messages import IslandCall, PushResult
 from atoll.coordinator.run.run_state import RunState
 from atoll.coordinator.state.plans import Received
 from atoll.coordinator.transport.convert import (
@@ -40,6 +35,7 @@ from atoll.protos.bulk import MAX_STREAMS
 from atoll.protos.raw import RawData
 from atoll.protos.rpc import SERVICE_NAME, ChunkPacker, EntryAssembler, StreamOverrun, server_handlers
 from atoll.protos.status import error_status
+from atoll.protos.vocabulary import PushKind, PushOutcome
 
 log = logging.getLogger("atoll.coordinator")
 

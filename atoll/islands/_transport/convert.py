@@ -3,20 +3,10 @@ on the island where the wire's types and the algorithm's meet."""
 
 from __future__ import annotations
 
-from atoll.islands._messages import (
-    Entry,
-    JoinAnswer,
-    JoinRequest,
-    PushHeader,
-    PushKind,
-    PushOutcome,
-    Region,
-    RunTerms,
-    Update,
-    UpdateKind,
-)
+from atoll.islands._messages import Entry, JoinAnswer, JoinRequest, PushHeader, Region, RunTerms, Update
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.dtypes import PB_FROM_TORCH
+from atoll.protos.vocabulary import PushKind, PushOutcome, UpdateKind
 
 PUSH_KINDS = {PushKind.DELTA: pb.PUSH_KIND_DELTA, PushKind.INIT: pb.PUSH_KIND_INIT}
 OUTCOMES = {getattr(pb, f"PUSH_OUTCOME_{o.name}"): o for o in PushOutcome}

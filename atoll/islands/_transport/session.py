@@ -21,18 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from atoll.compression import WireFormatError
-from atoll.islands._messages import (
-    Entry,
-    JoinAnswer,
-    JoinRequest,
-    Pulled,
-    PushHeader,
-    PushKind,
-    PushOutcome,
-    Region,
-    Update,
-    UpdateKind,
-)
+from atoll.islands._messages import Entry, JoinAnswer, JoinRequest, Pulled, PushHeader, Region, Update
 from atoll.islands._transport import convert, waiting
 from atoll.islands._transport.client import RETRYABLE, CoordinatorClient
 from atoll.islands._transport.waiting import Act
@@ -40,6 +29,7 @@ from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, Par
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import FATAL, Reason
 from atoll.protos.status import reason_of
+from atoll.protos.vocabulary import PushKind, PushOutcome, UpdateKind
 
 log = logging.getLogger("atoll.island")
 

@@ -2,7 +2,7 @@
 by :meth:`~atoll.islands._transport.session.Session.pull_until_ready` (which does the I/O) and tested
 by feeding them answers, no sockets.
 
-States (:class:`Stage`):
+States (:class:`WaitStage`):
 
 - WAITING: long-polls for the outer step past ``have_round``;
 - RESYNCING: an update broke off half-applied (a tentative update whose round was never saved: the
@@ -21,13 +21,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from atoll.islands._messages import Update, UpdateKind
+from atoll.islands._messages import Update
+from atoll.protos.vocabulary import UpdateKind
 
 MAX_RESYNCS = 3
 """Full-θ pulls after a broken update before giving up (a coordinator sending corrupt data)."""
 
 
-class Stage(enum.Enum):
+class WaitStage(enum.Enum):
     WAITING = "waiting"
     RESYNCING = "resyncing"
     CATCHING_UP = "catching_up"
@@ -47,7 +48,7 @@ class Act(enum.Enum):
 
 @dataclass(frozen=True)
 class Wait:
-    stage: Stage
+    stage: WaitStage
     have_round: int
     """What the next pull asks past (-1: the full θ)."""
     lost: int | None = None
@@ -58,7 +59,7 @@ class Wait:
 
 
 def start(have_round: int, *, can_repush: bool) -> Wait:
-    return Wait(Stage.WAITING, have_round, may_repush=can_repush)
+    return Wait(WaitStage.WAITING, have_round, may_repush=can_repush)
 
 
 def broken(w: Wait) -> tuple[Wait, Act]:
@@ -66,7 +67,7 @@ def broken(w: Wait) -> tuple[Wait, Act]:
     if w.resyncs + 1 > MAX_RESYNCS:
         return w, Act.FAIL
     lost = w.have_round if w.lost is None else w.lost  # a resync that breaks too: still that round's fate
-    return Wait(Stage.RESYNCING, -1, lost, w.resyncs + 1, w.may_repush), Act.PULL
+    return Wait(WaitStage.RESYNCING, -1, lost, w.resyncs + 1, w.may_repush), Act.PULL
 
 
 def answered(w: Wait, u: Update, *, can_upload: bool, last: bool) -> tuple[Wait, Act]:
@@ -83,10 +84,10 @@ def answered(w: Wait, u: Update, *, can_upload: bool, last: bool) -> tuple[Wait,
         return w, Act.PULL
     if u.kind is UpdateKind.FULL and w.lost is not None and w.lost >= 0 and u.round == w.lost:
         # The coordinator lost the round whose update broke: it is open again; wait for it (re-pushing).
-        return Wait(Stage.WAITING, w.lost, None, w.resyncs, w.may_repush), Act.PULL
+        return Wait(WaitStage.WAITING, w.lost, None, w.resyncs, w.may_repush), Act.PULL
     if u.round < u.latest_round:  # several rounds behind: the next delta right away
-        return Wait(Stage.CATCHING_UP, u.round, None, w.resyncs, may_repush=False), Act.PULL
-    return Wait(Stage.WAITING, u.round, None, w.resyncs, w.may_repush), Act.DONE
+        return Wait(WaitStage.CATCHING_UP, u.round, None, w.resyncs, may_repush=False), Act.PULL
+    return Wait(WaitStage.WAITING, u.round, None, w.resyncs, w.may_repush), Act.DONE
 
 
 def repushed(w: Wait, round_closed: bool) -> Wait:
