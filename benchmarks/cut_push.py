@@ -12,24 +12,18 @@ the cut attempt plus the retry against the uninterrupted push.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
+import torch
 
-import torch  # noqa: E402
-
-from atoll.compression import get_codec  # noqa: E402
-from atoll.harness.cuts import reset  # noqa: E402
-from atoll.islands._transport.client import CoordinatorClient, RetryPolicy  # noqa: E402
-from atoll.islands._transport.streams import TcpPush, _End  # noqa: E402
-from atoll.islands._transport.transfer import write_push  # noqa: E402
-from atoll.models import TinyGPT, preset  # noqa: E402
-from atoll.protos import coordinator_pb2 as pb  # noqa: E402
+from atoll.compression import get_codec
+from atoll.harness.transfers import push_cut_and_retried
+from atoll.islands import CoordinatorClient, RetryPolicy
+from atoll.models import TinyGPT, preset
+from atoll.protos import coordinator_pb2 as pb
 
 
 def main() -> None:
@@ -47,70 +41,31 @@ def main() -> None:
     theta = [get_codec("identity").encode(torch.randn(s, generator=gen)) for s in shapes.values()]
     delta = [codec.encode(torch.randn(s, generator=gen) * 1e-3) for s in shapes.values()]
     total = sum(map(len, delta))
-    with tempfile.TemporaryDirectory(prefix="cut-") as tmp:
-        port_file = Path(tmp) / "port"
-        coord = subprocess.Popen(
-            [sys.executable, "-m", "atoll", "coordinator", "--port", "0", "--port-file", str(port_file),
-             "--state-dir", str(Path(tmp) / "state"), "--run-id", "c", "--sync-every", "1", "--quorum", "1",
-             "--grace-window", "off", "--codec", a.codec, "--log-level", "WARNING"],
-            cwd=ROOT,
-        )  # fmt: skip
-        try:
-            while not port_file.exists():
-                time.sleep(0.05)
-            time.sleep(0.2)
-            client = CoordinatorClient(
-                f"127.0.0.1:{port_file.read_text().strip()}",
-                retry=RetryPolicy(give_up_seconds=60, rpc_timeout_seconds=120, initial_backoff_seconds=0.05),
-                bulk_streams=a.streams,
-            )
-            req = pb.JoinRequest(run_id="c", island_id="a", codecs=[a.codec], num_ranks=1)
-            for name, shape in shapes.items():
-                req.tensors.add(name=name, shape=list(shape), dtype=pb.DTYPE_FLOAT32)
-            client.join(req)
+    names = list(shapes)
+    flags = ["--run-id", "c", "--sync-every", "1", "--quorum", "1", "--grace-window", "off", "--codec", a.codec]
+    with tempfile.TemporaryDirectory(prefix="cut-") as tmp, common.Coordinator(Path(tmp) / "state", flags) as coord:
+        client = CoordinatorClient(
+            coord.address,
+            retry=RetryPolicy(give_up_seconds=60, rpc_timeout_seconds=120, initial_backoff_seconds=0.05),
+            bulk_streams=a.streams,
+        )
+        client.join(common.join_request("c", "a", shapes, [a.codec]))
+        client.push(common.push_header("c", "a", 0, pb.PUSH_KIND_INIT, "identity", names, theta), theta)
+        started = time.perf_counter()
+        assert client.push(common.push_header("c", "a", 0, pb.PUSH_KIND_DELTA, a.codec, names, delta), delta).committed
+        whole = time.perf_counter() - started
+        client.pull(pb.PullRequest(run_id="c", island_id="a", have_round=0, wait_seconds=60), on_entry=lambda *_: None)
 
-            def header(round_, kind, spec, payloads):
-                h = pb.PushHeader(run_id="c", island_id="a", round=round_, kind=kind, num_ranks=1, tokens=1)
-                h.codec = spec
-                for name, pl in zip(shapes, payloads, strict=True):
-                    h.entries.add(name=name, num_bytes=len(pl))
-                return h
-
-            client.push(header(0, pb.PUSH_KIND_INIT, "identity", theta), theta)
-            started = time.perf_counter()
-            assert client.push(header(0, pb.PUSH_KIND_DELTA, a.codec, delta), delta).committed
-            whole = time.perf_counter() - started
-            client.pull(
-                pb.PullRequest(run_id="c", island_id="a", have_round=0, wait_seconds=60), on_entry=lambda *_: None
-            )
-
-            h = header(1, pb.PUSH_KIND_DELTA, a.codec, delta)
-            started = time.perf_counter()
-            stream = TcpPush(client.bulk, h, auth="", timeout=60, streams=a.streams)
-            left = int(total * a.cut)
-            for pl in delta:
-                take = min(len(pl), left)
-                if take > 0:
-                    stream.send(memoryview(pl)[:take])
-                left -= take
-            stream._ready.put(_End)  # every byte of the cut attempt on the wire, then the cut
-            stream._sender.join()
-            for sock in stream._socks:
-                reset(sock)  # as a link that dies: no orderly end
-            time.sleep(0.2)  # the coordinator sees the connection end
-            retry = client.open_push(h)
-            resp = write_push(retry, h, delta)
-            took = time.perf_counter() - started
-            assert resp.committed, resp
-            again = total - retry.resumed_from
-            client.close()
-        finally:
-            coord.terminate()
-            coord.wait(30)
+        h = common.push_header("c", "a", 1, pb.PUSH_KIND_DELTA, a.codec, names, delta)
+        started = time.perf_counter()
+        resp, again = push_cut_and_retried(client, h, delta, a.cut, a.streams)
+        took = time.perf_counter() - started
+        assert resp.committed, resp
+        client.close()
     print(
         f"{a.model} {a.codec} push of {total / 1e6:.1f} MB, cut at {a.cut:.0%} ({a.streams} stream(s)): the retry "
-        f"resumed at byte {retry.resumed_from:,} and sent {again / 1e6:.1f} MB again = {again / total:.1%} of the "
-        f"payload (before resumable pushes: 100%); cut attempt + retry {took:.2f} s (0.2 s of it waiting) against "
+        f"sent {again / 1e6:.1f} MB again = {again / total:.1%} of the payload (before resumable pushes: "
+        f"100%); cut attempt + retry {took:.2f} s (0.2 s of it waiting) against "
         f"{whole:.2f} s uninterrupted",
         flush=True,
     )

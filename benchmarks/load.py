@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from atoll.compression import get_codec  # noqa: E402
 from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.islands._transport.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from atoll.islands import CoordinatorClient, RetryPolicy  # noqa: E402
 from atoll.memory import tune_for_bulk_buffers  # noqa: E402
 from atoll.protos import coordinator_pb2 as pb  # noqa: E402
 

@@ -47,8 +47,7 @@ def status_memory(pid: int) -> dict[str, int]:
 def island_main(args) -> None:
     import torch
 
-    from atoll.islands import CoordinatorLink, DiLoCo
-    from atoll.islands._transport.client import CoordinatorClient, RetryPolicy
+    from atoll.islands import CoordinatorClient, CoordinatorLink, DiLoCo, RetryPolicy
     from atoll.memory import tune_for_bulk_buffers
     from atoll.models import TinyGPT, preset
 

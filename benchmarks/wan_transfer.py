@@ -54,9 +54,8 @@ def island(
     import torch
 
     from atoll.compression import get_codec
-    from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy
-    from atoll.islands._transport.kept import KeptConnections
-    from atoll.islands._transport.transfer import write_push
+    from atoll.harness.transfers import drop_connections, push_after_admission
+    from atoll.islands import ClientTls, CoordinatorClient, RetryPolicy
     from atoll.models import TinyGPT, preset
     from atoll.protos import coordinator_pb2 as pb
 
@@ -77,10 +76,8 @@ def island(
         for name, p in zip(shapes, payloads, strict=True):
             h.entries.add(name=name, num_bytes=len(p))
         started = time.perf_counter()
-        if admission == "eager":
-            resp = client.push(h, payloads)  # (its first attempt goes without waiting for admission)
-        else:
-            resp = client.call("PushDelta", lambda: write_push(client.open_push(h, eager=False), h, payloads))
+        # An eager push's first attempt goes without waiting for admission; the other waits a round trip.
+        resp = client.push(h, payloads) if admission == "eager" else push_after_admission(client, h, payloads)
         assert resp.committed or resp.outcome == pb.PUSH_OUTCOME_COMMITTED, resp
         return time.perf_counter() - started
 
@@ -109,8 +106,7 @@ def island(
     for n in streams:
         client.bulk_streams = n
         for mode in modes:
-            client.kept.close()  # each mode starts from no connections (a closed one keeps none again:
-            client.kept = KeptConnections()  # a new one for the mode's calls)
+            drop_connections(client)  # each mode starts from no connections
             client.bulk = joined if mode == "kept" else dataclasses.replace(joined, keep_seconds=0)
             if mode == "kept":  # connections up and warm, as after a run's first round
                 time.sleep(idle)

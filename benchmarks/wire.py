@@ -35,14 +35,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
+import torch
 
-import torch  # noqa: E402
-
-from atoll.compression import get_codec  # noqa: E402
-from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy  # noqa: E402
-from atoll.protos import coordinator_pb2 as pb  # noqa: E402
+from atoll.compression import get_codec
+from atoll.islands import ClientTls, CoordinatorClient, RetryPolicy
+from atoll.protos import coordinator_pb2 as pb
 
 
 def shapes_of(model: str, many: int) -> dict[str, tuple[int, ...]]:
@@ -156,33 +154,21 @@ def measure(shapes, repeat: int, tmp: Path, transport: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     theta = [identity.encode(torch.randn(s, generator=gen)) for s in shapes.values()]
     delta = [identity.encode(torch.randn(s, generator=gen) * 1e-3) for s in shapes.values()]
-    port_file, admin_file = tmp / "port", tmp / "admin"
     tls_flags, tls = [], None
     if transport.endswith("-tls"):
         cert, key = certificate(tmp)
         tls_flags, tls = ["--tls-cert", str(cert), "--tls-key", str(key)], ClientTls(ca=str(cert))
-    coord = subprocess.Popen(
-        [sys.executable, "-m", "atoll", "coordinator", "--host", "127.0.0.1", "--port", "0", "--state-dir",
-         str(tmp / "state"), "--port-file", str(port_file), "--admin-port", "0", "--admin-port-file",
-         str(admin_file), "--run-id", "w", "--sync-every", "1", "--quorum", "1", "--grace-window", "off",
-         "--codec", "identity", "--downlink-codec", "identity",
-         "--log-level", "WARNING", *(["--bulk-port", "-1"] if transport.startswith("grpc") else []), *tls_flags],
-        cwd=ROOT,
-    )  # fmt: skip
-    try:
-        while not (port_file.exists() and admin_file.exists()):
-            if coord.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with {coord.returncode}")
-            time.sleep(0.05)
-        time.sleep(0.2)
-        grpc_port, admin_port = port_file.read_text().strip(), admin_file.read_text().strip()
+    flags = ["--run-id", "w", "--sync-every", "1", "--quorum", "1", "--grace-window", "off", "--codec", "identity",
+             "--downlink-codec", "identity", *(["--bulk-port", "-1"] if transport.startswith("grpc") else []),
+             *tls_flags]  # fmt: skip
+    with common.Coordinator(tmp / "state", flags, admin=True) as coord:
         start_rss = rss_kib(coord.pid, "VmRSS") * 1024  # serving, before any model is there
 
         def status() -> dict:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/api/status", timeout=30) as resp:
+            with urllib.request.urlopen(f"http://127.0.0.1:{coord.admin_port}/api/status", timeout=30) as resp:
                 return json.load(resp)
 
-        island = Island(f"127.0.0.1:{grpc_port}", shapes, tls)
+        island = Island(coord.address, shapes, tls)
         assert (island.client.bulk is not None) == transport.startswith("bulk")
         island.push(theta, 0, kind=pb.PUSH_KIND_INIT)
         island.pull(-1)  # θ_0
@@ -198,9 +184,6 @@ def measure(shapes, repeat: int, tmp: Path, transport: str) -> dict:
         peak_rss = rss_kib(coord.pid, "VmHWM") * 1024
         steps = [rec["outer_step_seconds"] for rec in history]
         island.client.close()
-    finally:
-        coord.terminate()
-        coord.wait(30)
     return {
         "disk": disk_floor(nbytes, tmp),
         "rss": (peak_rss - start_rss) / nbytes,

@@ -204,3 +204,16 @@ def test_one_vocabulary_no_enum_is_defined_twice():
     twice = {k: v for k, v in where.items() if len(v) > 1}
     assert twice == {}
     assert where["PushOutcome"] == ["atoll.protos.vocabulary"]
+
+
+def test_benchmarks_use_public_apis_only():
+    """The scripts behind benchmarks/RESULTS.md import no private island module: what they need of the
+    transport's insides, the harness gives them (:mod:`atoll.harness.transfers`)."""
+    bench = ROOT.parent / "benchmarks"
+    private = [
+        f"{path.name}: {node.module}"
+        for path in sorted(bench.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("atoll.islands._")
+    ]
+    assert private == []

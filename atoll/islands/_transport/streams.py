@@ -301,6 +301,14 @@ class TcpPush(_TcpCall):
         self._ready.put(payload)
         return True
 
+    def sent_so_far(self) -> list[socket.socket]:
+        """Wait until every byte given so far is on the wire and return the call's connections, the call
+        left unfinished (the harness ends them as a dying link would: :mod:`atoll.harness.transfers`)."""
+        if self._sender is not None:
+            self._ready.put(_End)
+            self._sender.join()
+        return list(self._socks)
+
     def finish(self) -> pb.PushResponse:
         if self._sender is not None and self._delimited and self._given < self._declared and not self._failed:
             refusal = self._refusal_at_header() if self._eager else None
