@@ -13,6 +13,7 @@ import torch
 from conftest import exact_config, wait_for
 
 from atoll.coordinator.disk import wal
+from atoll.coordinator.options import NetworkOptions
 from atoll.coordinator.run import pulls
 from atoll.islands._transport.client import PartialUpdate
 from atoll.protos import coordinator_pb2 as pb
@@ -22,7 +23,7 @@ SHAPES = {"w": (256, 1024), "b": (5,)}
 
 @pytest.fixture(params=["bulk", "grpc"])
 def transport(request):
-    return {"bulk_port": 0 if request.param == "bulk" else None}
+    return {"network": NetworkOptions(bulk_port=0 if request.param == "bulk" else None)}
 
 
 def _round_zero(start_server, raw_island, transport, tmp_path):
