@@ -156,7 +156,7 @@ class Pulls:
             sealed = ledger.sealed
             entries = Downlink.entries_of(sealed.payloads, regions, self.model.specs)
             leases = self._leases(req.island_id, [sealed.payloads[name] for name, _ in regions])
-            return self._tentative(req.island_id, r, entries, sealed.record["loss"], leases)
+            return self._tentative(req.island_id, r, entries, sealed.record.loss, leases)
         if all(region is None for _, region in regions):
             producing, leases = ledger.producing, []
             entries = producing.entries(regions)

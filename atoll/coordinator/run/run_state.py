@@ -66,6 +66,7 @@ from atoll.coordinator.state.ledger import BOOTSTRAP, SAVE_RETRY_SECONDS, Ledger
 from atoll.coordinator.state.membership import Membership, island_state
 from atoll.coordinator.state.model import GlobalModel
 from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
+from atoll.coordinator.state.record import RoundRecord
 from atoll.protos.vocabulary import PushKind, PushOutcome
 
 log = logging.getLogger("atoll.coordinator")
@@ -138,7 +139,7 @@ class RunState:
         return self.ledger.round
 
     @property
-    def history(self) -> list[dict]:
+    def history(self) -> list[RoundRecord]:
         return self.ledger.history
 
     @property
@@ -192,7 +193,7 @@ class RunState:
         self.model.restore(snap.params, snap.extra, snap.buffers, snap.layout_digest, snap.aliases)
         self.model.card = snap.model_card
         self.writer.restored()
-        self.ledger.round, self.ledger.history = snap.round, snap.history
+        self.ledger.round, self.ledger.history = snap.round, [RoundRecord.from_json(h) for h in snap.history]
         self.ledger.opened_at = self.clock()
         self.membership.restore(snap.islands, snap.departed)
         self.downlink.restore(self.round)
@@ -304,25 +305,26 @@ class RunState:
             sums, robust_grads = acc.take(c.aggregation, c.clip_norm)
             summary, (share, weight) = acc.record(), self.pushes.round_weight()
             sizes = self.model.update_sizes()
-            hint = wal.head_hint(sizes, lambda: self.membership.to_json()["islands"], self.history[-1:])
+            hint = wal.head_hint(
+                sizes, lambda: self.membership.to_json()["islands"], [h.to_json() for h in self.history[-1:]]
+            )
             with (
                 self.ledger.producing_step(r, sizes, summary["loss"]) as made,
                 self.writer.streaming(r, made, hint) as made,  # the record is written meanwhile
             ):
                 part = 1.0 if share is None else share  # (Delayed Nesterov counts the shares)
                 params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made, part)
-            record = {
-                "round": r,
+            record = RoundRecord(
+                round=r,
                 **summary,
-                "states": self.states(),
-                "bytes_out_per_island": sum(len(p) for p in payloads.values()),
-                "reason": reason,
-                "seconds_open": self.clock() - self.ledger.opened_at,
-                "goodput": run_goodput(self.membership.goodput(), self.clock()),  # the run's, so far
-                "outer_step_seconds": time.perf_counter() - started,
-            }
-            if share is not None:
-                record["share"] = share
+                states=self.states(),
+                bytes_out_per_island=sum(len(p) for p in payloads.values()),
+                reason=reason,
+                seconds_open=self.clock() - self.ledger.opened_at,
+                goodput=run_goodput(self.membership.goodput(), self.clock()),  # the run's, so far
+                outer_step_seconds=time.perf_counter() - started,
+                share=share,
+            )
             self.ledger.seal(Sealed(r, params, payloads, record, frozenset(committed)))
             acc.advance(r + 1 - (c.max_staleness if c.late_policy == "fold" else 0))
         await self.try_publish()
@@ -363,12 +365,11 @@ class RunState:
                 self.stall = None
             record = sealed.record
             if record is not None:
-                record["persist_seconds"] = published - started
-                loss, took = record["loss"], (record["outer_step_seconds"], record["persist_seconds"])
-                loss = "n/a" if loss is None else f"{loss:.4f}"
+                record.persist_seconds = published - started
+                loss = "n/a" if record.loss is None else f"{record.loss:.4f}"
                 log.info("%sclosed round %d (%s): loss %s, outer step %.3fs + log %.3fs", self.name, sealed.round,
-                         record["reason"], loss, *took)  # fmt: skip
-                record["publish_seconds"] = time.perf_counter() - published
+                         record.reason, loss, record.outer_step_seconds, record.persist_seconds)  # fmt: skip
+                record.publish_seconds = time.perf_counter() - published
                 snap = saved.snapshot(self.owners, self.placement, self.model.params, self.round, list(self.history))
                 self.writer.after_publish(snap, keep_from=self.downlink.keep_from(self.round) - 1)
             if self.run_complete:  # the run ending as configured: news, not a warning
@@ -382,4 +383,5 @@ class RunState:
             snap = saved.snapshot(self.owners, self.placement, sealed.params, sealed.round + 1, self.history)
             return lambda: self.writer.bootstrap(snap)
         r, islands, config = sealed.round, self.membership.to_json()["islands"], self.config
-        return lambda: self.writer.log_round(r, sealed.payloads, sealed.record, islands, config)
+        stored = sealed.record.to_json()
+        return lambda: self.writer.log_round(r, sealed.payloads, stored, islands, config)

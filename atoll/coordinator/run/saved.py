@@ -9,12 +9,13 @@ from atoll.coordinator.config import ConfigMismatch, RunConfig, reconcile
 from atoll.coordinator.disk import snapshots
 from atoll.coordinator.run.options import PlacementOptions
 from atoll.coordinator.run.owners import Owners
+from atoll.coordinator.state.record import RoundRecord
 
 log = logging.getLogger("atoll.coordinator")
 
 
 def snapshot(
-    owners: Owners, placement: PlacementOptions, params, round_: int, history: list[dict]
+    owners: Owners, placement: PlacementOptions, params, round_: int, history: list[RoundRecord]
 ) -> snapshots.Snapshot:
     """θ ``params`` of ``round_`` with the run's optimizer state, membership and ``history``, for the
     shard of ``placement``."""
@@ -25,7 +26,7 @@ def snapshot(
         params,
         model.state_tensors(),
         members["islands"],
-        history,
+        [h.to_json() for h in history],
         members["departed"],
         tuple(sorted(model.buffers)),
         placement.shard,

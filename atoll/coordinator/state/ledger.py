@@ -31,6 +31,7 @@ import torch
 
 from atoll.coordinator.messages import PayloadEntry
 from atoll.coordinator.policy.goodput import tokens_per_step
+from atoll.coordinator.state.record import RoundRecord
 
 SAVE_RETRY_SECONDS = (0.5, 30.0)
 """First wait after a failed save, and the cap of its doubling."""
@@ -94,7 +95,7 @@ class Sealed:
     params: dict[str, torch.Tensor]
     payloads: dict[str, bytearray] | None
     """The encoded outer update (None for θ_0: islands pull the full θ)."""
-    record: dict | None
+    record: RoundRecord | None
     """The round's history record (None for θ_0)."""
     islands: frozenset[str]
     """Islands whose push counted (pulls answer committed=True for them meanwhile)."""
@@ -145,7 +146,7 @@ class Ledger:
         self.round = 0
         """The open round: rounds below it are complete (θ is θ_round)."""
         self.opened_at = now
-        self.history: list[dict] = []
+        self.history: list[RoundRecord] = []
         """One record per closed round."""
         self.stage = Stage.OPEN
         """The stage of the open round's update (θ_0's before the first round)."""
@@ -165,21 +166,20 @@ class Ledger:
         folded late into a later round."""
         if not 0 <= round_ < len(self.history):
             return False
-        if island_id in self.history[round_]["islands"]:
+        if island_id in self.history[round_].islands:
             return True
-        return any([island_id, round_] in rec.get("late", ()) for rec in self.history[round_ + 1 :])
+        return any([island_id, round_] in rec.late for rec in self.history[round_ + 1 :])
 
     def loss_of(self, round_: int) -> float | None:
         """The islands' mean loss of the closed round ``round_`` (None: unknown)."""
-        return self.history[round_]["loss"] if 0 <= round_ < len(self.history) else None
+        return self.history[round_].loss if 0 <= round_ < len(self.history) else None
 
     def tokens_per_step(self) -> float | None:
         """Tokens per inner step of the last closed round's islands that reported both (None: unknown)."""
         if not self.history:
             return None
         last = self.history[-1]
-        steps = last.get("steps_by_island", {})
-        return tokens_per_step((tokens, steps.get(i)) for i, tokens in last["tokens_by_island"].items())
+        return tokens_per_step((tokens, last.steps_by_island.get(i)) for i, tokens in last.tokens_by_island.items())
 
     def advance(self, sealed: Sealed, now: float) -> None:
         """The sealed round is saved: open the next one and wake whoever waits for it."""

@@ -34,6 +34,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch
 from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.state.membership import IslandState
+from atoll.coordinator.state.record import RoundRecord
 from atoll.coordinator.transport.counters import Counters
 from atoll.coordinator.transport.guard import KEEPALIVE_SECONDS, ConnectionGuard, GuardedSite
 from atoll.errors import PortInUse
@@ -76,22 +77,22 @@ class _StateCollector:
         yield GaugeMetricFamily(
             "atoll_healthy", "1 unless a state save is failing", value=0 if health_problem(self.server) else 1
         )
-        last = s.history[-1] if s.history else {}
-        if last.get("loss") is not None:
+        last = s.history[-1] if s.history else RoundRecord(round=-1)
+        if last.loss is not None:
             yield GaugeMetricFamily(
-                "atoll_round_loss", "Token-weighted training loss of the last round", value=last["loss"]
+                "atoll_round_loss", "Token-weighted training loss of the last round", value=last.loss
             )
         yield GaugeMetricFamily(
-            "atoll_round_tokens", "Tokens the islands processed in the last round", value=last.get("tokens", 0)
+            "atoll_round_tokens", "Tokens the islands processed in the last round", value=last.tokens
         )
-        seconds = last.get("seconds_open") or 0.0
+        seconds = last.seconds_open or 0.0
         yield GaugeMetricFamily(
             "atoll_tokens_per_second",
             "Tokens of the last round over its duration",
-            value=last.get("tokens", 0) / seconds if seconds else 0.0,
+            value=last.tokens / seconds if seconds else 0.0,
         )
         yield CounterMetricFamily(
-            "atoll_tokens", "Tokens processed over the run", value=sum(h["tokens"] for h in s.history)
+            "atoll_tokens", "Tokens processed over the run", value=sum(h.tokens for h in s.history)
         )
         states = s.states()
         g = GaugeMetricFamily("atoll_islands", "Islands by state", labels=["state"])
@@ -114,7 +115,7 @@ class _StateCollector:
             yield CounterMetricFamily(f"atoll_{key}", help_text, value=getattr(counters, key))
         yield GaugeMetricFamily("atoll_last_round_seconds", "How long the last closed round was open", value=seconds)
         yield CounterMetricFamily(
-            "atoll_round_seconds", "Total seconds rounds were open", value=sum(h["seconds_open"] for h in s.history)
+            "atoll_round_seconds", "Total seconds rounds were open", value=sum(h.seconds_open for h in s.history)
         )
         run = run_goodput(s.membership.goodput(), now)
         yield GaugeMetricFamily(
@@ -347,7 +348,7 @@ def status_json(server, started_at: float) -> dict:
                 last_push_age_seconds=None if rec.last_push_at is None else now - rec.last_push_at,
             )
         else:  # left or evicted: what it did is still the run's history (its folded deltas too)
-            row.update(rounds_committed=sum(island in h.get("tokens_by_island", h["islands"]) for h in s.history))
+            row.update(rounds_committed=sum(island in (h.tokens_by_island or h.islands) for h in s.history))
         islands.append(row)
     return {
         "run": dataclasses.asdict(s.config),
@@ -367,7 +368,7 @@ def status_json(server, started_at: float) -> dict:
         "inflight_budget_bytes": s.accumulator.budget.limit,
         "pull_bytes": s.downlink.budget.used,
         "pull_budget_bytes": s.downlink.budget.limit,
-        "history": s.history[-100:],
+        "history": [h.to_json() for h in s.history[-100:]],
         "uptime_seconds": time.time() - started_at,
         "torch_threads": torch.get_num_threads(),
     }
