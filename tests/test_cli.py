@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import collect_events, coordinator_flags, exact_config, island_flags, wait_for
+from support import collect_events, coordinator_flags, exact_config, island_flags, wait_for
 
 from atoll.cli import build_parser
 from atoll.cli import main as cli_main
@@ -115,7 +115,7 @@ def test_without_a_terminal_a_progress_line_comes_at_most_every_interval_between
     island stayed silent 90 s.)"""
     import io
 
-    from conftest import FakeClock
+    from support import FakeClock
 
     from atoll.workload.progress import Reporter
 

@@ -217,3 +217,22 @@ def test_benchmarks_use_public_apis_only():
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("atoll.islands._")
     ]
     assert private == []
+
+
+def test_tests_sit_by_concern_and_take_helpers_from_support_not_from_conftest():
+    """Test modules live in folders that mirror atoll/ (or at the top for the product as a whole), and
+    none imports conftest, another test module or tests.*: helpers come from tests/support, fixtures as
+    fixtures."""
+    tests = ROOT.parent / "tests"
+    folders = {p.parent.name for p in tests.rglob("test_*.py") if p.parent != tests}
+    assert folders <= {"compression", "coordinator", "islands", "workload", "harness", "protos"}
+    assert all((ROOT / name).exists() for name in folders)  # each mirrors a part of atoll/
+    bad = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [module or ""]
+            for name in names:
+                if name == "conftest" or name.startswith(("tests.", "test_")) or name == "small_island":
+                    bad.append(f"{path.relative_to(tests)}: {name}")
+    assert bad == []

@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import inner_step, make_diloco
-from small_island import H, batches, config, island, make_model
+from support import H, batches, config, inner_step, island, make_diloco, make_model
 
 
 # ---- getting the model out -------------------------------------------------------------------------
@@ -107,7 +106,7 @@ def test_an_export_carries_the_model_card_and_is_readable_by_others(group, tmp_p
     import os
     import stat
 
-    from conftest import collect_events, coordinator_flags, island_flags
+    from support import collect_events, coordinator_flags, island_flags
 
     from atoll.data.dataset import CharDataset
     from atoll.models import load_export

@@ -25,7 +25,7 @@ PERIOD_GAIN = 0.1
 """... and what every push after moves by. A push's offset x from the median and its island's period v
 (in seconds, from round to round): x' = (1 - PHASE_GAIN - PERIOD_GAIN)·x + v, v' = v - PERIOD_GAIN·x,
 which settles only for 0 < PHASE_GAIN < 2 and 0 < PERIOD_GAIN < 4 - 2·PHASE_GAIN (past that the pushes
-swing apart: tests/test_push_phase.py); at 0.5 and 0.1 an offset shrinks by ~0.7 a round."""
+swing apart: tests/coordinator/test_push_phase.py); at 0.5 and 0.1 an offset shrinks by ~0.7 a round."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 both ends): what status code a refusal carries, and whether it is final for an island.
 
 The names come from ``coordinator.proto`` alone; this module adds the two facts the proto cannot say.
-``tests/test_protos.py`` fails when a reason of the proto has no entry here, or an entry names none.
+``tests/protos/test_protos.py`` fails when a reason of the proto has no entry here, or an entry names none.
 """
 
 from __future__ import annotations
