@@ -27,7 +27,7 @@ from atoll.coordinator.transport.convert import (
     push_response,
 )
 from atoll.coordinator.transport.counters import Counters
-from atoll.coordinator.transport.parked import Parked, ParkedPushes
+from atoll.coordinator.transport.parked import InboundPush, ParkedPushes
 from atoll.coordinator.transport.security import IslandTokens
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos import coordinator_pb2_grpc as pb_grpc
@@ -52,13 +52,6 @@ class StreamBroken(ConnectionError):
 
 BROKEN = (OSError, EOFError, asyncio.CancelledError)
 """What ends a push's stream without a refusal: the peer went, the connection broke, it stalled."""
-
-
-def _drop_data(assembler: EntryAssembler, received: Received, reservation) -> None:
-    """A push's bytes and its share of the in-flight budget back (refused, or parked too long)."""
-    assembler.discard()
-    received.payloads.clear()
-    reservation.release()
 
 
 class Malformed:
@@ -239,43 +232,39 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         header = push_header(first.header)
         key, header_bytes = (header.island_id, header.rank), first.header.SerializeToString()
         resumable = getattr(it, "resumable", False)  # the bulk port: a cut push resumes
-        parked = None
+        push = None
         if resumable and not getattr(it, "eager", False):
-            parked = self.parked.take(key, header_bytes)
+            push = self.parked.take(key, header_bytes)
         else:  # a push over gRPC, or an eager one (its data starts at its first byte), takes the place
             self.parked.drop(key)  # of one cut on the bulk port
-        if parked is not None:
-            plan, reservation, assembler, received = parked.plan, parked.reservation, parked.assembler, parked.received
+        if push is not None:
             self.counters.bulk_resumes += 1
-            self.counters.bulk_resumed_bytes += assembler.received
+            self.counters.bulk_resumed_bytes += push.assembler.received
         else:
             plan = await self.state.plan_push(header)
             if isinstance(plan, PushResult):
                 return plan, header.kind is PushKind.INIT  # nothing to read
-            reservation = self.state.open_stream(plan)
-            assembler = EntryAssembler([e.num_bytes for e in plan.entries], self.state.accumulator.buffers)
-            received = Received()
+            push = InboundPush.admitted(self.state, header_bytes, plan)
         kept = False
         try:
-            received = await self._receive(plan, it, assembler, received)
-            return await self.state.commit_push(plan, received, reservation), plan.init
+            push.received = await self._receive(push.plan, it, push.assembler, push.received)
+            return await self.state.commit_push(push.plan, push.received, push.reservation), push.plan.init
         except BaseException as err:
-            consistent = len(received.payloads) == assembler.index  # (not cut while checking an entry)
-            if resumable and consistent and assembler.received > 0 and isinstance(err, BROKEN):
+            if resumable and push.consistent and push.assembler.received > 0 and isinstance(err, BROKEN):
                 kept = True  # its retry takes it from here
-                self.parked.park(key, Parked(header_bytes, plan, reservation, assembler, received))
+                self.parked.park(key, push)
                 raise
-            _drop_data(assembler, received, reservation)  # a refused stream: now, not with its traceback
+            push.drop_data()  # a refused stream: now, not with its traceback
             if isinstance(err, StreamOverrun):  # more bytes than declared, on either transport
                 raise invalid(str(err)) from None
             raise
         finally:
             if not kept:
-                self.state.close_stream(plan)
+                push.end(self.state)
 
-    def _unpark(self, parked: Parked) -> None:
-        _drop_data(parked.assembler, parked.received, parked.reservation)
-        self.state.close_stream(parked.plan)
+    def _unpark(self, push: InboundPush) -> None:
+        push.drop_data()
+        push.end(self.state)
 
     async def _receive(self, plan, it, assembler: EntryAssembler, received: Received) -> Received:
         """Read a push's data (its declared bytes are already held against the in-flight budget; a
