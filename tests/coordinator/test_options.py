@@ -120,3 +120,19 @@ def test_a_fragment_has_its_own_shard_state_dir_and_ports_and_only_the_first_ser
     assert frags[2].state_dir == Path("d/fragment-2") and frags[2].run is o.run
     free = dataclasses.replace(o, network=NetworkOptions()).fragment(1, Path("x"))
     assert (free.network.port, free.network.bulk_port) == (0, 0)  # 0 stays "pick one" for each
+
+
+def test_the_flat_keywords_of_the_last_release_still_work_for_one_more_with_a_warning(tmp_path):
+    """CoordinatorServer is public (atoll.coordinator): a program that made one with the keywords of the
+    release before the typed options keeps working this release, told what to write instead."""
+    from atoll.coordinator import CoordinatorServer
+
+    with pytest.warns(FutureWarning, match=r"CoordinatorServer\(admin_port, max_inflight_bytes, shard=...\) is "):
+        server = CoordinatorServer(
+            RunConfig(run_id="t"), tmp_path, admin_port=0, shard=(1, 2), max_inflight_bytes=1 << 30
+        )
+    assert server.admin_options == AdminOptions(port=0)
+    assert server.state_options["placement"] == PlacementOptions(shard=(1, 2))
+    assert server.state_options["limits"] == LimitsOptions(max_inflight_bytes=1 << 30)
+    with pytest.raises(TypeError, match="unexpected keyword arguments: admin_prot"):
+        CoordinatorServer(RunConfig(run_id="t"), tmp_path, admin_prot=0)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import socket
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.disk.store import StateStore
+from atoll.coordinator.disk.store import ObjectState, StateStore
 from atoll.coordinator.run.decider import run_decider
 from atoll.coordinator.run.options import LimitsOptions, PlacementOptions, StorageOptions
 from atoll.coordinator.run.run_state import RunState
@@ -45,6 +47,59 @@ def ensure_free(host: str, port: int, what: str) -> None:
         raise PortInUse(f"{what} {port} on {host} cannot be bound: {err.strerror or err}") from None
 
 
+FLAT = {
+    "host": ("network", "host"),
+    "port": ("network", "port"),
+    "bulk_port": ("network", "bulk_port"),
+    "stream_idle_seconds": ("network", "stream_idle_seconds"),
+    "admin_host": ("admin", "host"),
+    "admin_port": ("admin", "port"),
+    "admin_token": ("admin", "token"),
+    "tls": ("security", "tls"),
+    "tokens": ("security", "tokens"),
+    "shard": ("placement", "shard"),
+    "partition": ("placement", "partition"),
+    "keep_snapshots": ("storage", "keep_snapshots"),
+    "snapshot_every": ("storage", "snapshot_every"),
+    "store_lease_seconds": ("storage", "lease_seconds"),
+    "max_inflight_bytes": ("limits", "max_inflight_bytes"),
+    "max_pull_bytes": ("limits", "max_pull_bytes"),
+}
+"""CoordinatorServer's keywords before its options were typed: (the options object, its field)."""
+
+
+def typed_from_flat(flat: dict, network, admin, security, placement, storage, limits, store):
+    """The typed options of the flat keywords ``flat`` (an ``ObjectStore`` as ``store``, with
+    ``on_lost``), each given over what the typed ones say; FutureWarning naming the typed form, and a
+    TypeError for a keyword that never was."""
+    from atoll.objects import ObjectStore
+
+    on_lost = flat.pop("on_lost", None)
+    unknown = sorted(set(flat) - set(FLAT))
+    if unknown:
+        raise TypeError(f"CoordinatorServer() got unexpected keyword arguments: {', '.join(unknown)}")
+    warnings.warn(
+        f"CoordinatorServer({', '.join(sorted(flat))}=...) is deprecated and goes in the next release: pass "
+        "typed options (network=NetworkOptions(...), admin=AdminOptions(...), ...: atoll.coordinator.options)",
+        FutureWarning,
+        stacklevel=3,
+    )
+    given = {
+        "network": network or NetworkOptions(),
+        "admin": admin or AdminOptions(),
+        "security": security or SecurityOptions(),
+        "placement": placement or PlacementOptions(),
+        "storage": storage or StorageOptions(),
+        "limits": limits or LimitsOptions(),
+    }
+    for key, value in flat.items():
+        which, name = FLAT[key]
+        given[which] = dataclasses.replace(given[which], **{name: value})
+    if isinstance(store, ObjectStore):
+        store = ObjectState(store, lease_seconds=given["storage"].lease_seconds, on_lost=on_lost)
+    return (*given.values(), store)
+
+
 class CoordinatorServer:
     def __init__(
         self,
@@ -60,6 +115,7 @@ class CoordinatorServer:
         given: Iterable[str] | None = None,
         name: str = "",
         store: StateStore | None = None,
+        **flat,
     ) -> None:
         """The run ``config`` served from ``state_dir`` (a local dir: an object store's working copy
         when ``store`` is given), with typed options per concern (:mod:`atoll.coordinator.options`
@@ -71,6 +127,9 @@ class CoordinatorServer:
         must match it, and its operational ones take them. ``name``: prefix of this server's log lines
         (a fragment's). ``store``: where the state is kept (:mod:`atoll.coordinator.disk.store`;
         default: ``state_dir`` itself)."""
+        if flat:  # the keywords of the release before the typed options: one more release, with a warning
+            typed = typed_from_flat(flat, network, admin, security, placement, storage, limits, store)
+            network, admin, security, placement, storage, limits, store = typed
         network, admin, security = network or NetworkOptions(), admin or AdminOptions(), security or SecurityOptions()
         self.config = config
         self.admin_options = admin
