@@ -16,6 +16,7 @@ Harness-side kinds are carried out by :class:`ChaosDriver` when the island repor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,9 +26,11 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from atoll.islands import Transport
+from atoll.islands import Transport, WireTransport
+from atoll.islands._messages import Identity, PushHeader
+from atoll.islands._transport.seam import wire_header
 from atoll.islands._transport.transfer import write_push
-from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.vocabulary import PushKind, PushOutcome
 from atoll.workload.hooks import IslandHooks
 
 ISLAND_KINDS = ("slow", "stall", "kill_mid_push", "exit")
@@ -90,26 +93,33 @@ class IslandFaults(IslandHooks):
         if slow:
             time.sleep((slow.factor - 1) * step_seconds)
 
-    def transport(self, client: Transport) -> Transport:
+    def transport(self, transport: Transport) -> Transport:
         kills = {f.round for f in self.faults if f.kind == "kill_mid_push"}
-        return DyingTransport(client, kills) if kills else client
+        return DyingTransport(transport, kills) if kills else transport
 
 
 class DyingTransport:
-    """The real client, except that the process dies halfway through the delta push of chosen rounds."""
+    """The real transport, except that the process dies halfway through the delta push of chosen rounds."""
 
-    def __init__(self, client, kill_rounds: set[int]) -> None:
-        self.client = client
+    def __init__(self, transport: WireTransport, kill_rounds: set[int]) -> None:
+        self.transport = transport
         self.kill_rounds = kill_rounds
 
-    def __getattr__(self, name):  # every other call is the real client's
-        return getattr(self.client, name)
+    def __getattr__(self, name):  # every other call is the real transport's
+        return getattr(self.transport, name)
 
-    def push(self, header: pb.PushHeader, payloads) -> pb.PushResponse:
-        if header.round not in self.kill_rounds or header.kind != pb.PUSH_KIND_DELTA:
-            return self.client.push(header, payloads)
+    def __setattr__(self, name, value) -> None:
+        if name in ("transport", "kill_rounds"):
+            object.__setattr__(self, name, value)
+        else:  # (the link sets its cancel event on the real one)
+            setattr(self.transport, name, value)
+
+    def push(self, me: Identity, header: PushHeader, payloads) -> PushOutcome:
+        if header.round not in self.kill_rounds or header.kind is not PushKind.DELTA:
+            return self.transport.push(me, header, payloads)
+        wire = wire_header(me, header)
         if callable(payloads):  # a streamed push: encode them all here, then die halfway through
-            payloads = [payloads(i) for i in range(len(header.entries))]
+            payloads = [payloads(i) for i in range(len(wire.entries))]
         half = sum(len(p) for p in payloads) // 2
 
         def pieces():
@@ -124,10 +134,10 @@ class DyingTransport:
                     sent += piece.nbytes
                     yield piece
 
-        try:  # one attempt
-            return write_push(self.client.open_push(header), header, pieces())
-        except grpc.RpcError:
-            os._exit(KILLED)
+        client = self.transport.client
+        with contextlib.suppress(grpc.RpcError):  # one attempt, which never ends: it dies halfway through
+            write_push(client.open_push(wire), wire, pieces())
+        os._exit(KILLED)
 
 
 class ChaosDriver:

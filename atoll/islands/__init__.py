@@ -13,7 +13,7 @@ What a user needs is exported here (``__all__``), with :mod:`atoll.islands.error
 
 from atoll.islands._diloco import DiLoCo
 from atoll.islands._exchanges import RoundStats
-from atoll.islands._link import CoordinatorLink, Transport
+from atoll.islands._link import CoordinatorLink, Transport, WireTransport
 from atoll.islands._options import DiLoCoOptions
 from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, Preempted, QuorumGone
@@ -32,6 +32,7 @@ __all__ = [
     "RetryPolicy",
     "RoundStats",
     "Transport",
+    "WireTransport",
 ]
 
 

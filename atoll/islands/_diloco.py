@@ -119,7 +119,7 @@ class DiLoCo:
         )
         if outer.on_cuda:  # pulled entries land in pinned memory, reused
             for session in sessions:
-                session.client.buffers.make = pinned_buffer
+                session.transport.pin_buffers(pinned_buffer)
         schedule = Schedule(len(table), streaming=o.streaming, sync_every_seconds=o.sync_every_seconds)
         exchanges = Exchanges(
             table,

@@ -9,9 +9,10 @@ pseudo-gradients: :class:`~atoll.islands.DiLoCo` is the algorithm and uses a lin
     with DiLoCo(model, link) as sync:
         ...
 
-The transport is a seam: ``connect(address)`` returns anything shaped like :class:`Transport`
-(the real :class:`~atoll.islands._transport.client.CoordinatorClient` by default); the harness injects faults
-by wrapping the real client there.
+The transport is a seam, in atoll's own messages: ``connect(address)`` returns anything shaped like
+:class:`Transport` (the real :class:`WireTransport` over a
+:class:`~atoll.islands._transport.client.CoordinatorClient` by default; a bare client, the seam's form
+before this release, is put behind one); the harness injects faults by wrapping the real transport there.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from atoll.islands._messages import JoinAnswer
+from atoll.islands._messages import Identity, JoinAnswer
 from atoll.islands._terms import IslandTerms
-from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy, Transport, parse_addresses
-from atoll.islands._transport.session import Identity, Session
+from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy, parse_addresses
+from atoll.islands._transport.seam import Transport, WireTransport, transport_of
+from atoll.islands._transport.session import Session
 
 log = logging.getLogger("atoll.island")
 
@@ -58,9 +60,9 @@ class CoordinatorLink:
         renewals. ``pull_wait_seconds``: how long one long-poll for the outer step waits at the
         coordinator. ``bulk_streams``: the TCP connections each push and pull is striped over on the
         coordinator's bulk port (None: from the measured round trip: one on a LAN, one per 20 ms beyond,
-        at most 8). ``connect(address)``: the transport of one shard (default: a
-        :class:`~atoll.islands._transport.client.CoordinatorClient` with ``retry``, ``token``, ``tls`` and
-        ``bulk_streams``).
+        at most 8). ``connect(address)``: the transport of one shard (default: a :class:`WireTransport`
+        over a :class:`~atoll.islands._transport.client.CoordinatorClient` with ``retry``, ``token``,
+        ``tls`` and ``bulk_streams``).
 
         The constructor does no network I/O; :meth:`join` does."""
         self.addresses = parse_addresses(coordinator)
@@ -79,8 +81,8 @@ class CoordinatorLink:
         self.heartbeat_seconds = heartbeat_seconds
         self.pull_wait_seconds = pull_wait_seconds
         self._connect = connect or (
-            lambda address: CoordinatorClient(
-                address, retry=self.retry, token=token, tls=tls, bulk_streams=bulk_streams
+            lambda address: WireTransport(
+                CoordinatorClient(address, retry=self.retry, token=token, tls=tls, bulk_streams=bulk_streams)
             )
         )
         self.sessions: list[Session] = []
@@ -104,11 +106,18 @@ class CoordinatorLink:
         self._group = group
         me = Identity(self.run_id, self.island_id, self.session_id, rank, num_ranks)
         self.sessions = [
-            Session(i, self._connect(address), me, requests[i], regions[i], pull_wait_seconds=self.pull_wait_seconds)
+            Session(
+                i,
+                transport_of(self._connect(address)),
+                me,
+                requests[i],
+                regions[i],
+                pull_wait_seconds=self.pull_wait_seconds,
+            )
             for i, address in enumerate(self.addresses)
         ]
         for s in self.sessions:
-            s.client.cancel = self.preempted
+            s.transport.cancel = self.preempted
         return self.sessions
 
     def preempt(self) -> None:
@@ -150,14 +159,14 @@ class CoordinatorLink:
             for s in self.sessions:
                 s.leave()
         for s in self.sessions:
-            s.client.close()
+            s.transport.close()
 
     def bytes(self, indices: list[int]) -> tuple[int, int]:
         """Bytes sent and received so far on the given shards' transports."""
         return (
-            sum(self.sessions[i].client.bytes_sent for i in indices),
-            sum(self.sessions[i].client.bytes_received for i in indices),
+            sum(self.sessions[i].transport.bytes_sent for i in indices),
+            sum(self.sessions[i].transport.bytes_received for i in indices),
         )
 
 
-__all__ = ["ClientTls", "CoordinatorLink", "RetryPolicy", "Transport"]
+__all__ = ["ClientTls", "CoordinatorLink", "RetryPolicy", "Transport", "WireTransport"]

@@ -26,6 +26,17 @@ class Pulled(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Identity:
+    """Who calls: the island's run, name, session (one process per island id) and this rank of it."""
+
+    run_id: str
+    island_id: str
+    session_id: str
+    rank: int
+    num_ranks: int
+
+
+@dataclass(frozen=True)
 class Region:
     """A tensor's region, by name and its place in the whole (empty offsets and sizes: all of it)."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from atoll.islands import ClientTls, CoordinatorClient, CoordinatorLink, RetryPolicy
+from atoll.islands import ClientTls, CoordinatorClient, CoordinatorLink, RetryPolicy, WireTransport
 
 
 def coordinator_link(args, hooks) -> CoordinatorLink:
@@ -27,6 +27,6 @@ def coordinator_link(args, hooks) -> CoordinatorLink:
         connect_timeout_seconds=args.connect_timeout_seconds,
         heartbeat_seconds=args.heartbeat_seconds,
         connect=lambda address: hooks.transport(
-            CoordinatorClient(address, retry=retry, token=token, tls=tls, bulk_streams=streams)
+            WireTransport(CoordinatorClient(address, retry=retry, token=token, tls=tls, bulk_streams=streams))
         ),
     )

@@ -24,6 +24,6 @@ class IslandHooks:
     def after_step(self, round_: int, step_seconds: float) -> None:
         """After each inner step, which took ``step_seconds``."""
 
-    def transport(self, client: Transport) -> Transport:
+    def transport(self, transport: Transport) -> Transport:
         """The transport to a coordinator shard, given the real one."""
-        return client
+        return transport

@@ -68,3 +68,53 @@ def test_an_update_reaches_the_outer_state_by_one_checked_path_and_a_corrupt_one
         assert torch.equal(outer.of(s).start.cpu(), theta[s.name] + 0.5)
     with pytest.raises(RuntimeError, match="is no region of this rank"):
         apply(Update(UpdateKind.DELTA, 2, entries=(Entry("nope", (), (), 0),)), 0, payloads[0][1])
+
+
+def test_the_transport_seam_speaks_atolls_messages_and_a_bare_client_still_plugs_in(start_server):
+    """What wraps the seam (``CoordinatorLink(connect=...)``: the harness's faults, a user's tracing) sees
+    the island's own messages, never protobuf; a bare protobuf client (the seam's form before this
+    release) is put behind the real transport."""
+    from support import exact_config, inner_step
+
+    from atoll.islands import CoordinatorClient, CoordinatorLink, DiLoCo, RetryPolicy, WireTransport
+    from atoll.islands._messages import Identity, JoinAnswer, PushHeader
+    from atoll.protos.vocabulary import PushOutcome
+
+    srv = start_server(exact_config(run_id="t", sync_every=2))
+    seen = []
+
+    class Recording:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def join(self, me, req, **kw):
+            answer = self.inner.join(me, req, **kw)
+            seen.append(("join", type(me), type(answer)))
+            return answer
+
+        def push(self, me, header, payloads):
+            outcome = self.inner.push(me, header, payloads)
+            seen.append(("push", type(header), outcome))
+            return outcome
+
+    retry = RetryPolicy(give_up_seconds=20)
+    for connect in (
+        lambda a: Recording(WireTransport(CoordinatorClient(a, retry=retry))),
+        lambda a: CoordinatorClient(a, retry=retry),  # a bare client: wrapped by the link
+    ):
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sync = DiLoCo(m, CoordinatorLink(srv.address, run_id="t", connect=connect)).start()
+        try:
+            gen = torch.Generator().manual_seed(0)
+            for _ in range(2):
+                batch = (torch.randn(8, 4, generator=gen), torch.randn(8, 3, generator=gen))
+                sync.step(tokens=8, loss=inner_step(m, opt, batch))
+            assert sync.round >= 1
+        finally:
+            sync.close()
+    assert ("join", Identity, JoinAnswer) in seen
+    assert any(kind == "push" and t is PushHeader and out is PushOutcome.COMMITTED for kind, t, out in seen)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -104,28 +104,6 @@ class RetryPolicy:
 WARN_EVERY_SECONDS = 30.0
 PULL_BUFFER_BYTES = 512 << 20
 """Entry buffers an island keeps for its next pulls (one entry is held at a time: the largest few)."""
-
-
-class Transport(Protocol):
-    """One coordinator shard's calls, as :class:`CoordinatorClient` makes them: the seam where the harness
-    wraps the real client to inject faults (``CoordinatorLink(..., connect=...)``)."""
-
-    address: str
-    retry: RetryPolicy
-    bytes_sent: int
-    bytes_received: int
-
-    def join(self, req: pb.JoinRequest, *, give_up_seconds: float | None = None) -> pb.JoinResponse: ...
-
-    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse: ...
-
-    def leave(self, req: pb.LeaveRequest, *, give_up_seconds: float | None = None) -> pb.LeaveResponse: ...
-
-    def push(self, header: pb.PushHeader, payloads) -> pb.PushResponse: ...
-
-    def pull(self, req: pb.PullRequest, on_entry=None) -> tuple[pb.UpdateHeader, list]: ...
-
-    def close(self) -> None: ...
 
 
 class CoordinatorClient:

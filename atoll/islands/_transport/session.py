@@ -1,7 +1,7 @@
 """One island's session with one coordinator shard: join, bootstrap, heartbeats, push, pull.
 
-It speaks the island's messages (:mod:`atoll.islands._messages`) to the island and protobuf to its
-client (:mod:`atoll.islands._transport.convert` between the two). Every protocol outcome is handled
+It speaks the island's messages (:mod:`atoll.islands._messages`) both ways: to the island, and to its
+transport (:mod:`atoll.islands._transport.seam`, which alone knows the protobuf form). Every protocol outcome is handled
 here, by its reason or outcome field (never by message text):
 a coordinator that forgot the island (NOT_JOINED) is re-joined and the call repeated; a refusal
 the user must act on (model, codec, run id, island id) becomes :class:`CoordinatorRefused`; a push
@@ -16,17 +16,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
 from atoll.compression import WireFormatError
-from atoll.islands._messages import Entry, JoinAnswer, JoinRequest, Pulled, PushHeader, Region, Update
-from atoll.islands._transport import convert, waiting
-from atoll.islands._transport.client import RETRYABLE, CoordinatorClient
+from atoll.islands._messages import Entry, Identity, JoinAnswer, JoinRequest, Pulled, PushHeader, Region, Update
+from atoll.islands._transport import waiting
+from atoll.islands._transport.client import RETRYABLE
+from atoll.islands._transport.seam import Transport
 from atoll.islands._transport.waiting import Act
 from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable, PartialUpdate, QuorumGone
-from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.reasons import FATAL, Reason
 from atoll.protos.status import reason_of
 from atoll.protos.vocabulary import PushKind, PushOutcome, UpdateKind
@@ -37,15 +36,6 @@ LEAVE_SECONDS = 10.0
 """Leaving tries this long at most: a process stopping (a scheduler's grace period) must not hang on it."""
 WAIT_WARN_SECONDS = 60.0
 """Report a wait for an outer step at WARNING after this long, and again as long as it lasts."""
-
-
-@dataclass(frozen=True)
-class Identity:
-    run_id: str
-    island_id: str
-    session_id: str
-    rank: int
-    num_ranks: int
 
 
 def refused(err: grpc.RpcError) -> CoordinatorRefused | None:
@@ -60,7 +50,7 @@ class Session:
     def __init__(
         self,
         index: int,
-        client: CoordinatorClient,
+        transport: Transport,
         me: Identity,
         join_request: Callable[[], JoinRequest],
         regions: list[Region],
@@ -70,8 +60,8 @@ class Session:
         """``join_request()`` builds this shard's JoinRequest (its tensors, partition, codecs);
         ``regions``: what this rank pulls (its shards' regions; whole tensors with no offsets)."""
         self.index = index
-        self.regions = convert.regions(regions)
-        self.client = client
+        self.regions = list(regions)
+        self.transport = transport
         self.me = me
         self.join_request = join_request
         self.pull_wait_seconds = pull_wait_seconds
@@ -85,13 +75,11 @@ class Session:
 
     @property
     def address(self) -> str:
-        return self.client.address
+        return self.transport.address
 
     def join(self, *, give_up_seconds: float | None = None) -> JoinAnswer:
-        m = self.me
-        req = convert.join_request(m.run_id, m.island_id, m.session_id, self.join_request())
         try:
-            resp = convert.join_answer(self.client.join(req, give_up_seconds=give_up_seconds))
+            resp = self.transport.join(self.me, self.join_request(), give_up_seconds=give_up_seconds)
         except grpc.RpcError as err:
             fatal = refused(err)
             if fatal is not None:
@@ -106,26 +94,20 @@ class Session:
     def heartbeat(self) -> None:
         m = self.me
         try:
-            resp = self.client.heartbeat(
-                pb.HeartbeatRequest(run_id=m.run_id, island_id=m.island_id, round=self.round, session_id=m.session_id)
-            )
+            resp = self.transport.heartbeat(m, self.round)
             self.run_complete = self.run_complete or resp.run_complete
             self.latest_round = max(self.latest_round, resp.round)
         except grpc.RpcError as err:
             if reason_of(err) is Reason.NOT_JOINED:
                 log.info("coordinator shard %d forgot %s; re-joining", self.index, m.island_id)
                 try:
-                    self.join(give_up_seconds=self.client.retry.rpc_timeout_seconds)
+                    self.join(give_up_seconds=self.transport.retry.rpc_timeout_seconds)
                 except (grpc.RpcError, CoordinatorRefused) as again:
                     log.warning("re-join of shard %d failed: %s", self.index, again)
 
     def leave(self) -> None:
-        m = self.me
         try:
-            self.client.leave(
-                pb.LeaveRequest(run_id=m.run_id, island_id=m.island_id, session_id=m.session_id),
-                give_up_seconds=min(self.client.retry.rpc_timeout_seconds, LEAVE_SECONDS),
-            )
+            self.transport.leave(self.me, give_up_seconds=min(self.transport.retry.rpc_timeout_seconds, LEAVE_SECONDS))
         except grpc.RpcError as err:
             log.warning("leave failed on shard %d: %s", self.index, err.details())
 
@@ -143,9 +125,9 @@ class Session:
         raise err
 
     def _unreachable(self, err: grpc.RpcError, give_up_seconds: float | None = None) -> CoordinatorUnreachable:
-        waited = self.client.retry.give_up_seconds if give_up_seconds is None else give_up_seconds
+        waited = self.transport.retry.give_up_seconds if give_up_seconds is None else give_up_seconds
         return CoordinatorUnreachable(
-            f"coordinator {' | '.join(self.client.alternatives)} unreachable for {waited:.0f}s "
+            f"coordinator {' | '.join(self.transport.alternatives)} unreachable for {waited:.0f}s "
             f"({err.code().name}: {err.details()}); giving up"
         )
 
@@ -163,11 +145,9 @@ class Session:
     def push(self, header: PushHeader, payloads) -> PushOutcome:
         """Push (``payloads``: a list, or ``encode(i)``, see CoordinatorClient.push); returns the
         outcome (ROUND_CLOSED: the round closed first; the island keeps the work)."""
-        m = self.me
-        wire = convert.push_header(m.run_id, m.island_id, m.session_id, m.rank, m.num_ranks, header)
         while True:
             try:
-                outcome = convert.outcome(self.client.push(wire, payloads))
+                outcome = self.transport.push(self.me, header, payloads)
             except grpc.RpcError as err:
                 self._rejoin_or_raise(err)
                 continue
@@ -212,17 +192,10 @@ class Session:
         while True:
             if cancel is not None and cancel.is_set():
                 raise RuntimeError(f"{m.island_id}: closed while waiting for round {w.have_round}'s outer step")
-            req = pb.PullRequest(
-                run_id=m.run_id,
-                island_id=m.island_id,
-                session_id=m.session_id,
-                have_round=w.have_round,
-                wait_seconds=self.pull_wait_seconds,
-            )
-            req.regions.extend(self.regions)
             try:
-                header, payloads = self.client.pull(req, on_entry=None if on_entry is None else entries(on_entry))
-                header = convert.update(header)
+                header, payloads = self.transport.pull(
+                    m, w.have_round, wait_seconds=self.pull_wait_seconds, regions=self.regions, on_entry=on_entry
+                )
             except (PartialUpdate, WireFormatError) as err:
                 w, act = waiting.broken(w)
                 if act is Act.FAIL:
@@ -267,16 +240,3 @@ class Session:
                     header.waiting or "the coordinator has not closed the round",
                 )
                 warned = now
-
-
-def entries(on_entry: Callable[[Update, int, object], None]):
-    """``on_entry`` for the client's reader, which hands each entry over with the wire's header: the
-    island's gets the header as an :class:`Update` (converted once per pull)."""
-    converted: list = [None, None]
-
-    def apply(header: pb.UpdateHeader, i: int, payload) -> None:
-        if converted[0] is not header:
-            converted[:] = [header, convert.update(header)]
-        on_entry(converted[1], i, payload)
-
-    return apply
