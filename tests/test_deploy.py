@@ -11,7 +11,7 @@ import yaml
 from atoll.cli import build_parser
 from atoll.coordinator.config import RunConfig
 from atoll.flags import config_from
-from atoll.workload.island import IslandArgs
+from atoll.workload.options import IslandArgs
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 

@@ -11,7 +11,8 @@ import sys
 from atoll.flags import LOG_LEVELS, add_dataclass_args, config_from, run_command, tokens_glued
 from atoll.islands.errors import CoordinatorRefused, CoordinatorUnreachable
 from atoll.workload.hooks import IslandHooks
-from atoll.workload.island import IslandArgs, run_island
+from atoll.workload.island import run_island
+from atoll.workload.options import IslandArgs
 
 HELP = "run the reference island (a GPT on the bundled text or your tokens)"
 REFUSALS = (CoordinatorRefused, CoordinatorUnreachable)
