@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,9 +202,7 @@ def from_args(ns: argparse.Namespace) -> CoordinatorOptions:
     """The options of ``atoll coordinator``'s parsed flags (ValueError, naming the flag, on a bad one)."""
     if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
         raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
-    check_port("--bulk-port", ns.bulk_port, low=-1)
-    if math.isnan(ns.stream_idle_seconds):
-        raise ValueError("--stream-idle-seconds must be a number")
+    check_port("--bulk-port", ns.bulk_port, low=-1)  # (-1: none; NetworkOptions holds None for it)
     return CoordinatorOptions(
         run=config_from(RunConfig, ns),
         state_dir=ns.state_dir,

@@ -101,5 +101,3 @@ class RoundRecord(Mapping):
             for f in dataclasses.fields(self)
             if f.name != "extra" and not (f.name in _OPTIONAL and getattr(self, f.name) is None)
         ]
-
-    __hash__ = None  # mutable (persist_seconds is set once the round is durable)
