@@ -12,7 +12,7 @@ What a user needs is exported here (``__all__``), with :mod:`atoll.islands.error
 """
 
 from atoll.islands._diloco import DiLoCo
-from atoll.islands._exchanges import RoundStats
+from atoll.islands._flight import RoundStats
 from atoll.islands._link import CoordinatorLink, Transport, WireTransport
 from atoll.islands._options import DiLoCoOptions
 from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy

@@ -28,7 +28,8 @@ from typing_extensions import Unpack
 from atoll.compression.staging import pinned_buffer
 from atoll.islands import _resume as resume
 from atoll.islands import _theta as theta
-from atoll.islands._exchanges import Exchanges, Flight, RoundStats
+from atoll.islands._exchanges import Exchanges
+from atoll.islands._flight import Flight, RoundStats
 from atoll.islands._legacy import LINK_ARGUMENTS, from_deprecated_form
 from atoll.islands._link import CoordinatorLink
 from atoll.islands._options import DiLoCoKwargs, DiLoCoOptions

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from atoll.islands._messages import Identity, JoinAnswer
 from atoll.islands._terms import IslandTerms
-from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy, parse_addresses
+from atoll.islands._transport.addresses import parse_addresses
+from atoll.islands._transport.client import ClientTls, CoordinatorClient, RetryPolicy
 from atoll.islands._transport.seam import Transport, WireTransport, transport_of
 from atoll.islands._transport.session import Session
 

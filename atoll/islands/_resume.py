@@ -8,7 +8,8 @@ import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
-from atoll.islands._exchanges import Exchanges, RoundStats, flight_state, restore_flight
+from atoll.islands._exchanges import Exchanges
+from atoll.islands._flight import RoundStats, flight_state, restore_flight
 from atoll.islands._messages import JoinAnswer
 from atoll.islands._outer_state import OuterState
 from atoll.islands._route_table import RouteTable

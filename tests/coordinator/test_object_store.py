@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("s3_server")
 
 
 def test_a_coordinator_address_may_name_standbys():
-    from atoll.islands._transport.client import alternatives, parse_addresses
+    from atoll.islands._transport.addresses import alternatives, parse_addresses
 
     assert parse_addresses("a:1|b:2,c:3") == ["a:1|b:2", "c:3"]
     assert alternatives("a:1| b:2") == ["a:1", "b:2"]
