@@ -10,7 +10,7 @@ import time
 from atoll.harness.cuts import reset
 from atoll.islands import CoordinatorClient
 from atoll.islands._transport.kept import KeptConnections
-from atoll.islands._transport.streams import TcpPush
+from atoll.islands._transport.tcp_streams import TcpPush
 from atoll.islands._transport.transfer import write_push
 from atoll.protos import coordinator_pb2 as pb
 

@@ -22,7 +22,8 @@ from atoll.coordinator.options import NetworkOptions, SecurityOptions
 from atoll.coordinator.transport.security import IslandTokens
 from atoll.harness.cuts import reset
 from atoll.islands._transport.client import BulkPort, CoordinatorClient, PartialUpdate, RetryPolicy
-from atoll.islands._transport.streams import TcpPush, _End
+from atoll.islands._transport.streams import End
+from atoll.islands._transport.tcp_streams import TcpPush
 from atoll.islands._transport.transfer import write_push
 from atoll.protos import bulk
 from atoll.protos import coordinator_pb2 as pb
@@ -464,7 +465,7 @@ def cut_first_attempt(client, at: int) -> list[bool]:
             sent += take
             if sent < at:
                 return True
-            stream._ready.put(_End)  # let the sender put every byte on the wire, then cut
+            stream._ready.put(End)  # let the sender put every byte on the wire, then cut
             stream._sender.join()
             for sock in stream._socks:
                 reset(sock)
@@ -563,7 +564,7 @@ def test_a_pull_cut_part_way_asks_for_the_rest(start_server, raw_island, tmp_pat
 
 def test_the_rest_of_an_answer_comes_striped_too(start_server, raw_island):
     """What a resumed pull asks for, over three connections: the answer's data from the offset on."""
-    from atoll.islands._transport.streams import TcpPull
+    from atoll.islands._transport.tcp_streams import TcpPull
 
     srv = start_server(exact_config(run_id="t", sync_every=1))
     gen = torch.Generator().manual_seed(4)

@@ -188,6 +188,7 @@ def test_a_non_finite_figure_never_takes_the_status_endpoints_down(start_server,
     a.push(filled(1.0), round_=0, kind=pb.PUSH_KIND_INIT)
     a.push(filled(0.01), round_=0, tokens=5, loss=2.0)
     a.pull(0)
+
     def poison(s) -> None:  # figures no check let through, should one ever be
         s.history[0].loss, s.history[0].seconds_open = math.inf, math.nan
 

@@ -19,7 +19,7 @@ from support import exact_config, wait_for
 from atoll.coordinator.options import AdminOptions, NetworkOptions, SecurityOptions
 from atoll.coordinator.transport.security import IslandTokens, TlsConfig
 from atoll.islands._transport.client import BulkPort, ClientTls, CoordinatorClient, RetryPolicy
-from atoll.islands._transport.streams import TcpPush
+from atoll.islands._transport.tcp_streams import TcpPush
 from atoll.islands._transport.transfer import write_push
 from atoll.islands.errors import CoordinatorRefused, WrongEndpoint
 from atoll.protos import bulk

@@ -29,7 +29,8 @@ from atoll.islands._transport.addresses import alternatives, parse_address, pars
 from atoll.islands._transport.kept import KeptConnections
 from atoll.islands._transport.opening import AUTO_MAX_STREAMS, BulkPort, BulkUnreachable, auto_streams, connect
 from atoll.islands._transport.probe import diagnose
-from atoll.islands._transport.streams import GrpcPull, GrpcPush, TcpPull, TcpPush
+from atoll.islands._transport.streams import GrpcPull, GrpcPush
+from atoll.islands._transport.tcp_streams import TcpPull, TcpPush
 from atoll.islands._transport.tls import ClientTls
 from atoll.islands._transport.transfer import read_update, write_push
 from atoll.islands.errors import PartialUpdate, ProtocolError, Stopping, WrongEndpoint
