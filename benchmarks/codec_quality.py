@@ -24,19 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
+from goodput import make_text_corpus  # benchmarks/goodput.py, beside this
 
-from goodput import make_text_corpus  # noqa: E402  (benchmarks/goodput.py, beside this)
-
-from atoll.compression import codec_name  # noqa: E402
-from atoll.coordinator.disk import snapshots  # noqa: E402
-from atoll.harness import ProcessGroup  # noqa: E402
+from atoll.compression import codec_name
+from atoll.coordinator.disk import snapshots
+from atoll.harness import ProcessGroup
 
 COMMON = ["--run-id", "cq", "--outer-lr", "1.0", "--outer-momentum", "0.5", "--lease-seconds", "10"]
 COMMON += ["--bulk-port", "-1", "--keep-snapshots", "100000", "--snapshot-every", "1"]

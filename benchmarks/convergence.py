@@ -26,17 +26,15 @@ import argparse
 import json
 import os
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from atoll.harness.demo import DemoArgs, run_island_group  # noqa: E402
+from atoll.harness.demo import DemoArgs, run_island_group
 
 
 def _ddp_worker(rank: int, world: int, port: int, steps: int, lr: float, eval_every: int, out: str) -> None:

@@ -18,17 +18,16 @@ import json
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 
-from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.harness.seaweed import SeaweedS3, free_ports  # noqa: E402
-from benchmarks.gpu import make_tokens  # noqa: E402
+from atoll.harness import ProcessGroup
+from atoll.harness.seaweed import SeaweedS3, free_ports
+from benchmarks.gpu import make_tokens
 
 
 def published(admin: str) -> int:

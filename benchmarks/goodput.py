@@ -36,17 +36,16 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 
-from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.harness.faults import Fault, island_faults_json  # noqa: E402
-from atoll.harness.wan import ProxyThread  # noqa: E402
+from atoll.harness import ProcessGroup
+from atoll.harness.faults import Fault, island_faults_json
+from atoll.harness.wan import ProxyThread
 
 SPEEDS = {"A": 1, "B": 1, "C": 2, "D": 4}
 COMMON = ["--run-id", "gp", "--outer-lr", "1.0", "--outer-momentum", "0.5", "--lease-seconds", "10"]

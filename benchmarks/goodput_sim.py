@@ -37,17 +37,14 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from atoll.coordinator.policy.grace import Arrival  # noqa: E402
-from atoll.coordinator.policy.rounds import (  # noqa: E402
+from atoll.coordinator.policy.grace import Arrival
+from atoll.coordinator.policy.rounds import (
     Decision,
     IslandView,
     RoundPolicy,
@@ -56,7 +53,7 @@ from atoll.coordinator.policy.rounds import (  # noqa: E402
     next_wakeup,
     waited_for,
 )
-from atoll.coordinator.policy.weighting import PushClass, classify  # noqa: E402
+from atoll.coordinator.policy.weighting import PushClass, classify
 
 PUBLISHED = {"decoupled": 0.88, "elastic data-parallel": 0.58}
 """Decoupled DiLoCo's reported goodput under heavy simulated failures (arXiv 2604.21428)."""

@@ -27,12 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from atoll.harness import ProcessGroup  # noqa: E402
+from atoll.harness import ProcessGroup
 
 VOCAB = 50257
 

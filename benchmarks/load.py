@@ -15,22 +15,20 @@ import argparse
 import functools
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
+import torch
 
-import torch  # noqa: E402
-
-from atoll.compression import get_codec  # noqa: E402
-from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.islands import CoordinatorClient, RetryPolicy  # noqa: E402
-from atoll.memory import tune_for_bulk_buffers  # noqa: E402
-from atoll.protos import coordinator_pb2 as pb  # noqa: E402
+from atoll.compression import get_codec
+from atoll.harness import ProcessGroup
+from atoll.islands import CoordinatorClient, RetryPolicy
+from atoll.memory import tune_for_bulk_buffers
+from atoll.protos import coordinator_pb2 as pb
 
 
 def rss_kib(pid: int, field: str) -> int:

@@ -24,13 +24,14 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 
-from atoll.harness.netlink import Link, LinkSpec, enter_namespace  # noqa: E402
+from atoll.harness.netlink import Link, LinkSpec, enter_namespace
 
 CLIENT = r"""
 import json, socket, struct, sys, time
+
+ROOT = common.ROOT
 host, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 c = socket.create_connection((host, port))
 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

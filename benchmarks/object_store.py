@@ -29,26 +29,24 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from atoll.compression import get_codec  # noqa: E402
-from atoll.coordinator.config import RunConfig  # noqa: E402
-from atoll.coordinator.disk import snapshots, wal  # noqa: E402
-from atoll.coordinator.disk.mirror import Mirror  # noqa: E402
-from atoll.coordinator.disk.store import ObjectState  # noqa: E402
-from atoll.coordinator.disk.writer import StateWriter  # noqa: E402
-from atoll.coordinator.state.model import GlobalModel  # noqa: E402
-from atoll.harness.seaweed import SeaweedS3  # noqa: E402
-from atoll.memory import tune_for_bulk_buffers  # noqa: E402
-from atoll.models import TinyGPT, preset  # noqa: E402
-from atoll.objects import ObjectStore, close_client  # noqa: E402
+from atoll.compression import get_codec
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.disk import snapshots, wal
+from atoll.coordinator.disk.mirror import Mirror
+from atoll.coordinator.disk.store import ObjectState
+from atoll.coordinator.disk.writer import StateWriter
+from atoll.coordinator.state.model import GlobalModel
+from atoll.harness.seaweed import SeaweedS3
+from atoll.memory import tune_for_bulk_buffers
+from atoll.models import TinyGPT, preset
+from atoll.objects import ObjectStore, close_client
 
 
 def model_theta(name: str) -> dict[str, torch.Tensor]:

@@ -10,19 +10,17 @@ A real coordinator process with H larger than the run, so no step syncs: the loo
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
+import torch
 
-import torch  # noqa: E402
-
-from atoll.data import CharDataset  # noqa: E402
-from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.islands import CoordinatorLink, DiLoCo  # noqa: E402
-from atoll.models import GPTConfig, TinyGPT  # noqa: E402
+from atoll.data import CharDataset
+from atoll.harness import ProcessGroup
+from atoll.islands import CoordinatorLink, DiLoCo
+from atoll.models import GPTConfig, TinyGPT
 
 IDENTITY = ("--codec", "identity", "--downlink-codec", "identity")
 """As its recorded figures were measured (the run's default is int8 both ways)."""

@@ -64,19 +64,16 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
+from goodput import evaluate_theta, make_corpus, make_text_corpus  # benchmarks/goodput.py, beside this
 
-from goodput import evaluate_theta, make_corpus, make_text_corpus  # noqa: E402  (benchmarks/goodput.py, beside this)
-
-from atoll.coordinator.disk import snapshots  # noqa: E402
-from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.harness.faults import Fault, island_faults_json  # noqa: E402
+from atoll.coordinator.disk import snapshots
+from atoll.harness import ProcessGroup
+from atoll.harness.faults import Fault, island_faults_json
 
 COMMON = ["--run-id", "gp", "--outer-lr", "1.0", "--outer-momentum", "0.5", "--lease-seconds", "10"]
 COMMON += ["--codec", "identity", "--downlink-codec", "identity", "--bulk-port", "-1"]

@@ -16,17 +16,16 @@ import argparse
 import json
 import signal
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 
-from atoll.coordinator.disk import snapshots  # noqa: E402
-from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.workload.digest import param_digest  # noqa: E402
+from atoll.coordinator.disk import snapshots
+from atoll.harness import ProcessGroup
+from atoll.workload.digest import param_digest
 
 
 def island_cmd(address: str, island: str, ckpt: Path, args) -> list[str]:

@@ -28,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 
 MIB = 1 << 20
 

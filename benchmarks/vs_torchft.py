@@ -60,8 +60,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common  # the repository and benchmarks/ on the path (benchmarks/common.py)
+
+ROOT = common.ROOT
+
 
 VOCAB = {"tiny": 65, "gpt-125m": 50257}
 """The bundled text's character vocabulary for the tiny model; GPT-2's for the 124M preset."""

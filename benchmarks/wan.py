@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 
-from atoll.harness import ProcessGroup  # noqa: E402
-from atoll.harness.wan import EMULATION, LinkProfile, ProxyThread  # noqa: E402
+from atoll.harness import ProcessGroup
+from atoll.harness.wan import EMULATION, LinkProfile, ProxyThread
 
 
 def run(work: Path, args, profile: LinkProfile | None, overlap: int = 0) -> dict:

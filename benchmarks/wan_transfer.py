@@ -33,10 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common  # the repository and benchmarks/ on the path (benchmarks/common.py)
 
-from atoll.harness.netlink import Link, LinkSpec, enter_namespace  # noqa: E402
+from atoll.harness.netlink import Link, LinkSpec, enter_namespace
+
+ROOT = common.ROOT
 
 
 def island(

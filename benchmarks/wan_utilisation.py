@@ -43,12 +43,13 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common  # the repository and benchmarks/ on the path (benchmarks/common.py)
 
-from atoll.compression import get_codec  # noqa: E402
-from atoll.harness.netlink import Link, LinkSpec, enter_namespace  # noqa: E402
-from atoll.plan import downlink_for  # noqa: E402
+from atoll.compression import get_codec
+from atoll.harness.netlink import Link, LinkSpec, enter_namespace
+from atoll.plan import downlink_for
+
+ROOT = common.ROOT
 
 
 def island(addresses: str, name: str, a) -> None:
