@@ -30,8 +30,6 @@ from atoll.harness.netlink import Link, LinkSpec, enter_namespace
 
 CLIENT = r"""
 import json, socket, struct, sys, time
-
-ROOT = common.ROOT
 host, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 c = socket.create_connection((host, port))
 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -60,10 +60,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import common  # the repository and benchmarks/ on the path (benchmarks/common.py)
-
-ROOT = common.ROOT
-
+import common  # noqa: F401  (the repository and benchmarks/ on the path: benchmarks/common.py)
 
 VOCAB = {"tiny": 65, "gpt-125m": 50257}
 """The bundled text's character vocabulary for the tiny model; GPT-2's for the 124M preset."""
@@ -225,7 +222,7 @@ def run_system(a) -> None:
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     before = lo_bytes()
     me = [sys.executable, str(Path(__file__).resolve())]
-    common = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every), "--noise", a.noise]
+    run_args = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every), "--noise", a.noise]
     coord = lighthouse = None
     with tempfile.TemporaryDirectory(prefix="vs-") as tmp:
         if a.system == "torchft":
@@ -261,7 +258,7 @@ def run_system(a) -> None:
             target = ["--coordinator", f"127.0.0.1:{port_file.read_text().strip()}"]
         workers = [
             subprocess.Popen(
-                [*me, "--role", f"{a.system}-worker", "--index", str(i), *common, *target],
+                [*me, "--role", f"{a.system}-worker", "--index", str(i), *run_args, *target],
                 stdout=subprocess.PIPE,
                 text=True,
             )
@@ -486,7 +483,7 @@ def main() -> None:
         import torchft  # noqa: F401
     except ImportError:
         sys.exit("torchft is not installed: pip install -e '.[bench]'")
-    common = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every), "--noise", a.noise]
+    run_args = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every), "--noise", a.noise]
     floor = isolated(["--role", "floors", "--model", a.model])
     theta = 4 * floor["numel"]
     print(
@@ -502,7 +499,7 @@ def main() -> None:
         for pair in range(a.pairs):
             order = ["atoll", "torchft"] if pair % 2 == 0 else ["torchft", "atoll"]
             store = ["--state-store"] if a.state_store else []
-            runs = {s: isolated(["--role", "run", "--system", s, "--codec", codec, *common, *store]) for s in order}
+            runs = {s: isolated(["--role", "run", "--system", s, "--codec", codec, *run_args, *store]) for s in order}
             at, tf = runs["atoll"], runs["torchft"]
             ratio = steady(at) / steady(tf)
             ratios.append(ratio)
