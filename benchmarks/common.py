@@ -1,12 +1,11 @@
 """What the benchmark scripts share, through atoll's public APIs: the repository on the path, a
-coordinator process started on loopback and stopped, one JSON line out, and a raw island's Join
-request and push headers (for scripts that speak the protocol with the public client).
+coordinator process started on loopback and stopped, and a raw island's Join request and push headers
+(for scripts that speak the protocol with the public client).
 
 Import it first (``import common``: the script's own folder is on the path when it runs)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -16,15 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 for _path in (str(ROOT), str(ROOT / "benchmarks")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
-
-
-def emit(obj) -> None:
-    """One JSON line on stdout, flushed (a parent process reads it)."""
-    print(json.dumps(obj), flush=True)
-
-
-def write_json(path: Path, obj, indent: int | None = None) -> None:
-    Path(path).write_text(json.dumps(obj, indent=indent))
 
 
 class Coordinator:

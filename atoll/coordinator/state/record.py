@@ -72,8 +72,6 @@ class RoundRecord(Mapping):
     @classmethod
     def from_json(cls, data: Mapping) -> RoundRecord:
         """A stored record of any release (ValueError when it has no round)."""
-        if isinstance(data, RoundRecord):
-            return data
         if "round" not in data:
             raise ValueError("a round record without its round")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
