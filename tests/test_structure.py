@@ -206,6 +206,22 @@ def test_one_vocabulary_no_enum_is_defined_twice():
     assert where["PushOutcome"] == ["atoll.protos.vocabulary"]
 
 
+def test_one_vocabulary_no_message_is_named_twice_across_the_two_ends():
+    """A protocol message both ends speak is one type (:mod:`atoll.protos.messages`); what only one end
+    holds has a name of its own there: no class name is defined both on the island side and on the
+    coordinator side."""
+    where: dict[str, set[str]] = {}
+    for name, path in modules().items():
+        side = (name.split(".") + [""])[1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, set()).add(side)
+    both = sorted(k for k, sides in where.items() if {"islands", "coordinator"} <= sides)
+    assert both == []
+    for shared in ("Region", "TensorRegion", "Entry", "TensorDecl", "JoinRequest", "PushHeader"):
+        assert where[shared] == {"protos"}, shared
+
+
 def test_benchmarks_use_public_apis_only():
     """The scripts behind benchmarks/RESULTS.md import no private island module: what they need of the
     transport's insides, the harness gives them (:mod:`atoll.harness.transfers`)."""

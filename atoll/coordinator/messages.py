@@ -1,53 +1,62 @@
 """The coordinator core's requests and answers: plain data, no protobuf.
 
-``service.py`` converts the wire messages into these and back; the core and its tests never see
-protobuf. Enum values name what happened, so no caller matches text.
+``transport/convert.py`` converts the wire messages into these and back; the core and its tests never
+see protobuf. The messages both ends speak (:class:`JoinRequest`, :class:`PushHeader`, their
+:class:`TensorDecl` and :class:`Entry`) are :mod:`atoll.protos.messages`'s, re-exported here; the rest
+are the core's own. Enum values name what happened, so no caller matches text.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.regions import Region
-from atoll.protos.vocabulary import PushKind, PushOutcome, UpdateKind
+from atoll.protos.messages import Entry, JoinRequest, PushHeader, Region, TensorDecl, TensorRegion
+from atoll.protos.vocabulary import PushOutcome, TensorKind, UpdateKind
 
-PARAMETER, BUFFER = "parameter", "buffer"
-"""Tensor kinds: trained parameters take the outer optimizer; floating-point buffers are averaged."""
+__all__ = [
+    "Admission",
+    "Entry",
+    "IslandCall",
+    "JoinRequest",
+    "PayloadEntry",
+    "PullAnswer",
+    "PullRequest",
+    "PushHeader",
+    "PushResult",
+    "Region",
+    "TensorDecl",
+    "TensorKind",
+    "TensorRegion",
+]
+
+RENAMED = {
+    "EntryDecl": ("Entry", Entry),
+    "PARAMETER": ("TensorKind.PARAMETER", TensorKind.PARAMETER),
+    "BUFFER": ("TensorKind.BUFFER", TensorKind.BUFFER),
+}
+"""Names of the last release, kept for one more (the coordinator's ``JoinAnswer`` is :class:`Admission`,
+below)."""
 
 
-@dataclass(frozen=True)
-class TensorDecl:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype | None
-    """None: a dtype the wire names but this build does not know."""
-    kind: str = PARAMETER
-    aliases: tuple[str, ...] = ()
-    """Other names of the same tensor in the model's state_dict (tied weights)."""
+def __getattr__(name: str):
+    if name == "JoinAnswer":
+        name, value = "Admission", Admission
+    elif name in RENAMED:
+        name, value = RENAMED[name]
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"this name of atoll.coordinator.messages is deprecated: use {name}", FutureWarning, stacklevel=2)
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
-class JoinRequest:
-    run_id: str
-    island_id: str
-    session_id: str = ""
-    codecs: tuple[str, ...] = ()
-    tensors: tuple[TensorDecl, ...] = ()
-    num_ranks: int = 1
-    shard_index: int = 0
-    num_shards: int = 1
-    partition: str = "hash"
-    layout_digest: str = ""
-    model_card: str = ""
-    """What the model is, as JSON (``JoinRequest.model_card``; empty: not said)."""
+class Admission:
+    """What the core decides at Join; the service adds its transport's terms (bulk port, streams) and
+    answers with the wire's JoinResponse."""
 
-
-@dataclass(frozen=True, kw_only=True)
-class JoinAnswer:
     config: RunConfig
     round: int
     bootstrap: bool
@@ -62,33 +71,6 @@ class IslandCall:
     run_id: str
     island_id: str
     session_id: str = ""
-
-
-@dataclass(frozen=True)
-class EntryDecl:
-    name: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    num_bytes: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class PushHeader:
-    run_id: str
-    island_id: str
-    session_id: str = ""
-    round: int
-    kind: PushKind | None
-    """None: a kind this build does not know."""
-    rank: int = 0
-    num_ranks: int = 1
-    tokens: int = 0
-    codec: str = ""
-    entries: tuple[EntryDecl, ...] = ()
-    loss: float | None = None
-    inner_steps: int = 0
-    compute_seconds: float = 0.0
-    blocked_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -111,8 +93,8 @@ class PullRequest:
     session_id: str = ""
     have_round: int
     wait_seconds: float = 0.0
-    regions: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
-    """(name, offsets, sizes); empty offsets and sizes: the whole tensor; no regions: every tensor."""
+    regions: tuple[TensorRegion, ...] = ()
+    """No regions: every tensor whole."""
 
 
 @dataclass

@@ -1,51 +1,13 @@
-"""Regions of a global tensor: the piece of it one rank's shard covers."""
+"""Regions of a global tensor: the piece of it one rank's shard covers (:class:`Region`, a protocol
+message both ends share), and whether the shards of all ranks tile a tensor."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from atoll.protos.messages import Region
 
-@dataclass(frozen=True)
-class Region:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @classmethod
-    def full(cls, shape: tuple[int, ...]) -> Region:
-        return cls(tuple(0 for _ in shape), tuple(shape))
-
-    @classmethod
-    def parse(cls, offsets, sizes, shape: tuple[int, ...]) -> Region:
-        """Validate a region sent on the wire against the tensor's shape (empty = whole tensor)."""
-        offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
-        if not offsets and not sizes:
-            return cls.full(shape)
-        if len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise ValueError(
-                f"region has {len(offsets)} offsets and {len(sizes)} sizes for a tensor of {len(shape)} dims"
-            )
-        for dim, (o, s, n) in enumerate(zip(offsets, sizes, shape, strict=True)):
-            if o < 0 or s < 0 or o + s > n:
-                raise ValueError(f"region [{o}, {o + s}) is outside dim {dim} of size {n}")
-        return cls(offsets, sizes)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
-
-    def slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes, strict=True))
-
-    def overlaps(self, other: Region) -> bool:
-        return (
-            all(
-                a < b + sb and b < a + sa
-                for a, sa, b, sb in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True)
-            )
-            and self.numel > 0
-            and other.numel > 0
-        )
+__all__ = ["Region", "check_coverage"]
 
 
 def check_coverage(name: str, shape: tuple[int, ...], regions: list[Region]) -> None:

@@ -111,8 +111,9 @@ class Exchanges:
                 tokens=flight.tokens,
                 loss=flight.loss,
                 steps=flight.steps,
+                compute_seconds=compute,
+                blocked_seconds=blocked,
             )
-            header.compute_seconds, header.blocked_seconds = compute, blocked
             flight.pushes.append((i, header, payloads))
             del payloads
             self.by_route[i] = flight

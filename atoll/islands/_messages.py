@@ -1,7 +1,10 @@
 """What an island says to the coordinator and hears back, as plain data: the island's algorithm
-(:mod:`~atoll.islands._routes`, :mod:`~atoll.islands._exchanges`, :mod:`~atoll.islands._resume`) speaks
-these; only its transport (:mod:`atoll.islands._transport`) knows their protobuf form. Enum values name
-what happened, so nothing is matched by text.
+(:mod:`~atoll.islands._route_table`, :mod:`~atoll.islands._exchanges`, :mod:`~atoll.islands._resume`)
+speaks these; only its transport (:mod:`atoll.islands._transport`) knows their protobuf form. What both
+ends say (:class:`JoinRequest`, :class:`PushHeader`, :class:`TensorDecl`, :class:`Entry`,
+:class:`TensorRegion`) is :mod:`atoll.protos.messages`'s, re-exported here; what only the island hears
+(:class:`JoinAnswer`, :class:`Update`) is defined here. Enum values name what happened, so nothing is
+matched by text.
 """
 
 from __future__ import annotations
@@ -9,9 +12,21 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
+from atoll.protos.messages import Entry, JoinRequest, PushHeader, TensorDecl, TensorRegion
+from atoll.protos.vocabulary import UpdateKind
 
-from atoll.protos.vocabulary import PushKind, UpdateKind
+__all__ = [
+    "Entry",
+    "Identity",
+    "JoinAnswer",
+    "JoinRequest",
+    "Pulled",
+    "PushHeader",
+    "RunTerms",
+    "TensorDecl",
+    "TensorRegion",
+    "Update",
+]
 
 
 class Pulled(enum.Enum):
@@ -37,56 +52,6 @@ class Identity:
 
 
 @dataclass(frozen=True)
-class Region:
-    """A tensor's region, by name and its place in the whole (empty offsets and sizes: all of it)."""
-
-    name: str
-    offsets: tuple[int, ...] = ()
-    sizes: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One entry of a push or of an update: a region and its payload's bytes."""
-
-    name: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    num_bytes: int
-
-    @property
-    def key(self) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-        return self.name, self.offsets, self.sizes
-
-
-@dataclass(frozen=True)
-class TensorDecl:
-    """A tensor of the island's model, as it declares it at Join."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    buffer: bool = False
-    """A floating-point buffer (averaged over the islands, no outer momentum)."""
-    aliases: tuple[str, ...] = ()
-    """Its other names in the model's state_dict (tied weights)."""
-
-
-@dataclass(frozen=True)
-class JoinRequest:
-    """What an island joins one coordinator shard with (its identity is the session's)."""
-
-    codecs: tuple[str, ...]
-    tensors: tuple[TensorDecl, ...]
-    num_ranks: int
-    shard_index: int
-    num_shards: int
-    partition: str
-    layout_digest: str = ""
-    model_card: str = ""
-
-
-@dataclass(frozen=True)
 class RunTerms:
     """What of the run's configuration an island follows."""
 
@@ -99,6 +64,9 @@ class RunTerms:
 
 @dataclass(frozen=True)
 class JoinAnswer:
+    """What an island hears back from Join (the wire's JoinResponse: the coordinator's
+    :class:`~atoll.coordinator.messages.Admission` and its transport's terms)."""
+
     round: int
     bootstrap: bool
     """The island holds the claim to upload θ_0."""
@@ -108,49 +76,6 @@ class JoinAnswer:
     run: RunTerms
     bulk_port: int = 0
     checks_tokens: bool = False
-
-
-@dataclass
-class PushHeader:
-    """A push of one rank: what its stream carries (its identity is the session's)."""
-
-    kind: PushKind
-    round: int
-    codec: str
-    entries: tuple[Entry, ...]
-    tokens: int = 0
-    loss: float | None = None
-    inner_steps: int = 0
-    compute_seconds: float = 0.0
-    blocked_seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        """As plain JSON values (for a checkpoint)."""
-        return {
-            "kind": self.kind.value,
-            "round": self.round,
-            "codec": self.codec,
-            "entries": [[e.name, list(e.offsets), list(e.sizes), e.num_bytes] for e in self.entries],
-            "tokens": self.tokens,
-            "loss": self.loss,
-            "inner_steps": self.inner_steps,
-            "compute_seconds": self.compute_seconds,
-            "blocked_seconds": self.blocked_seconds,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> PushHeader:
-        return cls(
-            kind=PushKind(d["kind"]),
-            round=int(d["round"]),
-            codec=d["codec"],
-            entries=tuple(Entry(n, tuple(o), tuple(s), int(b)) for n, o, s, b in d["entries"]),
-            tokens=int(d["tokens"]),
-            loss=d["loss"],
-            inner_steps=int(d["inner_steps"]),
-            compute_seconds=float(d["compute_seconds"]),
-            blocked_seconds=float(d["blocked_seconds"]),
-        )
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from atoll.compression import available_codecs
-from atoll.islands._messages import JoinRequest, Region, TensorDecl
-from atoll.islands._shards import BUFFER, LocalShard
+from atoll.islands._messages import JoinRequest, TensorDecl, TensorRegion
+from atoll.islands._shards import LocalShard
 from atoll.sharding import layer_partition, layout_digest, shard_of
 
 
@@ -59,10 +59,11 @@ class RouteTable:
         """Route i's shards this rank pushes (a region several ranks hold: the lowest of them)."""
         return [s for s in self.routes[i] if s.owned]
 
-    def regions(self, i: int) -> list[Region]:
+    def regions(self, i: int) -> list[TensorRegion]:
         """What this rank pulls from coordinator shard i."""
         return [
-            Region(s.name) if s.is_full else Region(s.name, tuple(s.offsets), tuple(s.sizes)) for s in self.routes[i]
+            TensorRegion(s.name) if s.is_full else TensorRegion(s.name, tuple(s.offsets), tuple(s.sizes))
+            for s in self.routes[i]
         ]
 
     def join_request(
@@ -88,7 +89,7 @@ class RouteTable:
                         s.name,
                         tuple(s.tensor.shape),
                         s.tensor.dtype,
-                        buffer=s.kind == BUFFER,
+                        s.kind,
                         aliases=tuple(aliases.get(s.name, ())),
                     ),
                 )

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.names import canonical_name
-
-PARAMETER, BUFFER = "parameter", "buffer"
+from atoll.protos.vocabulary import TensorKind
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class LocalShard:
     sizes: tuple[int, ...]
     owned: bool
     """True when this rank pushes the region (lowest rank holding it)."""
-    kind: str = PARAMETER
+    kind: TensorKind = TensorKind.PARAMETER
 
     def local(self) -> torch.Tensor:
         """This rank's part of the tensor (a view: writing it updates the parameter)."""
@@ -70,9 +69,9 @@ def _region(p) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def synced_tensors(model: torch.nn.Module, *, buffers: bool = True) -> list[tuple[str, torch.Tensor, str]]:
     """(canonical name, tensor, kind) of what DiLoCo syncs: every parameter, and with ``buffers`` every
     floating-point buffer (BatchNorm running statistics; integer counters stay local)."""
-    out = [(canonical_name(n), p, PARAMETER) for n, p in model.named_parameters()]
+    out = [(canonical_name(n), p, TensorKind.PARAMETER) for n, p in model.named_parameters()]
     if buffers:
-        out += [(canonical_name(n), b, BUFFER) for n, b in model.named_buffers() if b.is_floating_point()]
+        out += [(canonical_name(n), b, TensorKind.BUFFER) for n, b in model.named_buffers() if b.is_floating_point()]
     seen: dict[str, int] = {}
     for name, _, _ in out:
         seen[name] = seen.get(name, 0) + 1

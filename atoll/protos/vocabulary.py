@@ -1,11 +1,18 @@
-"""The protocol's own words, defined once for both ends: what a push is (:class:`PushKind`), what
-became of it (:class:`PushOutcome`) and what a pull answers (:class:`UpdateKind`). Each end's plain
-messages (:mod:`atoll.coordinator.messages`, :mod:`atoll.islands._messages`) use these; only the
-converters know atoll.v1's protobuf enums. Values name what happened, so nothing is matched by text."""
+"""The protocol's own words, defined once for both ends: what a tensor is (:class:`TensorKind`), what
+a push is (:class:`PushKind`), what became of it (:class:`PushOutcome`) and what a pull answers
+(:class:`UpdateKind`). The messages (:mod:`atoll.protos.messages`) use these; only the converters know
+atoll.v1's protobuf enums. Values name what happened, so nothing is matched by text."""
 
 from __future__ import annotations
 
 import enum
+
+
+class TensorKind(enum.Enum):
+    PARAMETER = "parameter"
+    """Trained: the outer optimizer steps it."""
+    BUFFER = "buffer"
+    """A floating-point buffer: averaged over the islands, no outer momentum."""
 
 
 class PushKind(enum.Enum):

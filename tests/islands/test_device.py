@@ -102,7 +102,7 @@ def test_exchange_math_stays_on_the_device(where, spec):
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model()
         shards = local_shards(model)
-        assert {s.kind for s in shards} == {"parameter", "buffer"} and shards[0].local().device == CUDA
+        assert {s.kind.value for s in shards} == {"parameter", "buffer"} and shards[0].local().device == CUDA
         placement = Placement(where, CUDA)
         states = [ShardState(s, placement, Leases()) for s in shards]
         ident = get_codec("identity")

@@ -9,8 +9,7 @@ import torch
 
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
-from atoll.coordinator.messages import EntryDecl as Entry
-from atoll.coordinator.messages import JoinRequest, PullRequest, PushHeader, PushResult, TensorDecl
+from atoll.coordinator.messages import Entry, JoinRequest, PullRequest, PushHeader, PushResult, TensorDecl
 from atoll.coordinator.run.run_state import RunState
 from atoll.coordinator.state.plans import Received
 from atoll.protos.vocabulary import PushKind

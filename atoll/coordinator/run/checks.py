@@ -9,7 +9,7 @@ import math
 from atoll.compression import available_codecs, codec_name, get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.errors import Reason, RequestError, invalid, refuse
-from atoll.coordinator.messages import BUFFER, JoinRequest, PushHeader, TensorDecl
+from atoll.coordinator.messages import JoinRequest, PushHeader, TensorDecl, TensorKind, TensorRegion
 from atoll.coordinator.regions import Region, check_coverage
 from atoll.coordinator.state.plans import EntryPlan, StagedRank
 from atoll.sharding import shard_of
@@ -146,7 +146,7 @@ def aliases_of(decls: tuple[TensorDecl, ...]) -> dict[str, tuple[str, ...]]:
 
 
 def buffers_of(decls: tuple[TensorDecl, ...]) -> frozenset[str]:
-    return frozenset(t.name for t in decls if t.kind == BUFFER)
+    return frozenset(t.name for t in decls if t.kind is TensorKind.BUFFER)
 
 
 def same_model(
@@ -258,14 +258,15 @@ def coverage(specs: dict[str, tuple[int, ...]], ranks: list[StagedRank], what: s
         raise refuse(Reason.INCOMPLETE_ISLAND, f"{what}: {err}") from None
 
 
-def regions(entries, specs: dict[str, tuple[int, ...]]) -> list[tuple[str, Region | None]]:
-    """A pull's (name, offsets, sizes) as regions (None: the whole tensor; no entries: every tensor)."""
+def regions(entries: tuple[TensorRegion, ...], specs: dict[str, tuple[int, ...]]) -> list[tuple[str, Region | None]]:
+    """A pull's regions, checked against the model (None: the whole tensor; no entries: every tensor)."""
     if not entries:
         return [(name, None) for name in specs]
     if len(entries) > 4 * len(specs) + 64:
         raise invalid(f"{len(entries)} regions requested for a model of {len(specs)} tensors")
     out = []
-    for name, offsets, sizes in entries:
+    for entry in entries:
+        name, offsets, sizes = entry.name, entry.offsets, entry.sizes
         shape = specs.get(name)
         if shape is None:
             raise invalid(f"unknown tensor {name!r}")

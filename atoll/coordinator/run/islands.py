@@ -9,7 +9,7 @@ from pathlib import Path
 
 from atoll.coordinator.disk import snapshots
 from atoll.coordinator.errors import Reason, refuse
-from atoll.coordinator.messages import IslandCall, JoinAnswer, JoinRequest
+from atoll.coordinator.messages import Admission, IslandCall, JoinRequest
 from atoll.coordinator.run import checks
 from atoll.coordinator.run.options import PlacementOptions
 from atoll.coordinator.run.owners import Owners
@@ -27,7 +27,7 @@ class Islands:
     def _complete(self) -> bool:
         return self.ledger.complete(self._config().total_rounds)
 
-    def join(self, req: JoinRequest) -> JoinAnswer:
+    def join(self, req: JoinRequest) -> Admission:
         config = self._config()
         checks.run_id(config, req.run_id)
         num_ranks = checks.join(req, self.placement.shard, self.placement.partition, config)
@@ -68,7 +68,7 @@ class Islands:
             ", bootstrapping θ" if bootstrap else "",
         )
         self.ledger.poke.set()
-        return JoinAnswer(
+        return Admission(
             config=config,
             round=self.ledger.round,
             bootstrap=bootstrap,

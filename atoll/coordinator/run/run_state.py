@@ -42,8 +42,8 @@ from atoll.coordinator.disk.lock import StateLock
 from atoll.coordinator.disk.store import LocalState, StateStore
 from atoll.coordinator.disk.writer import StateWriter
 from atoll.coordinator.messages import (
+    Admission,
     IslandCall,
-    JoinAnswer,
     JoinRequest,
     PullAnswer,
     PullRequest,
@@ -211,7 +211,7 @@ class RunState:
             self._dir_lock = None
 
     # ---- membership ------------------------------------------------------------------------------
-    def join(self, req: JoinRequest) -> JoinAnswer:
+    def join(self, req: JoinRequest) -> Admission:
         return self.islands.join(req)
 
     def heartbeat(self, call: IslandCall) -> tuple[int, float, bool]:

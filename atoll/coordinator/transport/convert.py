@@ -6,14 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 from atoll.coordinator.messages import (
-    BUFFER,
-    PARAMETER,
-    EntryDecl,
+    Entry,
     JoinRequest,
     PullRequest,
     PushHeader,
     PushResult,
     TensorDecl,
+    TensorKind,
+    TensorRegion,
 )
 from atoll.names import canonical_name
 from atoll.protos import coordinator_pb2 as pb
@@ -23,7 +23,7 @@ from atoll.protos.vocabulary import PushKind, PushOutcome, UpdateKind
 PUSH_OUTCOMES = {o: getattr(pb, f"PUSH_OUTCOME_{o.name}") for o in PushOutcome}
 UPDATE_KINDS = {k: getattr(pb, f"UPDATE_KIND_{k.name}") for k in UpdateKind}
 PUSH_KINDS = {pb.PUSH_KIND_DELTA: PushKind.DELTA, pb.PUSH_KIND_INIT: PushKind.INIT}
-TENSOR_KINDS = {pb.TENSOR_KIND_PARAMETER: PARAMETER, pb.TENSOR_KIND_BUFFER: BUFFER}
+TENSOR_KINDS = {pb.TENSOR_KIND_PARAMETER: TensorKind.PARAMETER, pb.TENSOR_KIND_BUFFER: TensorKind.BUFFER}
 
 
 def join_request(m: pb.JoinRequest) -> JoinRequest:
@@ -62,9 +62,7 @@ def push_header(h: pb.PushHeader) -> PushHeader:
         num_ranks=h.num_ranks,
         tokens=h.tokens,
         codec=h.codec,
-        entries=tuple(
-            EntryDecl(canonical_name(e.name), tuple(e.offsets), tuple(e.sizes), e.num_bytes) for e in h.entries
-        ),
+        entries=tuple(Entry(canonical_name(e.name), tuple(e.offsets), tuple(e.sizes), e.num_bytes) for e in h.entries),
         loss=h.loss if h.HasField("loss") else None,
         inner_steps=h.inner_steps,
         compute_seconds=h.compute_seconds,
@@ -79,7 +77,7 @@ def pull_request(m: pb.PullRequest) -> PullRequest:
         session_id=m.session_id,
         have_round=m.have_round,
         wait_seconds=m.wait_seconds,
-        regions=tuple((canonical_name(e.name), tuple(e.offsets), tuple(e.sizes)) for e in m.regions),
+        regions=tuple(TensorRegion(canonical_name(e.name), tuple(e.offsets), tuple(e.sizes)) for e in m.regions),
     )
 
 

@@ -3,12 +3,13 @@ on the island where the wire's types and the algorithm's meet."""
 
 from __future__ import annotations
 
-from atoll.islands._messages import Entry, JoinAnswer, JoinRequest, PushHeader, Region, RunTerms, Update
+from atoll.islands._messages import Entry, JoinAnswer, JoinRequest, PushHeader, RunTerms, TensorRegion, Update
 from atoll.protos import coordinator_pb2 as pb
 from atoll.protos.dtypes import PB_FROM_TORCH
-from atoll.protos.vocabulary import PushKind, PushOutcome, UpdateKind
+from atoll.protos.vocabulary import PushKind, PushOutcome, TensorKind, UpdateKind
 
 PUSH_KINDS = {PushKind.DELTA: pb.PUSH_KIND_DELTA, PushKind.INIT: pb.PUSH_KIND_INIT}
+TENSOR_KINDS = {TensorKind.PARAMETER: pb.TENSOR_KIND_PARAMETER, TensorKind.BUFFER: pb.TENSOR_KIND_BUFFER}
 OUTCOMES = {getattr(pb, f"PUSH_OUTCOME_{o.name}"): o for o in PushOutcome}
 UPDATE_KINDS = {getattr(pb, f"UPDATE_KIND_{k.name}"): k for k in UpdateKind}
 
@@ -31,7 +32,7 @@ def join_request(run_id: str, island_id: str, session_id: str, req: JoinRequest)
             name=t.name,
             shape=list(t.shape),
             dtype=PB_FROM_TORCH[t.dtype],
-            kind=pb.TENSOR_KIND_BUFFER if t.buffer else pb.TENSOR_KIND_PARAMETER,
+            kind=TENSOR_KINDS[t.kind],
             aliases=t.aliases,
         )
     return m
@@ -119,5 +120,5 @@ def update(m: pb.UpdateHeader) -> Update:
     )
 
 
-def regions(rs: list[Region]) -> list[pb.TensorEntry]:
+def regions(rs: list[TensorRegion]) -> list[pb.TensorEntry]:
     return [pb.TensorEntry(name=r.name, offsets=list(r.offsets), sizes=list(r.sizes)) for r in rs]

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-from atoll.islands._messages import Identity, JoinAnswer, JoinRequest, PushHeader, Region, Update
+from atoll.islands._messages import Identity, JoinAnswer, JoinRequest, PushHeader, TensorRegion, Update
 from atoll.islands._transport import convert
 from atoll.islands._transport.client import CoordinatorClient, RetryPolicy
 from atoll.protos import coordinator_pb2 as pb
@@ -57,7 +57,7 @@ class Transport(Protocol):
         have_round: int,
         *,
         wait_seconds: float,
-        regions: list[Region],
+        regions: list[TensorRegion],
         on_entry: Callable[[Update, int, object], None] | None = None,
     ) -> tuple[Update, list]:
         """One long-poll: the update past ``have_round`` of ``regions`` (its payloads, unless
@@ -124,7 +124,7 @@ class WireTransport:
     def push(self, me: Identity, header: PushHeader, payloads) -> PushOutcome:
         return convert.outcome(self.client.push(wire_header(me, header), payloads))
 
-    def pull(self, me: Identity, have_round: int, *, wait_seconds: float, regions: list[Region], on_entry=None):
+    def pull(self, me: Identity, have_round: int, *, wait_seconds: float, regions: list[TensorRegion], on_entry=None):
         req = pb.PullRequest(
             run_id=me.run_id,
             island_id=me.island_id,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import grpc
 
 from atoll.compression import WireFormatError
-from atoll.islands._messages import Entry, Identity, JoinAnswer, JoinRequest, Pulled, PushHeader, Region, Update
+from atoll.islands._messages import Entry, Identity, JoinAnswer, JoinRequest, Pulled, PushHeader, TensorRegion, Update
 from atoll.islands._transport import waiting
 from atoll.islands._transport.client import RETRYABLE
 from atoll.islands._transport.seam import Transport
@@ -53,7 +53,7 @@ class Session:
         transport: Transport,
         me: Identity,
         join_request: Callable[[], JoinRequest],
-        regions: list[Region],
+        regions: list[TensorRegion],
         *,
         pull_wait_seconds: float = 10.0,
     ) -> None:
@@ -134,13 +134,34 @@ class Session:
     # ---- pushes ------------------------------------------------------------------------------
     @staticmethod
     def header(
-        kind: PushKind, round_: int, shards, sizes: list[int], codec: str, *, tokens=0, loss=None, steps=0
+        kind: PushKind,
+        round_: int,
+        shards,
+        sizes: list[int],
+        codec: str,
+        *,
+        tokens=0,
+        loss=None,
+        steps=0,
+        compute_seconds=0.0,
+        blocked_seconds=0.0,
     ) -> PushHeader:
-        """A push header for ``shards`` whose payloads are ``sizes`` bytes."""
+        """A push header for ``shards`` whose payloads are ``sizes`` bytes (who pushes is said by the
+        transport, from :attr:`me`)."""
         entries = tuple(
             Entry(s.name, tuple(s.offsets), tuple(s.sizes), size) for s, size in zip(shards, sizes, strict=True)
         )
-        return PushHeader(kind, round_, codec, entries, tokens=tokens, loss=loss, inner_steps=steps)
+        return PushHeader(
+            kind=kind,
+            round=round_,
+            codec=codec,
+            entries=entries,
+            tokens=tokens,
+            loss=loss,
+            inner_steps=steps,
+            compute_seconds=compute_seconds,
+            blocked_seconds=blocked_seconds,
+        )
 
     def push(self, header: PushHeader, payloads) -> PushOutcome:
         """Push (``payloads``: a list, or ``encode(i)``, see CoordinatorClient.push); returns the
