@@ -2,7 +2,14 @@
 
     pip install -e '.[bench]'          # torchft, the peer: a benchmark extra, never a runtime dependency
     python benchmarks/vs_torchft.py [--model tiny|gpt-125m] [--pairs 3] [--rounds 4] [--sync-every 2]
-                                    [--codecs identity int8] [--noise fresh|reused]
+                                    [--codecs identity int8] [--noise fresh|reused] [--peer DIR ...]
+
+A second torchft (the newest on the package index, whose module is also ``torchft``) goes into a folder
+of its own and is named with ``--peer``; each pair then runs atoll and every torchft, in turn:
+
+    pip install --no-deps --target .peers/torchft-nightly torchft-nightly \
+        opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+    python benchmarks/vs_torchft.py --model gpt-125m --peer .peers/torchft-nightly
 
 The workload (issue 21): 2 workers, the preset's tensors, inner steps that set every gradient to seeded
 noise and take an SGD step (both systems do identical, cheap compute), H = ``--sync-every``, outer
@@ -302,10 +309,26 @@ def run_system(a) -> None:
                 "coordinator_rss": coord_rss[0],
                 "payload": payload,
                 "service_cpu": service_cpu,
+                "peer": torchft_version() if a.system == "torchft" else "",
             }
         ),
         flush=True,
     )
+
+
+def torchft_version() -> str:
+    """The torchft this process imports, as its distribution names it (torchft 0.2.0, torchft-nightly ...)."""
+    import importlib.metadata
+
+    dists = importlib.metadata.packages_distributions().get("torchft", ["torchft"])
+    import torchft
+
+    where = Path(torchft.__file__).resolve().parent.parent
+    for dist in dists:  # the one installed where the imported module lives
+        found = importlib.metadata.distribution(dist)
+        if Path(found.locate_file("")).resolve() == where:
+            return f"{dist} {found.version}"
+    return f"{dists[0]} {importlib.metadata.version(dists[0])}"
 
 
 # ---- the floors -------------------------------------------------------------------------------------------
@@ -367,8 +390,9 @@ def gloo_rank(a) -> None:
 
 
 # ---- the driver -------------------------------------------------------------------------------------------
-def isolated(args: list[str]) -> dict:
-    """Run this script with ``args`` in a fresh network namespace when unshare works (else plainly)."""
+def isolated(args: list[str], path: str = "") -> dict:
+    """Run this script with ``args`` in a fresh network namespace when unshare works (else plainly);
+    ``path``: a folder ahead of the installed packages (a peer installed with ``pip --target``)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *args]
     netns = shutil.which("unshare") is not None and shutil.which("ip") is not None
     if netns:
@@ -376,7 +400,10 @@ def isolated(args: list[str]) -> dict:
         netns = probe.returncode == 0
     if netns:
         cmd = ["unshare", "-rn", *cmd, "--netns"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(path).resolve()), env.get("PYTHONPATH")) if p)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({out.returncode}):\n{out.stderr[-4000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -460,6 +487,14 @@ def main() -> None:
         help="atoll's coordinator keeps its state in an S3-compatible store (a local SeaweedFS server) "
         "rather than on the disk: a round is published once its record's PUT completed",
     )
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a torchft installed in its own folder (pip install --target DIR): measured in the same pairs, "
+        "after the one installed with the bench extra (repeat for more)",
+    )
     p.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     p.add_argument("--system", default="", help=argparse.SUPPRESS)
     p.add_argument("--codec", default="identity", help=argparse.SUPPRESS)
@@ -483,6 +518,9 @@ def main() -> None:
         import torchft  # noqa: F401
     except ImportError:
         sys.exit("torchft is not installed: pip install -e '.[bench]'")
+    for folder in a.peer:
+        if not (Path(folder) / "torchft" / "__init__.py").is_file():
+            p.error(f"--peer {folder}: no torchft in it (pip install --target {folder} torchft-nightly ...)")
     run_args = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every), "--noise", a.noise]
     floor = isolated(["--role", "floors", "--model", a.model])
     theta = 4 * floor["numel"]
@@ -494,35 +532,51 @@ def main() -> None:
         f"floors: one TCP stream moves |θ| in {floor['tcp_seconds'] * 1e3:.1f} ms, "
         f"a 2-process gloo all-reduce of |θ| takes {floor['gloo_seconds'] * 1e3:.1f} ms"
     )
+    peers = ["", *a.peer]  # "": the torchft installed with the bench extra
     for codec in a.codecs:
-        ratios = []
+        ratios: dict[str, list[float]] = {}
         for pair in range(a.pairs):
-            order = ["atoll", "torchft"] if pair % 2 == 0 else ["torchft", "atoll"]
+            order = ["atoll", *peers]
+            order = order[pair % len(order) :] + order[: pair % len(order)]  # each system leads in turn
             store = ["--state-store"] if a.state_store else []
-            runs = {s: isolated(["--role", "run", "--system", s, "--codec", codec, *run_args, *store]) for s in order}
-            at, tf = runs["atoll"], runs["torchft"]
-            ratio = steady(at) / steady(tf)
-            ratios.append(ratio)
-            pairs = list(zip(at["workers"][0]["theta"], tf["workers"][0]["theta"], strict=True))
-            drift = sum(abs(x[0] - y[0]) for x, y in pairs) / max(sum(y[1] for _, y in pairs), 1e-30)
+            runs = {}
+            for s in order:
+                system = "atoll" if s == "atoll" else "torchft"
+                runs[s] = isolated(["--role", "run", "--system", system, "--codec", codec, *run_args, *store], s)
+            at = runs["atoll"]
+            for peer in peers:
+                tf = runs[peer]
+                ratios.setdefault(tf["peer"], []).append(steady(at) / steady(tf))
+                print(f"[{codec}] pair {pair + 1} ({' then '.join(Path(o).name or 'torchft' for o in order)}): "
+                      + describe(at, tf, floor, theta, a.rounds), flush=True)  # fmt: skip
+        for name, got in ratios.items():
             print(
-                f"[{codec}] pair {pair + 1} ({' then '.join(order)}): sync atoll {steady(at):.3f} s, torchft "
-                f"{steady(tf):.3f} s, ratio {ratio:.2f}x (floors: {steady(at) / floor['tcp_seconds']:.0f}x TCP, "
-                f"torchft {steady(tf) / floor['gloo_seconds']:.0f}x gloo; the workers entered it {start_gap(at):.3f} "
-                f"and {start_gap(tf):.3f} s apart; CPU in a sync: atoll {cpu(at)}, torchft {cpu(tf)}); "
-                "loopback bytes/round atoll "
-                f"{at['lo_bytes'] / a.rounds / theta:.2f}|θ|, torchft {tf['lo_bytes'] / a.rounds / theta:.2f}|θ| "
-                f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x), steady rounds atoll "
-                f"{steady_bytes(at) / theta:.2f}|θ|, torchft {steady_bytes(tf) / theta:.2f}|θ|; atoll's payload "
-                f"bytes (coordinator's counters) {(at['payload'] - theta) / a.rounds / theta:.3f}|θ| a round "
-                f"after θ_0, loopback {at['lo_bytes'] / (at['payload'] + theta):.4f}x them with θ_0's upload; "
-                "peak RSS: atoll workers "
-                f"{rss(at, theta)}, coordinator "
-                f"{at['coordinator_rss'] / 2**20:.0f} MiB ({at['coordinator_rss'] / theta:.1f}|θ|), torchft workers "
-                f"{rss(tf, theta)}; the two final updates θ − θ_0 differ by {drift:.1e} of torchft's",
-                flush=True,
+                f"[{codec}] median sync ratio atoll / {name} over {a.pairs} pairs: {statistics.median(got):.2f}x "
+                f"({', '.join(f'{r:.2f}' for r in got)})"
             )
-        print(f"[{codec}] median sync ratio atoll / torchft over {a.pairs} pairs: {statistics.median(ratios):.2f}x")
+
+
+def describe(at: dict, tf: dict, floor: dict, theta: int, rounds: int) -> str:
+    """One pair's line: atoll's run against one torchft's."""
+    peer = tf["peer"]
+    pairs = list(zip(at["workers"][0]["theta"], tf["workers"][0]["theta"], strict=True))
+    drift = sum(abs(x[0] - y[0]) for x, y in pairs) / max(sum(y[1] for _, y in pairs), 1e-30)
+    return (
+        f"sync atoll {steady(at):.3f} s, {peer} {steady(tf):.3f} s, ratio {steady(at) / steady(tf):.2f}x "
+        f"(floors: {steady(at) / floor['tcp_seconds']:.0f}x TCP, "
+        f"{peer} {steady(tf) / floor['gloo_seconds']:.0f}x gloo; the workers entered it {start_gap(at):.3f} "
+        f"and {start_gap(tf):.3f} s apart; CPU in a sync: atoll {cpu(at)}, {peer} {cpu(tf)}); "
+        "loopback bytes/round atoll "
+        f"{at['lo_bytes'] / rounds / theta:.2f}|θ|, {peer} {tf['lo_bytes'] / rounds / theta:.2f}|θ| "
+        f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x), steady rounds atoll "
+        f"{steady_bytes(at) / theta:.2f}|θ|, {peer} {steady_bytes(tf) / theta:.2f}|θ|; atoll's payload "
+        f"bytes (coordinator's counters) {(at['payload'] - theta) / rounds / theta:.3f}|θ| a round "
+        f"after θ_0, loopback {at['lo_bytes'] / (at['payload'] + theta):.4f}x them with θ_0's upload; "
+        "peak RSS: atoll workers "
+        f"{rss(at, theta)}, coordinator "
+        f"{at['coordinator_rss'] / 2**20:.0f} MiB ({at['coordinator_rss'] / theta:.1f}|θ|), {peer} workers "
+        f"{rss(tf, theta)}; the two final updates θ − θ_0 differ by {drift:.1e} of {peer}'s"
+    )
 
 
 if __name__ == "__main__":
