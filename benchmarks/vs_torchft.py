@@ -38,7 +38,9 @@ worker's transfers at either end can fall on either side, which moves the figure
 over 3 steady rounds). For atoll also the payload bytes by the coordinator's own counters (pushes
 accepted, which leave out θ_0's upload, plus pulls served), per round after θ_0's one pull (|θ|):
 no boundaries, so a byte sent twice shows there exactly; and the loopback bytes over all the
-payload bytes, θ_0's upload included (framing, TCP). Runs are
+payload bytes, θ_0's upload included (framing, TCP); and the payload bytes the coordinator counted
+as sent again, by cause (``atoll_resent_bytes_total``: a push cut, an eager push's data read into
+nothing, a duplicate, a pull answered again). Runs are
 interleaved by pairs, the order alternating. Printed per pair:
 the median steady sync time (rounds after the first) of each system and their ratio, how far apart
 the two workers entered the sync (the earlier one waits for the other: that counts in its time), the CPU
@@ -288,13 +290,14 @@ def run_system(a) -> None:
         outs = [json.loads(w.communicate()[0].strip().splitlines()[-1]) for w in workers]
         watcher.join()
         after = lo_bytes()
-        payload = None
+        payload, resent = None, {}
         if coord is not None:
             coord_rss[0] = max(coord_rss[0], peak_rss(coord.pid))
             admin = f"http://127.0.0.1:{(Path(tmp) / 'admin').read_text().strip()}/api/status"
             with urllib.request.urlopen(admin, timeout=30) as resp:  # after the last loopback reading
                 counters = json.load(resp)["counters"]
             payload = counters["bytes_in"] + counters["bytes_out"]
+            resent = counters.get("resent_bytes", {})
             coord.terminate()
             coord.wait(30)
             if a.state_store:
@@ -308,6 +311,7 @@ def run_system(a) -> None:
                 "lo_bytes": after - before,
                 "coordinator_rss": coord_rss[0],
                 "payload": payload,
+                "resent": resent,
                 "service_cpu": service_cpu,
                 "peer": torchft_version() if a.system == "torchft" else "",
             }
@@ -556,6 +560,11 @@ def main() -> None:
             )
 
 
+def resent_causes(resent: dict, theta: int) -> str:
+    """The coordinator's bytes sent again, by cause, over |θ| (``none`` when there were none)."""
+    return ", ".join(f"{cause} {n / theta:.3f}|θ|" for cause, n in resent.items() if n) or "none"
+
+
 def describe(at: dict, tf: dict, floor: dict, theta: int, rounds: int) -> str:
     """One pair's line: atoll's run against one torchft's."""
     peer = tf["peer"]
@@ -571,7 +580,8 @@ def describe(at: dict, tf: dict, floor: dict, theta: int, rounds: int) -> str:
         f"({at['lo_bytes'] / max(tf['lo_bytes'], 1):.2f}x), steady rounds atoll "
         f"{steady_bytes(at) / theta:.2f}|θ|, {peer} {steady_bytes(tf) / theta:.2f}|θ|; atoll's payload "
         f"bytes (coordinator's counters) {(at['payload'] - theta) / rounds / theta:.3f}|θ| a round "
-        f"after θ_0, loopback {at['lo_bytes'] / (at['payload'] + theta):.4f}x them with θ_0's upload; "
+        f"after θ_0, loopback {at['lo_bytes'] / (at['payload'] + theta):.4f}x them with θ_0's upload, sent again "
+        f"{sum(at['resent'].values()) / theta:.3f}|θ| ({resent_causes(at['resent'], theta)}); "
         "peak RSS: atoll workers "
         f"{rss(at, theta)}, coordinator "
         f"{at['coordinator_rss'] / 2**20:.0f} MiB ({at['coordinator_rss'] / theta:.1f}|θ|), {peer} workers "

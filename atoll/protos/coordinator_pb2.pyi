@@ -314,7 +314,7 @@ class PushResponse(_message.Message):
     def __init__(self, committed: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("run_id", "island_id", "have_round", "wait_seconds", "regions", "session_id", "resume_offset")
+    __slots__ = ("run_id", "island_id", "have_round", "wait_seconds", "regions", "session_id", "resume_offset", "rank")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class PullRequest(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island_id: str
     have_round: int
@@ -329,7 +330,8 @@ class PullRequest(_message.Message):
     regions: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     session_id: str
     resume_offset: int
-    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., regions: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., session_id: _Optional[str] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., have_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., regions: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., session_id: _Optional[str] = ..., resume_offset: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("kind", "round", "codec", "entries", "committed", "loss", "latest_round", "bootstrap", "run_complete", "waiting", "tentative", "stalled", "arrival_offset")

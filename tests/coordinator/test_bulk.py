@@ -185,6 +185,10 @@ def test_an_eager_push_refused_or_answered_at_its_header_leaves_nothing_behind(s
     assert header.round == 1 and counters.bulk_calls == 7
     wait_for(lambda: srv.server.bulk.connections == 2 * streams, what="the refused calls' connections closed")
     assert counters.bulk_timeouts == 0
+    # What came of the three pushes answered at their header was read into nothing, and counted (a client
+    # stops at its next entry once it sees the answer: on loopback, often before its first).
+    assert counters.resent_bytes["push_unread"] <= 3 * first.bytes_received
+    assert counters.resent_bytes["push_cut"] == counters.resent_bytes["pull_again"] == 0
 
 
 def test_island_tokens_hold_on_the_bulk_port(start_server, raw_island, tmp_path):
@@ -509,6 +513,7 @@ def test_a_push_cut_part_way_resumes_where_it_broke(start_server, raw_island, tm
             assert counters.bulk_resumed_bytes >= 0.85 * total  # what went again: at most 15%
         else:
             assert counters.bulk_resumes == 0
+        assert counters.resent_bytes["push_cut"] == 0  # resumed: nothing that came was dropped
         _, pulled = a.pull(have_round=0)
         updates.append([bytes(p) for _, p in pulled])
     assert updates[0] == updates[1]
@@ -560,6 +565,9 @@ def test_a_pull_cut_part_way_asks_for_the_rest(start_server, raw_island, tmp_pat
     # What the resumed answer skipped is not counted as sent (the cut attempt counts what it made before
     # it noticed the reset: timing).
     assert total + (total - opened[1]) < srv.server.counters.bytes_out <= 3 * total - opened[1]
+    # The same answer went three times: whole, cut, and its rest; all but the first are counted again,
+    # less what the resumed one skipped.
+    assert srv.server.counters.resent_bytes["pull_again"] == srv.server.counters.bytes_out - total
 
 
 def test_the_rest_of_an_answer_comes_striped_too(start_server, raw_island):
@@ -660,3 +668,58 @@ def test_a_resume_offset_past_the_answer_is_refused_before_anything_is_counted(s
     assert reason_of(info.value) is Reason.BAD_REQUEST and "past the answer's" in info.value.details()
     counters = srv.server.counters
     assert counters.bytes_out >= before >= 0 and counters.bulk_pull_resumes == 0
+
+
+def test_bytes_sent_again_are_counted_by_cause(start_server, raw_island, tmp_path):
+    """A pull answered again with what the same rank had (an island that pulls twice) counts as sent
+    again, another rank's copy does not; a push cut on the bulk port whose retry never comes counts what
+    came of it once the coordinator lets it go."""
+    from atoll.islands._transport.opening import open_call
+
+    srv = start_server(exact_config(run_id="t", sync_every=1), network=NetworkOptions(stream_idle_seconds=0.5))
+    gen = torch.Generator().manual_seed(5)
+    a = raw_island(srv.address, "a", BIG, bulk_streams=1)
+    a.join()
+    a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, kind=pb.PUSH_KIND_INIT)
+    a.push({k: torch.randn(s, generator=gen) for k, s in BIG.items()}, round_=0, tokens=3)
+    counters = srv.server.counters
+    size = sum(len(p) for _, p in a.pull(have_round=0)[1])
+    a.pull(have_round=0, rank=1)  # another rank's own copy
+    assert counters.resent_bytes["pull_again"] == 0
+    a.pull(have_round=0)
+    assert counters.resent_bytes["pull_again"] == size
+    # A push admitted, 1 MiB of its data sent, its connection reset, no retry: parked, then let go.
+    h = pb.PushHeader(run_id="t", island_id="a", round=1, kind=pb.PUSH_KIND_DELTA, num_ranks=1, tokens=3)
+    h.codec = "identity"
+    h.entries.add(name="w", num_bytes=4 * (1 << 20) + 64)
+    (sock,), _ = open_call(a.client.bulk, bulk.PUSH, "", pb.PushChunk(header=h).SerializeToString(), 10, 1)
+    assert bulk.read_frame(sock, 1 << 20)[0] == bulk.CONTINUE
+    sock.sendall(bytes(1 << 20))
+    time.sleep(0.5)  # (read by the coordinator before the reset, which would drop what it had not read)
+    reset(sock)
+    wait_for(lambda: counters.resent_bytes["push_cut"] > 0, timeout=10, what="the parked push let go")
+    assert counters.resent_bytes["push_cut"] == 1 << 20
+    assert counters.resent_bytes["push_unread"] == counters.resent_bytes["push_duplicate"] == 0
+
+
+def test_an_eager_pushs_data_read_into_nothing_is_counted_to_the_byte(start_server, raw_island):
+    """An eager push refused at its header whose data all came anyway (a client that sent it before it
+    read anything): every byte the coordinator read into nothing is counted as sent for nothing."""
+    from atoll.islands._transport.opening import open_call
+
+    srv = start_server(exact_config(run_id="t", sync_every=1))
+    a = raw_island(srv.address, "a", SHAPES)
+    a.join()  # (for the bulk port's address)
+    port = a.client.bulk
+    data = bytes(3 << 20)
+    h = pb.PushHeader(run_id="t", island_id="nobody", round=0, kind=pb.PUSH_KIND_DELTA, num_ranks=1)
+    h.codec = "identity"
+    h.entries.add(name="w", num_bytes=len(data))
+    (sock,), _ = open_call(port, bulk.PUSH, "", pb.PushChunk(header=h).SerializeToString(), 10, 1, eager=True)
+    with sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        kind, answer = bulk.read_frame(sock, 1 << 20)
+    assert kind == bulk.STATUS and reason_of(bulk.BulkError.from_status(answer)) is Reason.NOT_JOINED
+    counters = srv.server.counters
+    wait_for(lambda: counters.resent_bytes["push_unread"] == len(data), timeout=10, what="the data read and counted")

@@ -87,6 +87,16 @@ def metric(admin: str, name: str) -> float:
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
+def resent(admin: str) -> dict[str, float]:
+    """/metrics' atoll_resent_bytes_total by cause."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(admin + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    families = text_string_to_metric_families(text)
+    return {s.labels["cause"]: s.value for f in families for s in f.samples if s.name == "atoll_resent_bytes_total"}
+
+
 def inflight_bytes(admin: str) -> float:
     return metric(admin, "atoll_inflight_bytes")
 
@@ -121,6 +131,7 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
         grown = rss_bytes(coord.pid) - before
         assert grown < 64 * MIB, f"60 hanging 1-byte streams grew the coordinator by {grown / MIB:.0f} MiB"
         assert inflight_bytes(admin) == NUM_BYTES and metric(admin, "atoll_pushes_busy_total") == 59
+        assert resent(admin) == {"push_cut": 0, "push_unread": 0, "push_duplicate": 0, "pull_again": 0}
 
         # At most one open stream per (island, rank).
         again = HangingPush(channel, "h", admitted.rank, 64, send=1)

@@ -156,10 +156,14 @@ class RawIsland:
             setattr(h, k, v)
         return self.client.push(h, payloads)
 
-    def pull(self, have_round: int, wait_seconds: float = 5.0):
+    def pull(self, have_round: int, wait_seconds: float = 5.0, rank: int = 0):
         return self.client.pull(
             pb.PullRequest(
-                run_id=self.run_id, island_id=self.island_id, have_round=have_round, wait_seconds=wait_seconds
+                run_id=self.run_id,
+                island_id=self.island_id,
+                have_round=have_round,
+                wait_seconds=wait_seconds,
+                rank=rank,
             )
         )
 

@@ -113,6 +113,10 @@ class _StateCollector:
         yield age
         for key, help_text in Counters.HELP.items():
             yield CounterMetricFamily(f"atoll_{key}", help_text, value=getattr(counters, key))
+        resent = CounterMetricFamily("atoll_resent_bytes", Counters.RESENT_HELP, labels=["cause"])
+        for cause, num_bytes in counters.resent_bytes.items():
+            resent.add_metric([cause], num_bytes)
+        yield resent
         yield GaugeMetricFamily("atoll_last_round_seconds", "How long the last closed round was open", value=seconds)
         yield CounterMetricFamily(
             "atoll_round_seconds", "Total seconds rounds were open", value=sum(h.seconds_open for h in s.history)

@@ -25,6 +25,7 @@ import grpc
 
 from atoll.coordinator.transport.bulk_calls import Aborted, BulkPush, Context
 from atoll.coordinator.transport.connection import Connection, TlsConnection
+from atoll.coordinator.transport.counters import Resent
 from atoll.coordinator.transport.security import UNAUTHENTICATED, IslandTokens
 from atoll.coordinator.transport.service import tolerant
 from atoll.coordinator.transport.striped import Striped, StripeSet
@@ -177,18 +178,18 @@ class BulkServer:
         finally:
             watchdog.cancel()  # (the connection closes once this task is done: _ended)
 
-    @staticmethod
-    async def _drain(conn: Connection) -> None:
+    async def _drain(self, conn: Connection) -> None:
         """After a refusal: read what the peer still sends until it stops (it stops once it sees the
         answer), so that closing does not reset the connection and lose the answer before it is read;
-        ``DRAIN_SECONDS`` at most."""
+        ``DRAIN_SECONDS`` at most. What it reads is an eager push's data, counted as sent for nothing."""
         conn.sock.shutdown(socket.SHUT_WR)
         scratch = memoryview(bytearray(1 << 16))
+        counters = self.servicer.counters
 
         async def to_the_end() -> None:
             with contextlib.suppress(EOFError):
                 while True:
-                    await conn.recv_into(scratch)
+                    counters.resent(Resent.PUSH_UNREAD, await conn.recv_into(scratch))
 
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(to_the_end(), DRAIN_SECONDS)
@@ -345,6 +346,7 @@ class BulkServer:
         counters.bulk_pull_resumes += 1
         counters.bulk_resumed_bytes += skip
         counters.bytes_out -= skip  # the answer counts what it makes: these are not sent
+        counters.resent(Resent.PULL_AGAIN, -skip)  # (a resumed answer is the one sent before)
         if isinstance(data, Striped):
             data.begin(skip)
 

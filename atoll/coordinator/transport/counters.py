@@ -1,11 +1,32 @@
-"""What the transports count: bytes in and out, and every refusal by kind. Written by the gRPC service
-and the bulk port (which calls it), read by the admin server's /metrics and /api/status."""
+"""What the transports count: bytes in and out, every refusal by kind, and every byte that crossed the
+wire again by its cause. Written by the gRPC service and the bulk port (which calls it), read by the
+admin server's /metrics and /api/status."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import ClassVar
+
+
+class Resent(enum.Enum):
+    """Why bytes crossed the wire that a push or a pull had carried (or started to carry) before."""
+
+    PUSH_CUT = "push_cut"
+    """A push stream broke part way and what had come of it was dropped (on gRPC, or parked on the bulk
+    port past its retry): its retry sends it again. (A retry that resumes a parked push sends nothing
+    again: ``bulk_resumed_bytes``.)"""
+    PUSH_UNREAD = "push_unread"
+    """An eager push (its data sent without waiting for admission) answered at its header (refused for
+    the in-flight budget or an open stream, a duplicate, too late): its data came and was read into
+    nothing."""
+    PUSH_DUPLICATE = "push_duplicate"
+    """A push read whole that had counted already (its island did not hear the first answer)."""
+    PULL_AGAIN = "pull_again"
+    """A pull answered with what the same island's same regions were sent before (a stream cut, a
+    tentative update not saved in time, an island restarted), less what a resumed pull skipped. A cut
+    answer counts what it made before the cut was noticed."""
 
 
 @dataclass
@@ -34,6 +55,7 @@ class Counters:
         "bulk_pull_resumes": "Pulls that broke part way on the bulk port and asked for the rest of their answer",
         "bulk_resumed_bytes": "Bytes resumed pushes and pulls did not send again",
     }
+    RESENT_HELP: ClassVar[str] = "Payload bytes that crossed the wire again, by cause (atoll.coordinator.Resent)"
     bytes_in: int = 0
     bytes_out: int = 0
     pushes_committed: int = 0
@@ -53,6 +75,11 @@ class Counters:
     bulk_resumes: int = 0
     bulk_pull_resumes: int = 0
     bulk_resumed_bytes: int = 0
+    resent_bytes: dict[str, int] = field(default_factory=lambda: {cause.value: 0 for cause in Resent})
+    """By :class:`Resent` value."""
+
+    def resent(self, cause: Resent, num_bytes: int) -> None:
+        self.resent_bytes[cause.value] += num_bytes
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -26,7 +26,7 @@ from atoll.coordinator.transport.convert import (
     push_header,
     push_response,
 )
-from atoll.coordinator.transport.counters import Counters
+from atoll.coordinator.transport.counters import Counters, Resent
 from atoll.coordinator.transport.parked import InboundPush, ParkedPushes
 from atoll.coordinator.transport.security import IslandTokens
 from atoll.protos import coordinator_pb2 as pb
@@ -130,6 +130,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """How long the bulk port keeps a connection between calls (Join advertises it)."""
         self._unchecked: set[str] = set()
         """Islands that sent a token this coordinator does not check (each warned about once)."""
+        self._answered: dict[tuple, tuple] = {}
+        """(island, rank, its regions) -> (kind, have_round, round) of the last answer with data sent to them:
+        one sent again is counted (:attr:`Resent.PULL_AGAIN`)."""
 
     def _check_identity(self, context, island_id: str) -> None:
         """With island tokens configured, an island may only act for itself."""
@@ -248,12 +251,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         kept = False
         try:
             push.received = await self._receive(push.plan, it, push.assembler, push.received)
-            return await self.state.commit_push(push.plan, push.received, push.reservation), push.plan.init
+            result = await self.state.commit_push(push.plan, push.received, push.reservation)
+            if result.outcome is PushOutcome.DUPLICATE:  # read whole, for nothing
+                self.counters.resent(Resent.PUSH_DUPLICATE, push.plan.num_bytes)
+            return result, push.plan.init
         except BaseException as err:
             if resumable and push.consistent and push.assembler.received > 0 and isinstance(err, BROKEN):
                 kept = True  # its retry takes it from here
                 self.parked.park(key, push)
                 raise
+            if isinstance(err, BROKEN):  # its retry sends again what came
+                self.counters.resent(Resent.PUSH_CUT, push.assembler.received)
             push.drop_data()  # a refused stream: now, not with its traceback
             if isinstance(err, StreamOverrun):  # more bytes than declared, on either transport
                 raise invalid(str(err)) from None
@@ -263,6 +271,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 push.end(self.state)
 
     def _unpark(self, push: InboundPush) -> None:
+        """A parked push let go (its retry did not come in time, or came in another form): what came of it
+        comes again."""
+        self.counters.resent(Resent.PUSH_CUT, push.assembler.received)
         push.drop_data()
         push.end(self.state)
 
@@ -343,14 +354,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.counters.pulls_busy += err.reason is Reason.PULL_BUDGET
             await _abort(context, err)
             return
+        regions = tuple((e.name, tuple(e.offsets), tuple(e.sizes)) for e in request.regions)
+        key = (request.island_id, request.rank, regions)
+        sent = (answer.kind, request.have_round, answer.round)
+        again = bool(answer.entries) and self._answered.get(key) == sent
+        if answer.entries:
+            self._answered[key] = sent
         try:
-            async with contextlib.aclosing(self._answer(answer, context)) as chunks:
+            async with contextlib.aclosing(self._answer(answer, context, again)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
             answer.done()
 
-    async def _answer(self, answer, context):
+    async def _answer(self, answer, context, again: bool = False):
+        """``again``: the same answer went to the same island and regions before (counted as resent)."""
         header = pb.UpdateHeader(
             kind=UPDATE_KINDS[answer.kind],
             round=answer.round,
@@ -383,6 +401,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if size != entry.num_bytes:  # pragma: no cover - a bug, not an input
                 raise AssertionError(f"entry {entry.name}: {size} bytes, header says {entry.num_bytes}")
             self.counters.bytes_out += size
+            if again:
+                self.counters.resent(Resent.PULL_AGAIN, size)
             for part in parts:
                 for chunk in packer.add(part):
                     yield chunk

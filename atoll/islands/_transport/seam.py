@@ -131,6 +131,7 @@ class WireTransport:
             session_id=me.session_id,
             have_round=have_round,
             wait_seconds=wait_seconds,
+            rank=me.rank,
         )
         req.regions.extend(convert.regions(regions))
         header, payloads = self.client.pull(req, on_entry=None if on_entry is None else _entries(on_entry))
