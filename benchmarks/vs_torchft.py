@@ -29,7 +29,9 @@ made fewer of those faults (their allocator reused what their sync freed).
 
 Every process of both systems runs one torch thread (``torch.set_num_threads(1)`` in the workers,
 ``--threads 1`` for the coordinator): three processes share the 2 cores of the dev machine, and
-more threads than cores stall each parallel op on a descheduled thread.
+more threads than cores stall each parallel op on a descheduled thread. ``--coordinator-threads 2``
+gives the coordinator both cores: during a sync the islands wait on it, where torchft's two workers
+each work on one.
 
 Each system runs in its own network namespace (``unshare -rn``, when available), so the loopback
 counter counts only that run: over the whole run per round (θ_0's transfers included), and in the
@@ -256,7 +258,8 @@ def run_system(a) -> None:
                  "--port-file", str(port_file), "--run-id", "vs",
                  "--admin-port", "0", "--admin-port-file", str(Path(tmp) / "admin"),
                  "--sync-every", str(a.sync_every), "--outer-lr", "0.7", "--outer-momentum", "0.9",
-                 "--quorum", "2", "--lease-seconds", "120", *codec, "--threads", "1", "--log-level", "WARNING"],
+                 "--quorum", "2", "--lease-seconds", "120", *codec, "--threads", str(a.coordinator_threads),
+                 "--log-level", "WARNING"],
                 stdout=subprocess.DEVNULL,
                 env=env,
             )  # fmt: skip
@@ -499,6 +502,14 @@ def main() -> None:
         help="a torchft installed in its own folder (pip install --target DIR): measured in the same pairs, "
         "after the one installed with the bench extra (repeat for more)",
     )
+    p.add_argument(
+        "--coordinator-threads",
+        type=int,
+        default=1,
+        help="torch threads of atoll's coordinator (1, like every worker of both systems: three processes on "
+        "the dev machine's 2 cores; 2: the coordinator takes both while the islands wait on their sync, "
+        "as torchft's two workers take one each)",
+    )
     p.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     p.add_argument("--system", default="", help=argparse.SUPPRESS)
     p.add_argument("--codec", default="identity", help=argparse.SUPPRESS)
@@ -525,7 +536,8 @@ def main() -> None:
     for folder in a.peer:
         if not (Path(folder) / "torchft" / "__init__.py").is_file():
             p.error(f"--peer {folder}: no torchft in it (pip install --target {folder} torchft-nightly ...)")
-    run_args = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every), "--noise", a.noise]
+    run_args = ["--model", a.model, "--rounds", str(a.rounds), "--sync-every", str(a.sync_every), "--noise", a.noise,
+                "--coordinator-threads", str(a.coordinator_threads)]  # fmt: skip
     floor = isolated(["--role", "floors", "--model", a.model])
     theta = 4 * floor["numel"]
     print(
