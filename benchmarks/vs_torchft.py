@@ -7,8 +7,7 @@
 A second torchft (the newest on the package index, whose module is also ``torchft``) goes into a folder
 of its own and is named with ``--peer``; each pair then runs atoll and every torchft, in turn:
 
-    pip install --no-deps --target .peers/torchft-nightly torchft-nightly \
-        opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+    pip install --no-deps --target .peers/torchft-nightly torchft-nightly  # (the bench extra brings its needs)
     python benchmarks/vs_torchft.py --model gpt-125m --peer .peers/torchft-nightly
 
 The workload (issue 21): 2 workers, the preset's tensors, inner steps that set every gradient to seeded
