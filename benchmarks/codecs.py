@@ -5,7 +5,9 @@
 For each codec: encode and decode GB/s (fp32 bytes of the tensor per second), each as a ratio to
 a plain memcpy of the same tensor into a preallocated buffer (best of ``--repeat``, measured
 interleaved with the codec so machine noise hits both), compression ratio and relative error
-||x - x_hat|| / ||x||; last, each codec's encode and decode-add time against int8's. Encode
+||x - x_hat|| / ||x||; last, each codec's encode and decode-add time against int8's, and the
+coordinator's path for one push entry (validated as it arrives, then added into the sum without a
+second check: ``verified=True``) against int8's. Encode
 reuses its payload buffer across calls (as an island does every round); "decode" is
 decode-and-accumulate into an fp32 buffer (the coordinator's path); "dec(new)" allocates its
 output, to show what fresh pages cost on this machine.
@@ -83,14 +85,18 @@ def main() -> None:
     )
     times = {spec: measure(spec, x, dst, acc, mat_shape, args.repeat) for spec in specs}
     if "int8" in times:  # each codec's encode and decode-add against int8's, both measured in this run
-        e8, d8 = times["int8"]
-        print("against int8: " + ", ".join(f"{s} {e / e8:.2f}x / {d / d8:.2f}x" for s, (e, d) in times.items()))
+        e8, d8, c8 = times["int8"]
+        print("against int8: " + ", ".join(f"{s} {e / e8:.2f}x / {d / d8:.2f}x" for s, (e, d, _) in times.items()))
+        print(
+            "the coordinator's path (validate, then decode-add verified), ms and against int8: "
+            + ", ".join(f"{s} {c * 1e3:.1f} ms {c / c8:.2f}x" for s, (_, _, c) in times.items())
+        )
 
 
 def measure(
     spec: str, x: torch.Tensor, dst: torch.Tensor, acc: torch.Tensor, mat_shape, repeat: int
-) -> tuple[float, float]:
-    """Prints the codec's row; returns its encode and decode-add seconds."""
+) -> tuple[float, float, float]:
+    """Prints the codec's row; returns its encode, decode-add and coordinator-path seconds."""
     nbytes = 4 * x.numel()
     codec = get_codec(spec)
     t_in = x.view(mat_shape) if spec.startswith(("powersgd", "dcttopk")) else x  # both work on matrices
@@ -104,6 +110,12 @@ def measure(
     acc_view = acc.view(shape)
     t_dec = best(lambda: codec.decode_add_(payload, acc_view), repeat)
     t_new = best(lambda: codec.decode(payload, shape), repeat)
+
+    def arrive_and_add() -> None:
+        codec.validate(payload, shape)
+        codec.decode_add_(payload, acc_view, verified=True)
+
+    t_path = best(arrive_and_add, repeat)
     t_mem = min(t_copy, t_copy2)
     y = codec.decode(payload, shape).reshape(-1)
     rel = float((x - y).norm() / x.norm())
@@ -113,7 +125,7 @@ def measure(
         f"{t_mem / t_dec:10.3f} {t_mem / t_new:15.3f} {nbytes / len(payload):8.1f} {rel:9.2e}",
         flush=True,
     )
-    return t_enc, t_dec
+    return t_enc, t_dec, t_path
 
 
 if __name__ == "__main__":

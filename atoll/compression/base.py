@@ -249,14 +249,18 @@ class Codec:
 
     def frame(self, payload, expected_shape: tuple[int, ...] | None = None, *, verified: bool = False) -> Frame:
         """Parse a payload and check it belongs to this codec and (if given) the expected shape.
-        ``verified``: its checksum was checked already (see :func:`~atoll.compression.wire.unpack`)."""
+        ``verified``: this very payload was checked already, its checksum and its structure (it passed
+        :meth:`frame` or :meth:`validate` here, or this process made it): neither is checked again (see
+        :func:`~atoll.compression.wire.unpack`; a sparse payload's structure is an O(K) pass over its
+        indices). Its header is still parsed, against this codec and the shape."""
         max_numel = None if expected_shape is None else math.prod(int(d) for d in expected_shape)
         frame = unpack(payload, max_numel=max_numel, verified=verified)
         if frame.codec_id != self.codec_id:
             raise WireFormatError(f"payload was encoded with codec id {frame.codec_id}, expected {self.name}")
         if expected_shape is not None and frame.shape != tuple(int(d) for d in expected_shape):
             raise WireFormatError(f"payload has shape {list(frame.shape)}, expected {list(expected_shape)}")
-        self._check(frame)
+        if not verified:
+            self._check(frame)
         return frame
 
     def validate(self, payload, expected_shape: tuple[int, ...]) -> float:

@@ -293,3 +293,33 @@ def test_error_feedback_of_a_difference_is_made_in_the_residuals_own_storage(spe
             assert s_fused["residual"].numpy().tobytes() == s_plain["residual"].numpy().tobytes()
     residual = s_fused["residual"]
     assert fused.encode_difference(a, b, s_fused) is not None and s_fused["residual"] is residual  # reused
+
+
+def test_a_payload_checked_once_is_not_checked_again_where_it_is_used(monkeypatch):
+    """The coordinator validates a push's entry as it arrives and adds it into the sum later; an island
+    checks an update's entry and then applies it: the O(K) check of the indices runs once, not again at
+    the use (``verified=True``). Unverified, a payload is still checked, and forged indices still
+    refused, at every entry point."""
+    from atoll.compression.sparse import SparseCodec
+
+    codec = get_codec("sparse:density=0.03125,bits=2,chunk=256")
+    shape = (600,)
+    good = codec.encode(torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+    checks = []
+    real = SparseCodec._check
+    monkeypatch.setattr(SparseCodec, "_check", lambda self, frame: (checks.append(1), real(self, frame))[1])
+    codec.validate(good, shape)  # on arrival
+    acc = torch.zeros(shape)
+    codec.decode_add_(good, acc, alpha=2.0, verified=True)  # into the sum
+    codec.add_decoded_(good, acc, verified=True)
+    codec.norm_bound(good, shape, verified=True)
+    assert len(checks) == 1
+    np.testing.assert_array_equal(acc.numpy(), (3 * codec.decode(good, shape)).numpy())
+    assert len(checks) == 2  # (decode without verified: checked)
+    lay = codec.layout(600)
+    body = bytearray(unpack(good).body)
+    body[lay.high_at] ^= 0xFF  # the first chunk's high bits: its count no longer adds up
+    bad = forged(good, body=bytes(body))
+    refused(bad, shape, "disagree")
+    with pytest.raises(WireFormatError, match="disagree"):
+        codec.decode_add_(bad, torch.zeros(shape))

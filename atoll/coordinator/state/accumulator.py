@@ -260,7 +260,7 @@ def assemble(ranks: list[StagedRank], specs: dict[str, tuple[int, ...]], codec) 
     out = {k: torch.zeros(s, dtype=torch.float32) for k, s in specs.items()}
     for staged in ranks:
         for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
-            out[entry.name][entry.region.slices()] = codec.decode(payload, entry.region.sizes)
+            out[entry.name][entry.region.slices()] = codec.decode(payload, entry.region.sizes, verified=True)
     return out
 
 
