@@ -688,15 +688,16 @@ def test_bytes_sent_again_are_counted_by_cause(start_server, raw_island, tmp_pat
     assert counters.resent_bytes["pull_again"] == 0
     a.pull(have_round=0)
     assert counters.resent_bytes["pull_again"] == size
-    # A push admitted, 1 MiB of its data sent, its connection reset, no retry: parked, then let go.
+    # A push admitted, striped over two connections: its first unit (1 MiB) sent, then both closed (each
+    # after all it sent is read: a FIN, not a reset); no retry comes: parked, then let go.
     h = pb.PushHeader(run_id="t", island_id="a", round=1, kind=pb.PUSH_KIND_DELTA, num_ranks=1, tokens=3)
     h.codec = "identity"
     h.entries.add(name="w", num_bytes=4 * (1 << 20) + 64)
-    (sock,), _ = open_call(a.client.bulk, bulk.PUSH, "", pb.PushChunk(header=h).SerializeToString(), 10, 1)
-    assert bulk.read_frame(sock, 1 << 20)[0] == bulk.CONTINUE
-    sock.sendall(bytes(1 << 20))
-    time.sleep(0.5)  # (read by the coordinator before the reset, which would drop what it had not read)
-    reset(sock)
+    socks, _ = open_call(a.client.bulk, bulk.PUSH, "", pb.PushChunk(header=h).SerializeToString(), 10, 2)
+    assert bulk.read_frame(socks[0], 1 << 20)[0] == bulk.CONTINUE
+    socks[0].sendall(bulk.UNIT.pack(0, 1 << 20) + bytes(1 << 20))
+    for sock in socks:
+        sock.close()
     wait_for(lambda: counters.resent_bytes["push_cut"] > 0, timeout=10, what="the parked push let go")
     assert counters.resent_bytes["push_cut"] == 1 << 20
     assert counters.resent_bytes["push_unread"] == counters.resent_bytes["push_duplicate"] == 0

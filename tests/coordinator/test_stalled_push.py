@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from support import exact_config
+from support import exact_config, wait_for
 
 from atoll.compression import get_codec
 from atoll.islands._transport.opening import open_call
@@ -72,7 +72,9 @@ def test_a_bad_striped_push_holds_up_no_other_islands_pull(start_server, raw_isl
         daemon=True,
     )
     pusher.start()
-    time.sleep(0.3)  # c's push is open (or over) before the others push
+    wait_for(  # c's push is open (or over) before the others push
+        lambda: answered or srv.inspect(lambda s: ("c", 0) in s.accumulator.streams), what="c's push opened"
+    )
     started = time.monotonic()
     for island in (a, b):
         island.push({"w": torch.randn(SHAPES["w"], generator=gen)}, round_=0, tokens=1)
