@@ -24,9 +24,9 @@ class Resent(enum.Enum):
     PUSH_DUPLICATE = "push_duplicate"
     """A push read whole that had counted already (its island did not hear the first answer)."""
     PULL_AGAIN = "pull_again"
-    """A pull answered with what the same island's same regions were sent before (a stream cut, a
-    tentative update not saved in time, an island restarted), less what a resumed pull skipped. A cut
-    answer counts what it made before the cut was noticed."""
+    """A pull answered with what the same rank of the island was sent before for the same regions (a
+    stream cut, a tentative update not saved in time, an island restarted), less what a resumed pull
+    skipped. A cut answer counts what it made before the cut was noticed."""
 
 
 @dataclass

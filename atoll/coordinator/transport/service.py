@@ -368,7 +368,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             answer.done()
 
     async def _answer(self, answer, context, again: bool = False):
-        """``again``: the same answer went to the same island and regions before (counted as resent)."""
+        """``again``: the same answer went to the same rank and regions before (counted as resent)."""
         header = pb.UpdateHeader(
             kind=UPDATE_KINDS[answer.kind],
             round=answer.round,
