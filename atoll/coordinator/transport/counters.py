@@ -55,7 +55,7 @@ class Counters:
         "bulk_pull_resumes": "Pulls that broke part way on the bulk port and asked for the rest of their answer",
         "bulk_resumed_bytes": "Bytes resumed pushes and pulls did not send again",
     }
-    RESENT_HELP: ClassVar[str] = "Payload bytes that crossed the wire again, by cause (atoll.coordinator.Resent)"
+    RESENT_HELP: ClassVar[str] = "Payload bytes that crossed the wire again, by cause (docs/operations.md)"
     bytes_in: int = 0
     bytes_out: int = 0
     pushes_committed: int = 0
