@@ -29,6 +29,7 @@ from atoll.compression.wire import WireFormatError
 class _CastCodec(Codec):
     store: ClassVar[torch.dtype]
     adds_exactly = True
+    writes_weighted = True  # as ``alpha * value + 0.0``: a stored -0.0 is written +0.0, as 0 + (-0.0) gives
 
     @property
     def chunked_input(self) -> bool:
@@ -72,6 +73,27 @@ class _CastCodec(Codec):
                 span(out, s, step).add_(weighted(part, alpha))
             else:
                 span(out, s, step).copy_(part)
+
+    def write_weighted_(
+        self, payload, out: torch.Tensor, alpha: float = 1.0, *, verified: bool = False
+    ) -> torch.Tensor:
+        """``out = alpha * decode(payload)``, bit for bit what adding it into a zeroed ``out`` gives (the
+        product rounded on its own, then ``+ 0.0``), in one pass a chunk at a time instead of zeroing
+        ``out`` first: the first contribution to a tensor of the coordinator's sum."""
+        self._check_out(out)
+        frame = self.frame(payload, tuple(out.shape), verified=verified)
+        v, flat = self._values(frame), out.view(-1)
+        step = CHUNK if out.device.type == "cpu" else max(CHUNK, chunk_elems(out.device))
+        for s in range(0, v.numel(), step):
+            part, target = to_device(v[s : s + step], out.device), span(flat, s, step)
+            if alpha != 1.0 and part.dtype == torch.float32:
+                torch.mul(part, alpha, out=target)  # = weighted(part, alpha)
+            else:
+                target.copy_(part)
+                if alpha != 1.0:
+                    target.mul_(alpha)
+            target.add_(0.0)  # -0.0 -> +0.0, every other value as it is
+        return out
 
 
 class IdentityCodec(_CastCodec):

@@ -622,3 +622,21 @@ def test_int8_decode_is_code_times_scale_and_a_weighted_add_rounds_the_product_f
     expect = out.numpy() + want * np.float32(alpha)
     got = codec.decode_add_(payload, out.clone(), alpha=alpha)
     assert np.array_equal(got.numpy().view(np.int32), expect.view(np.int32))
+
+
+@pytest.mark.parametrize("spec", ["identity", "fp16", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+def test_writing_a_weighted_payload_is_adding_it_into_zeros_bit_for_bit(spec, alpha):
+    """The first contribution to a tensor of the coordinator's sum is written, not added into a zeroed
+    tensor (one pass fewer); the bits are the same, a stored -0.0 included (0 + -0.0 is +0.0)."""
+    codec = get_codec(spec)
+    assert codec.writes_weighted
+    x = torch.randn(70_001, generator=torch.Generator().manual_seed(4))
+    x[::7] = -0.0
+    payload = codec.encode(x)
+    added = torch.zeros_like(x)
+    codec.decode_add_(payload, added, alpha=alpha)
+    written = torch.full_like(x, float("nan"))  # whatever it held before
+    codec.write_weighted_(payload, written, alpha=alpha)
+    assert torch.equal(written.view(torch.int32), added.view(torch.int32))
+    assert not bool((torch.signbit(written) & (written == 0)).any())
