@@ -7,7 +7,8 @@ a plain memcpy of the same tensor into a preallocated buffer (best of ``--repeat
 interleaved with the codec so machine noise hits both), compression ratio and relative error
 ||x - x_hat|| / ||x||; last, each codec's encode and decode-add time against int8's, and the
 coordinator's path for one push entry (validated as it arrives, then added into the sum without a
-second check: ``verified=True``) against int8's. Encode
+second check: ``verified=True``) against int8's, and for the codecs that write a weighted payload
+(the first contribution to a tensor of the sum), that write against zeroing the tensor and adding. Encode
 reuses its payload buffer across calls (as an island does every round); "decode" is
 decode-and-accumulate into an fp32 buffer (the coordinator's path); "dec(new)" allocates its
 output, to show what fresh pages cost on this machine.
@@ -125,6 +126,16 @@ def measure(
         f"{t_mem / t_dec:10.3f} {t_mem / t_new:15.3f} {nbytes / len(payload):8.1f} {rel:9.2e}",
         flush=True,
     )
+    if codec.writes_weighted:  # the first contribution to a tensor of the sum (a weight of 0.37)
+        t_write = best(lambda: codec.write_weighted_(payload, acc_view, alpha=0.37, verified=True), repeat)
+
+        def zero_then_add() -> None:
+            acc_view.zero_()
+            codec.decode_add_(payload, acc_view, alpha=0.37, verified=True)
+
+        t_zero = best(zero_then_add, repeat)
+        print(f"{'':32s} first contribution: written {t_write * 1e3:.1f} ms, zeroed and added {t_zero * 1e3:.1f} ms "
+              f"({t_write / t_zero:.2f}x)", flush=True)  # fmt: skip
     return t_enc, t_dec, t_path
 
 
