@@ -64,15 +64,20 @@ class _CastCodec(Codec):
     def _norm_bound(self, frame):
         return norm_bound(self._values(frame))
 
-    def _decode_into(self, frame, out, alpha, accumulate):
-        v = self._values(frame)
+    def _parts(self, frame, out: torch.Tensor):
+        """The stored values a chunk at a time, each with its span of the flat ``out``: (part, target)."""
+        v, flat = self._values(frame), out.view(-1)
         step = CHUNK if out.device.type == "cpu" else max(CHUNK, chunk_elems(out.device))
         for s in range(0, v.numel(), step):
-            part = to_device(v[s : s + step], out.device)  # the stored bytes on the device; a view on the CPU
+            # the stored bytes on the device; a view on the CPU
+            yield to_device(v[s : s + step], out.device), span(flat, s, step)
+
+    def _decode_into(self, frame, out, alpha, accumulate):
+        for part, target in self._parts(frame, out):
             if accumulate:
-                span(out, s, step).add_(weighted(part, alpha))
+                target.add_(weighted(part, alpha))
             else:
-                span(out, s, step).copy_(part)
+                target.copy_(part)
 
     def write_weighted_(
         self, payload, out: torch.Tensor, alpha: float = 1.0, *, verified: bool = False
@@ -81,11 +86,7 @@ class _CastCodec(Codec):
         product rounded on its own, then ``+ 0.0``), in one pass a chunk at a time instead of zeroing
         ``out`` first: the first contribution to a tensor of the coordinator's sum."""
         self._check_out(out)
-        frame = self.frame(payload, tuple(out.shape), verified=verified)
-        v, flat = self._values(frame), out.view(-1)
-        step = CHUNK if out.device.type == "cpu" else max(CHUNK, chunk_elems(out.device))
-        for s in range(0, v.numel(), step):
-            part, target = to_device(v[s : s + step], out.device), span(flat, s, step)
+        for part, target in self._parts(self.frame(payload, tuple(out.shape), verified=verified), out):
             if alpha != 1.0 and part.dtype == torch.float32:
                 torch.mul(part, alpha, out=target)  # = weighted(part, alpha)
             else:

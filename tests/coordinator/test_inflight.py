@@ -79,22 +79,22 @@ class HangingPush:
         self.future.cancel()
 
 
-def metric(admin: str, name: str) -> float:
+def samples(admin: str, name: str) -> list:
+    """/metrics' samples of ``name``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(admin + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+def metric(admin: str, name: str) -> float:
+    return samples(admin, name)[0].value
 
 
 def resent(admin: str) -> dict[str, float]:
     """/metrics' atoll_resent_bytes_total by cause."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(admin + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    families = text_string_to_metric_families(text)
-    return {s.labels["cause"]: s.value for f in families for s in f.samples if s.name == "atoll_resent_bytes_total"}
+    return {s.labels["cause"]: s.value for s in samples(admin, "atoll_resent_bytes_total")}
 
 
 def inflight_bytes(admin: str) -> float:
