@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from atoll.objects import LEASE, Conflict, ObjectStore, StoreError
 
@@ -85,6 +86,24 @@ class Lease:
                     )
         except Conflict:
             raise StoreError(f"{self.store.url}: another coordinator took the lease at the same moment") from None
+        self._renewed = started
+        self._thread = threading.Thread(target=self._renew_loop, name="atoll-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def take_over(self, etag: str | None) -> Lease:
+        """Take the lease a :class:`LeaseWatch` saw lapse (``etag``: the lease it read, None: there was
+        none): a write conditional on that very lease, so of two standbys only one gets it, and a holder
+        that renewed meanwhile keeps it (StoreError either way). No wait on the holder's clock: the watch
+        measured the lapse on its own."""
+        started = self.monotonic()
+        try:
+            if etag is None:
+                self.etag = self.store.put_bytes(LEASE, self._body(), create_only=True)
+            else:
+                self.etag = self.store.put_bytes(LEASE, self._body(), if_match=etag)
+        except Conflict:
+            raise StoreError(f"{self.store.url}: the lease changed hands before this standby could take it") from None
         self._renewed = started
         self._thread = threading.Thread(target=self._renew_loop, name="atoll-lease", daemon=True)
         self._thread.start()
@@ -167,3 +186,55 @@ def _read_lease(body: bytes, where: str) -> dict:
     except (ValueError, TypeError, RecursionError) as err:
         raise StoreError(f"{where} is not a lease atoll wrote ({err}); if no coordinator runs, delete it") from None
     return {**held, "expires": expires}
+
+
+DRIFT = 0.01
+"""How much faster a holder's monotonic clock may run than a standby's, as a fraction (NTP keeps
+servers' rates within 500 ppm, 0.05%; a standby waits 1% more than the lease)."""
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What one read of the lease found: its ETag (None: no lease object), whether it was given back,
+    the holder and its lease length, and how many seconds more this reader waits before calling it
+    lapsed (0: it has lapsed: take it)."""
+
+    etag: str | None
+    owner: str
+    seconds: float
+    left: float
+
+
+class LeaseWatch:
+    """A standby's view of the run's lease, measured on its own clock (no wall clock, so no skew
+    between machines): a lease ETag first seen by a read that ended at ``t`` was written before
+    ``t``, and its holder counts its lease from before that write, on its monotonic clock
+    (:meth:`Lease.renew`). So once a read that *begins* ``seconds * (1 + DRIFT)`` after ``t`` still
+    finds the same ETag, the holder has not renewed for longer than its lease: it has stopped writing
+    (:meth:`Lease.check`), and the lease may be taken (:meth:`Lease.take_over`, conditional on that
+    ETag). A standby that was itself frozen only reads again: a lease renewed meanwhile has a new
+    ETag, and its wait starts over."""
+
+    def __init__(self, store: ObjectStore, *, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.monotonic = monotonic
+        self._etag: str | None = None
+        self._since: float | None = None
+        """When the read that first found :attr:`_etag` ended (its writer's latest possible renewal)."""
+
+    def read(self) -> Seen:
+        started = self.monotonic()
+        got = self.store.get(LEASE)
+        ended = self.monotonic()
+        if got is None:  # no lease at all: nobody has the run
+            self._etag, self._since = None, None
+            return Seen(None, "", 0.0, 0.0)
+        body, etag = got
+        held = _read_lease(body, f"{self.store.url}/{LEASE}")
+        seconds = float(held.get("seconds") or 0.0)
+        if not held["expires"] or seconds <= 0:  # given back by a clean stop
+            return Seen(etag, str(held.get("owner", "?")), seconds, 0.0)
+        if etag != self._etag or self._since is None:
+            self._etag, self._since = etag, ended
+        left = self._since + seconds * (1 + DRIFT) - started
+        return Seen(etag, str(held.get("owner", "?")), seconds, max(left, 0.0))
