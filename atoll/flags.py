@@ -122,13 +122,14 @@ def run_command(
     refusals: tuple[type[BaseException], ...] = (),
 ) -> int:
     """``body()``'s exit code, with the ends every command shares: a :class:`UserError` or one of
-    ``refusals`` prints one line (``atoll COMMAND: error: ...``) and exits 1, Ctrl-C 130, a closed
-    stdout 141 (as SIGPIPE), and a ValueError is a bad argument (``usage``'s error, exit 2)."""
+    ``refusals`` prints one line (``atoll COMMAND: error: ...``) and exits 1 (a
+    :class:`~atoll.errors.BadInput` 2), Ctrl-C 130, a closed stdout 141 (as SIGPIPE), and a ValueError
+    is a bad argument (``usage``'s error, exit 2)."""
     try:
         return body()
     except (UserError, *refusals) as err:
         print(f"atoll {command}: error: {err}", file=sys.stderr)
-        return 1
+        return getattr(err, "exit_code", 1)
     except KeyboardInterrupt:
         print(f"atoll {command}: interrupted", file=sys.stderr)
         return 130
