@@ -66,6 +66,9 @@ class RetryPolicy:
 
 
 WARN_EVERY_SECONDS = 30.0
+STANDBY_BACKOFF_SECONDS = 0.5
+"""The longest wait between rounds of attempts while a coordinator with standbys is unreachable: one
+takes over within its lease (``atoll coordinator --standby``), and a connection refused costs nothing."""
 PULL_BUFFER_BYTES = 512 << 20
 """Entry buffers an island keeps for its next pulls (one entry is held at a time: the largest few)."""
 
@@ -209,7 +212,10 @@ class CoordinatorClient:
                         raise Stopping(f"{what}: the island is stopping; its retries to {self.address} end") from None
                 else:
                     time.sleep(pause)
-                backoff = min(backoff * 2, self.retry.max_backoff_seconds)
+                cap = self.retry.max_backoff_seconds
+                if len(self.alternatives) > 1 and not busy:  # a standby takes over within seconds: look often
+                    cap = min(cap, STANDBY_BACKOFF_SECONDS)
+                backoff = min(backoff * 2, cap)
 
     def _timeout(self, num_bytes: int = 0) -> float:
         # Allow for the transfer itself on slow links (assume >= 1 MB/s) on top of the RPC deadline.
