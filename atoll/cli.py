@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None, island_hooks=None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     ns = parse_args(words)
     logging.basicConfig(level=ns.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("botocore").setLevel(logging.WARNING)  # (its INFO says where it found credentials, each start)
     from atoll.coordinator.config import ConfigMismatch
     from atoll.coordinator.disk.snapshots import StateError
     from atoll.workload.command import REFUSALS

@@ -7,12 +7,14 @@ import dataclasses
 import gc
 import logging
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from atoll.compression import get_codec
+from atoll.coordinator import standby
 from atoll.coordinator.disk.store import LocalState, ObjectState, StateStore
 from atoll.coordinator.options import CoordinatorOptions
 from atoll.coordinator.transport.corelog import CoreLog
@@ -74,9 +76,20 @@ async def serve(options: CoordinatorOptions) -> int:
         lost.append(why)
         loop.call_soon_threadsafe(stop.set)
 
+    if options.storage.standby:
+        standby.refuse_unless_followable(options)
     state_dir, store = where_state_lives(
         options.state_dir, options.work_dir, lease_seconds=options.storage.lease_seconds, on_lost=on_lost
     )
+    preloaded = None
+    if options.storage.standby:
+        quit_following = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, quit_following.set)
+        print(f"atoll coordinator: standby for {options.state_dir}", flush=True)
+        preloaded = await asyncio.to_thread(standby.follow, options, state_dir, store, quit_following)
+        if preloaded is None:
+            return 0
 
     fragments = options.placement.fragments
     if fragments > 0:
@@ -109,6 +122,7 @@ async def serve(options: CoordinatorOptions) -> int:
     admin = options.admin
     core_log = CoreLog() if options.security.tls is not None else None  # its handshake lines, in our words
     try:
+        servers[0].preloaded = preloaded
         for server in servers:
             await server.start()
         if core_log is not None:

@@ -109,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "waits out (default: 15)",
     )
     storage.add_argument(
+        "--standby",
+        action="store_true",
+        help="with an s3:// --state-dir: follow the run another coordinator serves (θ, momentum and membership "
+        "in memory, each record verified as it lands) and take it over the moment that one's lease lapses; "
+        "give islands both addresses, PRIMARY|STANDBY",
+    )
+    storage.add_argument(
         "--keep-snapshots", type=int, default=2, help="verified snapshots kept for an explicit rollback (default: 2)"
     )
     storage.add_argument(
@@ -221,7 +228,10 @@ def from_args(ns: argparse.Namespace) -> CoordinatorOptions:
             tokens=IslandTokens.load(ns.island_tokens) if ns.island_tokens else None,
         ),
         storage=StorageOptions(
-            keep_snapshots=ns.keep_snapshots, snapshot_every=ns.snapshot_every, lease_seconds=ns.store_lease_seconds
+            keep_snapshots=ns.keep_snapshots,
+            snapshot_every=ns.snapshot_every,
+            lease_seconds=ns.store_lease_seconds,
+            standby=ns.standby,
         ),
         limits=LimitsOptions(
             max_inflight_bytes=ns.max_inflight_bytes, max_pull_bytes=ns.max_pull_bytes, threads=ns.threads

@@ -87,6 +87,16 @@ class Mirror:
             raise
         return mirror
 
+    @classmethod
+    def adopt(cls, store: ObjectStore, local: Path, lease: Lease, run_id: str | None) -> Mirror:
+        """The keeper of a working copy a standby made the store's copy (it followed the store, and
+        compared every file once more under ``lease``, just taken): nothing is fetched or sent again."""
+        mirror = cls(store, local, lease, run_id)
+        for rel, path in _local_files(mirror.local).items():
+            st = path.stat()
+            mirror._sent[rel] = (st.st_size, st.st_mtime_ns)
+        return mirror
+
     def pull(self) -> int:
         """Make the working dir the store's copy of the run (:func:`~atoll.coordinator.disk.workcopy.reconcile`:
         refused when the dir is not this store's cache, nothing but the run's own files removed, each

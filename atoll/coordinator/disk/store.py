@@ -117,6 +117,11 @@ class ObjectState:
         """A dir that is not this store's working copy is refused untouched."""
         workcopy.check_dir(state_dir, self.store)
 
+    def adopt(self, mirror: Mirror) -> None:
+        """The run was taken already, its working copy made the store's (a standby's takeover,
+        :mod:`atoll.coordinator.standby`): :meth:`open` keeps ``mirror``."""
+        self.mirror = mirror
+
     def open(self, state_dir: Path, run_id: str) -> None:
         """Take the run's lease (one writer per run in the store) and make ``state_dir`` the store's copy."""
         if self.mirror is None:

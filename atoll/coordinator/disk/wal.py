@@ -275,16 +275,7 @@ def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
                 f"{LOG}/{path.name}: the log has no record of round {snap.round} but holds later ones "
                 "(a record was removed by hand?)"
             )
-        rec = read(path)
-        if set(rec.payloads) != set(snap.params):
-            raise LogError(f"{LOG}/{path.name}: its update names other tensors than θ's")
-        for name, payload in rec.payloads.items():
-            try:  # θ += decode(u): the coordinator's and the islands' very arithmetic
-                codec_of(payload).add_decoded_(payload, snap.params[name])
-            except WireFormatError as err:
-                raise LogError(f"{LOG}/{path.name}: update of {name}: {err}") from None
-        snap.history.append(rec.history)
-        snap.islands, snap.config, snap.round = rec.islands, rec.config, round_ + 1
+        apply(snap, path)
     if opt and opt[-1][0] > snap.round:
         raise LogError(f"{LOG}/{opt[-1][1].name} is newer than the log's last round ({snap.round})")
     if opt:
@@ -296,6 +287,24 @@ def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
             f"publish); continuing with round {have}'s momentum"
         )
     return notes
+
+
+def apply(snap, path: Path) -> None:
+    """Advance ``snap`` (at round r) by the record at ``path`` (round r's), verified first: θ_{r+1} =
+    θ_r + decode(u_r), the coordinator's and the islands' very arithmetic. LogError when it is
+    damaged or names other tensors than θ's."""
+    rec = read(path)
+    if rec.round != snap.round:
+        raise LogError(f"{LOG}/{Path(path).name}: holds round {rec.round}, the state is at round {snap.round}")
+    if set(rec.payloads) != set(snap.params):
+        raise LogError(f"{LOG}/{Path(path).name}: its update names other tensors than θ's")
+    for name, payload in rec.payloads.items():
+        try:
+            codec_of(payload).add_decoded_(payload, snap.params[name])
+        except WireFormatError as err:
+            raise LogError(f"{LOG}/{Path(path).name}: update of {name}: {err}") from None
+    snap.history.append(rec.history)
+    snap.islands, snap.config, snap.round = rec.islands, rec.config, rec.round + 1
 
 
 def write_optimizer(state_dir: Path, round_: int, tensors: dict[str, torch.Tensor]) -> None:

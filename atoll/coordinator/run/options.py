@@ -21,6 +21,9 @@ class StorageOptions:
     snapshot_every: int = 8
     lease_seconds: float = 15.0
     """With an object store: the run's lease there, which a coordinator replacing a dead one waits out."""
+    standby: bool = False
+    """With an object store: follow the run another coordinator serves, and take it over the moment
+    that one's lease lapses (:mod:`atoll.coordinator.standby`)."""
 
     def __post_init__(self) -> None:
         if self.keep_snapshots < 1:

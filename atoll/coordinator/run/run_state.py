@@ -39,6 +39,7 @@ from pathlib import Path
 from atoll.coordinator.config import RunConfig, apply_operational
 from atoll.coordinator.disk import wal
 from atoll.coordinator.disk.lock import StateLock
+from atoll.coordinator.disk.snapshots import Snapshot
 from atoll.coordinator.disk.store import LocalState, StateStore
 from atoll.coordinator.disk.writer import StateWriter
 from atoll.coordinator.messages import (
@@ -132,6 +133,7 @@ class RunState:
         """What the open round waits for (the decider's last reason), for people."""
         self.lock = asyncio.Lock()
         self._dir_lock: StateLock | None = None
+        self._preloaded: Snapshot | None = None
 
     # ---- what the run is -----------------------------------------------------------------------
     @property
@@ -171,9 +173,12 @@ class RunState:
         return dict(sorted(out.items()))
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    def restore(self) -> bool:
+    def restore(self, preloaded: Snapshot | None = None) -> bool:
         """Load the newest verified snapshot and the log after it; True if there was one. StateError /
-        ConfigMismatch (one line each) when the state dir cannot be trusted or does not fit the config."""
+        ConfigMismatch (one line each) when the state dir cannot be trusted or does not fit the config.
+        ``preloaded``: that state, verified and in memory already (a standby's, which followed the
+        store: :mod:`atoll.coordinator.disk.follow`); it is taken over, not copied."""
+        self._preloaded = preloaded
         self.store.check(self.state_dir)  # (a dir that is not an object store's working copy: refused untouched)
         if self._dir_lock is None:  # one writer per state dir, from here until close()
             self._dir_lock = StateLock(self.state_dir).acquire("starting a coordinator on it")
@@ -185,7 +190,10 @@ class RunState:
             raise
 
     def _restore(self) -> bool:
-        loaded = saved.load(self.state_dir, self.store.url, self.config, self.given, self.placement, self.name)
+        preloaded, self._preloaded = self._preloaded, None
+        loaded = saved.load(
+            self.state_dir, self.store.url, self.config, self.given, self.placement, self.name, snap=preloaded
+        )
         if loaded is None:
             return False
         snap, self.config = loaded

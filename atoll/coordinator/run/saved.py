@@ -44,12 +44,15 @@ def load(
     given: frozenset[str] | None,
     placement: PlacementOptions,
     name: str = "",
+    *,
+    snap: snapshots.Snapshot | None = None,
 ) -> tuple[snapshots.Snapshot, RunConfig] | None:
     """The newest verified snapshot in ``state_dir`` (the working copy of the store at ``where``, if any) with the log
     after it, and the run's config reconciled with the ``requested`` one (the ``given`` operational
     fields win, each change said in a line prefixed by ``name``; None: all were given; a mismatch of
-    the run's math or of the shard is a ConfigMismatch); None when the dir holds none."""
-    snap = snapshots.load(state_dir, where=where)
+    the run's math or of the shard is a ConfigMismatch); None when the dir holds none. ``snap``: that
+    state, loaded and verified already (a standby's), checked against the run as a loaded one is."""
+    snap = snap if snap is not None else snapshots.load(state_dir, where=where)
     if snap is None:
         return None
     shard, partition = placement.shard, placement.partition

@@ -153,6 +153,8 @@ class CoordinatorServer:
         self.port: int | None = None
         self.name = name
         self.state: RunState | None = None
+        self.preloaded = None
+        """The run's state, verified and in memory already, for :meth:`start` (a standby's takeover)."""
         self.counters = Counters()
         self.failed: asyncio.Future | None = None
         """Resolves with the exception that ended a background task (the daemon then exits non-zero)."""
@@ -178,7 +180,8 @@ class CoordinatorServer:
             if port:
                 ensure_free(host, port, what)
         self.state = RunState(self.config, self.state_dir, **self.state_options)
-        self.state.restore()
+        preloaded, self.preloaded = self.preloaded, None
+        self.state.restore(preloaded)
         if admin_port is not None:  # built first: a bad admin config fails before anything listens
             from atoll.coordinator.transport.admin import AdminServer
 

@@ -1,0 +1,164 @@
+"""``atoll coordinator --standby`` against a real object store (SeaweedFS): a hot standby follows the
+run as its records land (θ and momentum in memory, bitwise the primary's), watches the lease on its
+own clock, takes the run over the moment the lease lapses, and islands given ``primary|standby`` move
+to it by themselves. Bad input: one line, exit 2."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from support import collect_events, coordinator_flags, exact_config, island_flags, wait_for
+from support.stores import run_rounds, state_of
+
+from atoll.coordinator.disk.follow import Follower
+from atoll.coordinator.disk.store import ObjectState
+from atoll.coordinator.options import StorageOptions
+from atoll.harness.seaweed import free_ports
+from atoll.lease import DRIFT, Lease, LeaseWatch
+from atoll.objects import ObjectStore, StoreError
+
+pytestmark = pytest.mark.usefixtures("s3_server")
+
+
+def test_the_watch_calls_a_lease_lapsed_after_its_length_unrenewed_on_the_watchers_clock(s3_url):
+    """No wall clock: a renewal restarts the wait; a lease left alone for its length (+1%) is lapsed;
+    of two standbys taking it, one wins; the old holder finds it lost at its next renewal."""
+    store = ObjectStore.from_url(s3_url)
+    now = [100.0]
+    holder = Lease(store, 4.0).acquire()
+    holder._stop.set()  # (renewed by hand below: a frozen holder is one that stops renewing)
+    try:
+        watch = LeaseWatch(store, monotonic=lambda: now[0])
+        assert watch.read().left == pytest.approx(4.0 * (1 + DRIFT))
+        now[0] += 3.0
+        holder.renew()  # renewed: the wait starts over from the read that sees it
+        assert watch.read().left == pytest.approx(4.0 * (1 + DRIFT))
+        now[0] += 4.0
+        assert 0 < watch.read().left < 0.1
+        now[0] += 0.1
+        seen = watch.read()
+        assert seen.left == 0 and seen.owner == holder.owner
+        first = Lease(store, 4.0).take_over(seen.etag)
+        try:
+            with pytest.raises(StoreError, match="changed hands"):
+                Lease(store, 4.0).take_over(seen.etag)  # the second standby of a race
+            with pytest.raises(StoreError):
+                holder.renew()
+            assert holder.lost == "another coordinator took the lease"
+        finally:
+            first.release()
+        assert watch.read().left == 0  # given back by a clean stop: taken at once
+    finally:
+        holder.release()
+
+
+def test_a_follower_holds_the_primarys_theta_and_momentum_bitwise_as_rounds_land(s3_url, start_server, tmp_path):
+    store = ObjectStore.from_url(s3_url)
+    config = exact_config(run_id="t", sync_every=2, outer_momentum=0.9)
+    primary = start_server(
+        config, tmp_path / "w1", store=ObjectState(store, lease_seconds=5.0), storage=StorageOptions(snapshot_every=2)
+    )
+    run_rounds(primary, 3)
+
+    def up():  # what the background writes after each publish, in the store
+        primary.inspect(lambda s: s.writer.wait())
+        primary.inspect(lambda s: s.store.mirror.flush())
+
+    up()
+    follower = Follower(store, tmp_path / "standby", "t")
+    follower.start()
+    try:
+        for rounds, seed in ((3, None), (6, 1)):
+            if seed is not None:
+                run_rounds(primary, rounds, seed=seed)
+                up()
+                assert follower.catch_up() == 3
+            r, theta, momentum, _ = state_of(primary)
+            assert follower.snap.round == r == rounds
+            assert all(torch.equal(theta[k], follower.snap.params[k]) for k in theta)
+            assert follower.optimizer_round == r
+            assert all(torch.equal(momentum[k], follower.snap.extra[k]) for k in momentum)
+        assert follower.catch_up() == 0  # nothing new: nothing fetched
+    finally:
+        follower.release()
+        primary.stop()
+
+
+def _coordinator(args, env, timeout=30):
+    return subprocess.run(
+        [sys.executable, "-m", "atoll", "coordinator", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def test_a_standby_that_cannot_follow_says_why_in_one_line_and_exits_2(s3_server, s3_url, start_server, tmp_path):
+    env = {**__import__("os").environ, **s3_server.env()}
+    local = _coordinator(["--standby", "--state-dir", str(tmp_path / "local")], env)
+    assert local.returncode == 2 and local.stderr.count("\n") == 1, local.stderr
+    assert "a standby on another machine cannot follow a local dir" in local.stderr
+    empty = _coordinator(["--standby", "--state-dir", s3_url + "-none", "--work-dir", str(tmp_path / "e")], env)
+    assert empty.returncode == 2 and "holds no run and no coordinator holds it" in empty.stderr, empty.stderr
+    assert empty.stderr.strip().count("\n") == 0, empty.stderr
+
+    primary = start_server(exact_config(run_id="t"), tmp_path / "w1", store=ObjectState(ObjectStore.from_url(s3_url)))
+    try:
+        run_rounds(primary, 1)
+        other = _coordinator(
+            ["--standby", "--state-dir", s3_url, "--run-id", "other", "--work-dir", str(tmp_path / "o")], env
+        )
+        assert other.returncode == 2 and "holds run 't', not 'other'" in other.stderr, other.stderr
+        assert other.stderr.strip().count("\n") == 0, other.stderr
+    finally:
+        primary.stop()
+
+
+def test_sigkill_of_the_primary_the_standby_takes_over_and_no_round_is_lost(group, s3_server, s3_url, tmp_path):
+    """Real processes: a primary, a standby on the same store (its own port and working dir, no port
+    until it serves) and two islands given ``primary|standby``. The primary is SIGKILLed mid-run; the
+    standby takes over once the 2 s lease lapses, from memory, and the islands finish every round."""
+    env = s3_server.env()
+    port, bulk, port2, bulk2 = free_ports(4)
+    flags = [*coordinator_flags(sync_every=20, quorum=2), "--store-lease-seconds", "2"]
+    primary, address = group.start_coordinator(
+        s3_url, [*flags, "--bulk-port", str(bulk), "--work-dir", str(tmp_path / "w1")], port=port, env=env
+    )
+    port_file = tmp_path / "standby.port"
+    standby = group.start(
+        "standby",
+        [
+            *("coordinator", "--standby", "--host", "127.0.0.1", "--port", str(port2), "--state-dir", s3_url),
+            *(*flags, "--bulk-port", str(bulk2), "--work-dir", str(tmp_path / "w2"), "--port-file", str(port_file)),
+        ],
+        env,
+    )
+    rounds = 5
+    both = f"{address}|127.0.0.1:{port2}"
+    islands = [group.start(f"island-{i}", island_flags(both, f"island-{i}", rounds=rounds)) for i in range(2)]
+    events = collect_events(
+        islands, until=lambda ev: sum(e["event"] == "round" and e["round"] == 1 for e in ev) == 2, timeout=240
+    )
+    wait_for(lambda: "following run e2e" in standby.log_tail(100_000), timeout=30, what="the standby to follow")
+    assert not port_file.exists()  # a standby serves nothing
+    primary.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    primary.wait(10)
+    events = []
+    events += collect_events(
+        islands, until=lambda ev: any(e["event"] == "round" and e["round"] == 2 for e in ev), timeout=120
+    )
+    moved_on = time.monotonic() - killed
+    events += collect_events(islands, until=lambda ev: sum(e["event"] == "done" for e in ev) == 2, timeout=300)
+    assert [p.wait(30) for p in islands] == [0, 0]
+    log = standby.log_tail(200_000)
+    assert "standby: took over run e2e" in log and port_file.exists()
+    standby.stop()
+    for k in ("island-0", "island-1"):
+        assert [e["round"] for e in events if e["event"] == "round" and e["island"] == k] == list(range(2, rounds))
+    records = sorted(k for k in ObjectStore.from_url(s3_url).listing() if k.startswith("log/round-"))
+    assert len(records) == len(set(records))
+    print(f"kill -> round 2 closed on the standby: {moved_on:.2f} s")
+    assert moved_on < 20, moved_on
