@@ -35,13 +35,14 @@ def test_a_wait_ends_at_the_outer_step_past_its_round():
 
 def test_a_tentative_update_that_broke_resyncs_and_a_lost_round_is_waited_for_again_with_a_repush():
     """The coordinator died while round 3's tentative update streamed: the island, having applied some
-    entries, pulls the full θ; it is θ_3 (the round was never saved), so it waits for round 3 again and,
-    told the coordinator has no push of its, pushes again."""
+    entries, pulls the full θ; it is θ_3 (the round was never saved), so it asks about round 3 again at
+    once (ASK: no long-poll, since a standby that took over has no push of ours and says so only when a
+    pull ends) and, told the coordinator has no push of its, pushes again."""
     w = waiting.start(3, can_repush=True)
     w, act = waiting.broken(w)
     assert act is Act.PULL and (w.stage, w.have_round, w.lost) == (WaitStage.RESYNCING, -1, 3)
     w, act = answer(w, full(3))
-    assert act is Act.PULL and (w.stage, w.have_round, w.lost) == (WaitStage.WAITING, 3, None)
+    assert act is Act.ASK and (w.stage, w.have_round, w.lost) == (WaitStage.WAITING, 3, None)
     w, act = answer(w, not_ready(3, committed=False))
     assert act is Act.REPUSH
     w = waiting.repushed(w, round_closed=False)
@@ -62,7 +63,7 @@ def test_a_resync_that_breaks_too_still_waits_on_the_first_lost_round():
     w, _ = waiting.broken(w)
     assert (w.have_round, w.lost, w.resyncs) == (-1, 3, 2)
     w, act = answer(w, full(3))
-    assert act is Act.PULL and w.have_round == 3
+    assert act is Act.ASK and w.have_round == 3
 
 
 def test_updates_that_keep_breaking_fail():

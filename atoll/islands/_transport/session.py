@@ -209,13 +209,14 @@ class Session:
         is closing)."""
         started = warned = time.monotonic()
         w = waiting.start(have_round, can_repush=repush is not None)
-        m = self.me
+        m, act = self.me, Act.PULL
         while True:
             if cancel is not None and cancel.is_set():
                 raise RuntimeError(f"{m.island_id}: closed while waiting for round {w.have_round}'s outer step")
+            wait_seconds = 0.0 if act is Act.ASK else self.pull_wait_seconds
             try:
                 header, payloads = self.transport.pull(
-                    m, w.have_round, wait_seconds=self.pull_wait_seconds, regions=self.regions, on_entry=on_entry
+                    m, w.have_round, wait_seconds=wait_seconds, regions=self.regions, on_entry=on_entry
                 )
             except (PartialUpdate, WireFormatError) as err:
                 w, act = waiting.broken(w)

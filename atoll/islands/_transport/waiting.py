@@ -11,7 +11,7 @@ States (:class:`WaitStage`):
   later round;
 - CATCHING_UP: applied an update, and the run is further: pulls the next one at once.
 
-Each answer gives the next state and what to do (:class:`Act`): pull again, re-push (the coordinator
+Each answer gives the next state and what to do (:class:`Act`): pull again (or ask at once), re-push (the coordinator
 has no push of ours for the round: it restarted), upload θ_0 (the bootstrap claim passed to us),
 done, the run is complete, give up (the last round can never close), or fail (updates keep breaking).
 """
@@ -36,6 +36,10 @@ class WaitStage(enum.Enum):
 
 class Act(enum.Enum):
     PULL = "pull"
+    ASK = "ask"
+    """Pull at once, without the long-poll: the round we waited on is open again (the coordinator lost
+    its update); a coordinator that took over from a dead one has no push of ours and says so only
+    when a pull ends."""
     REPUSH = "repush"
     UPLOAD = "upload"
     DONE = "done"
@@ -84,7 +88,7 @@ def answered(w: Wait, u: Update, *, can_upload: bool, last: bool) -> tuple[Wait,
         return w, Act.PULL
     if u.kind is UpdateKind.FULL and w.lost is not None and w.lost >= 0 and u.round == w.lost:
         # The coordinator lost the round whose update broke: it is open again; wait for it (re-pushing).
-        return Wait(WaitStage.WAITING, w.lost, None, w.resyncs, w.may_repush), Act.PULL
+        return Wait(WaitStage.WAITING, w.lost, None, w.resyncs, w.may_repush), Act.ASK
     if u.round < u.latest_round:  # several rounds behind: the next delta right away
         return Wait(WaitStage.CATCHING_UP, u.round, None, w.resyncs, may_repush=False), Act.PULL
     return Wait(WaitStage.WAITING, u.round, None, w.resyncs, w.may_repush), Act.DONE
