@@ -113,14 +113,22 @@ class CoordinatorClient:
         """Bulk-port connections kept between calls (when the coordinator keeps them too)."""
         self.buffers = BufferPool(PULL_BUFFER_BYTES)
         """Entry buffers of pulls applied entry by entry, reused round after round (no page faults)."""
+        self.moved = False
+        """The coordinator in use changed and no pull has been answered by the new one yet: the next
+        pull asks without waiting (a standby that took over may lack our push: it says so at once,
+        rather than after the long-poll, and the island pushes again)."""
 
     def _open_channel(self) -> None:
         tls = self.tls
+        # With standbys, a channel of its own connections: gRPC shares connections (and their reconnect
+        # backoff, up to 2 s) between channels to one address, so a fresh channel to a standby that has
+        # just started serving would still fail fast, as the ones that found it down did.
+        options = CLIENT_OPTIONS + ([("grpc.use_local_subchannel_pool", 1)] if len(self.alternatives) > 1 else [])
         if tls is not None:
             name = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-            self._channel = grpc.secure_channel(self.address, tls.credentials(), options=CLIENT_OPTIONS + name)
+            self._channel = grpc.secure_channel(self.address, tls.credentials(), options=options + name)
         else:
-            self._channel = grpc.insecure_channel(self.address, options=CLIENT_OPTIONS)
+            self._channel = grpc.insecure_channel(self.address, options=options)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._push_call, self._pull_call = tensor_calls(self._channel)
 
@@ -134,6 +142,7 @@ class CoordinatorClient:
         self._retired.append(self._channel)  # (another thread may be in a call on it: closed at close())
         self._open_channel()
         self.bulk = None
+        self.moved = True
         kept, self.kept = self.kept, KeptConnections()
         kept.close()  # (a call still running on an old connection closes it when it ends)
         log.info("coordinator %s unreachable: trying %s", old, self.address)
@@ -342,8 +351,14 @@ class CoordinatorClient:
             return stream
 
         def attempt():
-            stream = self.open_pull(req)
+            asked = req
+            if self.moved and req.wait_seconds > 0:
+                asked = pb.PullRequest()
+                asked.CopyFrom(req)
+                asked.wait_seconds = 0.0
+            stream = self.open_pull(asked)
             header, payloads, received = read_update(stream, on_entry, self.buffers, DURABLE_WAIT_SECONDS, reopen)
+            self.moved = False
             self.bytes_received += received + header.ByteSize()
             if on_entry is not None:
                 return header, []
