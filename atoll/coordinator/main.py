@@ -19,6 +19,7 @@ from atoll.coordinator.disk.store import LocalState, ObjectState, StateStore
 from atoll.coordinator.options import CoordinatorOptions
 from atoll.coordinator.transport.corelog import CoreLog
 from atoll.coordinator.transport.server import CoordinatorServer
+from atoll.errors import BadInput
 from atoll.files import write_atomic
 from atoll.memory import tune_for_bulk_buffers
 from atoll.objects import ObjectStore, is_url
@@ -78,6 +79,11 @@ async def serve(options: CoordinatorOptions) -> int:
 
     if options.storage.standby:
         standby.refuse_unless_followable(options)
+    if options.storage.exact_failover and not is_url(options.state_dir):
+        raise BadInput(
+            f"--exact-failover is for a run a standby follows in an object store (--state-dir s3://...), "
+            f"not the local dir {options.state_dir}"
+        )
     state_dir, store = where_state_lives(
         options.state_dir, options.work_dir, lease_seconds=options.storage.lease_seconds, on_lost=on_lost
     )

@@ -116,6 +116,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "give islands both addresses, PRIMARY|STANDBY",
     )
     storage.add_argument(
+        "--exact-failover",
+        action="store_true",
+        help="with an s3:// --state-dir: each round's outer optimizer state (momentum, downlink error feedback) "
+        "goes up before the round is published, not just after, so a standby continues bitwise however the "
+        "primary dies (|θ| to 2|θ| fp32 more before each publish); without it, a primary killed in that window "
+        "leaves the standby the previous round's momentum",
+    )
+    storage.add_argument(
         "--keep-snapshots", type=int, default=2, help="verified snapshots kept for an explicit rollback (default: 2)"
     )
     storage.add_argument(
@@ -232,6 +240,7 @@ def from_args(ns: argparse.Namespace) -> CoordinatorOptions:
             snapshot_every=ns.snapshot_every,
             lease_seconds=ns.store_lease_seconds,
             standby=ns.standby,
+            exact_failover=ns.exact_failover,
         ),
         limits=LimitsOptions(
             max_inflight_bytes=ns.max_inflight_bytes, max_pull_bytes=ns.max_pull_bytes, threads=ns.threads

@@ -28,8 +28,12 @@ log = logging.getLogger("atoll.coordinator")
 
 
 class StateWriter:
-    def __init__(self, state_dir: Path, *, every: int, keep: int, store: StateStore | None = None) -> None:
-        """``store``: where the state is kept, ``state_dir`` its dir or working copy (default: the dir)."""
+    def __init__(
+        self, state_dir: Path, *, every: int, keep: int, store: StateStore | None = None, exact: bool = False
+    ) -> None:
+        """``store``: where the state is kept, ``state_dir`` its dir or working copy (default: the dir).
+        ``exact``: a round's optimizer state is in the store *before* its θ is published, not just after
+        (``--exact-failover``: a standby that takes over continues bitwise whenever the primary dies)."""
         if every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {every}")
         self.state_dir, self.every, self.keep = Path(state_dir), every, keep
@@ -44,6 +48,9 @@ class StateWriter:
         """The same record going up to the store as it is made (an object store's)."""
         self.store = store or LocalState()
         """Where the state is kept: a record is durable once it is there, the background's files follow it."""
+        self.exact = exact
+        self._optimizer_round = -1
+        """The round whose optimizer file :meth:`log_round` wrote already (``exact``)."""
 
     @property
     def trouble(self) -> str | None:
@@ -62,7 +69,21 @@ class StateWriter:
         snapshots.save(self.state_dir, snap, keep=None)
         self.store.sync()
 
-    def log_round(self, round_: int, payloads: dict, record: dict, islands: dict, config: RunConfig) -> None:
+    def log_round(
+        self,
+        round_: int,
+        payloads: dict,
+        record: dict,
+        islands: dict,
+        config: RunConfig,
+        optimizer: dict | None = None,
+    ) -> None:
+        """Make round ``round_`` durable: its record in the store. ``optimizer``: with ``exact``, the
+        optimizer state the step made (that of θ_{round_+1}), in the store first."""
+        if self.exact and optimizer is not None:
+            wal.write_optimizer(self.state_dir, round_ + 1, optimizer)
+            self.store.sync()  # (with whatever the background had not sent yet)
+            self._optimizer_round = round_ + 1
         stream, self._stream = self._stream, None
         upload, self._upload = self._upload, None
         try:
@@ -118,7 +139,7 @@ class StateWriter:
             snapshots.write_head(self.state_dir, snap.round)
             if full:
                 snapshots.save(self.state_dir, snap, keep=self.keep)
-            else:
+            elif snap.round != self._optimizer_round:  # (with ``exact``: written before the publish)
                 wal.write_optimizer(self.state_dir, snap.round, snap.extra)
             wal.prune(self.state_dir, snapshot_round=newest, keep_from=keep_from)
             self.store.sync_later()  # (an object store's: up in the background, the next step does not wait)

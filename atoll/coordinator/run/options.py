@@ -24,6 +24,9 @@ class StorageOptions:
     standby: bool = False
     """With an object store: follow the run another coordinator serves, and take it over the moment
     that one's lease lapses (:mod:`atoll.coordinator.standby`)."""
+    exact_failover: bool = False
+    """Each round's outer optimizer state goes to the store before the round is published (2|θ| more
+    before each publish, with a downlink codec): a standby continues bitwise whenever it takes over."""
 
     def __post_init__(self) -> None:
         if self.keep_snapshots < 1:

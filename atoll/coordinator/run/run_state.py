@@ -117,7 +117,11 @@ class RunState:
         self.downlink = Downlink(self.state_dir, max_pull_bytes=limits.max_pull_bytes)
         self.store = store or LocalState()
         self.writer = StateWriter(
-            self.state_dir, every=storage.snapshot_every, keep=storage.keep_snapshots, store=self.store
+            self.state_dir,
+            every=storage.snapshot_every,
+            keep=storage.keep_snapshots,
+            store=self.store,
+            exact=storage.exact_failover,
         )
         owners = self.owners = Owners(lambda: self.config, self.membership, self.accumulator, self.model, self.ledger)
         self.islands = Islands(owners, placement, self.state_dir, name)
@@ -392,4 +396,5 @@ class RunState:
             return lambda: self.writer.bootstrap(snap)
         r, islands, config = sealed.round, self.membership.to_json()["islands"], self.config
         stored = sealed.record.to_json()
-        return lambda: self.writer.log_round(r, sealed.payloads, stored, islands, config)
+        optimizer = self.model.state_tensors() if self.writer.exact else None  # the step's, θ_{r+1}'s
+        return lambda: self.writer.log_round(r, sealed.payloads, stored, islands, config, optimizer)
