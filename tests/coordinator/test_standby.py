@@ -89,6 +89,41 @@ def test_a_follower_holds_the_primarys_theta_and_momentum_bitwise_as_rounds_land
         primary.stop()
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_with_exact_failover_the_momentum_is_in_the_store_before_the_publish(s3_url, start_server, tmp_path, exact):
+    """What goes up after a publish is held back here (a primary that dies right after each publish):
+    the store then holds every round's record but, without ``--exact-failover``, no optimizer state past
+    θ_0's, so a standby would go on with stale momentum; with it, the state of the newest round, bitwise
+    the primary's."""
+    store = ObjectStore.from_url(s3_url)
+    config = exact_config(run_id="t", sync_every=2, outer_momentum=0.9)
+    primary = start_server(
+        config,
+        tmp_path / "w1",
+        store=ObjectState(store, lease_seconds=5.0),
+        storage=StorageOptions(snapshot_every=100, exact_failover=exact),
+    )
+    try:
+        primary.inspect(lambda s: setattr(s.store.mirror, "sync_later", lambda: None))  # nothing after a publish
+        run_rounds(primary, 3)
+        r, theta, momentum, _ = state_of(primary)
+        follower = Follower(store, tmp_path / "standby", "t")
+        follower.start()
+        try:
+            notes = follower.final()
+            assert follower.snap.round == r == 3
+            assert all(torch.equal(theta[k], follower.snap.params[k]) for k in theta)
+            if not exact:
+                assert follower.optimizer_round == 0 and "continuing with round 0's momentum" in notes[0]
+                return
+            assert notes == [] and follower.optimizer_round == 3
+            assert all(torch.equal(momentum[k], follower.snap.extra[k]) for k in momentum)
+        finally:
+            follower.release()
+    finally:
+        primary.stop()
+
+
 def _coordinator(args, env, timeout=30):
     return subprocess.run(
         [sys.executable, "-m", "atoll", "coordinator", *args], capture_output=True, text=True, env=env, timeout=timeout
@@ -100,6 +135,9 @@ def test_a_standby_that_cannot_follow_says_why_in_one_line_and_exits_2(s3_server
     local = _coordinator(["--standby", "--state-dir", str(tmp_path / "local")], env)
     assert local.returncode == 2 and local.stderr.count("\n") == 1, local.stderr
     assert "a standby on another machine cannot follow a local dir" in local.stderr
+    exact = _coordinator(["--exact-failover", "--state-dir", str(tmp_path / "local")], env)
+    assert exact.returncode == 2 and exact.stderr.count("\n") == 1, exact.stderr
+    assert "--exact-failover is for a run a standby follows in an object store" in exact.stderr
     empty = _coordinator(["--standby", "--state-dir", s3_url + "-none", "--work-dir", str(tmp_path / "e")], env)
     assert empty.returncode == 2 and "holds no run and no coordinator holds it" in empty.stderr, empty.stderr
     assert empty.stderr.strip().count("\n") == 0, empty.stderr
