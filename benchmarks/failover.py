@@ -71,6 +71,7 @@ class Run:
         self.starts = 0
         self.digests: dict[int, str] = {}
         self.rounds_seen: dict[str, set[int]] = {"i0": set(), "i1": set()}
+        self.round_seconds: list[float] = []
 
     def slot(self, k: int) -> tuple[int, int, int]:
         return self.ports[3 * k], self.ports[3 * k + 1], self.ports[3 * k + 2]
@@ -119,6 +120,8 @@ class Run:
                     self.rounds_seen[ev["island"]].add(ev["round"])
                     if ev["island"] == "i0" and ev.get("digest"):
                         self.digests[ev["round"]] = ev["digest"]
+                    if ev["island"] == "i0" and ev.get("round_seconds"):
+                        self.round_seconds.append(ev["round_seconds"])
 
 
 def wait(cond, what: str, deadline: float, procs=(), tick: float = 0.02) -> None:
@@ -236,7 +239,8 @@ def main() -> None:
                 f"p99 {percentile(closed, 99):.2f} s, max {max(closed):.2f} s (mean {statistics.mean(closed):.2f}); "
                 f"the standby served after p50 {percentile(serving, 50):.2f} s, p99 {percentile(serving, 99):.2f} s; "
                 f"rounds lost {len(lost)} {lost[:5]}; the optimizer state of an older round at "
-                f"{sum(k['behind'] for k in kills)} takeovers"
+                f"{sum(k['behind'] for k in kills)} takeovers; a round took "
+                f"{statistics.median(killed.round_seconds):.2f} s (median, island i0's, compute and sync)"
             )
             if args.no_compare:
                 return

@@ -28,10 +28,10 @@ from atoll.harness import ProcessGroup
 from atoll.workload.digest import param_digest
 
 
-def island_cmd(address: str, island: str, ckpt: Path, args) -> list[str]:
+def island_cmd(address: str, island: str, ckpt: str, args) -> list[str]:
     return [
         *("island", "--coordinator", address, "--island-id", island, "--run-id", "resume"),
-        *("--checkpoint-dir", str(ckpt / island), "--inner-lr", "3e-3", "--no-eval-every-round", "--no-digest"),
+        *("--checkpoint-dir", f"{ckpt}/{island}", "--inner-lr", "3e-3", "--no-eval-every-round", "--no-digest"),
     ]
 
 
@@ -40,10 +40,12 @@ def admin_status(admin_file: Path) -> dict:
         return json.loads(r.read())
 
 
-def run(work: Path, args, kill: bool, sig: int = signal.SIGKILL) -> dict:
+def run(work: Path, args, kill: bool, sig: int = signal.SIGKILL, store=None) -> dict:
     """One run; with ``kill``, island i1 gets ``sig`` a little into the round after
-    ``args.kill_after_round`` and is restarted with the same command."""
+    ``args.kill_after_round`` and is restarted with the same command. ``store``: a SeaweedS3 the
+    islands checkpoint to (``s3://bench/<run>``) instead of a local dir."""
     admin_file = work / "admin.port"
+    ckpt, env = (f"s3://bench/{work.name}", store.env()) if store is not None else (str(work / "ckpt"), None)
     out: dict = {"round_seconds": [], "checkpoint_seconds": []}
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(
@@ -55,7 +57,7 @@ def run(work: Path, args, kill: bool, sig: int = signal.SIGKILL) -> dict:
                 *("--admin-port", "0", "--admin-port-file", str(admin_file)),
             ],
         )
-        islands = {i: group.start(i, island_cmd(address, i, work / "ckpt", args)) for i in ("i0", "i1")}
+        islands = {i: group.start(i, island_cmd(address, i, ckpt, args), env) for i in ("i0", "i1")}
         done, killed_at = set(), None
         deadline = time.monotonic() + 600
         while len(done) < 2:
@@ -83,11 +85,13 @@ def run(work: Path, args, kill: bool, sig: int = signal.SIGKILL) -> dict:
                     killed_at = time.monotonic()
                     out["killed_exit"] = proc.wait(60)
                     out["exit_seconds"] = time.monotonic() - killed_at
-                    islands["i1"] = group.start("i1-restarted", island_cmd(address, "i1", work / "ckpt", args))
+                    islands["i1"] = group.start("i1-restarted", island_cmd(address, "i1", ckpt, args), env)
+                    restarted = time.monotonic()
                     while True:  # the coordinator accepts i1's next push
                         now = {i["island"]: i for i in admin_status(admin_file)["islands"]}["i1"]
                         if now.get("rounds_committed", 0) > before:
                             out["heal_seconds"] = time.monotonic() - killed_at
+                            out["rejoin_seconds"] = time.monotonic() - restarted
                             break
                         if time.monotonic() - killed_at > 300:
                             raise TimeoutError("the restarted island never pushed")
@@ -108,12 +112,26 @@ def main() -> None:
     p.add_argument("--kill-after-round", type=int, default=1, help="kill i1 in the round after this one (default: 1)")
     p.add_argument("--kill-delay", type=float, default=0.3, help="seconds into that round (default: 0.3)")
     p.add_argument("--signal", choices=["KILL", "TERM"], default="KILL", help="what i1 gets (default: KILL)")
+    p.add_argument(
+        "--checkpoint-store", action="store_true", help="checkpoint to s3:// (a SeaweedFS server on loopback)"
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="atoll-resume-") as tmp:
-        ref = run(Path(tmp) / "ref", args, kill=False)
-        got = run(Path(tmp) / "killed", args, kill=True, sig=getattr(signal, f"SIG{args.signal}"))
+        store = None
+        if args.checkpoint_store:
+            from atoll.harness.seaweed import SeaweedS3
+
+            store = SeaweedS3(Path(tmp) / "seaweed").start()
+            store.make_bucket("bench")
+        try:
+            ref = run(Path(tmp) / "ref", args, kill=False, store=store)
+            got = run(Path(tmp) / "killed", args, kill=True, sig=getattr(signal, f"SIG{args.signal}"), store=store)
+        finally:
+            if store is not None:
+                store.stop()
     print(
-        f"{args.rounds} rounds of H={args.sync_every}, 2 islands with --checkpoint-dir, i1 SIG{args.signal} in round "
+        f"{args.rounds} rounds of H={args.sync_every}, 2 islands with --checkpoint-dir "
+        f"{'s3://' if args.checkpoint_store else '(local)'}, i1 SIG{args.signal} in round "
         f"{args.kill_after_round + 1} and restarted with the same command"
     )
     print(f"i1 exited {got['killed_exit']} {got['exit_seconds']:.2f}s after the signal")
@@ -128,7 +146,8 @@ def main() -> None:
     print(f"round time (median, islands' own): {round_s:.2f}s")
     print(
         f"heal time (kill -> next push accepted): {got['heal_seconds']:.2f}s"
-        f" = {got['heal_seconds'] / round_s:.1f} rounds"
+        f" = {got['heal_seconds'] / round_s:.1f} rounds; from its restart: {got['rejoin_seconds']:.2f}s"
+        f" = one round + {got['rejoin_seconds'] - round_s:.2f}s"
     )
     ck = statistics.median(got["checkpoint_seconds"])
     print(
