@@ -184,6 +184,11 @@ class BufferPool:
                 return free.pop()
         return self.make(size)
 
+    def free_buffers(self) -> list[np.ndarray]:
+        """The buffers kept for reuse now (for an account of the memory held)."""
+        with self._lock:
+            return [b for free in self._free.values() for b in free]
+
     def give(self, payload) -> None:
         """Take back a payload of :meth:`take`'s buffer (the caller no longer reads it)."""
         buf = memoryview(payload).obj

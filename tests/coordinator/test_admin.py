@@ -53,6 +53,9 @@ def test_endpoints_follow_a_round(start_server, raw_island):
     assert status["round"] == 1 and status["bootstrapped"] and status["run"]["run_id"] == "t"
     assert [i["island"] for i in status["islands"]] == ["a"] and status["islands"][0]["state"] == "active"
     assert status["history"][0]["islands"] == ["a"]
+    held = status["memory"]  # bytes, by holder: θ, momentum and the next round's sum are each |θ| = 48
+    assert (held["theta"], held["optimizer"], held["sum"], held["downlink_ef"]) == (48, 48, 48, 0)
+    assert held["update"] >= 48 and held["push_reserved"] == held["pull_reserved"] == 0
 
 
 def test_token_protects_everything_but_healthz(start_server):

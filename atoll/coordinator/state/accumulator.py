@@ -190,6 +190,10 @@ class RoundAccumulator:
         return sum(r.plan.num_bytes for ranks in self.pending.values() for r in ranks.values())
 
     # ---- the close -------------------------------------------------------------------------------
+    def sum_tensors(self) -> list[torch.Tensor]:
+        """The open round's sum's tensors (for an account of the memory held)."""
+        return list(self._sums.values())
+
     def reset(self, sums: dict[str, torch.Tensor], stale: set[str] | None = None) -> None:
         """A fresh sum for the open round (``sums``: shaped like θ). The tensors named in ``stale`` hold
         old values (the θ a publish replaced) and count as zero: the first contribution to one is

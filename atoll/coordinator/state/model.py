@@ -105,6 +105,10 @@ class GlobalModel:
         old, self.params = self.params, params
         return old or {}
 
+    def spare_payloads(self) -> list:
+        """The last update's payloads kept as the next step's buffers (for an account of the memory)."""
+        return list(self._spares.values())
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """What a snapshot keeps besides θ: momentum and downlink error feedback, by prefixed name."""
         out = dict(self.optimizer.state_tensors())

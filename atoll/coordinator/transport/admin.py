@@ -33,6 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from atoll.coordinator.config import OPERATIONAL_FIELDS, ConfigMismatch
 from atoll.coordinator.policy.goodput import run_goodput
+from atoll.coordinator.state.held import held_bytes
 from atoll.coordinator.state.membership import IslandState
 from atoll.coordinator.state.record import RoundRecord
 from atoll.coordinator.transport.counters import Counters
@@ -372,6 +373,7 @@ def status_json(server, started_at: float) -> dict:
         "inflight_budget_bytes": s.accumulator.budget.limit,
         "pull_bytes": s.downlink.budget.used,
         "pull_budget_bytes": s.downlink.budget.limit,
+        "memory": held_bytes(s.model, s.accumulator, s.downlink),
         "history": [h.to_json() for h in s.history[-100:]],
         "uptime_seconds": time.time() - started_at,
         "torch_threads": torch.get_num_threads(),
