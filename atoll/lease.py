@@ -57,6 +57,8 @@ class Lease:
         self._renewed = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.timing = RenewalTiming()
+        """How the renewals went (their PUTs' seconds, the longest the lease went unrenewed)."""
 
     def _body(self) -> bytes:
         now = self.clock()
@@ -126,6 +128,7 @@ class Lease:
         except Conflict:
             self._lose("another coordinator took the lease")
             raise
+        self.timing.renewed(self.monotonic() - started, started - self._renewed)
         self._renewed = started
         if self.trouble is not None:
             log.warning("renewed the lease on %s again", self.store.url)
@@ -186,6 +189,34 @@ def _read_lease(body: bytes, where: str) -> dict:
     except (ValueError, TypeError, RecursionError) as err:
         raise StoreError(f"{where} is not a lease atoll wrote ({err}); if no coordinator runs, delete it") from None
     return {**held, "expires": expires}
+
+
+@dataclass
+class RenewalTiming:
+    """A holder's renewals, measured: how long each PUT took, and the longest a renewal came after the
+    one before (counted as a standby counts: from the start of one PUT to the start of the next).
+    ``/api/status`` shows it (``lease``) beside the lease's length."""
+
+    renewals: int = 0
+    put_seconds_max: float = 0.0
+    put_seconds_total: float = 0.0
+    unrenewed_seconds_max: float = 0.0
+
+    def renewed(self, put_seconds: float, since_last: float) -> None:
+        self.renewals += 1
+        self.put_seconds_max = max(self.put_seconds_max, put_seconds)
+        self.put_seconds_total += put_seconds
+        self.unrenewed_seconds_max = max(self.unrenewed_seconds_max, since_last)
+
+    def to_json(self, seconds: float) -> dict:
+        mean = self.put_seconds_total / self.renewals if self.renewals else 0.0
+        return {
+            "seconds": seconds,
+            "renewals": self.renewals,
+            "put_seconds_mean": mean,
+            "put_seconds_max": self.put_seconds_max,
+            "unrenewed_seconds_max": self.unrenewed_seconds_max,
+        }
 
 
 DRIFT = 0.01

@@ -10,7 +10,10 @@ own, a random moment into a round (uniform over ``--round-spread`` s) the primar
 standby takes the lease when it lapses and serves. Timed from the kill: the standby serving (its admin
 port answering) and the round open at the kill closed (published) by it. A fresh standby then starts
 where the killed one was (the killed one's port, a new working dir), and the next kill is of the new
-primary. No supervisor loop: nothing restarts a coordinator that exits.
+primary. No supervisor loop: nothing restarts a coordinator that exits. The coordinators run with
+``--exact-failover`` (``--no-exact-failover``: without it). Before each kill the primary's
+``/api/status`` says how its lease renewals went (each PUT's time, the longest the lease went
+unrenewed), printed beside the lease's length.
 
 Then the same run again without kills (``--no-compare`` skips it) for as many rounds: θ after every
 round, as island i0 reports it (``digest``, sha256 of θ), must be bitwise the uninterrupted run's.
@@ -47,6 +50,14 @@ def published(admin: str) -> int:
             return int(json.load(resp)["round"])
     except OSError:
         return -1
+
+
+def lease_timing(admin: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://{admin}/api/status", timeout=2) as resp:
+            return json.load(resp).get("lease")
+    except OSError:
+        return None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -169,6 +180,7 @@ def kill_once(args, run: Run, primary, standby, active: int, islands, rng, deadl
     wait(lambda: published(run.admin(active)) > start_round, "a round of the primary", deadline, procs, 0.005)
     time.sleep(rng.uniform(0, args.round_spread))
     run.drain(islands)
+    lease = lease_timing(run.admin(active))  # how its renewals went, up to the kill
     primary.signal(signal.SIGKILL)
     killed = time.monotonic()
     primary.wait(10)
@@ -187,6 +199,7 @@ def kill_once(args, run: Run, primary, standby, active: int, islands, rng, deadl
         "behind": behind,
         "how": took.group(2),
         "followed": int(took.group(3)),
+        "lease": lease,
     }
 
 
@@ -242,6 +255,16 @@ def main() -> None:
                 f"{sum(k['behind'] for k in kills)} takeovers; a round took "
                 f"{statistics.median(killed.round_seconds):.2f} s (median, island i0's, compute and sync)"
             )
+            leases = [k["lease"] for k in kills if k.get("lease")]
+            if leases:
+                put_mean = statistics.mean(x["put_seconds_mean"] for x in leases) * 1e3
+                put_max = max(x["put_seconds_max"] for x in leases) * 1e3
+                unrenewed = max(x["unrenewed_seconds_max"] for x in leases)
+                print(
+                    f"the primaries' lease renewals ({sum(x['renewals'] for x in leases)} in all, every "
+                    f"{args.lease / 3:.2f} s): PUT mean {put_mean:.1f} ms, max {put_max:.1f} ms; the longest the "
+                    f"lease went unrenewed {unrenewed:.3f} s of its {args.lease:g} s"
+                )
             if args.no_compare:
                 return
             ref = Run(args, tmp, store, "ref", data)

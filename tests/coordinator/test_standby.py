@@ -37,6 +37,9 @@ def test_the_watch_calls_a_lease_lapsed_after_its_length_unrenewed_on_the_watche
         assert watch.read().left == pytest.approx(4.0 * (1 + DRIFT))
         now[0] += 3.0
         holder.renew()  # renewed: the wait starts over from the read that sees it
+        timing = holder.timing.to_json(holder.seconds)
+        assert timing["renewals"] == 1 and 0 < timing["put_seconds_max"] == timing["put_seconds_mean"] < 4.0
+        assert 0 < timing["unrenewed_seconds_max"] < 4.0  # (from its acquire to this renewal's start)
         assert watch.read().left == pytest.approx(4.0 * (1 + DRIFT))
         now[0] += 4.0
         assert 0 < watch.read().left < 0.1

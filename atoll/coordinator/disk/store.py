@@ -49,6 +49,8 @@ class StateStore(Protocol):
 
     def close(self) -> None: ...
 
+    def lease_timing(self) -> dict | None: ...
+
 
 class LocalState:
     """A local state dir: the dir is the state; every step past writing it is nothing."""
@@ -88,6 +90,9 @@ class LocalState:
 
     def close(self) -> None:
         pass
+
+    def lease_timing(self) -> dict | None:
+        return None
 
 
 class ObjectState:
@@ -151,6 +156,11 @@ class ObjectState:
         mirror, self.mirror = self.mirror, None
         if mirror is not None:
             mirror.close()
+
+    def lease_timing(self) -> dict | None:
+        """The run's lease, and how its renewals went (None before it is taken)."""
+        lease = self.mirror.lease if self.mirror is not None else None
+        return lease.timing.to_json(lease.seconds) if lease is not None else None
 
     def _mirror(self) -> Mirror:
         if self.mirror is None:

@@ -374,6 +374,7 @@ def status_json(server, started_at: float) -> dict:
         "pull_bytes": s.downlink.budget.used,
         "pull_budget_bytes": s.downlink.budget.limit,
         "memory": held_bytes(s.model, s.accumulator, s.downlink),
+        "lease": s.store.lease_timing(),
         "history": [h.to_json() for h in s.history[-100:]],
         "uptime_seconds": time.time() - started_at,
         "torch_threads": torch.get_num_threads(),
