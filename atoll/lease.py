@@ -88,10 +88,7 @@ class Lease:
                     )
         except Conflict:
             raise StoreError(f"{self.store.url}: another coordinator took the lease at the same moment") from None
-        self._renewed = started
-        self._thread = threading.Thread(target=self._renew_loop, name="atoll-lease", daemon=True)
-        self._thread.start()
-        return self
+        return self._renewing(started)
 
     def take_over(self, etag: str | None) -> Lease:
         """Take the lease a :class:`LeaseWatch` saw lapse (``etag``: the lease it read, None: there was
@@ -106,6 +103,10 @@ class Lease:
                 self.etag = self.store.put_bytes(LEASE, self._body(), if_match=etag)
         except Conflict:
             raise StoreError(f"{self.store.url}: the lease changed hands before this standby could take it") from None
+        return self._renewing(started)
+
+    def _renewing(self, started: float) -> Lease:
+        """The lease was written at ``started`` (monotonic): keep it renewed from now on."""
         self._renewed = started
         self._thread = threading.Thread(target=self._renew_loop, name="atoll-lease", daemon=True)
         self._thread.start()

@@ -100,14 +100,7 @@ class Run:
                 self.url, flags, name=f"{self.name}-c{self.starts}", port=port, env=self.env, timeout=300
             )
             return proc
-        return group.start(
-            f"{self.name}-c{self.starts}",
-            [
-                *("coordinator", "--standby", "--host", "127.0.0.1", "--port", str(port)),
-                *("--state-dir", self.url, *flags),
-            ],
-            self.env,
-        )
+        return group.start_standby(self.url, flags, port=port, name=f"{self.name}-c{self.starts}", env=self.env)
 
     def islands(self, group: ProcessGroup, rounds: int):
         both = f"127.0.0.1:{self.slot(0)[0]}|127.0.0.1:{self.slot(1)[0]}"

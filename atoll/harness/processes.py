@@ -156,6 +156,20 @@ class ProcessGroup:
         self.processes.append(proc)
         return proc
 
+    def start_standby(
+        self,
+        state_dir: str,
+        flags: list[str],
+        *,
+        port: int,
+        name: str = "standby",
+        env: dict[str, str] | None = None,
+    ) -> ManagedProcess:
+        """Start ``atoll coordinator --standby`` on a run in an object store: it follows the run, and
+        serves on ``port`` once it takes the run over (it reports no port before)."""
+        args = ["coordinator", "--standby", "--host", "127.0.0.1", "--port", str(port), "--state-dir", str(state_dir)]
+        return self.start(name, [*args, *flags], env)
+
     def start_coordinator(
         self,
         state_dir: Path,

@@ -245,7 +245,7 @@ def test_the_guides_object_store_and_failover_steps_run_as_written(group, tmp_pa
     }
 
     def swapped(text: str, **more: str) -> str:
-        for old, new in {**more, **swaps}.items():
+        for old, new in [*more.items(), *swaps.items()]:  # (``more`` first: its ports, not the primary's)
             text = text.replace(old, new)
         return text
 
@@ -269,11 +269,15 @@ def test_the_guides_object_store_and_failover_steps_run_as_written(group, tmp_pa
     coord = start("coordinator", "coordinator")
     wait_for(lambda: any("listening on" in ln for ln in coord.lines), timeout=60, what="the coordinator")
     standby = start("standby", "standby", **{"7070": str(port2), "7071": str(bulk2), "9090": str(admin2)})
+    assert f"--port {port2} --bulk-port {bulk2}" in " ".join(standby.argv)
     island_args = shell.argv(swapped(found["island"]))
     assert island_args[island_args.index("--coordinator") + 1] == f"localhost:{port}|localhost:{port2}"
     island = group.start("site-a", [*island_args[1:], "--inner-lr", "3e-3"], cwd=tmp_path)
     events = collect_events([island], until=lambda ev: any(e["event"] == "round" for e in ev), timeout=120)
-    wait_for(lambda: "following run llm-1" in standby.log_tail(100_000), timeout=60, what="the standby")
+    try:
+        wait_for(lambda: "following run llm-1" in standby.log_tail(100_000), timeout=60, what="the standby")
+    except AssertionError:
+        raise AssertionError(f"the standby does not follow:\n{standby.log_tail()}") from None
     coord.signal(signal.SIGKILL)
     coord.wait(10)
     events += collect_events([island], until=lambda ev: any(e["event"] == "done" for e in ev), timeout=240)
@@ -323,13 +327,8 @@ def test_a_stalled_coordinator_that_wakes_after_a_takeover_writes_nothing(group,
     first, address = group.start_coordinator(
         s3_url, [*flags, "--bulk-port", str(bulk), "--work-dir", str(tmp_path / "w1")], port=port, env=env
     )
-    second = group.start(
-        "standby",
-        [
-            *("coordinator", "--standby", "--host", "127.0.0.1", "--port", str(port2), "--state-dir", s3_url),
-            *(*flags, "--bulk-port", str(bulk2), "--work-dir", str(tmp_path / "w2")),
-        ],
-        env,
+    second = group.start_standby(
+        s3_url, [*flags, "--bulk-port", str(bulk2), "--work-dir", str(tmp_path / "w2")], port=port2, env=env
     )
     rounds = 6
     both = f"{address}|127.0.0.1:{port2}"
