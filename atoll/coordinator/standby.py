@@ -26,6 +26,7 @@ from atoll.coordinator.disk.snapshots import Snapshot, StateError
 from atoll.coordinator.disk.store import ObjectState, StateStore
 from atoll.coordinator.disk.wal import LogError
 from atoll.coordinator.options import CoordinatorOptions
+from atoll.coordinator.transport.server import ensure_ports_free
 from atoll.errors import BadInput
 from atoll.lease import Lease, LeaseWatch
 from atoll.objects import StoreError, is_url
@@ -37,7 +38,9 @@ POLL_SECONDS = (0.05, 1.0)
 
 
 def refuse_unless_followable(options: CoordinatorOptions) -> None:
-    """BadInput (one line, exit 2) for a standby that cannot work: a local state dir, fragments."""
+    """BadInput (one line, exit 2) for a standby that cannot work: a local state dir, fragments; and
+    PortInUse (one line) for a port it is to serve on that is taken already: said now, not found out
+    at the takeover."""
     if not is_url(options.state_dir):
         raise BadInput(
             f"--standby follows a run kept in an object store (--state-dir s3://BUCKET/PREFIX), not the local dir "
@@ -46,6 +49,7 @@ def refuse_unless_followable(options: CoordinatorOptions) -> None:
         )
     if options.placement.fragments:
         raise BadInput("--standby does not follow a --fragments coordinator's run (one lease per fragment)")
+    ensure_ports_free(options.network.host, options.network.port, options.network.bulk_port, options.admin)
 
 
 def follow(options: CoordinatorOptions, state_dir: Path, store: StateStore, stop: threading.Event) -> Snapshot | None:

@@ -5,7 +5,9 @@ to it by themselves. Bad input: one line, exit 2."""
 
 from __future__ import annotations
 
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ import torch
 from support import collect_events, coordinator_flags, exact_config, island_flags, wait_for
 from support.stores import run_rounds, state_of
 
+from atoll.coordinator.disk import wal
 from atoll.coordinator.disk.follow import Follower
 from atoll.coordinator.disk.store import ObjectState
 from atoll.coordinator.options import StorageOptions
@@ -127,6 +130,11 @@ def test_with_exact_failover_the_momentum_is_in_the_store_before_the_publish(s3_
         primary.stop()
 
 
+def newest_record(work_dir) -> int:
+    """The newest round whose record a working dir holds (-1: none)."""
+    return max((r for r, _ in wal.records(work_dir)), default=-1)
+
+
 def assert_one_theta_per_round(events, rounds: int, first: int = 0) -> None:
     """One publisher per round: every island holds the same θ (its digest) after each round."""
     digests = {}
@@ -148,6 +156,13 @@ def test_a_standby_that_cannot_follow_says_why_in_one_line_and_exits_2(s3_server
     local = _coordinator(["--standby", "--state-dir", str(tmp_path / "local")], env)
     assert local.returncode == 2 and local.stderr.count("\n") == 1, local.stderr
     assert "a standby on another machine cannot follow a local dir" in local.stderr
+    with socket.socket() as taken:  # a port it could not serve on at the takeover: said at its start
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = ["--standby", "--state-dir", s3_url, "--port", str(taken.getsockname()[1])]
+        busy = _coordinator([*busy, "--work-dir", str(tmp_path / "b")], env)
+    assert busy.returncode == 1 and busy.stderr.count("\n") == 1, busy.stderr
+    assert "is in use" in busy.stderr
     exact = _coordinator(["--exact-failover", "--state-dir", str(tmp_path / "local")], env)
     assert exact.returncode == 2 and exact.stderr.count("\n") == 1, exact.stderr
     assert "--exact-failover is for a run a standby follows in an object store" in exact.stderr
@@ -178,13 +193,11 @@ def test_sigkill_of_the_primary_the_standby_takes_over_and_no_round_is_lost(grou
         s3_url, [*flags, "--bulk-port", str(bulk), "--work-dir", str(tmp_path / "w1")], port=port, env=env
     )
     port_file = tmp_path / "standby.port"
-    standby = group.start(
-        "standby",
-        [
-            *("coordinator", "--standby", "--host", "127.0.0.1", "--port", str(port2), "--state-dir", s3_url),
-            *(*flags, "--bulk-port", str(bulk2), "--work-dir", str(tmp_path / "w2"), "--port-file", str(port_file)),
-        ],
-        env,
+    standby = group.start_standby(
+        s3_url,
+        [*flags, "--bulk-port", str(bulk2), "--work-dir", str(tmp_path / "w2"), "--port-file", str(port_file)],
+        port=port2,
+        env=env,
     )
     rounds = 5
     both = f"{address}|127.0.0.1:{port2}"
@@ -227,14 +240,12 @@ def test_a_frozen_standby_never_takes_a_live_run_and_of_two_standbys_one_takes_o
         s3_url, [*flags, "--bulk-port", str(ports[1]), "--work-dir", str(tmp_path / "w0")], port=ports[0], env=env
     )
     standbys = {
-        k: group.start(
-            f"standby-{k}",
-            [
-                *("coordinator", "--standby", "--host", "127.0.0.1", "--port", str(ports[2 * k])),
-                *("--state-dir", s3_url, *flags, "--bulk-port", str(ports[2 * k + 1])),
-                *("--work-dir", str(tmp_path / f"w{k}")),
-            ],
-            env,
+        k: group.start_standby(
+            s3_url,
+            [*flags, "--bulk-port", str(ports[2 * k + 1]), "--work-dir", str(tmp_path / f"w{k}")],
+            port=ports[2 * k],
+            name=f"standby-{k}",
+            env=env,
         )
         for k in (1, 2)
     }
@@ -252,17 +263,21 @@ def test_a_frozen_standby_never_takes_a_live_run_and_of_two_standbys_one_takes_o
     for k in (1, 2):
         wait_for(lambda k=k: "following run e2e" in log(k), timeout=60, what=f"standby {k} to follow")
     standbys[1].signal(signal.SIGSTOP)
-    time.sleep(2 * 2.0 * (1 + DRIFT) + 0.5)  # frozen past two leases; the primary renewed meanwhile
+    time.sleep(2 * 2.0 * (1 + DRIFT) + 0.5)  # frozen past two leases (on the wall); the primary renews meanwhile
     standbys[1].signal(signal.SIGCONT)
-    time.sleep(2.0)  # awake for a lease: it has read the renewed lease, and waits again
+    at_wake = newest_record(tmp_path / "w0")
+    # Awake, it reads the lease (renewed: its wait starts over) before it fetches what landed meanwhile.
+    wait_for(lambda: newest_record(tmp_path / "w1") > at_wake, timeout=60, what="the woken standby to follow")
     assert primary.poll() is None and "took over" not in log(1) + log(2)
     events += collect_events(islands, until=lambda ev: sum(e["event"] == "round" for e in ev) >= 2, timeout=120)
     primary.signal(signal.SIGKILL)
     primary.wait(10)
     wait_for(lambda: "took over" in log(1) + log(2), timeout=30, what="a standby to take over")
-    time.sleep(1.0)
     winner = 1 if "standby: took over" in log(1) else 2
     loser = 3 - winner
+    took = int(re.search(r"took over run e2e in \S+ at round (\d+)", log(winner)).group(1))
+    # The other one follows the new holder: it fetches the record of the round the winner closed first.
+    wait_for(lambda: newest_record(tmp_path / f"w{loser}") >= took, timeout=60, what="the other to follow")
     assert "standby: took over" not in log(loser) and standbys[loser].poll() is None
     last = max(e["round"] for e in events if e["event"] == "round")
     events += collect_events(islands, until=lambda ev: seen(ev, last + 2), timeout=120)

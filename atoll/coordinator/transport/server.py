@@ -47,6 +47,14 @@ def ensure_free(host: str, port: int, what: str) -> None:
         raise PortInUse(f"{what} {port} on {host} cannot be bound: {err.strerror or err}") from None
 
 
+def ensure_ports_free(host: str, port: int, bulk_port: int | None, admin: AdminOptions) -> None:
+    """:func:`ensure_free` for each fixed port a coordinator is told to bind (0 or None: none)."""
+    fixed = (("--port", host, port), ("--bulk-port", host, bulk_port), ("--admin-port", admin.host, admin.port))
+    for what, on, number in fixed:
+        if number:
+            ensure_free(on, number, what)
+
+
 FLAT = {
     "host": ("network", "host"),
     "port": ("network", "port"),
@@ -172,13 +180,7 @@ class CoordinatorServer:
         """Restore the run (refusing a state dir that does not verify), then serve. PortInUse (one
         line) when a port it was told to bind is served already, before anything listens."""
         admin_host, admin_port, admin_token = self.admin_options.host, self.admin_options.port, self.admin_options.token
-        for what, host, port in (
-            ("--port", self.host, self.requested_port),
-            ("--bulk-port", self.host, self.requested_bulk_port),
-            ("--admin-port", admin_host, admin_port),
-        ):
-            if port:
-                ensure_free(host, port, what)
+        ensure_ports_free(self.host, self.requested_port, self.requested_bulk_port, self.admin_options)
         self.state = RunState(self.config, self.state_dir, **self.state_options)
         preloaded, self.preloaded = self.preloaded, None
         self.state.restore(preloaded)
