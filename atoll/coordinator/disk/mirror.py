@@ -173,6 +173,21 @@ class Mirror:
         if self.lease is not None:
             self.lease.check()  # a PUT that outlasted the lease (a stalled store) publishes nothing
 
+    def put_now(self, path: Path) -> None:
+        """One state file (not a record) to the store now, under the lease, on the caller's thread: the
+        optimizer state ``--exact-failover`` puts up before a publish. It waits for nothing else (a
+        snapshot the background is sending waits for it, as for a record)."""
+        if self.lease is not None:
+            self.lease.check()
+        rel = Path(path).relative_to(self.local).as_posix()
+        with self._idle:
+            self._committing += 1  # (the background's uploads wait, as for a record)
+        try:
+            self.store.put_file(Path(path), rel)
+        finally:
+            self._commit_done()
+        self._sent_now(path, rel)
+
     def _commit(self, path: Path, rel: str, upload: RecordUpload | None) -> None:
         """The record's create-only write: the streamed upload completed, or else the file put whole."""
         if upload is not None:

@@ -43,6 +43,8 @@ class StateStore(Protocol):
 
     def put_record(self, path: Path, upload: RecordUpload | None = None) -> None: ...
 
+    def put_now(self, path: Path) -> None: ...
+
     def sync(self) -> None: ...
 
     def sync_later(self) -> None: ...
@@ -81,6 +83,9 @@ class LocalState:
 
     def put_record(self, path: Path, upload: RecordUpload | None = None) -> None:
         """The record at ``path`` is durable: it was fsynced."""
+
+    def put_now(self, path: Path) -> None:
+        """The state file at ``path`` is durable: it was fsynced."""
 
     def sync(self) -> None:
         """Everything written so far is durable (θ_0's snapshot): it was fsynced."""
@@ -143,6 +148,10 @@ class ObjectState:
     def put_record(self, path: Path, upload: RecordUpload | None = None) -> None:
         """Durable once in the store (sent while the step ran, when ``upload`` is given)."""
         self._mirror().put_record(path, upload=upload)
+
+    def put_now(self, path: Path) -> None:
+        """That state file in the store before this returns (the rest follows in the background)."""
+        self._mirror().put_now(path)
 
     def sync(self) -> None:
         self._mirror().sync()

@@ -82,7 +82,7 @@ class StateWriter:
         optimizer state the step made (that of θ_{round_+1}), in the store first."""
         if self.exact and optimizer is not None:
             wal.write_optimizer(self.state_dir, round_ + 1, optimizer)
-            self.store.sync()  # (with whatever the background had not sent yet)
+            self.store.put_now(self.state_dir / wal.LOG / wal.optimizer_name(round_ + 1))
             self._optimizer_round = round_ + 1
         stream, self._stream = self._stream, None
         upload, self._upload = self._upload, None
