@@ -283,3 +283,23 @@ def test_a_streamed_record_whose_header_outgrows_its_room_is_written_whole(tmp_p
         assert {k: bytes(v) for k, v in rec.payloads.items()} == {k: bytes(v) for k, v in payloads.items()}
         assert (path.stat().st_size - data == 4096) is streamed  # the header's room, or a header to measure
         assert [p.name for p in (state / wal.LOG).iterdir()] == [path.name]
+
+
+def test_with_exact_failover_an_optimizer_file_of_a_round_whose_record_never_landed_is_not_state(tmp_path):
+    """``--exact-failover`` writes round r's optimizer state (that of θ_{r+1}) before round r's record:
+    a coordinator that died between the two leaves the file of a round never published. A restart, or
+    a standby starting meanwhile, restores round r open with round r's own optimizer state, bitwise;
+    a file two rounds ahead of the log is still damage."""
+    state = tmp_path / "state"
+    run(state, 3, storage=StorageOptions(snapshot_every=100, exact_failover=True))
+    assert [r for r, _ in wal.optimizer_files(state)] == [3]
+    expected = snapshots.load(state).extra  # round 3's own optimizer state
+    stray = {k: v + 1.0 for k, v in expected.items()}  # what a step of round 3 made, its record never put
+    wal.write_optimizer(state, 4, stray, before_record=True)
+    snap = snapshots.load(state)
+    assert snap.round == 3 and snap.notes == []
+    assert all(torch.equal(snap.extra[k], expected[k]) for k in expected)
+    (state / "log" / wal.record_name(2)).unlink()
+    snapshots.write_head(state, 2)
+    with pytest.raises(snapshots.StateError, match="newer than the log"):
+        snapshots.load(state)

@@ -264,8 +264,9 @@ def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
     when a record is damaged or missing between others, or names other tensors than θ's."""
     notes: list[str] = []
     base = snap.round
-    # Optimizer files first: on a live dir each is written after its round's record, so a later
-    # listing of the records reaches every one of them.
+    # Optimizer files first: on a live dir each is written after its round's record (with
+    # --exact-failover, just before it), so a later listing of the records reaches every one of them
+    # (all but that one).
     opt = [(r, p) for r, p in optimizer_files(state_dir) if r > base and (upto is None or r <= upto)]
     for round_, path in records(state_dir):
         if round_ < snap.round or (upto is not None and round_ >= upto):
@@ -276,6 +277,10 @@ def replay(state_dir: Path, snap, upto: int | None = None) -> list[str]:
                 "(a record was removed by hand?)"
             )
         apply(snap, path)
+    if opt and opt[-1][0] == snap.round + 1 and _before_record(opt[-1][1]):
+        # --exact-failover put it up before its round's record, which never landed (or not yet): the
+        # state of a round never published, not this state's (that round is open again).
+        opt.pop()
     if opt and opt[-1][0] > snap.round:
         raise LogError(f"{LOG}/{opt[-1][1].name} is newer than the log's last round ({snap.round})")
     if opt:
@@ -307,10 +312,25 @@ def apply(snap, path: Path) -> None:
     snap.islands, snap.config, snap.round = rec.islands, rec.config, rec.round + 1
 
 
-def write_optimizer(state_dir: Path, round_: int, tensors: dict[str, torch.Tensor]) -> None:
+def write_optimizer(
+    state_dir: Path, round_: int, tensors: dict[str, torch.Tensor], *, before_record: bool = False
+) -> None:
+    """The optimizer state of θ_``round_``. ``before_record``: written before the record of round
+    ``round_ - 1`` (``--exact-failover``), so said in its metadata: until that record lands, a restore
+    sets the file aside (:func:`replay`)."""
     d = Path(state_dir) / LOG
     d.mkdir(parents=True, exist_ok=True)
-    write_file(d / optimizer_name(round_), tensors, {"format": FORMAT, "round": str(round_)})
+    meta = {"format": FORMAT, "round": str(round_), **({"before_record": "1"} if before_record else {})}
+    write_file(d / optimizer_name(round_), tensors, meta)
+
+
+def _before_record(path: Path) -> bool:
+    """Whether an optimizer file says it was written before its round's record (a damaged one: no)."""
+    try:
+        with safe_open(str(path), framework="np") as f:
+            return (f.metadata() or {}).get("before_record") == "1"
+    except (OSError, SafetensorError):
+        return False
 
 
 def read_optimizer(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

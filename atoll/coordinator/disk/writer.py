@@ -81,7 +81,7 @@ class StateWriter:
         """Make round ``round_`` durable: its record in the store. ``optimizer``: with ``exact``, the
         optimizer state the step made (that of θ_{round_+1}), in the store first."""
         if self.exact and optimizer is not None:
-            wal.write_optimizer(self.state_dir, round_ + 1, optimizer)
+            wal.write_optimizer(self.state_dir, round_ + 1, optimizer, before_record=True)
             self.store.put_now(self.state_dir / wal.LOG / wal.optimizer_name(round_ + 1))
             self._optimizer_round = round_ + 1
         stream, self._stream = self._stream, None
