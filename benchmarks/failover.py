@@ -129,9 +129,13 @@ class Run:
 
 
 def wait(cond, what: str, deadline: float, procs=(), tick: float = 0.02) -> None:
+    """Until ``cond()``; RuntimeError with the logs of ``procs`` (the processes that must stay up
+    meanwhile) when one of them exits, or at ``deadline``."""
     while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}:\n" + "\n".join(p.log_tail() for p in procs))
+        gone = [p.name for p in procs if p.poll() is not None]
+        if gone or time.monotonic() > deadline:
+            why = f"{', '.join(gone)} exited" if gone else "timed out"
+            raise RuntimeError(f"{why} waiting for {what}:\n" + "\n".join(p.log_tail() for p in procs))
         time.sleep(tick)
 
 
@@ -177,6 +181,7 @@ def kill_once(args, run: Run, primary, standby, active: int, islands, rng, deadl
     primary.signal(signal.SIGKILL)
     killed = time.monotonic()
     primary.wait(10)
+    procs = [standby, *islands]
     wait(lambda: published(run.admin(other)) >= 0, "the standby to serve", deadline, procs, 0.005)
     serving = time.monotonic() - killed
     wait(lambda: TOOK_OVER.search(standby.log_tail(100_000)), "the takeover line", deadline, procs)
@@ -200,7 +205,7 @@ def uninterrupted(args, run: Run, group: ProcessGroup, rounds: int) -> None:
     primary = run.coordinator(group, 0, standby=False)
     islands = run.islands(group, rounds)
     deadline = time.monotonic() + args.timeout
-    wait(lambda: all(p.poll() is not None for p in islands), f"{rounds} rounds", deadline, [primary, *islands], 0.2)
+    wait(lambda: all(p.poll() is not None for p in islands), f"{rounds} rounds", deadline, [primary], 0.2)
     run.drain(islands)
     primary.stop()
 
