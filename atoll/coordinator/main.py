@@ -128,9 +128,8 @@ async def serve(options: CoordinatorOptions) -> int:
     admin = options.admin
     core_log = CoreLog() if options.security.tls is not None else None  # its handshake lines, in our words
     try:
-        servers[0].preloaded = preloaded
-        for server in servers:
-            await server.start()
+        for server in servers:  # (a standby follows no fragments: one server)
+            await server.start(preloaded)
         if core_log is not None:
             core_log.start()
         # Everything allocated so far (torch, grpc, the restored state) lives as long as the

@@ -137,7 +137,6 @@ class RunState:
         """What the open round waits for (the decider's last reason), for people."""
         self.lock = asyncio.Lock()
         self._dir_lock: StateLock | None = None
-        self._preloaded: Snapshot | None = None
 
     # ---- what the run is -----------------------------------------------------------------------
     @property
@@ -182,19 +181,17 @@ class RunState:
         ConfigMismatch (one line each) when the state dir cannot be trusted or does not fit the config.
         ``preloaded``: that state, verified and in memory already (a standby's, which followed the
         store: :mod:`atoll.coordinator.disk.follow`); it is taken over, not copied."""
-        self._preloaded = preloaded
         self.store.check(self.state_dir)  # (a dir that is not an object store's working copy: refused untouched)
         if self._dir_lock is None:  # one writer per state dir, from here until close()
             self._dir_lock = StateLock(self.state_dir).acquire("starting a coordinator on it")
         try:
             self.store.open(self.state_dir, self.config.run_id)  # (an object store's lease: one writer per run)
-            return self._restore()
+            return self._restore(preloaded)
         except BaseException:
             self.close()
             raise
 
-    def _restore(self) -> bool:
-        preloaded, self._preloaded = self._preloaded, None
+    def _restore(self, preloaded: Snapshot | None) -> bool:
         loaded = saved.load(
             self.state_dir, self.store.url, self.config, self.given, self.placement, self.name, snap=preloaded
         )

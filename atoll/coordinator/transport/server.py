@@ -161,8 +161,6 @@ class CoordinatorServer:
         self.port: int | None = None
         self.name = name
         self.state: RunState | None = None
-        self.preloaded = None
-        """The run's state, verified and in memory already, for :meth:`start` (a standby's takeover)."""
         self.counters = Counters()
         self.failed: asyncio.Future | None = None
         """Resolves with the exception that ended a background task (the daemon then exits non-zero)."""
@@ -176,13 +174,13 @@ class CoordinatorServer:
             raise RuntimeError("server not started")
         return f"{self.host}:{self.port}"
 
-    async def start(self) -> None:
+    async def start(self, preloaded=None) -> None:
         """Restore the run (refusing a state dir that does not verify), then serve. PortInUse (one
-        line) when a port it was told to bind is served already, before anything listens."""
+        line) when a port it was told to bind is served already, before anything listens.
+        ``preloaded``: the run's state, verified and in memory already (a standby's takeover)."""
         admin_host, admin_port, admin_token = self.admin_options.host, self.admin_options.port, self.admin_options.token
         ensure_ports_free(self.host, self.requested_port, self.requested_bulk_port, self.admin_options)
         self.state = RunState(self.config, self.state_dir, **self.state_options)
-        preloaded, self.preloaded = self.preloaded, None
         self.state.restore(preloaded)
         if admin_port is not None:  # built first: a bad admin config fails before anything listens
             from atoll.coordinator.transport.admin import AdminServer
