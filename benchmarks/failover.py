@@ -44,20 +44,18 @@ from benchmarks.gpu import make_tokens
 TOOK_OVER = re.compile(r"standby: took over run \S+ in \S+ at round (\d+) \(([^;]+); (\d+) rounds followed")
 
 
-def published(admin: str) -> int:
+def status(admin: str) -> dict | None:
+    """The coordinator's ``/api/status`` (None: it does not answer, not serving yet or killed)."""
     try:
         with urllib.request.urlopen(f"http://{admin}/api/status", timeout=2) as resp:
-            return int(json.load(resp)["round"])
-    except OSError:
-        return -1
-
-
-def lease_timing(admin: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(f"http://{admin}/api/status", timeout=2) as resp:
-            return json.load(resp).get("lease")
+            return json.load(resp)
     except OSError:
         return None
+
+
+def published(admin: str) -> int:
+    got = status(admin)
+    return int(got["round"]) if got is not None else -1
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -177,7 +175,7 @@ def kill_once(args, run: Run, primary, standby, active: int, islands, rng, deadl
     wait(lambda: published(run.admin(active)) > start_round, "a round of the primary", deadline, procs, 0.005)
     time.sleep(rng.uniform(0, args.round_spread))
     run.drain(islands)
-    lease = lease_timing(run.admin(active))  # how its renewals went, up to the kill
+    lease = (status(run.admin(active)) or {}).get("lease")  # how its renewals went, up to the kill
     primary.signal(signal.SIGKILL)
     killed = time.monotonic()
     primary.wait(10)
