@@ -398,7 +398,9 @@ class DiLoCo:
         return stats
 
     def global_params(self) -> dict[str, torch.Tensor]:
-        """This rank's regions of θ for the current round, as received (fp32), keyed by name."""
+        """This rank's regions of θ for the current round, as received (fp32), keyed by name. With
+        overlap, the round's update is in it once it arrived (the exchange's thread applies it before
+        the merge step)."""
         return {s.name: self._outer.of(s).start for s in self._table.all_shards()}
 
     def pseudo_gradient(self) -> dict[tuple, torch.Tensor]:

@@ -3,12 +3,16 @@ sequences calls on the route table, the outer state and the link; one exchange i
 stats of a finished one are :mod:`atoll.islands._flight`.
 
 The I/O of an exchange runs on the training thread, or on a background thread when overlapping; it
-never touches a parameter. Applying the pulled update is :meth:`Exchanges.finish`, on the training
-thread.
+never touches a parameter. When overlapping, that thread also does the island's own passes over θ
+that need no parameter: it encodes the pseudo-gradient from the snapshot of θ as pushed (while the
+training thread trains on), and once the updates are in it checks them and makes each shard's merge
+delta, applying them to θ_start (which no step reads). What is left on the training thread is the
+snapshot's copy at the push and, at the merge, one add into the parameters: :meth:`Exchanges.finish`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -16,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from atoll.islands._flight import Flight, RoundStats
 from atoll.islands._link import CoordinatorLink
@@ -89,18 +94,20 @@ class Exchanges:
         )
         # A stateless codec (no error feedback, no warm start) on a plain exchange (θ stays put until it
         # is applied) streams: each payload is encoded as the push stream asks for it, and again if
-        # asked again. Otherwise the payloads are encoded now and kept until the exchange is done.
+        # asked again. Overlapping, θ is kept as pushed (the snapshot) and the exchange's thread encodes
+        # it. Otherwise the payloads are encoded now and kept until the exchange is done.
         streamed = not flight.merge and not codec.stateful
         if streamed:
             flight.rebuild = lambda i: outer.encode(table.owned(i), codec)
             flight.encoder = lambda i: outer.encoder(table.owned(i), codec)
         for i in indices:
             owned = table.owned(i)
-            payloads = None if streamed else [flight.kept(p) for p in outer.encode(owned, codec)]
-            sizes = [codec.encoded_size(s.sizes) for s in owned] if streamed else [len(p) for p in payloads]
-            flight.max_payload_numel = max([flight.max_payload_numel, *(s.local().numel() for s in owned)])
             if flight.merge:
                 outer.take_snapshots(table.shards(i))
+            later = streamed or flight.merge  # sizes are known before encoding (push headers declare them)
+            payloads = None if later else [flight.kept(p) for p in outer.encode(owned, codec)]
+            sizes = [codec.encoded_size(s.sizes) for s in owned] if later else [len(p) for p in payloads]
+            flight.max_payload_numel = max([flight.max_payload_numel, *(s.local().numel() for s in owned)])
             session = sessions[i]
             header = session.header(
                 PushKind.DELTA,
@@ -118,23 +125,62 @@ class Exchanges:
             del payloads
             self.by_route[i] = flight
         self.schedule.synced(indices)
-        if before_push is not None:
-            ready = before_push()
-            flight.ready = ready if callable(ready) else None
+        if flight.merge:
+            flight.encode_later = self._encoding(flight, codec, outer.fence())
+            flight.encoded.clear()
+            flight.go.clear()
+            self.launch(flight)  # it encodes, then waits for before_push's answer to push
+        try:
+            if before_push is not None:  # (a checkpoint's state_dict() waits for the encoding)
+                ready = before_push()
+                flight.ready = ready if callable(ready) else None
+        except BaseException:
+            flight.cancelled = True
+            raise
+        finally:
+            flight.go.set()
         flight.host += clock() - started
-        self.launch(flight)
+        if not flight.merge:
+            self.launch(flight)
         flight.blocked += clock() - started
         return flight
+
+    def _encoding(self, flight: Flight, codec, snapshots_taken: Callable[[], None]) -> Callable[[], None]:
+        """The flight's payloads, encoded from the snapshots of θ as pushed (on the exchange's thread)."""
+
+        def encode() -> None:
+            snapshots_taken()
+            for k, (i, header, _) in enumerate(flight.pushes):
+                payloads = [flight.kept(p) for p in self.outer.encode(self.table.owned(i), codec, pushed=True)]
+                declared = [e.num_bytes for e in header.entries]
+                if [len(p) for p in payloads] != declared:  # (a codec whose size is not what it said)
+                    raise RuntimeError(f"{codec.spec} encoded {[len(p) for p in payloads]} bytes, declared {declared}")
+                flight.pushes[k] = (i, header, payloads)
+
+        return encode
 
     def launch(self, flight: Flight) -> None:
         """Run the flight's I/O: on a background thread when it merges (overlap), else right here."""
         flight.clock = self.schedule.clock
         for i in flight.routes:
             self.by_route[i] = flight
+        if flight.merge_ready:  # (restored from a checkpoint) its update is in θ_start: finish() merges it
+            return
         if flight.merge:
-            flight.thread = threading.Thread(target=self._io, args=(flight,), name="atoll-exchange", daemon=True)
+            # The thread does work the training thread did before (the encoding, the merge's delta):
+            # under the same dispatch modes (a FakeTensorMode, a user's tracing mode), as it would have.
+            modes = _get_current_dispatch_mode_stack()
+            flight.thread = threading.Thread(
+                target=self._io_under, args=(flight, modes), name="atoll-exchange", daemon=True
+            )
             flight.thread.start()
         else:
+            self._io(flight)
+
+    def _io_under(self, flight: Flight, modes: list) -> None:
+        with contextlib.ExitStack() as entered:
+            for mode in modes:
+                entered.enter_context(mode)
             self._io(flight)
 
     def _io(self, flight: Flight) -> None:
@@ -142,6 +188,18 @@ class Exchanges:
         sessions, table, outer, link = self.link.sessions, self.table, self.outer, self.link
         began, own = flight.clock(), flight.host  # (only this thread adds to host while it runs)
         try:
+            if flight.encode_later is not None:
+                try:
+                    flight.encode_later()
+                except BaseException as err:
+                    flight.encode_error = err
+                    raise
+                finally:
+                    flight.background += flight.clock() - began
+                    flight.encoded.set()
+            flight.go.wait()
+            if flight.cancelled:
+                return
             if flight.ready is not None:
                 flight.ready()
             for i, header, _ in flight.pushes:
@@ -161,10 +219,25 @@ class Exchanges:
                     repush=None if dropped else (lambda i=i, h=header: (h, flight.source(i))),
                     cancel=link.stopping,
                 )
+            if flight.thread is not None:
+                self._prepare_merge(flight)
         except BaseException as err:  # re-raised in the training loop by finish()
             flight.error = err
         finally:
-            flight.exchange = flight.clock() - began - (flight.host - own)
+            flight.encoded.set()
+            flight.exchange = flight.clock() - began - (flight.host - own) - flight.background
+
+    def _prepare_merge(self, flight: Flight) -> None:
+        """On the exchange's thread, every update in: check them and make the merge deltas (timed as
+        background work). A checkpoint meanwhile waits for the flight's lock."""
+        began = flight.clock()
+        with flight.lock:
+            for i in flight.routes:
+                self.outer.prepare_merge(self.table.shards(i), [(h, p) for j, h, p in flight.updates if j == i])
+            flight.merge_ready = True
+            flight.updates = [(i, h, None) for i, h, _ in flight.updates]  # (in θ_start; headers for _align)
+            flight.merge_fence = self.outer.fence()
+        flight.background += flight.clock() - began
 
     def finish(self, flight: Flight, run_complete: Callable[[], bool]) -> RoundStats:
         """Wait for the exchange (if in the background) and apply its outer update(s)."""
@@ -183,9 +256,11 @@ class Exchanges:
         for i, header, payloads in flight.updates:
             by_route.setdefault(i, []).append((header, payloads))
         headers = {i: h for i, h, _ in flight.pushes}
+        flight.merge_fence()  # (the deltas made on the exchange's thread: its device work done)
         for i in flight.routes:
             dropped = flight.outcomes.get(i) is PushOutcome.ROUND_CLOSED
-            self.outer.apply_all(self.table.shards(i), by_route.get(i, []))
+            if not flight.merge_ready:
+                self.outer.apply_all(self.table.shards(i), by_route.get(i, []))
             self.outer.load_params(self.table.shards(i), merge=flight.merge or dropped)
             self._align(i, headers.get(i), [h for h, _ in by_route.get(i, [])])
             if dropped:  # what the push said it covers (also for a flight restored from a checkpoint)

@@ -50,6 +50,10 @@ class RoundStats:
     waits for included) to its last update received, the island's own work in it left out; with
     overlap it runs on the exchange's thread while the island trains on. What ``atoll plan`` gives as
     an exchange's sync seconds."""
+    background_seconds: float = 0.0
+    """The island's own work that ran on the exchange's thread, off the training loop (overlap: the
+    pushed θ's encoding, the update's checks and the merge's delta): hidden while the exchange fits
+    in the overlap window and the host has a core for it."""
 
 
 @dataclass(eq=False)
@@ -95,6 +99,31 @@ class Flight:
     settle: Callable[[list], list] = list
     """``settle(payloads)``: on the host and sealed (a staged encode returns before its copy is done:
     :meth:`Routes.on_host`); every read of the payloads goes through it, on whichever thread reads."""
+    encode_later: Callable[[], None] | None = None
+    """Overlap: encodes the pushes' payloads from θ as pushed, first thing on the exchange's thread
+    (the training thread trains on meanwhile); they are read only once :attr:`encoded` is set."""
+    encoded: threading.Event = field(default_factory=lambda: _set(threading.Event()))
+    go: threading.Event = field(default_factory=lambda: _set(threading.Event()))
+    """Set once ``before_push`` answered (:attr:`ready`): the pushes wait for it, on the exchange's thread."""
+    cancelled: bool = False
+    """``before_push`` failed: the exchange's thread pushes nothing."""
+    background: float = 0.0
+    """The island's own work that ran on the exchange's thread (:attr:`RoundStats.background_seconds`)."""
+    merge_ready: bool = False
+    """Overlap: every update arrived and is applied to θ_start, and each shard's merge delta is made
+    (on the exchange's thread): what is left is adding the deltas to the parameters."""
+    merge_fence: Callable[[], None] = lambda: None
+    """Waits, on the training thread's streams, for the device work that made the merge deltas."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the merge deltas are made, and by a checkpoint reading the flight and its shards."""
+
+    encode_error: BaseException | None = None
+
+    def wait_encoded(self) -> None:
+        """Until the payloads exist (encoded on the exchange's thread); raises its error if that failed."""
+        self.encoded.wait()
+        if self.encode_error is not None:
+            raise self.encode_error
 
     def kept(self, payload):
         """``payload``, leased for this flight (it pushes it, and may again)."""
@@ -164,7 +193,13 @@ class Flight:
             run_complete=run_complete,
             host_seconds=self.host,
             exchange_seconds=self.exchange,
+            background_seconds=self.background,
         )
+
+
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event
 
 
 def flight_state(f: Flight) -> dict:
@@ -177,6 +212,9 @@ def flight_state(f: Flight) -> dict:
         "loss": f.loss,
         "pushed_at": f.pushed_at,
         "merge": f.merge,
+        # Its updates are in θ_start and its merge deltas made (the shards' state holds both): on
+        # restore it is merged with no exchange again.
+        "merge_ready": f.merge_ready,
         "pushes": [
             {
                 "route": i,
@@ -207,6 +245,7 @@ def restore_flight(sd: dict) -> Flight:
             header = push_header_from_wire(saved.numpy().tobytes())
         route = int(push.get("route", push.get("link")))  # "link": an earlier release
         flight.pushes.append((route, header, [bytearray(p.numpy().tobytes()) for p in push["payloads"]]))
+    flight.merge_ready = bool(sd.get("merge_ready", False))
     return flight
 
 

@@ -8,6 +8,7 @@ The exchanges and DiLoCo sequence calls on it by route (the shards a route holds
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -39,6 +40,11 @@ class OuterState:
             self._states[s.key] = ShardState(s, placement, self.leases, staging if staging.enabled else None)
         self.stagings = [st for st in stagings.values() if st.enabled]
         """The devices whose payloads are staged: a payload is read only once :meth:`on_host` says so."""
+        self._cuda = sorted({s.local().device for s in shards if s.local().device.type == "cuda"}, key=str)
+        self._busy = threading.RLock()
+        """Held by whoever encodes, applies or prepares a merge: the training thread, or an exchange's
+        thread (overlap: the pushed θ's encoding and the update's arithmetic run there), one at a time
+        (they share the devices' staging and placement)."""
 
     @property
     def on_cuda(self) -> bool:
@@ -53,13 +59,15 @@ class OuterState:
         return iter(self._states.items())
 
     # ---- pushes ----------------------------------------------------------------------------------
-    def encode(self, shards: Iterable[LocalShard], codec) -> list:
-        """The shards' pseudo-gradients, encoded (on the parameters' device; payloads on the host)."""
-        return [self._states[s.key].encode(codec) for s in shards]
+    def encode(self, shards: Iterable[LocalShard], codec, *, pushed: bool = False) -> list:
+        """The shards' pseudo-gradients, encoded (on the parameters' device; payloads on the host).
+        ``pushed``: of θ as pushed, their snapshots (:meth:`take_snapshots`), on any thread."""
+        with self._busy:
+            return [self._states[s.key].encode(codec, pushed=pushed) for s in shards]
 
     def encoder(self, shards: list[LocalShard], codec) -> Callable[[int], object]:
         """``encode(j)``: the j-th shard's pseudo-gradient, encoded when the push stream asks, on the host."""
-        return lambda j: self.on_host([self._states[shards[j].key].encode(codec)])[0]
+        return lambda j: self.on_host(self.encode([shards[j]], codec))[0]
 
     def on_host(self, payloads: list) -> list:
         """``payloads`` on the host and sealed: a staged encode returns before its copy to the host is
@@ -71,8 +79,22 @@ class OuterState:
 
     def take_snapshots(self, shards: Iterable[LocalShard]) -> None:
         """θ now, kept: the progress made from here on survives the update (overlap, decoupled)."""
-        for s in shards:
-            self._states[s.key].take_snapshot()
+        with self._busy:
+            for s in shards:
+                self._states[s.key].take_snapshot()
+
+    def fence(self) -> Callable[[], None]:
+        """What this thread has queued on its devices so far, for another thread to wait for before it
+        reads the results (a snapshot's copy; a merge's delta): nothing to wait for on the CPU."""
+        if not self._cuda or not torch.cuda.is_available():
+            return lambda: None
+        marks = [(d, torch.cuda.current_stream(d).record_event()) for d in self._cuda]
+
+        def wait() -> None:
+            for d, mark in marks:
+                torch.cuda.current_stream(d).wait_event(mark)
+
+        return wait
 
     def keep_base(self, shards: Iterable[LocalShard]) -> None:
         """The push was dropped: re-base on the new θ with the round's progress kept."""
@@ -92,35 +114,57 @@ class OuterState:
     def apply_all(self, shards: Iterable[LocalShard], updates: list) -> None:
         """Advance the shards' θ_start by each ``(header, payloads)``, in order: every payload is checked
         before any is applied, so a corrupt update changes nothing."""
-        shards = list(shards)
-        plans = []
-        for header, payloads in updates:
-            by_key = {e.key: payload for e, (_, payload) in zip(header.entries, payloads, strict=True)}
-            for s in shards:
-                key = _entry_key(s)
-                if key not in by_key:
-                    raise RuntimeError(f"update is missing tensor {s.name!r} region {s.offsets}+{s.sizes}")
-                plans.append((s, by_key[key], header.kind is UpdateKind.FULL))
-        self.apply_checked(plans)
+        self.apply_checked(_plans(shards, updates))
 
     def apply_checked(self, plans: list[tuple[LocalShard, object, bool]]) -> None:
         """Each ``(shard, payload, full)``'s payload checked against its shard (WireFormatError before
         anything changes), then applied: the one way an update reaches the outer state."""
-        for s, payload, _ in plans:
-            codec_of(payload).frame(payload, s.sizes)
-        for s, payload, full in plans:
-            self._states[s.key].apply(payload, full, verified=True)
+        with self._busy:
+            _check(plans)
+            for s, payload, full in plans:
+                self._states[s.key].apply(payload, full, verified=True)
+
+    def prepare_merge(self, shards: Iterable[LocalShard], updates: list) -> None:
+        """Overlap, on the exchange's thread once every update arrived: check them all (a corrupt one
+        changes nothing), apply them to θ_start and make each shard's merge delta, θ_start − snapshot
+        (:meth:`ShardState.prepare_merge`). The training thread then only adds the delta, in one pass
+        (:meth:`load_params`)."""
+        shards, plans = list(shards), _plans(shards, updates)
+        with self._busy:
+            _check(plans)
+            for s in shards:
+                self._states[s.key].prepare_merge([(p, full) for t, p, full in plans if t is s])
 
     # ---- θ into the model ------------------------------------------------------------------------
     def load_params(self, shards: Iterable[LocalShard], merge: bool) -> None:
         """The shards' θ_start into the model (``merge``: keeping the progress since the snapshot)."""
-        for s in shards:
-            self._states[s.key].load_into_param(merge)
+        with self._busy:
+            for s in shards:
+                self._states[s.key].load_into_param(merge)
 
     def start_from_local(self, shards: Iterable[LocalShard]) -> None:
         """θ_start is the model's own θ (the run's θ_0 is this rank's upload)."""
         for s in shards:
             self._states[s.key].start_from_local()
+
+
+def _plans(shards: Iterable[LocalShard], updates: list) -> list[tuple[LocalShard, object, bool]]:
+    """``(shard, payload, full)`` of each shard in each ``(header, payloads)``, in order."""
+    shards, plans = list(shards), []
+    for header, payloads in updates:
+        by_key = {e.key: payload for e, (_, payload) in zip(header.entries, payloads, strict=True)}
+        for s in shards:
+            key = _entry_key(s)
+            if key not in by_key:
+                raise RuntimeError(f"update is missing tensor {s.name!r} region {s.offsets}+{s.sizes}")
+            plans.append((s, by_key[key], header.kind is UpdateKind.FULL))
+    return plans
+
+
+def _check(plans: list[tuple[LocalShard, object, bool]]) -> None:
+    """WireFormatError unless every payload fits its shard."""
+    for s, payload, _ in plans:
+        codec_of(payload).frame(payload, s.sizes)
 
 
 def _entry_key(s: LocalShard) -> tuple:

@@ -4,6 +4,7 @@ that was in flight re-pushed, exact-delta catch-up when the run moved on meanwhi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import NamedTuple
@@ -33,9 +34,23 @@ class Who(NamedTuple):
 def state_dict(
     who: Who, inner_steps: int, outer: OuterState, sessions: list[Session], schedule: Schedule, exchanges: Exchanges
 ) -> dict:
-    """See :meth:`DiLoCo.state_dict`."""
+    """See :meth:`DiLoCo.state_dict`. A flight's payloads being encoded on its exchange's thread are
+    waited for; one whose merge deltas are being made is read before or after, never between."""
+    flights = exchanges.in_flight()
+    for f in flights:
+        f.wait_encoded()
+    with contextlib.ExitStack() as held:
+        for f in flights:
+            held.enter_context(f.lock)
+        return _state_dict(who, inner_steps, outer, sessions, schedule, flights)
+
+
+def _state_dict(
+    who: Who, inner_steps: int, outer: OuterState, sessions: list[Session], schedule: Schedule, flights: list
+) -> dict:
     states = dict(outer.items())
     snapshots = {k: st.snapshot for k, st in states.items() if st.snapshot is not None}
+    deltas = {k: st.merge_delta for k, st in states.items() if st.merge_delta is not None}
     return {
         "format": STATE_FORMAT,
         "run_id": who.run_id,
@@ -48,9 +63,10 @@ def state_dict(
             {"round": s.round, "run_complete": s.run_complete, **schedule.routes[s.index].state_dict()}
             for s in sessions
         ],
-        "flights": [flight_state(f) for f in exchanges.in_flight()],
+        "flights": [flight_state(f) for f in flights],
         "shards": {key_str(k): st.state_dict() for k, st in states.items()},
         "snapshots": {key_str(k): t.detach().to("cpu", copy=True) for k, t in snapshots.items()},
+        "merge_deltas": {key_str(k): t.detach().to("cpu", copy=True) for k, t in deltas.items()},
     }
 
 
@@ -88,6 +104,8 @@ def resume(
         state.load_state_dict(shard_sd)
         if name in sd["snapshots"]:
             state.snapshot = state.placement.keep(sd["snapshots"][name].to(state.device))
+        if name in sd.get("merge_deltas", {}):
+            state.merge_delta = state.placement.keep(sd["merge_deltas"][name].to(state.device))
     counts = sd.get("routes", sd.get("links"))  # "links": a checkpoint of an earlier release
     for s, count_sd in zip(sessions, counts, strict=True):
         s.round = int(count_sd["round"])

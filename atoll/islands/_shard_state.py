@@ -107,6 +107,9 @@ class ShardState:
         """The codec's per-tensor state; its ``residual`` (error feedback) placed like ``start``."""
         self.snapshot: torch.Tensor | None = None
         """Overlap: θ when the exchange was pushed (placed)."""
+        self.merge_delta: torch.Tensor | None = None
+        """Overlap, once the update arrived and θ_start holds it: θ_start − snapshot, made on the
+        exchange's thread in the snapshot's storage (:meth:`prepare_merge`); the merge adds it."""
         self._payload: bytearray | None = None
         """The last payload encoded: the next one's buffer once nobody holds a lease on it."""
 
@@ -115,9 +118,10 @@ class ShardState:
         return self.shard.local().device
 
     @torch.no_grad()
-    def encode(self, codec) -> bytearray:
+    def encode(self, codec, *, pushed: bool = False) -> bytearray:
         """Encode this shard's pseudo-gradient θ_start − θ; the arithmetic runs on the parameters'
-        device and the payload is on the host."""
+        device and the payload is on the host. ``pushed``: of θ as it was pushed, the snapshot (the
+        exchange's thread encodes while the training thread moves θ on): the same bits."""
         start = self.placement.fetch(self.start)
         kept = self.codec_state.get("residual")
         if kept is not None:
@@ -125,7 +129,7 @@ class ShardState:
         spare, self._payload = self._payload, None
         if spare is not None and self.leases.held(spare):  # kept for a re-push, in a stream
             spare = None  # never written over
-        local = self.shard.local().detach()
+        local = self.placement.fetch(self.snapshot) if pushed else self.shard.local().detach()
         if self._stage is None:
             payload = codec.encode_difference(start, local, self.codec_state, out=spare)
         else:  # into pinned memory, copied on the side stream: sealed by settle(), not here
@@ -170,16 +174,30 @@ class ShardState:
         self.start = self.placement.keep(new, into=self.start)
 
     @torch.no_grad()
+    def prepare_merge(self, updates: list[tuple[object, bool]]) -> None:
+        """The merge made ready off the training thread: θ_start advanced by ``updates`` (each
+        ``(payload, full)``, checked already), then the merge's delta θ_start − snapshot, into the
+        snapshot's storage; :meth:`load_into_param` then adds it in one pass."""
+        for payload, full in updates:
+            self.apply(payload, full, verified=True)
+        snapshot = self.placement.fetch(self.snapshot)
+        delta = torch.sub(self.placement.fetch(self.start), snapshot, out=snapshot)
+        self.merge_delta = self.placement.keep(delta, into=self.snapshot)
+        self.snapshot = None
+
+    @torch.no_grad()
     def load_into_param(self, merge: bool) -> None:
         """Write θ_start into the parameter; with ``merge``, keep the progress made since the snapshot:
         θ ← θ_start + (θ − θ_snapshot)."""
         start = self.placement.fetch(self.start)
         local = self.shard.local()
-        if merge:
+        if merge and self.merge_delta is not None:  # made on the exchange's thread: one pass here
+            local.add_(self.placement.fetch(self.merge_delta))
+        elif merge:
             local.add_(start - self.placement.fetch(self.snapshot))
-            self.snapshot = None
         else:
             local.copy_(start)
+        self.snapshot = self.merge_delta = None
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -154,6 +154,53 @@ def test_an_overlapping_island_restarted_with_its_exchange_in_flight_ends_bitwis
         assert torch.equal(got[n], want[n]), n
 
 
+def test_an_island_checkpointed_with_its_merge_made_ready_in_the_background_ends_bitwise(start_server, tmp_path):
+    """Overlapping, the exchange's thread checks the update once it is in, applies it to θ_start and
+    makes the merge's delta (θ_start − snapshot) in the snapshot's storage, before the merge step. A
+    checkpoint taken then holds the new θ_start and the delta, and says so: the island, killed and
+    restarted from it, merges at its merge step with no exchange again, and after 5 rounds it and the
+    coordinator hold bitwise the θ of a run that was never interrupted."""
+    overlap, steps = 3, 5 * H
+    data = batches(steps)
+    ref = start_server(config(codec="int8", error_feedback=True), tmp_path / "ref")
+    model, opt, sync = island(ref.address, overlap_steps=overlap)
+    sync.start()
+    for b in data:
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    sync.drain()
+    sync.close()
+    want, want_coord = theta(model), ref.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+
+    srv = start_server(config(codec="int8", error_feedback=True), tmp_path / "run")
+    model, opt, sync = island(srv.address, overlap_steps=overlap)
+    sync.start()
+    for b in data[: 2 * H + 1]:  # round 1 pushed at 2H; its merge comes at 2H + 3
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    (flight,) = sync._exchanges.in_flight()
+    wait_for(lambda: flight.merge_ready)
+    saved = dict(step=sync.inner_steps, model=copy.deepcopy(model.state_dict()), opt=copy.deepcopy(opt.state_dict()))
+    saved["diloco"] = copy.deepcopy(sync.state_dict())
+    (kept,) = saved["diloco"]["flights"]
+    assert kept["merge_ready"] and kept["round"] == 1
+    assert saved["diloco"]["merge_deltas"] and not saved["diloco"]["snapshots"]
+    sync.close(leave=False)
+
+    model, opt, sync = island(srv.address, overlap_steps=overlap)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    sync.load_state_dict(saved["diloco"])
+    sync.start()
+    for b in data[saved["step"] :]:
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    sync.drain()
+    sync.close()
+    coord = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+    assert all(torch.equal(coord[k], want_coord[k]) for k in want_coord)
+    got = theta(model)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+
+
 def test_a_state_of_another_island_is_refused(start_server):
     srv = start_server(config())
     model, opt, sync = island(srv.address)

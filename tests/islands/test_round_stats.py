@@ -9,10 +9,11 @@ from support import FakeClock, H, batches, config, inner_step, island, wait_for
 
 
 def moving(clock: FakeClock, seconds: float, work, calls: list):
-    """``work``, with ``clock`` moved by ``seconds`` each call (counted in ``calls``)."""
+    """``work``, with ``clock`` moved by ``seconds`` each call (counted in ``calls``, with whether the
+    training thread made it)."""
 
     def run(*args, **kw):
-        calls.append(seconds)
+        calls.append((seconds, threading.current_thread() is threading.main_thread()))
         clock.now += seconds
         return work(*args, **kw)
 
@@ -28,7 +29,9 @@ def test_round_stats_split_the_sync_into_the_islands_own_work_and_its_wait(start
     and its wait for the round's update 10 s. ``host_seconds`` is exactly the own work, and
     ``sync_seconds`` that plus the wait when the wait is on the training thread (no overlap); with
     overlap the wait is on the exchange's thread while a trains on, in neither figure. ``exchange_seconds``
-    (what `atoll plan` predicts as the sync) is the wait alone, in both modes: no own work in it."""
+    (what `atoll plan` predicts as the sync) is the wait alone, in both modes: no own work in it.
+    With overlap the encoding (from θ as pushed) and the apply run on the exchange's thread too:
+    they are ``background_seconds``, not ``host_seconds``."""
     srv = start_server(config(quorum=2))
     a_model, a_opt, a = island(srv.address, island_id="a", overlap_steps=overlap)
     b_model, b_opt, b = island(srv.address, island_id="b", overlap_steps=overlap)
@@ -37,7 +40,14 @@ def test_round_stats_split_the_sync_into_the_islands_own_work_and_its_wait(start
     clock, own, waits = FakeClock(), [], []
     a._schedule.clock = clock
     for _, state in a._outer.items():
-        state.encode = moving(clock, 0.25, state.encode, own)
+        encode = moving(clock, 0.25, state.encode, own)
+
+        def after_the_push_step(*args, encode=encode, **kw):  # (the clock is shared: each its own time)
+            if threading.current_thread() is not threading.main_thread():
+                wait_for(lambda: a.inner_steps > H)
+            return encode(*args, **kw)
+
+        state.encode = after_the_push_step
         state.apply = moving(clock, 0.5, state.apply, own)
     session = a.link.sessions[0]
     pull = session.pull_until_ready
@@ -64,9 +74,15 @@ def test_round_stats_split_the_sync_into_the_islands_own_work_and_its_wait(start
             got += [stats] if stats is not None else []
         helper.join(30)
         (stats,) = got
-        assert stats.round == 0 and len(waits) == 1 and own.count(0.25) >= 1 and own.count(0.5) >= 1
-        assert stats.host_seconds == pytest.approx(sum(own))
-        assert stats.sync_seconds == pytest.approx(sum(own) + (0.0 if overlap else 10.0))
+        encodes = [on_main for s, on_main in own if s == 0.25]
+        applies = [on_main for s, on_main in own if s == 0.5]
+        assert stats.round == 0 and len(waits) == 1 and encodes and applies
+        # Overlapping, every encode and apply is off the training thread.
+        assert encodes + applies == [not overlap] * (len(encodes) + len(applies))
+        on_training_thread = sum(s for s, on_main in own if on_main)
+        assert stats.host_seconds == pytest.approx(on_training_thread)
+        assert stats.background_seconds == pytest.approx(0.25 * len(encodes) + 0.5 * len(applies) if overlap else 0.0)
+        assert stats.sync_seconds == pytest.approx(on_training_thread + (0.0 if overlap else 10.0))
         assert stats.exchange_seconds == pytest.approx(10.0)
     finally:
         helper.join(30)
