@@ -12,19 +12,20 @@ replayed: it sleeps ``--step-seconds`` (an accelerator's step, the host idle mea
 one parameter so that every round has a pseudo-gradient to send. The coordinator's update goes in
 ``atoll plan``'s downlink for the codec (:func:`atoll.plan.downlink_for`: sparse for sparse pushes),
 with error feedback on the islands for the codecs that drop values (sparse, top-k); ``--tls``: the
-coordinator serves TLS (a self-signed certificate the islands take as their CA). Utilisation = the steps' replayed
-time / the wall time, over the rounds after the first ``--warmup`` (θ_0's upload and download, and
-the islands falling into step: the one that uploaded θ_0 waits once for the other) and before the
-last (drained at the end), both islands together. Beside each measured figure, what ``atoll plan``
-predicts for the same settings: as for an accelerator island (no host work), and with the host work
-these CPU islands do each round (``--host-seconds``), timed here first on one thread (the
-pseudo-gradient, its encoding, the update's decoding and its apply at 124M) and as the islands'
-``RoundStats.host_seconds`` report it in the run (the mean over the measured rounds). And where a measured
-round's time beyond its steps went, by the step it was lost at (:func:`where_lost`): the launch (the
-pseudo-gradient and its encoding, on the training thread), the merge (waiting for the exchange, then
-the update's decoding and apply) and every other step together (anything the exchange's thread, the
-coordinator or the delay lines took from the training thread). And the exchange beside the planner's
-``sync_seconds``: its time on the link and at the coordinator as the islands measure it
+coordinator serves TLS (a self-signed certificate the islands take as their CA). Utilisation = the
+steps' replayed time / the wall time, over the rounds after the first ``--warmup`` (θ_0's upload and
+download, and the islands falling into step: the one that uploaded θ_0 waits once for the others, at
+its first merge when overlapping) and before the last (drained at the end), all islands together.
+Beside each measured figure, what ``atoll plan`` predicts for the same settings: as for an
+accelerator island (no host work), and with the host work these CPU islands do each round
+(``--host-seconds``), timed here first on one thread (the pseudo-gradient, its encoding, the
+update's decoding and its apply at 124M) and as the islands' ``RoundStats.host_seconds`` report it
+in the run (the mean over the measured rounds). And where a measured round's time beyond its steps
+went, by the step it was lost at (:func:`where_lost`): the launch (the pseudo-gradient and its
+encoding, on the training thread), the merge (waiting for the exchange, then the update's decoding
+and apply) and every other step together (anything the exchange's thread, the coordinator or the
+delay lines took from the training thread). And the exchange beside the planner's ``sync_seconds``:
+its time on the link and at the coordinator as the islands measure it
 (``RoundStats.exchange_seconds``; in a plain exchange the island's work that streams with the
 transfers is left out of it, so the islands' whole sync is given against the planner's stall too),
 and the coordinator's own part of each round from its history (:func:`coordinator_split`).
@@ -64,19 +65,31 @@ def island(addresses: str, name: str, a) -> None:
     tls = ClientTls(ca=a.tls_ca) if a.tls_ca else None
     link = CoordinatorLink(addresses, run_id="u", island_id=name, retry=RetryPolicy(give_up_seconds=600), tls=tls)
     nudge = next(iter(model.parameters()))
-    marks, host = [], []
+    marks, host, slow = [], [], []
     with DiLoCo(model, link, overlap_steps=a.overlap_steps, streaming=a.fragments > 1) as sync:
         for step in range(a.rounds * a.sync_every):
             marks.append((time.perf_counter(), sync.round))
             time.sleep(a.step_seconds)  # the accelerator's step
             with torch.no_grad():
                 nudge.view(-1)[step % 64] += 1e-3
+            began = time.perf_counter()
             stats = sync.step(tokens=16384, loss=1.0)
+            if time.perf_counter() - began > 0.5:  # where a long step went (--dump)
+                slow.append((step, round(time.perf_counter() - began, 3), stats and stats.sync_seconds))
             if stats is not None:  # its own work in the exchange, and the exchange on the link and coordinator
-                host.append((stats.round, stats.host_seconds, stats.exchange_seconds, stats.sync_seconds))
+                host.append((stats.round, stats.host_seconds, stats.exchange_seconds, stats.sync_seconds,
+                             stats.background_seconds))  # fmt: skip
         marks.append((time.perf_counter(), sync.round))
         sync.drain()
-    print(json.dumps({"island": name, "marks": marks, "host": host}), flush=True)
+    print(json.dumps({"island": name, "marks": marks, "host": host, "slow": slow}), flush=True)
+
+
+def warmup(a, overlap: int) -> int:
+    """Rounds left out at the start: θ_0's round, and with overlap also the next, which holds round 0's
+    merge. The island that uploaded θ_0 starts training while the others still download it (at 124M
+    over 100 Mbit/s, ~40 s), and its first merge waits for them all: that wait, not a steady round's,
+    was the 11-16 s "stall at the merge" of one island in every earlier τ=15 run."""
+    return a.warmup if a.warmup is not None else (2 if overlap else 1)
 
 
 def measure(a, overlap: int) -> dict:
@@ -118,6 +131,9 @@ def measure(a, overlap: int) -> dict:
                        "--overlap-steps", str(overlap), *island_flags(a), "--tls-ca", ca]  # fmt: skip
                 procs.append(subprocess.Popen(link.site_command(cmd), stdout=subprocess.PIPE, text=True, cwd=ROOT))
             outs = [p.communicate(timeout=3600)[0] for p in procs]
+            if a.dump:
+                for i, out in enumerate(outs):
+                    (a.dump / f"tau{overlap}-site-{i}.json").write_text(out)
             if any(p.returncode for p in procs):
                 raise RuntimeError(f"an island failed: {[p.returncode for p in procs]}")
             admin = int((Path(tmp) / "admin").read_text())
@@ -137,21 +153,22 @@ def measure(a, overlap: int) -> dict:
     written = {h["round"]: h for h in served}  # a record's write and publish are timed after it is logged
     for h in history:
         h.update({k: written.get(h["round"], {}).get(k, 0.0) for k in ("persist_seconds", "publish_seconds")})
-    utils, lost, host, exchange, blocked, per_exchange = [], [], [], [], [], []
+    utils, lost, host, exchange, blocked, per_exchange, background = [], [], [], [], [], [], []
     for out in outs:
         got = json.loads(out.strip().splitlines()[-1])
         marks = got["marks"]
         per_round = {}  # (streaming: each fragment's exchange reports its own part of the round)
         for r, *seconds in got["host"]:
-            per_round[r] = [x + y for x, y in zip(per_round.get(r, (0.0, 0.0, 0.0)), seconds, strict=True)]
-        measured = [v for r, v in per_round.items() if a.warmup <= r < a.rounds - 1]
-        host += [own for own, _, _ in measured]
-        exchange += [on_link for _, on_link, _ in measured]
-        per_exchange.append(round(statistics.mean(on_link for _, on_link, _ in measured), 3) if measured else 0.0)
-        blocked += [sync for _, _, sync in measured]
+            per_round[r] = [x + y for x, y in zip(per_round.get(r, (0.0,) * 4), seconds, strict=True)]
+        measured = [v for r, v in per_round.items() if warmup(a, overlap) <= r < a.rounds - 1]
+        host += [own for own, _, _, _ in measured]
+        exchange += [on_link for _, on_link, _, _ in measured]
+        per_exchange.append(round(statistics.mean(on_link for _, on_link, _, _ in measured), 3) if measured else 0.0)
+        blocked += [sync for _, _, sync, _ in measured]
+        background += [off for _, _, _, off in measured]
         h = a.sync_every
         starts = [marks[r * h][0] for r in range(a.rounds)] + [marks[-1][0]]
-        walls = [starts[r + 1] - starts[r] for r in range(a.warmup, a.rounds - 1)]  # not the last either
+        walls = [starts[r + 1] - starts[r] for r in range(warmup(a, overlap), a.rounds - 1)]  # not the last either
         utils.append(h * a.step_seconds * len(walls) / sum(walls))
         lost.append(where_lost(marks, a, len(walls), overlap))
     return {"utilisation": statistics.mean(utils), "per_island": utils, "lost_per_round": lost,
@@ -159,10 +176,11 @@ def measure(a, overlap: int) -> dict:
             "run_host_seconds": statistics.mean(host) if host else 0.0,
             "run_exchange_seconds": statistics.mean(exchange) if exchange else 0.0,
             "run_sync_seconds": statistics.mean(blocked) if blocked else 0.0,
-            "coordinator": coordinator_split(history, a)}  # fmt: skip
+            "run_background_seconds": statistics.mean(background) if background else 0.0,
+            "coordinator": coordinator_split(history, a, overlap)}  # fmt: skip
 
 
-def coordinator_split(history: list[dict], a) -> dict:
+def coordinator_split(history: list[dict], a, overlap: int) -> dict:
     """The coordinator's own seconds per round (the fragments' summed), the median over the measured
     rounds: decoding the pushes into the sum, the outer step (the downlink's encoding in it), the
     record's write before the update is served, and the rest of the publish (these two from fragment
@@ -172,7 +190,7 @@ def coordinator_split(history: list[dict], a) -> dict:
         got = per_round.setdefault(h["round"], {})
         for k in ("decode_seconds", "outer_step_seconds", "persist_seconds", "publish_seconds"):
             got[k] = got.get(k, 0.0) + h.get(k, 0.0)
-    measured = [v for r, v in per_round.items() if a.warmup <= r < a.rounds - 1]
+    measured = [v for r, v in per_round.items() if warmup(a, overlap) <= r < a.rounds - 1]
     keys = measured[0] if measured else {}
     return {k.removesuffix("_seconds"): round(statistics.median(m[k] for m in measured), 3) for k in keys}
 
@@ -182,7 +200,7 @@ def where_lost(marks: list, a, rounds: int, overlap: int) -> dict:
     the step that launches the exchange (H-1), the one that merges it (τ-1, in the next round), the
     one that waits at a round's first step (0), and all the others together."""
     h, excess = a.sync_every, {}
-    for i in range(a.warmup * h, (a.warmup + rounds) * h):
+    for i in range(warmup(a, overlap) * h, (warmup(a, overlap) + rounds) * h):
         at = i % h
         extra = marks[i + 1][0] - marks[i][0] - a.step_seconds
         excess[at] = excess.get(at, 0.0) + extra / rounds
@@ -269,13 +287,14 @@ def main() -> None:
     p.add_argument("--step-seconds", type=float, default=0.1)
     p.add_argument("--sync-every", type=int, default=100)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1, help="rounds left out at the start")
+    p.add_argument("--warmup", type=int, help="rounds left out at the start (default: 1; 2 with overlap)")
     p.add_argument("--codec", default="int8")
     p.add_argument("--overlap", type=int, nargs="+", default=[0, 30], help="overlap steps τ to run, each")
     p.add_argument("--overlap-steps", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--tls", action="store_true", help="the coordinator serves TLS (a self-signed certificate)")
     p.add_argument("--tls-ca", default="", help=argparse.SUPPRESS)
+    p.add_argument("--dump", type=Path, help="write each island's raw output here (steps, rounds, slow steps)")
     p.add_argument("--island", nargs=2, metavar=("ADDRESSES", "NAME"), help=argparse.SUPPRESS)
     p.add_argument(
         "--replan", type=Path, metavar="LOG", help="print today's planner against the JSON lines of earlier runs"
@@ -291,7 +310,8 @@ def main() -> None:
     print(
         f"gpt-125m, {a.islands} islands each on its own {a.link} link (Mbit/s:ms), a replayed step of "
         f"{a.step_seconds:g} s, H={a.sync_every}, {a.codec}, {a.fragments} fragment(s), {a.rounds} rounds "
-        f"(measured: {a.warmup} to {a.rounds - 2}){', TLS' if a.tls else ''}",
+        f"(measured: from round {a.warmup if a.warmup is not None else '1 (2 with overlap)'} to {a.rounds - 2})"
+        f"{', TLS' if a.tls else ''}",
         flush=True,
     )
     host = host_work(a.codec)
@@ -307,7 +327,8 @@ def main() -> None:
             f"{', '.join(f'{u:.1%}' for u in got['per_island'])}; their exchanges "
             f"{', '.join(f'{x:.2f}' for x in got['exchange_per_island'])} s); atoll plan predicts {util:.1%} "
             f"(an exchange {sync:.2f} s), {util_host:.1%} with --host-seconds {host:.2f}, {util_run_host:.1%} "
-            f"with the islands' own host_seconds {run_host:.2f}; a round's exchanges took {run_exchange:.2f} s "
+            f"with the islands' own host_seconds {run_host:.2f} (and {got['run_background_seconds']:.2f} s of their "
+            f"own work on the exchange's thread); a round's exchanges took {run_exchange:.2f} s "
             f"on the link and coordinator (predicted {sync:.2f}; the coordinator's own part: {got['coordinator']}),"
             f" the islands' sync {run_sync:.2f} s (predicted stall with their own host_seconds {stall:.2f}); "
             f"seconds lost a round, by step: {got['lost_per_round']}",
