@@ -118,3 +118,50 @@ def test_the_transport_seam_speaks_atolls_messages_and_a_bare_client_still_plugs
             sync.close()
     assert ("join", Identity, JoinAnswer) in seen
     assert any(kind == "push" and t is PushHeader and out is PushOutcome.COMMITTED for kind, t, out in seen)
+
+
+def test_an_overlapped_merge_made_ready_off_the_training_thread_is_the_plain_merge_bit_for_bit():
+    """Overlapping, the exchange's thread encodes θ as pushed (the snapshot), and once the update is in
+    checks it, applies it to θ_start and makes θ_start − snapshot in the snapshot's storage; the merge
+    then adds that. θ_start, the payload and the model's θ are bitwise what the training thread's own
+    encode, apply and merge θ ← θ_start + (θ − snapshot) give; a corrupt update changes nothing; and
+    the next snapshot is written into the same storage (no fresh |θ| a round)."""
+    ident, int8 = get_codec("identity"), get_codec("int8")
+    runs = []
+    for ready in (False, True):
+        m = model()
+        shards = local_shards(m)
+        outer = OuterState(shards, DiLoCoOptions())
+        theta = {s.name: torch.randn(s.sizes, generator=torch.Generator().manual_seed(1)) for s in shards}
+        full = Update(UpdateKind.FULL, 0, entries=tuple(Entry(s.name, (), (), 0) for s in shards))
+        outer.apply_all(shards, [(full, [(s.name, ident.encode(theta[s.name])) for s in shards])])
+        outer.load_params(shards, merge=False)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.01)  # the round's progress
+        outer.take_snapshots(shards)
+        pushed = outer.encode(shards, int8, pushed=True) if ready else outer.encode(shards, int8)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.003)  # progress made while the exchange is out
+        delta = Update(UpdateKind.DELTA, 1, entries=full.entries)
+        update = [(delta, [(s.name, int8.encode(torch.full(s.sizes, 0.25))) for s in shards])]
+        if ready:
+            storage = {s.name: outer.of(s).snapshot for s in shards}
+            bad = [(delta, [*update[0][1][:-1], (shards[-1].name, bytearray(update[0][1][-1][1])[:-3])])]
+            with pytest.raises(WireFormatError):
+                outer.prepare_merge(shards, bad)
+            assert all(outer.of(s).snapshot is not None and outer.of(s).merge_delta is None for s in shards)
+            outer.prepare_merge(shards, update)
+        else:
+            outer.apply_all(shards, update)
+        outer.load_params(shards, merge=True)
+        starts = {s.name: outer.of(s).start.clone() for s in shards}
+        runs.append((pushed, starts, [p.detach().clone() for p in m.parameters()]))
+        if ready:
+            outer.take_snapshots(shards)
+            assert all(outer.of(s).snapshot is storage[s.name] for s in shards)  # the same tensors
+    (plain_pushed, plain_start, plain_theta), (pushed, start, theta_) = runs
+    assert [bytes(p) for p in pushed] == [bytes(p) for p in plain_pushed]
+    assert all(torch.equal(start[k], plain_start[k]) for k in start)
+    assert all(torch.equal(a, b) for a, b in zip(theta_, plain_theta, strict=True))
