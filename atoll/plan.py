@@ -37,7 +37,11 @@ streaming fragments each exchange moves 1/P of the model, P times a round.
 its encoding, decoding and applying the update): on an accelerator it runs on the device in well
 under a step (the default, 0); an island computing on its CPU reads it from its rounds
 (``RoundStats.host_seconds``: ~1.1 s at 124M int8 on 2 cores, 4 s with DCT top-k,
-``benchmarks/wan_utilisation.py``). Overlap does not hide it. A plain exchange streams it: the update
+``benchmarks/wan_utilisation.py``). Overlap does not hide it; but an overlapping island does most of
+that work on its exchange's thread (``background_seconds``, ``RoundStats.background_seconds``: the
+encoding of θ as pushed, the update's check and apply, the merge's delta), which then has to fit in
+the τ steps with the exchange, and leaves on the training thread the snapshot's copy and the merge's
+add (``host_seconds``: 0.24 s at 124M ``sparse``). A plain exchange streams it: the update
 is decoded and applied entry by entry as the pull brings it (taken as the coordinator's decode of
 one push in the downlink codec: the same pass over θ), and a stateless codec encodes each payload as
 the push sends it (the rest of ``host_seconds``), so each direction takes the longer of its transfer
@@ -230,6 +234,7 @@ def estimate(
     decode_seconds: float | None = None,
     coordinator_mbit: float | None = None,
     host_seconds: float = 0.0,
+    background_seconds: float = 0.0,
 ) -> Estimate:
     from atoll.compression import get_codec
 
@@ -252,8 +257,8 @@ def estimate(
     exchange = push + coordinator / p + pull
     compute = cand.sync_every * step_seconds
     hidden = cand.overlap_steps * step_seconds
-    if cand.overlap_steps:  # the own work on the training thread, the exchange behind τ steps
-        stall = p * max(0.0, exchange - hidden) + host_seconds
+    if cand.overlap_steps:  # the own work on the training thread; the exchange and its thread's work behind τ steps
+        stall = p * max(0.0, exchange + background_seconds / p - hidden) + host_seconds
     else:  # streamed with the transfers: the apply with the pull, a stateless codec's encoding with the push
         apply = min(host_seconds, decode_per_param(get_codec(down).name) * params) / p
         encode = host_seconds / p - apply

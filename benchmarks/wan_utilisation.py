@@ -242,7 +242,7 @@ def host_work(codec: str, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
-def predicted(a, overlap: int, host_seconds: float = 0.0) -> tuple[float, float, float]:
+def predicted(a, overlap: int, host_seconds: float = 0.0, background: float = 0.0) -> tuple[float, float, float]:
     """The planner's utilisation, sync (an exchange) and stall (what the islands wait) for the run's settings."""
     import torch
 
@@ -258,6 +258,7 @@ def predicted(a, overlap: int, host_seconds: float = 0.0) -> tuple[float, float,
         Candidate(codec=a.codec, sync_every=a.sync_every, overlap_steps=overlap, fragments=a.fragments),
         shapes=shapes, step_seconds=a.step_seconds, islands=a.islands,
         link=PlanLink(rate_mbit=rate, rtt_ms=rtt, mtu=9000, tls=getattr(a, "tls", False)), host_seconds=host_seconds,
+        background_seconds=background,
     )  # fmt: skip
     return e.utilisation, e.sync_seconds, e.stall_seconds
 
@@ -271,7 +272,8 @@ def replan(log: Path) -> None:
         r = json.loads(line)
         keys = ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")
         a = argparse.Namespace(**{k: r[k] for k in keys}, tls=r.get("tls", False))
-        util, sync, stall = predicted(a, r["overlap_steps"], r["run_host_seconds"])
+        own = r["run_host_seconds"], r.get("run_background_seconds", 0.0)
+        util, sync, stall = predicted(a, r["overlap_steps"], *own)
         print(
             f"{r['link']} x{r['islands']} H={r['sync_every']} {r['codec']} τ={r['overlap_steps']} "
             f"P={r['fragments']}: measured {r['utilisation']:.1%}, planned {util:.1%} "
@@ -321,7 +323,7 @@ def main() -> None:
         util, sync, _ = predicted(a, tau)
         util_host, _, _ = predicted(a, tau, host)
         run_host, run_exchange, run_sync = got["run_host_seconds"], got["run_exchange_seconds"], got["run_sync_seconds"]
-        util_run_host, _, stall = predicted(a, tau, run_host)
+        util_run_host, _, stall = predicted(a, tau, run_host, got["run_background_seconds"])
         print(
             f"  overlap τ={tau}: utilisation {got['utilisation']:.1%} (islands "
             f"{', '.join(f'{u:.1%}' for u in got['per_island'])}; their exchanges "

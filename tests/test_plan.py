@@ -71,6 +71,13 @@ def test_bytes_are_the_codecs_own_and_utilisation_follows_the_schedule():
     assert host.utilisation == pytest.approx(50 / (50 + max(0.0, plain.sync_seconds - 10) + 2.0))  # never hidden
     frag = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=0, fragments=4), **kw)
     assert frag.bytes_up_per_round == plain.bytes_up_per_round  # the same bytes, in four exchanges
+    # The own work an overlapping island does on its exchange's thread hides behind τ with the
+    # exchange: nothing lost while both fit in the τ steps' 10 s, the excess once they do not.
+    for background in (0.5 * (10 - plain.sync_seconds), 10 - plain.sync_seconds + 3.0):
+        got = estimate(Candidate(codec="int4", sync_every=100, overlap_steps=20, fragments=1), **kw,
+                       host_seconds=0.25, background_seconds=background)  # fmt: skip
+        assert got.stall_seconds == pytest.approx(max(0.0, plain.sync_seconds + background - 10) + 0.25)
+    assert got.stall_seconds == pytest.approx(3.25)
 
 
 def test_the_coordinators_work_and_the_islands_own_work_in_an_exchange():
