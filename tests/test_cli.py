@@ -103,10 +103,12 @@ def test_progress_on_a_terminal_and_json_lines_otherwise():
             sync_seconds=0.5,
             host_seconds=0.125,
             exchange_seconds=2.25,
+            background_seconds=1.5,
             round_seconds=5.0,
         )
     assert "step 5/20" in tty.getvalue() and "10,240 tok/s" in tty.getvalue() and "next sync in ~2s" in tty.getvalue()
     assert "sent 2.5 MB" in tty.getvalue() and "(10% of the round; own work 0.12s), exchange 2.25s" in tty.getvalue()
+    assert "exchange 2.25s (own work on its thread 1.50s)" in tty.getvalue()
     assert json.loads(pipe.getvalue())["bytes_sent"] == 2_488_000  # one JSON object per line, nothing else
 
 

@@ -254,6 +254,7 @@ def _train(
             sync_seconds=stats.sync_seconds,
             host_seconds=stats.host_seconds,
             exchange_seconds=stats.exchange_seconds,
+            background_seconds=stats.background_seconds,
             round_seconds=round_seconds,
             inner_steps=stats.inner_steps,
             tokens=stats.tokens,

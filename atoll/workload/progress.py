@@ -116,6 +116,7 @@ class Reporter:
                 + (f"; own work {f['host_seconds']:.2f}s" if f.get("host_seconds") is not None else "")
                 + ")"
                 + (f", exchange {f['exchange_seconds']:.2f}s" if f.get("exchange_seconds") is not None else "")
+                + (f" (own work on its thread {f['background_seconds']:.2f}s)" if f.get("background_seconds") else "")
             )
             flags = " | DROPPED: the round closed before the push" if f.get("dropped") else ""
             flags += " | run complete" if f.get("run_complete") else ""
