@@ -116,8 +116,8 @@ class Flight:
     """Waits, on the training thread's streams, for the device work that made the merge deltas."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held while the merge deltas are made, and by a checkpoint reading the flight and its shards."""
-
     encode_error: BaseException | None = None
+    """Why the encoding on the exchange's thread failed (a checkpoint waiting for it raises it)."""
 
     def wait_encoded(self) -> None:
         """Until the payloads exist (encoded on the exchange's thread); raises its error if that failed."""

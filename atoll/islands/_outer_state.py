@@ -8,6 +8,7 @@ The exchanges and DiLoCo sequence calls on it by route (the shards a route holds
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
@@ -41,10 +42,13 @@ class OuterState:
         self.stagings = [st for st in stagings.values() if st.enabled]
         """The devices whose payloads are staged: a payload is read only once :meth:`on_host` says so."""
         self._cuda = sorted({s.local().device for s in shards if s.local().device.type == "cuda"}, key=str)
-        self._busy = threading.RLock()
-        """Held by whoever encodes, applies or prepares a merge: the training thread, or an exchange's
-        thread (overlap: the pushed θ's encoding and the update's arithmetic run there), one at a time
-        (they share the devices' staging and placement)."""
+        self._busy = threading.RLock() if self._cuda else contextlib.nullcontext()
+        """Held by whoever encodes, applies, snapshots or merges on a CUDA device: the training thread,
+        or an exchange's thread (overlap: the pushed θ's encoding and the update's arithmetic run
+        there), one at a time, as they share the device's staging and placement (its side stream and
+        its last write-back). Each shard's state is one flight's at a time, so on the CPU, where they
+        share nothing, none waits (streaming fragments: the training thread never waits for another
+        fragment's encoding)."""
 
     @property
     def on_cuda(self) -> bool:
