@@ -106,6 +106,37 @@ def test_an_island_restarted_from_its_state_ends_bitwise_where_it_would_have(sta
     assert srv.inspect(lambda s: s.round) == 5
 
 
+def run_through(srv: ServerThread, data: list, overlap: int) -> tuple[dict, dict]:
+    """θ of an overlapping island that trains on ``data`` uninterrupted, and the coordinator's."""
+    model, opt, sync = island(srv.address, overlap_steps=overlap)
+    sync.start()
+    for b in data:
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    sync.drain()
+    sync.close()
+    return theta(model), srv.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+
+
+def restart_and_finish(srv: ServerThread, saved: dict, data: list, overlap: int, want: tuple[dict, dict]) -> None:
+    """A new island process restarted from ``saved`` trains on to the end of ``data``: it and the
+    coordinator then hold bitwise ``want`` (the island's θ, the coordinator's)."""
+    model, opt, sync = island(srv.address, overlap_steps=overlap)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    sync.load_state_dict(saved["diloco"])
+    sync.start()
+    for b in data[saved["step"] :]:
+        sync.step(tokens=32, loss=inner_step(model, opt, b))
+    sync.drain()
+    sync.close()
+    want_theta, want_coord = want
+    coord = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+    assert all(torch.equal(coord[k], want_coord[k]) for k in want_coord)
+    got = theta(model)
+    for n in want_theta:
+        assert torch.equal(got[n], want_theta[n]), n
+
+
 @pytest.mark.parametrize("dies_after", [1, 2, 3])
 def test_an_overlapping_island_restarted_with_its_exchange_in_flight_ends_bitwise(start_server, tmp_path, dies_after):
     """An island overlapping its exchange with 2 inner steps checkpoints at its push of round 1 and dies
@@ -115,14 +146,7 @@ def test_an_overlapping_island_restarted_with_its_exchange_in_flight_ends_bitwis
     coordinator hold bitwise the θ of a run that was never interrupted."""
     overlap, steps = 2, 5 * H
     data = batches(steps)
-    ref = start_server(config(), tmp_path / "ref")
-    model, opt, sync = island(ref.address, overlap_steps=overlap)
-    sync.start()
-    for b in data:
-        sync.step(tokens=32, loss=inner_step(model, opt, b))
-    sync.drain()
-    sync.close()
-    want, want_coord = theta(model), ref.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+    want = run_through(start_server(config(), tmp_path / "ref"), data, overlap)
 
     srv = start_server(config(), tmp_path / "run")
     saved = {}
@@ -137,21 +161,7 @@ def test_an_overlapping_island_restarted_with_its_exchange_in_flight_ends_bitwis
         sync.step(tokens=32, loss=inner_step(model, opt, b))
     assert saved["step"] == 2 * H and saved["diloco"]["flights"][0]["round"] == 1
     sync.close(leave=False)  # the process is gone (its exchange, if still in flight, abandoned)
-
-    model, opt, sync = island(srv.address, overlap_steps=overlap)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    sync.load_state_dict(saved["diloco"])
-    sync.start()
-    for b in data[saved["step"] :]:
-        sync.step(tokens=32, loss=inner_step(model, opt, b))
-    sync.drain()
-    sync.close()
-    coord = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
-    assert all(torch.equal(coord[k], want_coord[k]) for k in want_coord)
-    got = theta(model)
-    for n in want:
-        assert torch.equal(got[n], want[n]), n
+    restart_and_finish(srv, saved, data, overlap, want)
 
 
 def test_an_island_checkpointed_with_its_merge_made_ready_in_the_background_ends_bitwise(start_server, tmp_path):
@@ -162,14 +172,7 @@ def test_an_island_checkpointed_with_its_merge_made_ready_in_the_background_ends
     coordinator hold bitwise the θ of a run that was never interrupted."""
     overlap, steps = 3, 5 * H
     data = batches(steps)
-    ref = start_server(config(codec="int8", error_feedback=True), tmp_path / "ref")
-    model, opt, sync = island(ref.address, overlap_steps=overlap)
-    sync.start()
-    for b in data:
-        sync.step(tokens=32, loss=inner_step(model, opt, b))
-    sync.drain()
-    sync.close()
-    want, want_coord = theta(model), ref.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
+    want = run_through(start_server(config(codec="int8", error_feedback=True), tmp_path / "ref"), data, overlap)
 
     srv = start_server(config(codec="int8", error_feedback=True), tmp_path / "run")
     model, opt, sync = island(srv.address, overlap_steps=overlap)
@@ -184,21 +187,7 @@ def test_an_island_checkpointed_with_its_merge_made_ready_in_the_background_ends
     assert kept["merge_ready"] and kept["round"] == 1
     assert saved["diloco"]["merge_deltas"] and not saved["diloco"]["snapshots"]
     sync.close(leave=False)
-
-    model, opt, sync = island(srv.address, overlap_steps=overlap)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    sync.load_state_dict(saved["diloco"])
-    sync.start()
-    for b in data[saved["step"] :]:
-        sync.step(tokens=32, loss=inner_step(model, opt, b))
-    sync.drain()
-    sync.close()
-    coord = srv.inspect(lambda s: {k: v.clone() for k, v in s.model.params.items()})
-    assert all(torch.equal(coord[k], want_coord[k]) for k in want_coord)
-    got = theta(model)
-    for n in want:
-        assert torch.equal(got[n], want[n]), n
+    restart_and_finish(srv, saved, data, overlap, want)
 
 
 def test_a_state_of_another_island_is_refused(start_server):
