@@ -81,9 +81,11 @@ after its set bits were found by ``nonzero_static``: 1.37 -> 1.02 ns)."""
 OUTER_SECONDS_PER_PARAM = 5.7e-9
 """The coordinator's outer step per parameter, one CPU thread, with the downlink's encoding (int8 or
 identity: the same), θ's finiteness check and the record streamed to disk (the same benchmark)."""
-OUTER_SECONDS_PER_PARAM_BY_DOWNLINK = {"sparse": 15.8e-9}
-"""The same for a downlink whose encoding costs more than int8's: ``sparse``'s per-chunk top-k (1.97 s at
-124M on one thread against int8's 0.68 s, benchmarks/RESULTS.md "Issue 52")."""
+OUTER_SECONDS_PER_PARAM_BY_DOWNLINK = {"sparse": 10.2e-9}
+"""The same for a downlink whose encoding costs more than int8's: ``sparse``'s per-chunk top-k, on the sum
+of three ``sparse`` pushes (at most 3/128 of it nonzero: 1.27 s at 124M on one thread,
+``coordinator_costs.py --sum-density 0.0234375``; 1.92-1.97 s on a dense sum, against int8's 0.68 s;
+the daemon logged 1.2-1.4 s in ``wan_utilisation.py``'s runs: benchmarks/RESULTS.md "Issue 52")."""
 RECORD_SECONDS = 0.02
 """Each exchange's record made durable before its update is served (its header, fsync, rename): the
 coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_utilisation.py``'s runs."""
