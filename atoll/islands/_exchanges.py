@@ -224,7 +224,6 @@ class Exchanges:
         except BaseException as err:  # re-raised in the training loop by finish()
             flight.error = err
         finally:
-            flight.encoded.set()
             flight.exchange = flight.clock() - began - (flight.host - own) - flight.background
 
     def _prepare_merge(self, flight: Flight) -> None:
