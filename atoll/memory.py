@@ -8,8 +8,16 @@ page-faulted and zeroed by the kernel again. Measured on this 2-core machine
 keeping such buffers on the heap doubled its throughput.
 
 :func:`tune_for_bulk_buffers` raises the mmap threshold and the trim threshold so freed buffers
-are reused. The price is that up to ``trim_bytes`` of freed memory stays mapped to the process;
-RSS then tracks the peak of a round's in-flight payloads rather than falling between rounds.
+are reused. The price is that up to ``trim_bytes`` of freed memory stays mapped to the process in
+each of glibc's arenas; RSS then tracks the peak of a round's in-flight payloads rather than falling
+between rounds. It also caps the arenas at :data:`ARENAS`: glibc gives threads their own arenas (up
+to 8 per core), and each kept its own cache of freed chunks, so a daemon whose gRPC and worker
+threads took turns with pushes grew with every new thread that touched one. A coordinator took
+16 MiB pushes one after another, each sent in 1 MiB chunks and then cut (``tests/coordinator/
+test_inflight.py``, pinned to 2 cores): eight of them grew it by up to 23 MiB with glibc's arenas
+(17 MiB after four on the CI machine), and by none with the cap (at most 7 MiB below where it
+started). Its price, ``benchmarks/load.py``, 32 islands over gRPC, two runs each: ingest 0.71 and
+0.74 GB/s against 0.75 and 0.78 with glibc's default.
 
 Buffers above glibc's mmap ceiling (32 MiB: a large tensor's delta, a codec's temporaries) are
 still mapped afresh on every allocation, and first-touching one costs a page fault per 4 KiB page:
@@ -38,11 +46,14 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 MMAP_THRESHOLD_BYTES = 32 << 20
 """Allocations below this come from the heap (glibc's own dynamic ceiling on 64-bit)."""
 TRIM_THRESHOLD_BYTES = 256 << 20
 """Free memory at the top of the heap kept for reuse before it is returned to the kernel."""
+ARENAS = 2
+"""The most malloc arenas a tuned process keeps (each holds up to ``trim_bytes`` of freed memory)."""
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for backing CPU buffers of 2 MiB and more with transparent huge pages."""
 
@@ -84,7 +95,10 @@ def tune_for_bulk_buffers(
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+    ok = all(
+        mallopt(option, value)
+        for option, value in ((_M_MMAP_THRESHOLD, mmap_bytes), (_M_TRIM_THRESHOLD, trim_bytes), (_M_ARENA_MAX, ARENAS))
+    )
     if not ok:
         log.warning("mallopt refused the bulk-buffer settings; keeping the allocator's defaults")
     return ok

@@ -162,15 +162,17 @@ def test_hanging_streams_cost_what_they_sent_and_the_budget_holds(group, tmp_pat
         hog.end()
         wait_for(lambda: inflight_bytes(admin) == 0, what="the hog's end to give its bytes back")
         assert a.push({"w": torch.randn(2048, 2048)}, round_=0, tokens=1).committed
-        # Memory is returned for reuse: more streams of the same size do not grow the coordinator.
+        # Memory is returned for reuse: more streams of the same size do not grow the coordinator (before
+        # the daemon capped glibc's arenas, each thread that took a stream kept its own cache of freed
+        # chunks: up to 23 MiB over these eight, on 2 cores).
         settled = rss_bytes(coord.pid)
-        for rank in range(2, 6):
+        for rank in range(2, 10):
             hog = HangingPush(channel, "h", rank, 64, send=16 * MIB)
             assert hog.sent.wait(20)
             hog.end()
             wait_for(lambda: inflight_bytes(admin) == 0, what="the stream's end to give its bytes back")
         grown = rss_bytes(coord.pid) - settled
-        assert grown < 16 * MIB, f"four more 16 MiB streams grew the coordinator by {grown / MIB:.0f} MiB"
+        assert grown < 8 * MIB, f"eight more 16 MiB streams grew the coordinator by {grown / MIB:.0f} MiB"
         assert inflight_bytes(admin) == 0
 
 

@@ -29,6 +29,54 @@ def test_bulk_buffer_malloc_tuning_applies_and_can_be_switched_off():
     assert (on.stdout.strip(), off.stdout.strip()) == ("True", "False")
 
 
+_ARENAS_PROBE = """
+import threading
+from atoll.memory import tune_for_bulk_buffers
+print(tune_for_bulk_buffers(huge_pages=False))
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+turn = [threading.Event() for _ in range(9)]
+turn[0].set()
+
+def take(i):  # 16 chunks of 1 MiB held at once and freed, one thread after another, all alive together
+    turn[i].wait()
+    chunks = [bytearray(1 << 20) for _ in range(16)]
+    del chunks
+    turn[i + 1].set()
+    turn[8].wait()
+
+before = rss()
+threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(rss() - before)
+"""
+
+
+def test_the_daemons_allocator_keeps_freed_chunks_in_at_most_two_arenas():
+    """The daemon keeps freed payload chunks for reuse (no trim below 256 MiB), in glibc's arenas. Eight
+    threads that each take and free 16 MiB of 1 MiB chunks, while all are alive, kept 8 x 16 MiB with
+    glibc's arenas (one a thread, up to 8 a core); tuned, they share two."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "ATOLL_MALLOC_TUNING"}
+    run = subprocess.run([sys.executable, "-c", _ARENAS_PROBE], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    tuned, grown = run.stdout.split()
+    if tuned != "True":
+        import pytest
+
+        pytest.skip("no glibc mallopt here")
+    assert int(grown) <= 2 * 16 * 2**20 + 8 * 2**20, f"eight threads kept {int(grown) / 2**20:.0f} MiB of freed chunks"
+
+
 _HUGE_PAGES_PROBE = """
 import importlib, pkgutil, sys
 import atoll
