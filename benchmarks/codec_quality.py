@@ -3,7 +3,8 @@ counted on the wire, for each codec spec over several seeds.
 
     python benchmarks/codec_quality.py [--codecs identity int8 sparse ...] [--downlink same|SPEC]
         [--sync-every 30 100] [--rounds 12 4] [--islands 3] [--seeds 0 1 2]
-        [--model-flags "--n-layer 4 --n-embd 256"] [--coordinator-flags "..."] [--json out.json]
+        [--model-flags "--n-layer 4 --n-embd 256"] [--island-flags "..."] [--coordinator-flags "..."]
+        [--json out.json]
 
 Every run: one coordinator (sync, every round waits for all the islands: equal tokens per round
 whatever the codec) and ``--islands`` reference islands (``atoll island``) that train ``--rounds``
@@ -50,7 +51,7 @@ def island_argv(name: str, address: str, work: Path, seed: int, rounds: int, a) 
         "island", "--data", str(work.parent / "corpus.bin"), "--coordinator", address, "--island-id", name,
         "--run-id", "cq", "--inner-lr", "3e-3", "--heartbeat-seconds", "0.5", "--give-up-seconds", "300",
         "--no-eval-every-round", "--seed", str(seed), "--data-seed", str(1000 * seed + ord(name)),
-        "--batch-size", str(a.batch_size), "--rounds", str(rounds), *a.model_flags.split(),
+        "--batch-size", str(a.batch_size), "--rounds", str(rounds), *a.model_flags.split(), *a.island_flags.split(),
     ]  # fmt: skip
 
 
@@ -81,7 +82,8 @@ def run(codec: str, h: int, rounds: int, seed: int, a, work: Path) -> dict:
     curve = evaluate(work / "state", str(work.parent / "corpus.bin"), a.model_flags)
     steady = [r for r in sorted(sent) if r > 0 and len(sent[r]) == a.islands]  # round 0 also carries θ_0
     return {
-        "codec": codec, "downlink": down, "flags": a.coordinator_flags, "sync_every": h, "rounds": rounds,
+        "codec": codec, "downlink": down, "flags": a.coordinator_flags, "island_flags": a.island_flags,
+        "sync_every": h, "rounds": rounds,
         "seed": seed, "curve": curve,
         "seconds": seconds,
         "up_per_island": statistics.mean(statistics.mean(sent[r].values()) for r in steady) if steady else None,
@@ -124,7 +126,11 @@ def evaluate(state_dir: Path, corpus: str, model_flags: str) -> list[tuple[int, 
 
 
 def report(runs: list[dict], numel: int) -> None:
-    base = {(r["sync_every"], r["seed"]): r["curve"][-1][2] for r in runs if r["codec"] == "identity"}
+    base = {
+        (r["sync_every"], r["seed"], r.get("island_flags", "")): r["curve"][-1][2]
+        for r in runs
+        if r["codec"] == "identity"
+    }
     print(f"\n{numel:,} parameters; fp32 = {4 * numel:,} bytes")
     print(f"{'H':>4} {'codec (up)':<40} {'down':<28} {'up x':>7} {'down x':>7} {'loss (mean)':>11} {'vs identity':>12}"
           "  seeds (loss, gap)  θ same")  # fmt: skip
@@ -134,11 +140,11 @@ def report(runs: list[dict], numel: int) -> None:
             up = statistics.mean(r["up_per_island"] for r in rs)
             down = statistics.mean(r["down_per_island"] for r in rs)
             losses = [r["curve"][-1][2] for r in rs]
-            gaps = [r["curve"][-1][2] / base[(h, r["seed"])] - 1 for r in rs if (h, r["seed"]) in base]
+            gaps = [r["curve"][-1][2] / base[key_of(r)] - 1 for r in rs if key_of(r) in base]
             gap = f"{100 * statistics.mean(gaps):+.2f}%" if gaps else "-"
             seeds = ", ".join(
                 f"{r['seed']}: {r['curve'][-1][2]:.4f}"
-                + (f" ({100 * (r['curve'][-1][2] / base[(h, r['seed'])] - 1):+.2f}%)" if (h, r["seed"]) in base else "")
+                + (f" ({100 * (r['curve'][-1][2] / base[key_of(r)] - 1):+.2f}%)" if key_of(r) in base else "")
                 for r in rs
             )
             same = "yes" if all(r["identical"] for r in rs) else "NO"
@@ -149,8 +155,13 @@ def report(runs: list[dict], numel: int) -> None:
 
 
 def variant(r: dict) -> tuple[str, str, str]:
-    """What a row of the table is: the codec up, the one down and the coordinator's extra flags."""
-    return r["codec"], r["downlink"], r.get("flags", "")
+    """What a row of the table is: the codec up, the one down and the extra flags (coordinator's, islands')."""
+    return r["codec"], r["downlink"], " ".join(f for f in (r.get("flags", ""), r.get("island_flags", "")) if f)
+
+
+def key_of(r: dict) -> tuple[int, int, str]:
+    """The identity run a run is measured against: same H, seed and island flags."""
+    return r["sync_every"], r["seed"], r.get("island_flags", "")
 
 
 def main() -> None:
@@ -163,6 +174,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--model-flags", default="--n-layer 4 --n-embd 256")
+    p.add_argument("--island-flags", default="", help='more `atoll island` flags ("--inner-optimizer muon")')
     p.add_argument("--coordinator-flags", default="", help='more coordinator flags ("--outer-momentum 0 ...")')
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
     p.add_argument("--json", type=Path, default=None)

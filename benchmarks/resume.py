@@ -32,6 +32,7 @@ def island_cmd(address: str, island: str, ckpt: str, args) -> list[str]:
     return [
         *("island", "--coordinator", address, "--island-id", island, "--run-id", "resume"),
         *("--checkpoint-dir", f"{ckpt}/{island}", "--inner-lr", "3e-3", "--no-eval-every-round", "--no-digest"),
+        *getattr(args, "island_flags", "").split(),
     ]
 
 
@@ -112,6 +113,7 @@ def main() -> None:
     p.add_argument("--kill-after-round", type=int, default=1, help="kill i1 in the round after this one (default: 1)")
     p.add_argument("--kill-delay", type=float, default=0.3, help="seconds into that round (default: 0.3)")
     p.add_argument("--signal", choices=["KILL", "TERM"], default="KILL", help="what i1 gets (default: KILL)")
+    p.add_argument("--island-flags", default="", help='more `atoll island` flags ("--inner-optimizer muon")')
     p.add_argument(
         "--checkpoint-store", action="store_true", help="checkpoint to s3:// (a SeaweedFS server on loopback)"
     )

@@ -29,6 +29,7 @@ from atoll.models import PRESETS, TinyGPT, card_of, preset
 from atoll.workload.connect import coordinator_link
 from atoll.workload.digest import model_digest, param_digest
 from atoll.workload.hooks import IslandHooks
+from atoll.workload.inner import InnerOptimizer
 from atoll.workload.options import IslandArgs
 from atoll.workload.parallel import Layout, parallelize
 from atoll.workload.progress import Reporter
@@ -80,8 +81,8 @@ class InnerLoop:
     """What the island trains between syncs, built once by :func:`run_island`."""
 
     model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LRScheduler
+    opt: InnerOptimizer
+    """The inner optimizer(s) and their learning-rate schedule."""
     data: CharDataset | TokenDataset
     gen: torch.Generator
     """The data order (seeded per island; checkpointed with it)."""
@@ -124,9 +125,9 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
     data = load_data(args, block)
     model = build_model(args, data.vocab_size)
     layout = parallelize(model, args.parallel)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.inner_lr, weight_decay=0.1, betas=(0.9, 0.95))
-    warmup = args.lr_warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+    opt = InnerOptimizer.build(
+        model, args.inner_optimizer, args.inner_lr, args.lr_warmup_steps, sharded=layout.mode != "none"
+    )
     data_seed = args.data_seed
     if data_seed < 0:
         data_seed = int.from_bytes(hashlib.sha256(args.island_id.encode()).digest()[:4], "little")
@@ -139,14 +140,14 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
         from atoll.islands.checkpoint import IslandCheckpoint
 
         def load_state(s: dict) -> None:
-            sched.load_state_dict(s["scheduler"])
+            opt.load_schedule_state(s["scheduler"])
             gen.set_state(s["generator"])
 
         ckpt = IslandCheckpoint(
             args.checkpoint_dir,
             model,
-            opt,
-            state=lambda: {"scheduler": sched.state_dict(), "generator": gen.get_state()},
+            opt.optimizers,
+            state=lambda: {"scheduler": opt.schedule_state(), "generator": gen.get_state()},
             load_state=load_state,
         )
 
@@ -179,7 +180,7 @@ def run_island(args: IslandArgs, argv: list[str] | None = None, hooks: IslandHoo
     )
     try:
         sync.start()
-        loop = InnerLoop(model, opt, sched, data, gen, layout, per_rank)
+        loop = InnerLoop(model, opt, data, gen, layout, per_rank)
         _train(args, loop, sync, hooks=hooks, reporter=reporter, ckpt=ckpt, resumed=resumed)
         done = {"round": sync.round, "run_complete": sync.run_complete}
     except Preempted:  # SIGTERM: checkpoint where it stands (mid-round too), leave, exit 143
@@ -289,7 +290,6 @@ def _train(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        loop.sched.step()
         hooks.after_step(sync.round, time.perf_counter() - step_started)
         step_loss = loss.detach().float()
         if layout.world > 1:

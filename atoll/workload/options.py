@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from atoll.models import PRESETS
+from atoll.workload.inner import OPTIMIZERS
 from atoll.workload.parallel import MODES
 
 
@@ -44,7 +45,10 @@ class IslandArgs:
     batch_size: int = 16
     """Sequences per inner step for the whole island (split over its data-parallel ranks)."""
     inner_lr: float = 1e-3
-    """AdamW learning rate of the inner optimizer."""
+    """Learning rate of the inner optimizer (Muon's matched to AdamW's update size)."""
+    inner_optimizer: str = "adamw"
+    """adamw, or muon: torch.optim.Muon on the 2-D weights inside the blocks, AdamW on the rest (torch
+    2.9 or later; each matrix whole on a rank: --parallel none)."""
     lr_warmup_steps: int = 0
     """Linear warmup of the inner learning rate over this many inner steps (0: none)."""
     seed: int = 0
@@ -121,6 +125,8 @@ class IslandArgs:
             raise ValueError(f"model must be one of {', '.join(PRESETS)}, got {self.model!r}")
         if not (math.isfinite(self.progress_seconds) and self.progress_seconds >= 0):
             raise ValueError(f"progress_seconds must be a finite number >= 0, got {self.progress_seconds}")
+        if self.inner_optimizer not in OPTIMIZERS:
+            raise ValueError(f"inner_optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.inner_optimizer!r}")
         if self.progress not in ("auto", "terminal", "json"):
             raise ValueError(f"progress must be auto, terminal or json, got {self.progress!r}")
         if min(self.n_layer, self.n_embd, self.n_head, self.block_size, self.vocab_size, self.lr_warmup_steps) < 0:

@@ -203,12 +203,13 @@ def test_a_state_of_another_island_is_refused(start_server):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
-def test_an_island_process_killed_or_preempted_resumes_from_its_checkpoint_bitwise(tmp_path, sig):
+@pytest.mark.parametrize("sig, inner", [("SIGKILL", "adamw"), ("SIGTERM", "adamw"), ("SIGKILL", "muon")])
+def test_an_island_process_killed_or_preempted_resumes_from_its_checkpoint_bitwise(tmp_path, sig, inner):
     """``atoll island --checkpoint-dir``, SIGKILLed (or SIGTERMed: preempted) a few steps into round 2
     and restarted with the same command: the run ends with bitwise the θ (and the per-round losses)
     of the run that was never interrupted (model and AdamW state via torch.distributed.checkpoint, data
-    position, RNG, DiLoCo state). On SIGTERM the island checkpoints where it stands, leaves and exits
+    position, RNG, DiLoCo state; with ``--inner-optimizer muon``, Muon's momentum and AdamW's moments of
+    the rest, and both schedules). On SIGTERM the island checkpoints where it stands, leaves and exits
     143 within seconds (a Kubernetes or Slurm grace period is 30 s by default).
     benchmarks/resume.py measures heal time and checkpoint cost on the same code."""
     import argparse
@@ -216,7 +217,9 @@ def test_an_island_process_killed_or_preempted_resumes_from_its_checkpoint_bitwi
 
     from benchmarks.resume import run
 
-    args = argparse.Namespace(rounds=4, sync_every=10, kill_after_round=1, kill_delay=0.2)
+    args = argparse.Namespace(
+        rounds=4, sync_every=10, kill_after_round=1, kill_delay=0.2, island_flags=f"--inner-optimizer {inner}"
+    )
     ref = run(tmp_path / "ref", args, kill=False)
     got = run(tmp_path / "killed", args, kill=True, sig=getattr(signal, sig))
     assert got["round"] == ref["round"] == 4
