@@ -313,6 +313,7 @@ def plan(
     decode_seconds: float | None = None,
     coordinator_mbit: float | None = None,
     host_seconds: float = 0.0,
+    background_seconds: float = 0.0,
     target: float = 0.97,
     max_overlap: float = 0.5,
 ) -> list[Estimate]:
@@ -329,6 +330,7 @@ def plan(
         decode_seconds=decode_seconds,
         coordinator_mbit=coordinator_mbit,
         host_seconds=host_seconds,
+        background_seconds=background_seconds,
     )
     out = []
     for codec, h, over, p in candidates(codecs, sync_every, overlap, fragments):

@@ -65,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "accelerator's; a CPU island's RoundStats.host_seconds, the 'own work' of atoll island's round lines)",
     )
     p.add_argument(
+        "--background-seconds",
+        type=float,
+        default=0.0,
+        help="the island's own work per round on its exchange's thread, hidden with the exchange by overlap "
+        "(default: 0; RoundStats.background_seconds, the 'own work on its thread' of atoll island's round lines)",
+    )
+    p.add_argument(
         "--max-overlap", type=float, default=0.5, help="the most of H an update may arrive late by (default: 0.5)"
     )
     p.add_argument("--target", type=float, default=0.97, help="the utilisation to reach (default: 0.97)")
@@ -94,6 +101,7 @@ RANGES = {
     "outer_seconds": (0.0, 1e5, "seconds"),
     "decode_seconds": (0.0, 1e5, "seconds"),
     "host_seconds": (0.0, 1e5, "seconds"),
+    "background_seconds": (0.0, 1e5, "seconds"),
     "max_overlap": (0.0, 1.0, "a share of H"),
     "sync_every": (1, 10_000_000, "inner steps"),
     "fragments": (1, 1024, "fragments"),
@@ -191,6 +199,7 @@ def run(ns) -> int:
         outer_seconds=ns.outer_seconds,
         decode_seconds=ns.decode_seconds,
         host_seconds=ns.host_seconds,
+        background_seconds=ns.background_seconds,
         coordinator_mbit=ns.coordinator_mbit,
         target=ns.target,
         max_overlap=ns.max_overlap,

@@ -156,6 +156,7 @@ BAD_PLAN_INPUTS = [
     ("--outer-seconds", "-1"), ("--outer-seconds", "nan"), ("--outer-seconds", "inf"),
     ("--decode-seconds", "-1"), ("--decode-seconds", "nan"),
     ("--host-seconds", "-1"), ("--host-seconds", "inf"), ("--host-seconds", "nan"),
+    ("--background-seconds", "-1"), ("--background-seconds", "inf"), ("--background-seconds", "nan"),
     ("--max-overlap", "-0.5"), ("--max-overlap", "2"), ("--max-overlap", "nan"),
     ("--target", "0"), ("--target", "1.5"), ("--target", "nan"), ("--target", "-1"),
 ]  # fmt: skip
@@ -225,3 +226,22 @@ def test_a_recommended_codec_that_drops_values_comes_with_error_feedback(capsys)
     assert "--error-feedback" in line
     assert main([*args, "--codec", "int8", "--sync-every", "500"]) == 0
     assert "--error-feedback" not in capsys.readouterr().out
+
+
+def test_atoll_plan_hides_the_islands_background_work_behind_overlap_with_the_exchange(capsys):
+    """``--background-seconds`` (an island's encode and apply on its exchange's thread) is priced as
+    :func:`estimate` prices it: behind τ steps with the exchange, not on the training thread."""
+    args = ["plan", "--model", "gpt-125m", "--step-seconds", "0.3", "--bandwidth-mbit", "100", "--rtt-ms", "100"]
+    args += ["--islands", "3", "--codec", "sparse", "--sync-every", "30", "--overlap", "on", "--fragments", "1"]
+    rows = {}
+    for background in (0.0, 0.01, 40.0):
+        assert main([*args, "--json", "--background-seconds", str(background)]) == 0
+        (rows[background],) = json.loads(capsys.readouterr().out)
+    tau, exchange = rows[0.0]["overlap_steps"], rows[0.0]["sync_seconds"]
+    assert all(r["overlap_steps"] == tau and r["sync_seconds"] == exchange for r in rows.values())  # τ: the exchange's
+    for background, row in rows.items():
+        stall = max(0.0, exchange + background - tau * 0.3)
+        assert row["stall_seconds"] == pytest.approx(stall) and row["utilisation"] == pytest.approx(9.0 / (9.0 + stall))
+    assert rows[0.01]["utilisation"] == 1.0 and rows[40.0]["utilisation"] < 0.2
+    assert main([*args, "--background-seconds", "40"]) == 0  # the table too
+    assert "sparse" in capsys.readouterr().out
