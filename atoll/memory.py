@@ -29,8 +29,9 @@ reads the variable once, at its first tensor allocation of any size, so
 process creates its first tensor. The kernel may compact memory to find huge pages (its
 ``defrag`` setting), and RSS grows in 2 MiB steps for such buffers.
 
-Set ``ATOLL_MALLOC_TUNING=0`` to keep the allocator's defaults (both of them), or
-``THP_MEM_ALLOC_ENABLE=0`` to keep only the mallopt settings.
+Set ``ATOLL_MALLOC_TUNING=0`` to keep the allocator's defaults (both of them),
+``THP_MEM_ALLOC_ENABLE=0`` to keep only the mallopt settings, or ``ATOLL_MALLOC_ARENAS=N`` for another
+cap on the arenas (0: glibc's own).
 """
 
 from __future__ import annotations
@@ -95,10 +96,10 @@ def tune_for_bulk_buffers(
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = all(
-        mallopt(option, value)
-        for option, value in ((_M_MMAP_THRESHOLD, mmap_bytes), (_M_TRIM_THRESHOLD, trim_bytes), (_M_ARENA_MAX, ARENAS))
-    )
+    settings = [(_M_MMAP_THRESHOLD, mmap_bytes), (_M_TRIM_THRESHOLD, trim_bytes)]
+    arenas = int(os.environ.get("ATOLL_MALLOC_ARENAS", ARENAS))
+    settings += [(_M_ARENA_MAX, arenas)] if arenas > 0 else []
+    ok = all(mallopt(option, value) for option, value in settings)
     if not ok:
         log.warning("mallopt refused the bulk-buffer settings; keeping the allocator's defaults")
     return ok

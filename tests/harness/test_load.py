@@ -75,6 +75,10 @@ def test_the_daemons_allocator_keeps_freed_chunks_in_at_most_two_arenas():
 
         pytest.skip("no glibc mallopt here")
     assert int(grown) <= 2 * 16 * 2**20 + 8 * 2**20, f"eight threads kept {int(grown) / 2**20:.0f} MiB of freed chunks"
+    env["ATOLL_MALLOC_ARENAS"] = "0"  # glibc's own arenas: one a thread here
+    run = subprocess.run([sys.executable, "-c", _ARENAS_PROBE], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.split()[1]) >= 6 * 16 * 2**20, run.stdout
 
 
 _HUGE_PAGES_PROBE = """
