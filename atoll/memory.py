@@ -17,7 +17,8 @@ threads took turns with pushes grew with every new thread that touched one. A co
 test_inflight.py``, pinned to 2 cores): eight of them grew it by up to 23 MiB with glibc's arenas
 (17 MiB after four on the CI machine), and by none with the cap (at most 7 MiB below where it
 started). Its price, ``benchmarks/load.py``, 32 islands over gRPC, two runs each: ingest 0.71 and
-0.74 GB/s against 0.75 and 0.78 with glibc's default.
+0.74 GB/s against 0.75 and 0.78 with glibc's default; ``benchmarks/vs_torchft.py`` at 124M int8, 4
+pairs each: the sync 0.93x torchft-nightly's against 0.85x (within that comparison's spread).
 
 Buffers above glibc's mmap ceiling (32 MiB: a large tensor's delta, a codec's temporaries) are
 still mapped afresh on every allocation, and first-touching one costs a page fault per 4 KiB page:
@@ -97,8 +98,11 @@ def tune_for_bulk_buffers(
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     settings = [(_M_MMAP_THRESHOLD, mmap_bytes), (_M_TRIM_THRESHOLD, trim_bytes)]
-    arenas = int(os.environ.get("ATOLL_MALLOC_ARENAS", ARENAS))
-    settings += [(_M_ARENA_MAX, arenas)] if arenas > 0 else []
+    arenas = os.environ.get("ATOLL_MALLOC_ARENAS", str(ARENAS))
+    if not arenas.isdigit():
+        log.warning("ATOLL_MALLOC_ARENAS=%r is not a whole number >= 0: capping the arenas at %d", arenas, ARENAS)
+        arenas = str(ARENAS)
+    settings += [(_M_ARENA_MAX, int(arenas))] if int(arenas) > 0 else []
     ok = all(mallopt(option, value) for option, value in settings)
     if not ok:
         log.warning("mallopt refused the bulk-buffer settings; keeping the allocator's defaults")
