@@ -127,6 +127,9 @@ class IslandArgs:
             raise ValueError(f"progress_seconds must be a finite number >= 0, got {self.progress_seconds}")
         if self.inner_optimizer not in OPTIMIZERS:
             raise ValueError(f"inner_optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.inner_optimizer!r}")
+        if self.inner_optimizer == "muon" and self.parallel != "none":
+            whole = "inner_optimizer muon needs each weight matrix whole on a rank"
+            raise ValueError(f"{whole}, not --parallel {self.parallel}")
         if self.progress not in ("auto", "terminal", "json"):
             raise ValueError(f"progress must be auto, terminal or json, got {self.progress!r}")
         if min(self.n_layer, self.n_embd, self.n_head, self.block_size, self.vocab_size, self.lr_warmup_steps) < 0:

@@ -78,5 +78,7 @@ def test_the_schedule_state_round_trips_and_a_checkpoint_of_the_other_optimizer_
 def test_bad_choices_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="inner_optimizer must be one of adamw, muon"):
         IslandArgs(coordinator="-", island_id="a", inner_optimizer="sgd")
+    with pytest.raises(ValueError, match="whole on a rank, not --parallel fsdp"):
+        IslandArgs(coordinator="-", island_id="a", inner_optimizer="muon", parallel="fsdp", nproc=2)
     with pytest.raises(ValueError, match="--parallel none"):
         InnerOptimizer.build(model(), "muon", 1e-3, sharded=True)
