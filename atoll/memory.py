@@ -98,11 +98,11 @@ def tune_for_bulk_buffers(
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     settings = [(_M_MMAP_THRESHOLD, mmap_bytes), (_M_TRIM_THRESHOLD, trim_bytes)]
-    arenas = os.environ.get("ATOLL_MALLOC_ARENAS", str(ARENAS))
-    if not arenas.isdigit():
-        log.warning("ATOLL_MALLOC_ARENAS=%r is not a whole number >= 0: capping the arenas at %d", arenas, ARENAS)
-        arenas = str(ARENAS)
-    settings += [(_M_ARENA_MAX, int(arenas))] if int(arenas) > 0 else []
+    given = os.environ.get("ATOLL_MALLOC_ARENAS", str(ARENAS))
+    if not given.isdigit():
+        log.warning("ATOLL_MALLOC_ARENAS=%r is not a whole number >= 0: capping the arenas at %d", given, ARENAS)
+    arenas = int(given) if given.isdigit() else ARENAS
+    settings += [(_M_ARENA_MAX, arenas)] if arenas > 0 else []
     ok = all(mallopt(option, value) for option, value in settings)
     if not ok:
         log.warning("mallopt refused the bulk-buffer settings; keeping the allocator's defaults")

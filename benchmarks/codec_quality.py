@@ -126,11 +126,7 @@ def evaluate(state_dir: Path, corpus: str, model_flags: str) -> list[tuple[int, 
 
 
 def report(runs: list[dict], numel: int) -> None:
-    base = {
-        (r["sync_every"], r["seed"], r.get("island_flags", "")): r["curve"][-1][2]
-        for r in runs
-        if r["codec"] == "identity"
-    }
+    base = {key_of(r): r["curve"][-1][2] for r in runs if r["codec"] == "identity"}
     print(f"\n{numel:,} parameters; fp32 = {4 * numel:,} bytes")
     print(f"{'H':>4} {'codec (up)':<40} {'down':<28} {'up x':>7} {'down x':>7} {'loss (mean)':>11} {'vs identity':>12}"
           "  seeds (loss, gap)  θ same")  # fmt: skip

@@ -45,9 +45,11 @@ class InnerOptimizer:
 
     @classmethod
     def build(cls, model: torch.nn.Module, kind: str, lr: float, warmup_steps: int = 0, *, sharded: bool = False):
+        def adamw(params) -> torch.optim.AdamW:
+            return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, betas=BETAS)
+
         if kind == "adamw":
-            adamw = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, betas=BETAS)
-            return cls([adamw], warmup_steps)
+            return cls([adamw(model.parameters())], warmup_steps)
         if kind != "muon":
             raise ValueError(f"inner optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
         if sharded:
@@ -59,7 +61,7 @@ class InnerOptimizer:
         if not matrices:
             raise ValueError("--inner-optimizer muon: the model has no 2-D weights inside its blocks")
         muon = torch.optim.Muon(matrices, lr=lr, weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw")
-        return cls([muon, torch.optim.AdamW(rest, lr=lr, weight_decay=WEIGHT_DECAY, betas=BETAS)], warmup_steps)
+        return cls([muon, adamw(rest)], warmup_steps)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.optimizers:
