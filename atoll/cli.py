@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     island_command.add_arguments(_subparser(sub, "island", island_command.HELP))
 
+    from atoll.relay import main as relay_main
+
+    relay_main.add_arguments(_subparser(sub, "relay", "aggregate a region's islands before the WAN (a relay)"))
+
     demo = _subparser(sub, "demo", "coordinator + islands as processes on loopback, a few rounds")
     add_dataclass_args(demo, DemoArgs)
 
@@ -151,6 +155,10 @@ def _dispatch(ns: argparse.Namespace, words: list[str], island_hooks) -> int:
         from atoll.workload.command import run
 
         return run(ns, words, island_hooks)
+    if ns.command == "relay":
+        from atoll.relay import main as relay_main
+
+        return relay_main.main(relay_main.from_args(ns))
     if ns.command == "demo":
         from atoll.harness.demo import DemoArgs, run_demo
 

@@ -13,11 +13,13 @@ class RequestError(Exception):
     """A request the coordinator refuses; changes no state. ``code``: the gRPC status code's name
     (the reason's usual one unless given)."""
 
-    def __init__(self, reason: Reason, message: str, *, code: str | None = None) -> None:
+    def __init__(self, reason: Reason, message: str, *, code: str | None = None, chain: tuple[str, ...] = ()) -> None:
+        """``chain``: a relay's refusal of a relay, the relays it waits on (itself first)."""
         super().__init__(message)
         self.reason = reason
         self.code = code or CODE[reason]
         self.message = message
+        self.chain = chain
 
 
 def refuse(reason: Reason, message: str) -> RequestError:

@@ -13,13 +13,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from atoll.coordinator.config import RunConfig
-from atoll.protos.messages import Entry, JoinRequest, PushHeader, Region, TensorDecl, TensorRegion
+from atoll.protos.messages import Entry, JoinRequest, Member, PushHeader, Region, TensorDecl, TensorRegion
 from atoll.protos.vocabulary import PushOutcome, TensorKind, UpdateKind
 
 __all__ = [
     "Admission",
     "Entry",
     "IslandCall",
+    "Member",
     "JoinRequest",
     "PayloadEntry",
     "PullAnswer",
@@ -62,6 +63,8 @@ class Admission:
     bootstrap: bool
     codec: str
     run_complete: bool
+    relay_chain: tuple[str, ...] = ()
+    """This relay and the relays above it (empty: a root coordinator answers)."""
 
 
 @dataclass(frozen=True, kw_only=True)

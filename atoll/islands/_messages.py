@@ -76,6 +76,10 @@ class JoinAnswer:
     run: RunTerms
     bulk_port: int = 0
     checks_tokens: bool = False
+    relay_chain: tuple[str, ...] = ()
+    """The relays between this joiner and the root, the one answering first (empty: the root answered)."""
+    config: dict = field(default_factory=dict)
+    """The run's whole configuration, field by field as plain values (a relay serves the same run)."""
 
 
 @dataclass(frozen=True)

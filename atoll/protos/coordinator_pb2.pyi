@@ -40,6 +40,8 @@ class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_STREAM_IDLE: _ClassVar[Reason]
     REASON_NOT_DURABLE: _ClassVar[Reason]
     REASON_PULL_BUDGET: _ClassVar[Reason]
+    REASON_RELAY_LOOP: _ClassVar[Reason]
+    REASON_RELAY_NOT_READY: _ClassVar[Reason]
 
 class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -96,6 +98,8 @@ REASON_PERMISSION_DENIED: Reason
 REASON_STREAM_IDLE: Reason
 REASON_NOT_DURABLE: Reason
 REASON_PULL_BUDGET: Reason
+REASON_RELAY_LOOP: Reason
+REASON_RELAY_NOT_READY: Reason
 TENSOR_KIND_PARAMETER: TensorKind
 TENSOR_KIND_BUFFER: TensorKind
 PUSH_KIND_UNSPECIFIED: PushKind
@@ -178,7 +182,7 @@ class RunConfigProto(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., codec: _Optional[str] = ..., downlink_codec: _Optional[str] = ..., quorum: _Optional[int] = ..., round_deadline_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., error_feedback: _Optional[bool] = ..., late_policy: _Optional[str] = ..., staleness_weight: _Optional[float] = ..., max_staleness: _Optional[int] = ..., aggregation: _Optional[str] = ..., clip_norm: _Optional[float] = ..., max_delta_norm: _Optional[float] = ..., error_feedback_decay: _Optional[float] = ..., total_rounds: _Optional[int] = ..., max_tokens_per_round: _Optional[int] = ..., grace_window: _Optional[str] = ..., outer_mode: _Optional[str] = ..., decoupled_step: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "island_id", "codecs", "tensors", "num_ranks", "shard_index", "num_shards", "partition", "layout_digest", "session_id", "model_card")
+    __slots__ = ("run_id", "island_id", "codecs", "tensors", "num_ranks", "shard_index", "num_shards", "partition", "layout_digest", "session_id", "model_card", "relay")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +194,7 @@ class JoinRequest(_message.Message):
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_CARD_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island_id: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
@@ -201,10 +206,11 @@ class JoinRequest(_message.Message):
     layout_digest: str
     session_id: str
     model_card: str
-    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_ranks: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., partition: _Optional[str] = ..., layout_digest: _Optional[str] = ..., session_id: _Optional[str] = ..., model_card: _Optional[str] = ...) -> None: ...
+    relay: bool
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_ranks: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., partition: _Optional[str] = ..., layout_digest: _Optional[str] = ..., session_id: _Optional[str] = ..., model_card: _Optional[str] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("config", "round", "bootstrap", "codec", "run_complete", "bulk_port", "checks_tokens", "bulk_streams", "bulk_keep_seconds")
+    __slots__ = ("config", "round", "bootstrap", "codec", "run_complete", "bulk_port", "checks_tokens", "bulk_streams", "bulk_keep_seconds", "relay_chain")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +220,7 @@ class JoinResponse(_message.Message):
     CHECKS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BULK_STREAMS_FIELD_NUMBER: _ClassVar[int]
     BULK_KEEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_CHAIN_FIELD_NUMBER: _ClassVar[int]
     config: RunConfigProto
     round: int
     bootstrap: bool
@@ -223,7 +230,8 @@ class JoinResponse(_message.Message):
     checks_tokens: bool
     bulk_streams: int
     bulk_keep_seconds: int
-    def __init__(self, config: _Optional[_Union[RunConfigProto, _Mapping]] = ..., round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., codec: _Optional[str] = ..., run_complete: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., checks_tokens: _Optional[bool] = ..., bulk_streams: _Optional[int] = ..., bulk_keep_seconds: _Optional[int] = ...) -> None: ...
+    relay_chain: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, config: _Optional[_Union[RunConfigProto, _Mapping]] = ..., round: _Optional[int] = ..., bootstrap: _Optional[bool] = ..., codec: _Optional[str] = ..., run_complete: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., checks_tokens: _Optional[bool] = ..., bulk_streams: _Optional[int] = ..., bulk_keep_seconds: _Optional[int] = ..., relay_chain: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("run_id", "island_id", "round", "session_id")
@@ -260,7 +268,7 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("run_id", "island_id", "round", "kind", "rank", "num_ranks", "tokens", "codec", "entries", "loss", "session_id", "inner_steps", "compute_seconds", "blocked_seconds")
+    __slots__ = ("run_id", "island_id", "round", "kind", "rank", "num_ranks", "tokens", "codec", "entries", "loss", "session_id", "inner_steps", "compute_seconds", "blocked_seconds", "members")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +283,7 @@ class PushHeader(_message.Message):
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     island_id: str
     round: int
@@ -289,7 +298,22 @@ class PushHeader(_message.Message):
     inner_steps: int
     compute_seconds: float
     blocked_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., loss: _Optional[float] = ..., session_id: _Optional[str] = ..., inner_steps: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., blocked_seconds: _Optional[float] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[RelayMember]
+    def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., loss: _Optional[float] = ..., session_id: _Optional[str] = ..., inner_steps: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., blocked_seconds: _Optional[float] = ..., members: _Optional[_Iterable[_Union[RelayMember, _Mapping]]] = ...) -> None: ...
+
+class RelayMember(_message.Message):
+    __slots__ = ("island_id", "tokens", "inner_steps", "loss", "compute_seconds")
+    ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    island_id: str
+    tokens: int
+    inner_steps: int
+    loss: float
+    compute_seconds: float
+    def __init__(self, island_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -105,6 +105,24 @@ class TensorDecl:
     """Its other names in the model's state_dict (tied weights)."""
 
 
+@dataclass(frozen=True)
+class Member:
+    """One island behind a relay, as the relay's push reports it (the root weighs and checks each)."""
+
+    island_id: str
+    tokens: int = 0
+    inner_steps: int = 0
+    loss: float | None = None
+    compute_seconds: float = 0.0
+
+    def to_json(self) -> list:
+        return [self.island_id, self.tokens, self.inner_steps, self.loss, self.compute_seconds]
+
+    @classmethod
+    def from_json(cls, d: list) -> Member:
+        return cls(str(d[0]), int(d[1]), int(d[2]), d[3], float(d[4]))
+
+
 @dataclass(frozen=True, kw_only=True)
 class JoinRequest:
     """What an island joins one coordinator shard with."""
@@ -121,6 +139,8 @@ class JoinRequest:
     layout_digest: str = ""
     model_card: str = ""
     """What the model is, as JSON (empty: not said)."""
+    relay: bool = False
+    """The joiner is a relay (``atoll relay``): its pushes sum its islands' (:attr:`PushHeader.members`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +162,8 @@ class PushHeader:
     inner_steps: int = 0
     compute_seconds: float = 0.0
     blocked_seconds: float = 0.0
+    members: tuple[Member, ...] = ()
+    """A relay's push: the islands whose token-weighted mean its payload is (empty: an island's own)."""
 
     def to_json(self) -> dict:
         """What the push says, as plain JSON values (an island's checkpoint; who calls is not kept)."""
@@ -156,6 +178,7 @@ class PushHeader:
             "inner_steps": self.inner_steps,
             "compute_seconds": self.compute_seconds,
             "blocked_seconds": self.blocked_seconds,
+            **({"members": [m.to_json() for m in self.members]} if self.members else {}),
         }
 
     @classmethod
@@ -170,4 +193,5 @@ class PushHeader:
             inner_steps=int(d["inner_steps"]),
             compute_seconds=float(d["compute_seconds"]),
             blocked_seconds=float(d["blocked_seconds"]),
+            members=tuple(Member.from_json(m) for m in d.get("members", ())),
         )

@@ -47,6 +47,8 @@ _TABLE: dict[str, tuple[str, bool]] = {
     "STREAM_IDLE": ("ABORTED", False),
     "NOT_DURABLE": ("UNAVAILABLE", False),
     "PULL_BUDGET": ("RESOURCE_EXHAUSTED", False),
+    "RELAY_LOOP": ("FAILED_PRECONDITION", True),
+    "RELAY_NOT_READY": ("UNAVAILABLE", False),
 }
 
 CODE: dict[Reason, str] = {Reason[name]: code for name, (code, _) in _TABLE.items()}

@@ -198,6 +198,27 @@ def tokens(config: RunConfig, claimed: int, inner_steps: int) -> None:
             )
 
 
+MAX_MEMBERS = 65536
+"""The most islands one relay's push may report."""
+
+
+def members(config: RunConfig, relay: bool, reported, island_id: str) -> None:
+    """A push's member reports: only a relay's push has them, each a distinct island within the run's
+    bounds (its tokens and inner steps, as an island's own push is checked)."""
+    if not reported:
+        return
+    if not relay:
+        raise invalid(f"island {island_id!r} reports members but did not join as a relay")
+    if len(reported) > MAX_MEMBERS:
+        raise invalid(f"a relay's push reports {len(reported)} members, more than {MAX_MEMBERS}")
+    seen: set[str] = set()
+    for m in reported:
+        if not m.island_id or len(m.island_id) > MAX_ID_LEN or m.island_id in seen:
+            raise invalid(f"member {m.island_id[:MAX_ID_LEN]!r}: empty, longer than {MAX_ID_LEN} or listed twice")
+        seen.add(m.island_id)
+        tokens(config, m.tokens, m.inner_steps)
+
+
 def delta_round(round_: int, joined_round: int) -> bool:
     """Whether a delta for ``round_`` can be the island's: a round below 0 is a bad request; one before
     the island joined (it never held that θ) is False (not folded: the island is told the round closed)."""

@@ -27,9 +27,16 @@ class Islands:
     def _complete(self) -> bool:
         return self.ledger.complete(self._config().total_rounds)
 
-    def join(self, req: JoinRequest) -> Admission:
+    def join(self, req: JoinRequest, chain: tuple[str, ...] = ()) -> Admission:
+        """``chain``: this coordinator's relay chain (itself first; empty at the root)."""
         config = self._config()
         checks.run_id(config, req.run_id)
+        if req.relay and req.island_id in chain:
+            raise refuse(
+                Reason.RELAY_LOOP,
+                f"relay {req.island_id!r} is already above this one ({' -> '.join(chain)}): its upstream would be "
+                "its own downstream",
+            )
         num_ranks = checks.join(req, self.placement.shard, self.placement.partition, config)
         specs = checks.tensors(req.tensors)
         checks.aliases_of(req.tensors)
@@ -51,6 +58,7 @@ class Islands:
             round_=self.ledger.round,
             tensors=req.tensors,
             layout_digest=req.layout_digest,
+            relay=req.relay,
         )
         if new:
             self.accumulator.drop_island(req.island_id)
@@ -74,6 +82,7 @@ class Islands:
             bootstrap=bootstrap,
             codec=config.codec,
             run_complete=self._complete(),
+            relay_chain=chain,
         )
 
     def heartbeat(self, call: IslandCall) -> tuple[int, float, bool]:

@@ -106,7 +106,10 @@ class Pushes:
             if self.accumulator.is_duplicate(h.island_id, h.round, h.rank, cls):
                 done = self.accumulator.is_done(h.island_id, h.round, cls)
                 return PushResult(PushOutcome.DUPLICATE, ledger.round, committed=done)
-            checks.tokens(c, h.tokens, h.inner_steps)
+            if h.members:  # a relay's push: each island behind it is checked as its own push would be
+                checks.members(c, rec.relay, h.members, h.island_id)
+            else:
+                checks.tokens(c, h.tokens, h.inner_steps)
             specs = self.model.specs
         else:
             raise invalid("unknown push kind")
@@ -126,6 +129,7 @@ class Pushes:
             inner_steps=h.inner_steps,
             compute_seconds=h.compute_seconds,
             blocked_seconds=h.blocked_seconds,
+            members=h.members,
         )
 
     def check_entry(self, plan: PushPlan, index: int, payload) -> float:
@@ -193,6 +197,7 @@ class Pushes:
             first.compute_seconds,
             at=now,
             decode_seconds=decoded,
+            members=first.members,
         )
         acc.commit(plan.island_id, plan.round, record, late)
         usual = self._weight(plan, 0) if late else weight
@@ -277,9 +282,16 @@ class Pushes:
     def _weight(self, plan: PushPlan, late_by: int) -> float:
         """The island's weight in the round's mean (:func:`~atoll.coordinator.policy.weighting.weight`),
         from the tokens per step of the islands that report them (the last closed round's, else this
-        round's so far); a token-less island is warned about, since it was once weighed 1 token."""
+        round's so far); a token-less island is warned about, since it was once weighed 1 token. A
+        relay's push (its payload the weighted mean of its members' deltas) weighs what its members
+        do, each weighed here as its own push would be."""
         c = self._config()
         per_step = self.ledger.tokens_per_step() or self.accumulator.tokens_per_step()
+        if plan.members:
+            return sum(
+                weighting.weight(m.tokens, m.inner_steps, per_step, c.token_bound, c.staleness_weight, late_by)
+                for m in plan.members
+            )
         w = weighting.weight(plan.tokens, plan.inner_steps, per_step, c.token_bound, c.staleness_weight, late_by)
         if not plan.tokens and plan.inner_steps:
             log.warning(

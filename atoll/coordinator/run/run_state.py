@@ -60,6 +60,7 @@ from atoll.coordinator.run.options import LimitsOptions, PlacementOptions, Stora
 from atoll.coordinator.run.owners import Owners
 from atoll.coordinator.run.pulls import Pulls, wait_event
 from atoll.coordinator.run.pushes import Pushes
+from atoll.coordinator.run.upstream import Upstream
 from atoll.coordinator.state.accumulator import RoundAccumulator
 from atoll.coordinator.state.budget import Reservation
 from atoll.coordinator.state.downlink import Downlink
@@ -137,6 +138,8 @@ class RunState:
         """What the open round waits for (the decider's last reason), for people."""
         self.lock = asyncio.Lock()
         self._dir_lock: StateLock | None = None
+        self.upstream: Upstream | None = None
+        """A relay's upstream (:mod:`atoll.coordinator.run.upstream`); None at the root."""
 
     # ---- what the run is -----------------------------------------------------------------------
     @property
@@ -220,8 +223,12 @@ class RunState:
             self._dir_lock = None
 
     # ---- membership ------------------------------------------------------------------------------
+    async def before_join(self, req: JoinRequest) -> None:
+        if self.upstream is not None:
+            await self.upstream.before_join(req)
+
     def join(self, req: JoinRequest) -> Admission:
-        return self.islands.join(req)
+        return self.islands.join(req, self.upstream.chain if self.upstream is not None else ())
 
     def heartbeat(self, call: IslandCall) -> tuple[int, float, bool]:
         """(open round, lease seconds, run complete)."""
@@ -322,7 +329,11 @@ class RunState:
                 self.writer.streaming(r, made, hint) as made,  # the record is written meanwhile
             ):
                 part = 1.0 if share is None else share  # (Delayed Nesterov counts the shares)
-                params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made, part)
+                if self.upstream is not None:  # a relay: the step is the upstream's
+                    members = {**committed, **{f"{i}@{rnd}": x for (i, rnd), x in acc.late.items()}}
+                    params, payloads = await asyncio.to_thread(self.upstream.step, r, sums, weight, members, made)
+                else:
+                    params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made, part)
             record = RoundRecord(
                 round=r,
                 **summary,
@@ -365,7 +376,7 @@ class RunState:
                 self.downlink.publish(sealed.round + 1, sealed.payloads)
             self.accumulator.reset(*await asyncio.to_thread(self.model.sums, old))  # the replaced θ, not zeroed
             del old
-            if sealed.round == BOOTSTRAP:  # sized from θ_0 itself, not from what a join declared
+            if sealed.record is None:  # θ_0 (or a relay's θ from upstream): sized from it, not from a join
                 self.accumulator.size_budget(self.model.specs, self.name)
                 self.downlink.size_budget(self.model.specs)
             self.ledger.advance(sealed, self.clock())
@@ -390,6 +401,14 @@ class RunState:
         θ_0's snapshot, or a round's log record (update, history record, membership, config)."""
         if sealed.record is None:
             snap = saved.snapshot(self.owners, self.placement, sealed.params, sealed.round + 1, self.history)
+            if self.upstream is not None:  # a relay holding the upstream's claim sends θ_0 up first
+                up = self.upstream
+
+                def write() -> None:
+                    up.send_theta0(sealed.params)
+                    self.writer.bootstrap(snap)
+
+                return write
             return lambda: self.writer.bootstrap(snap)
         r, islands, config = sealed.round, self.membership.to_json()["islands"], self.config
         stored = sealed.record.to_json()

@@ -225,12 +225,19 @@ class RoundAccumulator:
         inner steps, compute seconds and bytes of everything that entered θ (folded ones included), and
         the seconds their decoding into the sum took, all together."""
         entered = [*self.committed.items(), *((i, x) for (i, _), x in self.late.items())]
-        losses = [(max(x.tokens, 1), x.loss) for x in self.committed.values() if x.loss is not None]
+        reports = [m for x in self.committed.values() for m in (x.members or (x,))]  # a relay's: its islands'
+        losses = [(max(x.tokens, 1), x.loss) for x in reports if x.loss is not None]
 
         def by_island(field: str) -> dict:
+            """Per island; the islands behind a relay as ``relay/island`` (its bytes are the relay's)."""
             out: dict = {}
             for island, x in entered:
-                out[island] = out.get(island, 0) + getattr(x, field)
+                if x.members and field != "num_bytes":
+                    for m in x.members:
+                        key = f"{island}/{m.island_id}"
+                        out[key] = out.get(key, 0) + getattr(m, field)
+                else:
+                    out[island] = out.get(island, 0) + getattr(x, field)
             return dict(sorted(out.items()))
 
         return {

@@ -73,6 +73,8 @@ class IslandRecord:
     arrival_offset: tuple[int, float] | None = None
     """Decoupled runs: (round, seconds) its fresh push in that round committed after the median of the
     round's fresh pushes (:mod:`atoll.coordinator.policy.phase`), for its pull of that round's update."""
+    relay: bool = False
+    """It is a relay (``atoll relay``): its pushes carry the sum of its own islands'."""
     expiry_logged: bool = field(default=False, repr=False)
 
     def entered(
@@ -129,6 +131,8 @@ class Membership:
         """Islands no longer members, by id: IslandState.LEFT or IslandState.EVICTED (persisted)."""
         self.bootstrapper: str | None = None
         """The island holding the claim to upload θ_0 (until θ_0 exists)."""
+        self.bootstrap_open: Callable[[], bool] = lambda: True
+        """Whether an island here may take the claim at all (a relay: only once its upstream gave it)."""
         self.past_goodput: list[Goodput] = []
         """The goodput of island records that left or were replaced (the run's value counts them)."""
 
@@ -161,6 +165,7 @@ class Membership:
         round_: int,
         tensors: tuple[TensorDecl, ...] = (),
         layout_digest: str = "",
+        relay: bool = False,
     ) -> tuple[IslandRecord, bool]:
         """Register (or re-register) an island; returns its record and whether it is new (a fresh
         record: its staged pushes must be dropped)."""
@@ -189,6 +194,7 @@ class Membership:
         rec.session_id = session_id or rec.session_id
         rec.tensors = tensors or rec.tensors
         rec.layout_digest = layout_digest or rec.layout_digest
+        rec.relay = relay
         self.departed.pop(island_id, None)
         self.renew(rec)
         return rec, new
@@ -275,6 +281,8 @@ class Membership:
         """Whether ``island_id`` holds (or now takes) the claim to upload θ_0. The claim moves on when
         its holder left, was evicted or let its lease lapse: the run's model is fixed by the θ_0 that
         arrives, never by a join."""
+        if not self.bootstrap_open():
+            return False  # a relay whose upstream holds θ_0 elsewhere: its islands get θ_0 from there
         holder = self.islands.get(self.bootstrapper) if self.bootstrapper else None
         if holder is None or holder.island_id == island_id or holder.lease_expires_at <= self.clock():
             if holder is not None and holder.island_id != island_id:
@@ -295,6 +303,7 @@ class Membership:
                     "arrival": i.arrival.to_json(),
                     "cycle": i.cycle.to_json(),
                     "usual_weight": i.usual_weight,
+                    **({"relay": True} if i.relay else {}),
                 }
                 for i in self.islands.values()
             },
@@ -320,4 +329,5 @@ class Membership:
                 cycle=Arrival.from_json(rec.get("cycle")),
                 goodput=Goodput(joined_at=now, island=island_id),
                 usual_weight=float(rec.get("usual_weight", 0.0)),  # (a decoupled round's share needs it)
+                relay=bool(rec.get("relay", False)),
             )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from atoll.coordinator.regions import Region
 from atoll.coordinator.state.budget import Reservation
+from atoll.protos.messages import Member
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class PushPlan:
     inner_steps: int = 0
     compute_seconds: float = 0.0
     blocked_seconds: float = 0.0
+    members: tuple[Member, ...] = ()
+    """A relay's push: the islands its payload sums (empty: an island's own push)."""
 
     @property
     def num_bytes(self) -> int:
@@ -80,6 +83,8 @@ class Committed:
     """Clock time it committed (the grace window counts from the quorum's)."""
     decode_seconds: float = 0.0
     """What decoding it into the round's sum took (the core's lock held: pushes decode one at a time)."""
+    members: tuple[Member, ...] = ()
+    """A relay's contribution: the islands behind it (their tokens and steps are counted one by one)."""
 
 
 def release(ranks) -> None:

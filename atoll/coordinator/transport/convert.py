@@ -8,6 +8,7 @@ import dataclasses
 from atoll.coordinator.messages import (
     Entry,
     JoinRequest,
+    Member,
     PullRequest,
     PushHeader,
     PushResult,
@@ -48,6 +49,7 @@ def join_request(m: pb.JoinRequest) -> JoinRequest:
         partition=m.partition,
         layout_digest=m.layout_digest,
         model_card=m.model_card,
+        relay=m.relay,
     )
 
 
@@ -67,6 +69,10 @@ def push_header(h: pb.PushHeader) -> PushHeader:
         inner_steps=h.inner_steps,
         compute_seconds=h.compute_seconds,
         blocked_seconds=h.blocked_seconds,
+        members=tuple(
+            Member(x.island_id, x.tokens, x.inner_steps, x.loss if x.HasField("loss") else None, x.compute_seconds)
+            for x in h.members
+        ),
     )
 
 

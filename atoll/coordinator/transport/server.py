@@ -20,6 +20,7 @@ from atoll.coordinator.disk.store import ObjectState, StateStore
 from atoll.coordinator.run.decider import run_decider
 from atoll.coordinator.run.options import LimitsOptions, PlacementOptions, StorageOptions
 from atoll.coordinator.run.run_state import RunState
+from atoll.coordinator.run.upstream import Upstream
 from atoll.coordinator.state.outer import NonFiniteTheta
 from atoll.coordinator.transport.bulk_port import BulkServer
 from atoll.coordinator.transport.counters import Counters
@@ -123,6 +124,7 @@ class CoordinatorServer:
         given: Iterable[str] | None = None,
         name: str = "",
         store: StateStore | None = None,
+        upstream: Upstream | None = None,
         **flat,
     ) -> None:
         """The run ``config`` served from ``state_dir`` (a local dir: an object store's working copy
@@ -134,7 +136,8 @@ class CoordinatorServer:
         operator set explicitly (None: all of them); on an existing state dir those of the run's math
         must match it, and its operational ones take them. ``name``: prefix of this server's log lines
         (a fragment's). ``store``: where the state is kept (:mod:`atoll.coordinator.disk.store`;
-        default: ``state_dir`` itself)."""
+        default: ``state_dir`` itself). ``upstream``: this server is a relay's, and that is the
+        coordinator above it (:mod:`atoll.coordinator.run.upstream`)."""
         if flat:  # the keywords of the release before the typed options: one more release, with a warning
             typed = typed_from_flat(flat, network, admin, security, placement, storage, limits, store)
             network, admin, security, placement, storage, limits, store = typed
@@ -167,6 +170,7 @@ class CoordinatorServer:
         self._server: grpc.aio.Server | None = None
         self.servicer: CoordinatorServicer | None = None
         self._decider: asyncio.Task | None = None
+        self.upstream = upstream
 
     @property
     def address(self) -> str:
@@ -181,6 +185,7 @@ class CoordinatorServer:
         admin_host, admin_port, admin_token = self.admin_options.host, self.admin_options.port, self.admin_options.token
         ensure_ports_free(self.host, self.requested_port, self.requested_bulk_port, self.admin_options)
         self.state = RunState(self.config, self.state_dir, **self.state_options)
+        self.state.upstream = self.upstream
         self.state.restore(preloaded)
         if admin_port is not None:  # built first: a bad admin config fails before anything listens
             from atoll.coordinator.transport.admin import AdminServer

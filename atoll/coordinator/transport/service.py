@@ -81,7 +81,7 @@ async def _abort(context: grpc.aio.ServicerContext, err: RequestError):
     busy = (Reason.NOT_JOINED, Reason.INFLIGHT_BUDGET, Reason.PULL_BUDGET, Reason.STREAM_IDLE)
     level = logging.INFO if err.reason in busy else logging.WARNING
     log.log(level, "refused (%s): %s", err.reason.name, err.message)
-    await context.abort_with_status(error_status(grpc.StatusCode[err.code], err.reason, err.message))
+    await context.abort_with_status(error_status(grpc.StatusCode[err.code], err.reason, err.message, err.chain))
 
 
 async def next_chunk(it, timeout: float):
@@ -163,9 +163,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await _abort(context, err)
 
     async def Join(self, request, context):
+        try:  # a relay first joins its own upstream (a coroutine: the join below is not one)
+            parsed = _parsed(request)
+            self._check_identity(context, parsed.island_id)
+            await self.state.before_join(join_request(parsed))
+        except RequestError as err:
+            self.counters.joins_refused += 1
+            await _abort(context, err)
+
         def join(m):
             a = self.state.join(join_request(m))
             return pb.JoinResponse(
+                relay_chain=list(a.relay_chain),
                 config=config_proto(a.config),
                 round=a.round,
                 bootstrap=a.bootstrap,

@@ -26,6 +26,7 @@ def join_request(run_id: str, island_id: str, session_id: str, req: JoinRequest)
         partition=req.partition,
         layout_digest=req.layout_digest,
         model_card=req.model_card,
+        relay=req.relay,
     )
     for t in req.tensors:
         m.tensors.add(
@@ -55,6 +56,8 @@ def join_answer(m: pb.JoinResponse) -> JoinAnswer:
         run=terms,
         bulk_port=m.bulk_port,
         checks_tokens=m.checks_tokens,
+        relay_chain=tuple(m.relay_chain),
+        config={f.name: getattr(c, f.name) for f in c.DESCRIPTOR.fields},
     )
 
 
@@ -79,6 +82,12 @@ def push_header(
         m.loss = h.loss
     for e in h.entries:
         m.entries.add(name=e.name, offsets=list(e.offsets), sizes=list(e.sizes), num_bytes=e.num_bytes)
+    for x in h.members:
+        member = m.members.add(
+            island_id=x.island_id, tokens=x.tokens, inner_steps=x.inner_steps, compute_seconds=x.compute_seconds
+        )
+        if x.loss is not None:
+            member.loss = x.loss
     return m
 
 

@@ -1,0 +1,167 @@
+"""``atoll relay``: serve a region's islands and forward their rounds to the coordinator above, until
+SIGINT/SIGTERM or until a background task fails.
+
+    atoll relay --upstream root.example:7070 --run-id my-run --host 0.0.0.0 --port 7071 --relay-id eu
+
+Islands join the relay as they join a coordinator (``atoll island --coordinator relay:7071``). The
+relay takes the run's configuration from its upstream when its first island joins; its own state (the
+rounds it forwarded, for its islands' catch-up) lives in a temporary dir removed at exit: a restarted
+relay joins afresh and takes θ from its upstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from atoll.coordinator.config import RunConfig
+from atoll.coordinator.main import write_port_file
+from atoll.coordinator.transport.options import NetworkOptions, SecurityOptions
+from atoll.coordinator.transport.security import IslandTokens, TlsConfig
+from atoll.coordinator.transport.server import CoordinatorServer
+from atoll.islands import ClientTls, RetryPolicy
+from atoll.islands.session import parse_addresses
+from atoll.relay.link import RelayUpstream
+
+log = logging.getLogger("atoll.relay")
+
+
+@dataclass(frozen=True)
+class RelayOptions:
+    upstream: str
+    run_id: str
+    relay_id: str
+    network: NetworkOptions
+    security: SecurityOptions
+    upstream_token: str | None = None
+    upstream_tls: ClientTls | None = None
+    give_up_seconds: float = 600.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--upstream", required=True, help="HOST:PORT of the coordinator (or relay) above (required)")
+    parser.add_argument("--run-id", required=True, help="the run to serve; the upstream must serve it (required)")
+    parser.add_argument("--relay-id", default=None, help="this relay's name in the run (default: relay-HOSTNAME)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind for islands (default: loopback)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
+    parser.add_argument(
+        "--bulk-port", type=int, default=0, help="the bulk port for islands' pushes and pulls; 0 picks one, -1: none"
+    )
+    parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    down = parser.add_argument_group("islands' side (as a coordinator's)")
+    down.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve islands over TLS")
+    down.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    down.add_argument("--tls-client-ca", type=Path, default=None, help="require island certs from this CA (mTLS)")
+    down.add_argument(
+        "--island-tokens",
+        type=Path,
+        default=None,
+        help='a JSON file {"island-id": "token"}: islands must present their own bearer token',
+    )
+    up = parser.add_argument_group("upstream side (as an island's)")
+    up.add_argument("--upstream-token", default=None, help="this relay's bearer token at the upstream")
+    up.add_argument("--upstream-ca", default=None, help="PEM CA of the upstream's certificate: connect over TLS")
+    up.add_argument("--upstream-cert", default=None, help="PEM certificate of this relay (mutual TLS upstream)")
+    up.add_argument("--upstream-key", default=None, help="PEM private key for --upstream-cert")
+    up.add_argument(
+        "--upstream-server-name", default=None, help="the name in the upstream's certificate, if not its host"
+    )
+    up.add_argument(
+        "--give-up-seconds",
+        type=float,
+        default=600.0,
+        help="how long the relay waits on an unreachable upstream before it gives up (default: 600)",
+    )
+
+
+def from_args(ns: argparse.Namespace) -> RelayOptions:
+    """The typed options (ValueError on a bad combination, as the coordinator's flags)."""
+    parse_addresses(ns.upstream)  # ValueError when malformed
+    if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
+        raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+    if (ns.upstream_cert is None) != (ns.upstream_key is None) or (ns.upstream_cert and not ns.upstream_ca):
+        raise ValueError("--upstream-cert and --upstream-key go together, and need --upstream-ca")
+    tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None
+    up_tls = None
+    if ns.upstream_ca:
+        up_tls = ClientTls(ns.upstream_ca, ns.upstream_cert, ns.upstream_key, ns.upstream_server_name)
+    return RelayOptions(
+        upstream=ns.upstream,
+        run_id=ns.run_id,
+        relay_id=ns.relay_id or f"relay-{socket.gethostname()}",
+        network=NetworkOptions(
+            host=ns.host, port=ns.port, port_file=ns.port_file, bulk_port=None if ns.bulk_port < 0 else ns.bulk_port
+        ),
+        security=SecurityOptions(tls=tls, tokens=IslandTokens.load(ns.island_tokens) if ns.island_tokens else None),
+        upstream_token=ns.upstream_token,
+        upstream_tls=up_tls,
+        give_up_seconds=ns.give_up_seconds,
+    )
+
+
+class RelayServer:
+    """A relay in this process: the run's core serving islands, over :class:`RelayUpstream`."""
+
+    def __init__(self, options: RelayOptions, state_dir: Path) -> None:
+        self.options = options
+        self.upstream = RelayUpstream(
+            options.upstream,
+            run_id=options.run_id,
+            relay_id=options.relay_id,
+            token=options.upstream_token,
+            tls=options.upstream_tls,
+            retry=RetryPolicy(give_up_seconds=options.give_up_seconds),
+        )
+        placeholder = RunConfig(run_id=options.run_id)  # replaced by the upstream's at the first join
+        self.server = CoordinatorServer(
+            placeholder,
+            state_dir,
+            network=options.network,
+            security=options.security,
+            upstream=self.upstream,
+        )
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.upstream.state = self.server.state
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.upstream.close)
+        await self.server.stop(grace=2.0)
+
+
+async def serve(options: RelayOptions) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    with tempfile.TemporaryDirectory(prefix="atoll-relay-") as state_dir:
+        relay = RelayServer(options, Path(state_dir))
+        await relay.start()
+        try:
+            print(
+                f"atoll relay {options.relay_id} listening on {relay.address} (upstream {options.upstream})", flush=True
+            )
+            if options.network.port_file is not None:
+                write_port_file(options.network.port_file, relay.server.port)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({stopping, relay.server.failed}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            return 1 if relay.server.failed.done() else 0
+        finally:
+            log.info("relay %s shutting down", options.relay_id)
+            await relay.stop()
+
+
+def main(options: RelayOptions) -> int:
+    return asyncio.run(serve(options))

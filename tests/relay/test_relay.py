@@ -1,0 +1,305 @@
+"""Relays (``atoll relay``): islands behind a relay train the run a flat star would, the root takes one
+push per relay, and a relay that cannot serve exactly is refused with its reason.
+
+Real servers on loopback (the root, relays on their own event loops), islands speaking the protocol by
+hand (:class:`RawIsland`), so every value is known: θ after the rounds is checked against a flat run of
+the same deltas, and the islands' θ bit for bit against the root's."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+import torch
+from support.core import SHAPES as CORE_SHAPES
+from support.core import join, push, run_state
+from support.servers import RawIsland, ServerThread, exact_config, wait_for
+
+from atoll.compression import codec_of
+from atoll.coordinator.messages import JoinRequest, Member, TensorDecl
+from atoll.coordinator.transport.options import NetworkOptions, SecurityOptions
+from atoll.coordinator.transport.security import IslandTokens
+from atoll.protos import coordinator_pb2 as pb
+from atoll.protos.reasons import Reason
+from atoll.protos.status import reason_of
+from atoll.protos.vocabulary import PushKind
+from atoll.relay.main import RelayOptions, RelayServer
+
+SHAPES = {"w": (64, 33), "b": (33,)}
+
+
+class RelayThread:
+    """A relay (port 0) on its own event loop thread."""
+
+    def __init__(
+        self, upstream: str, relay_id: str, tmp_path, run_id: str = "t", tokens=None, upstream_token=None
+    ) -> None:
+        options = RelayOptions(
+            upstream=upstream,
+            run_id=run_id,
+            relay_id=relay_id,
+            network=NetworkOptions(port=0, bulk_port=0),
+            security=SecurityOptions(tokens=None if tokens is None else IslandTokens(tokens)),
+            upstream_token=upstream_token,
+            give_up_seconds=20.0,
+        )
+        self.relay = RelayServer(options, tmp_path / relay_id)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(self.relay.start())
+
+    def call(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def inspect(self, fn):
+        async def run():
+            return fn(self.relay.server.state)
+
+        return self.call(run())
+
+    @property
+    def address(self) -> str:
+        return self.relay.address
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        try:
+            self.call(self.relay.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+def theta0() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+
+
+def delta(island: int, round_: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * island + round_)
+    return {n: torch.randn(s, generator=gen) * 0.01 for n, s in SHAPES.items()}
+
+
+TOKENS = [100, 250, 40, 333]
+
+
+def pull_round(island: RawIsland, have: int, timeout: float = 30.0):
+    """The island's pull past ``have`` once it is ready: (header, payloads)."""
+
+    def ready():
+        header, payloads = island.pull(have, wait_seconds=2.0)
+        return (header, payloads) if header.kind != pb.UPDATE_KIND_NOT_READY else None
+
+    return wait_for(ready, timeout=timeout, what=f"{island.island_id}'s update past round {have}")
+
+
+def apply(theta: dict[str, torch.Tensor], header, payloads) -> None:
+    for entry, (_, payload) in zip(header.entries, payloads, strict=True):
+        if header.kind == pb.UPDATE_KIND_FULL:
+            theta[entry.name] = codec_of(payload).decode(payload, SHAPES[entry.name])
+        else:
+            codec_of(payload).add_decoded_(payload, theta[entry.name])
+
+
+def train(addresses: list[str], rounds: int) -> list[dict[str, torch.Tensor]]:
+    """Four islands at ``addresses`` (one each) push the same deltas every round; returns their θ."""
+    islands = [RawIsland(a, f"island-{i}", SHAPES) for i, a in enumerate(addresses)]
+    try:
+        joined = [isl.join() for isl in islands[:1]]
+        if not joined[0].bootstrap:  # behind a relay the claim may come with the relay's join of the root
+            wait_for(lambda: islands[0].pull(-1, wait_seconds=1.0)[0].bootstrap, what="the bootstrap claim")
+        assert islands[0].push(theta0(), round_=0, kind=pb.PUSH_KIND_INIT).committed
+        for isl in islands[1:]:
+            isl.join()
+        thetas = []
+        for isl in islands:
+            t = {}
+            apply(t, *pull_round(isl, -1))
+            thetas.append(t)
+        for r in range(rounds):
+            for i, isl in enumerate(islands):
+                out = isl.push(delta(i, r), round_=r, tokens=TOKENS[i])
+                assert out.outcome == pb.PUSH_OUTCOME_COMMITTED, out
+            for isl, t in zip(islands, thetas, strict=True):
+                header, payloads = pull_round(isl, r)
+                assert header.kind == pb.UPDATE_KIND_DELTA and header.round == r + 1
+                apply(t, header, payloads)
+        return thetas
+    finally:
+        for isl in islands:
+            isl.close()
+
+
+@pytest.fixture
+def servers():
+    started = []
+    yield started
+    for s in reversed(started):
+        s.stop()
+
+
+def root(tmp_path, servers, name="root", **server_kwargs):
+    config = exact_config(run_id="t", sync_every=1, outer_lr=0.7, outer_momentum=0.9)
+    srv = ServerThread(config, tmp_path / name, **server_kwargs)
+    servers.append(srv.start())
+    return srv
+
+
+def test_two_relays_train_what_the_flat_star_trains_and_islands_hold_the_roots_theta_bitwise(tmp_path, servers):
+    rounds = 3
+    flat = root(tmp_path, servers, "flat")
+    train([flat.address] * 4, rounds)
+    want = flat.inspect(lambda s: {n: t.clone() for n, t in s.model.params.items()})
+
+    top = root(tmp_path, servers)
+    relays = [RelayThread(top.address, name, tmp_path) for name in ("eu", "us")]
+    servers.extend(relays)
+    thetas = train([relays[0].address, relays[0].address, relays[1].address, relays[1].address], rounds)
+    got = top.inspect(lambda s: {n: t.clone() for n, t in s.model.params.items()})
+
+    for name in SHAPES:  # the same run, but for the fp32 rounding of the sums' order
+        rel = (got[name] - want[name]).norm() / want[name].norm()
+        assert rel <= 1e-5, (name, float(rel))
+        assert not torch.equal(got[name], theta0()[name])  # (it trained)
+        for t in thetas:
+            assert torch.equal(t[name], got[name])  # every island holds the root's θ, bit for bit
+    for relay in relays:
+        held = relay.inspect(lambda s: {n: t.clone() for n, t in s.model.params.items()})
+        assert all(torch.equal(held[n], got[n]) for n in SHAPES)
+
+    history = top.inspect(lambda s: [h.to_json() for h in s.history])
+    assert len(history) == rounds
+    last = history[-1]
+    assert last["islands"] == ["eu", "us"]  # the root took one push per relay
+    assert last["tokens_by_island"] == {
+        "eu/island-0": TOKENS[0],
+        "eu/island-1": TOKENS[1],
+        "us/island-2": TOKENS[2],
+        "us/island-3": TOKENS[3],
+    }
+    flat_in = flat.inspect(lambda s: s.history[-1].bytes_in)
+    assert last["bytes_in"] <= flat_in / 2 * 1.01  # the root's ingress, by the fan-in of 2
+
+
+def test_a_relay_chained_under_a_relay_serves_the_same_run(tmp_path, servers):
+    top = root(tmp_path, servers)
+    mid = RelayThread(top.address, "region", tmp_path)
+    servers.append(mid)
+    leaf = RelayThread(mid.address, "site", tmp_path)
+    servers.append(leaf)
+    thetas = train([leaf.address, leaf.address, mid.address, top.address], 2)
+    got = top.inspect(lambda s: {n: t.clone() for n, t in s.model.params.items()})
+    assert all(torch.equal(t[n], got[n]) for t in thetas for n in SHAPES)
+    assert leaf.relay.upstream.chain == ("site", "region")
+    last = top.inspect(lambda s: s.history[-1].to_json())
+    assert last["islands"] == ["island-3", "region"]
+    assert last["tokens_by_island"] == {  # the islands behind both relays, by name and tokens
+        "island-3": TOKENS[3],
+        "region/island-2": TOKENS[2],
+        "region/site/island-0": TOKENS[0],
+        "region/site/island-1": TOKENS[1],
+    }
+
+
+def test_a_relay_for_another_run_is_refused_with_the_upstreams_reason(tmp_path, servers):
+    top = root(tmp_path, servers)
+    relay = RelayThread(top.address, "eu", tmp_path, run_id="other")
+    servers.append(relay)
+    island = RawIsland(relay.address, "island-0", SHAPES, run_id="other")
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            island.join()
+        assert reason_of(caught.value) is Reason.WRONG_RUN
+    finally:
+        island.close()
+
+
+def test_a_relay_loop_is_refused_as_one(tmp_path, servers):
+    a = RelayThread("127.0.0.1:1", "a", tmp_path)  # re-pointed below, once both have ports
+    servers.append(a)
+    b = RelayThread(a.address, "b", tmp_path)
+    servers.append(b)
+    a.relay.upstream.transport.close()  # a's upstream is b, now that b has a port
+    a.relay.upstream.__init__(b.address, run_id="t", relay_id="a")
+    a.relay.upstream.state = a.relay.server.state
+    island = RawIsland(a.address, "island-0", SHAPES)
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            wait_for(lambda: island.join(), timeout=60, what="the loop's refusal")
+        assert reason_of(caught.value) is Reason.RELAY_LOOP
+        assert "a -> b -> a" in caught.value.details()
+    finally:
+        island.close()
+
+
+def test_a_push_for_a_round_the_relay_forwarded_is_told_so(tmp_path, servers):
+    top = root(tmp_path, servers)
+    relay = RelayThread(top.address, "eu", tmp_path)
+    servers.append(relay)
+    train([relay.address] * 2 + [top.address] * 2, 1)
+    late = RawIsland(relay.address, "island-0", SHAPES)
+    try:
+        out = late.push(delta(0, 0), round_=0, tokens=5)
+        assert out.outcome in (pb.PUSH_OUTCOME_DUPLICATE, pb.PUSH_OUTCOME_ROUND_CLOSED)
+        assert out.outcome == pb.PUSH_OUTCOME_DUPLICATE and out.committed  # it counted, once
+    finally:
+        late.close()
+
+
+def test_tokens_hold_on_both_hops(tmp_path, servers):
+    top = root(tmp_path, servers, security=SecurityOptions(tokens=IslandTokens({"eu": "eu-secret", "us": "us-secret"})))
+    good = RelayThread(top.address, "eu", tmp_path, tokens={"island-0": "t0"}, upstream_token="eu-secret")
+    servers.append(good)
+    bad = RelayThread(top.address, "us", tmp_path, upstream_token="eu-secret")  # another relay's token
+    servers.append(bad)
+    islands = [
+        RawIsland(good.address, "island-0", SHAPES, token="t0"),
+        RawIsland(good.address, "island-0", SHAPES, token="wrong"),
+        RawIsland(bad.address, "island-9", SHAPES),
+    ]
+    try:
+        assert islands[0].join().bootstrap  # the relay reached the root with its own token
+        for island, reason in ((islands[1], Reason.UNAUTHENTICATED), (islands[2], Reason.PERMISSION_DENIED)):
+            with pytest.raises(grpc.RpcError) as caught:
+                island.join()
+            assert reason_of(caught.value) is reason, caught.value.details()
+        assert "upstream" in caught.value.details()  # the relay says its upstream refused it
+    finally:
+        for island in islands:
+            island.close()
+
+
+def test_member_reports_are_checked_member_by_member_at_the_root(tmp_path):
+    """Only a relay's push may name members, each once, each within the run's token bound; the root
+    weighs the push by its members' tokens, and its record names them."""
+    s = run_state(tmp_path, max_tokens_per_round=1000)
+    join(s, "plain")
+    decls = tuple(TensorDecl(n, shape, torch.float32) for n, shape in CORE_SHAPES.items())
+    s.join(JoinRequest(run_id="t", island_id="eu", session_id="eu", codecs=("identity",), tensors=decls, relay=True))
+    zero = {n: torch.zeros(shape) for n, shape in CORE_SHAPES.items()}
+    assert asyncio.run(push(s, "plain", zero, kind=PushKind.INIT)).committed
+    ones = {n: torch.ones(shape) for n, shape in CORE_SHAPES.items()}
+    cases = [
+        ("plain", (Member("a", 10),), "did not join as a relay"),
+        ("eu", (Member("a", 10), Member("a", 10)), "listed twice"),
+        ("eu", (Member("a", 10), Member("", 10)), "empty"),
+        ("eu", (Member("a", 10), Member("b", 1001)), "more than the run allows"),
+    ]
+    for island, members, why in cases:
+        with pytest.raises(Exception) as caught:
+            asyncio.run(push(s, island, ones, tokens=20, members=members))
+        assert why in str(caught.value), (members, caught.value)
+    assert asyncio.run(push(s, "eu", ones, tokens=30, members=(Member("a", 10), Member("b", 20)))).committed
+    assert asyncio.run(push(s, "plain", zero, tokens=30)).committed
+    asyncio.run(s.close_round("test"))
+    assert s.round == 1
+    assert s.history[-1].to_json()["tokens_by_island"] == {"eu/a": 10, "eu/b": 20, "plain": 30}
+    # The mean weighs the relay's push 10 + 20 = 30 tokens against plain's 30: Δ = 0.5, and Nesterov's
+    # first step (lr 0.7, momentum 0.9) moves θ by -0.7 * 1.9 * 0.5.
+    for t in s.model.params.values():
+        assert torch.allclose(t, torch.full_like(t, -0.7 * 1.9 * 0.5), rtol=0, atol=1e-6)
