@@ -238,7 +238,13 @@ def estimate(
     coordinator_mbit: float | None = None,
     host_seconds: float = 0.0,
     background_seconds: float = 0.0,
+    relays: int = 0,
+    site: Link | None = None,
 ) -> Estimate:
+    """``relays``: the islands sit behind this many relays (``atoll relay``), evenly; ``link`` is then
+    each relay's link to the root and ``site`` the islands' to their relay (default: 10 Gbit/s, 0.5 ms).
+    A relay waits for its islands, decodes each, encodes their mean, pushes it, and applies the update it
+    pulls before serving it: the root decodes one push per relay."""
     from atoll.compression import get_codec
 
     params = sum(math.prod(s) for s in shapes)
@@ -249,14 +255,22 @@ def estimate(
     codec = get_codec(cand.codec)
     decode = decode_per_param(codec.name) * params if decode_seconds is None else decode_seconds
     p = cand.fragments
-    coordinator = islands * decode + outer + p * RECORD_SECONDS  # the pushes decode one after another
+    members = relays or islands  # what the root takes a push from
+    coordinator = members * decode + outer + p * RECORD_SECONDS  # the pushes decode one after another
     push = push_seconds(up_bytes / p, link, streams)
-    if coordinator_mbit:  # every island's push into the coordinator's own link
+    if coordinator_mbit:  # every member's push into the coordinator's own link
         shared = replace(link, rate_mbit=coordinator_mbit)
-        push = max(push, push_seconds(islands * up_bytes / p, shared, streams * islands))
+        push = max(push, push_seconds(members * up_bytes / p, shared, streams * members))
     pull = pull_seconds(down_bytes / p, link, streams)
     if coordinator_mbit:
-        pull = max(pull, pull_seconds(islands * down_bytes / p, shared, streams * islands))
+        pull = max(pull, pull_seconds(members * down_bytes / p, shared, streams * members))
+    if relays:  # the site's hop each way, on the relay's own link, and the relay's work between
+        site = site or Link(rate_mbit=10_000.0, rtt_ms=0.5)
+        fan, near = math.ceil(islands / relays), streams_for(site)
+        push += push_seconds(fan * up_bytes / p, site, near * fan)
+        pull += pull_seconds(fan * down_bytes / p, site, near * fan)
+        apply = decode_per_param(get_codec(down).name) * params
+        coordinator += fan * decode + decode + apply  # its islands' pushes, its own mean's encode, the update
     exchange = push + coordinator / p + pull
     compute = cand.sync_every * step_seconds
     hidden = cand.overlap_steps * step_seconds
@@ -314,6 +328,8 @@ def plan(
     coordinator_mbit: float | None = None,
     host_seconds: float = 0.0,
     background_seconds: float = 0.0,
+    relays: int = 0,
+    site: Link | None = None,
     target: float = 0.97,
     max_overlap: float = 0.5,
 ) -> list[Estimate]:
@@ -331,6 +347,8 @@ def plan(
         coordinator_mbit=coordinator_mbit,
         host_seconds=host_seconds,
         background_seconds=background_seconds,
+        relays=relays,
+        site=site,
     )
     out = []
     for codec, h, over, p in candidates(codecs, sync_every, overlap, fragments):

@@ -29,6 +29,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the coordinator's own link, shared by all (default: ample)",
     )
+    p.add_argument(
+        "--relays",
+        type=int,
+        default=0,
+        help="the islands sit behind this many relays (atoll relay), evenly: --bandwidth-mbit and --rtt-ms are then "
+        "each relay's link to the coordinator (default: 0, islands reach it themselves)",
+    )
+    p.add_argument(
+        "--site-mbit", type=float, default=10_000.0, help="with --relays: the islands' link to their relay (10000)"
+    )
+    p.add_argument("--site-rtt-ms", type=float, default=0.5, help="with --relays: its round trip (default: 0.5)")
     p.add_argument("--no-tls", action="store_true", help="plaintext (default: TLS, one more round trip a call)")
     p.add_argument(
         "--fresh-connections",
@@ -98,6 +109,9 @@ RANGES = {
     "rtt_ms": (0.0, 1e5, "ms"),
     "mtu": (576, 65535, "bytes"),
     "coordinator_mbit": (1e-3, 1e8, "Mbit/s"),
+    "relays": (0, 100_000, "relays"),
+    "site_mbit": (1e-3, 1e7, "Mbit/s"),
+    "site_rtt_ms": (0.0, 1e5, "ms"),
     "outer_seconds": (0.0, 1e5, "seconds"),
     "decode_seconds": (0.0, 1e5, "seconds"),
     "host_seconds": (0.0, 1e5, "seconds"),
@@ -186,6 +200,11 @@ def run(ns) -> int:
         kept=not ns.fresh_connections,
     )
     overlap = {"off": [False], "on": [True], "both": [False, True]}[ns.overlap]
+    if ns.relays > ns.islands:
+        raise ValueError(f"--relays {ns.relays} is more than the --islands {ns.islands} behind them")
+    if ns.relays and ns.fragments != [1]:
+        ns.fragments = [1]  # a relay serves an unfragmented run (streaming fragments reach the root alone)
+    site = Link(rate_mbit=ns.site_mbit, rtt_ms=ns.site_rtt_ms, tls=not ns.no_tls, kept=not ns.fresh_connections)
     shapes = shapes_of(ns)
     got = plan(
         shapes=shapes,
@@ -201,6 +220,8 @@ def run(ns) -> int:
         host_seconds=ns.host_seconds,
         background_seconds=ns.background_seconds,
         coordinator_mbit=ns.coordinator_mbit,
+        relays=ns.relays,
+        site=site,
         target=ns.target,
         max_overlap=ns.max_overlap,
     )
@@ -211,7 +232,9 @@ def run(ns) -> int:
         return 0
     params = sum(math.prod(s) for s in shapes)
     print(
-        f"{params / 1e6:.1f}M parameters, {ns.islands} islands, {ns.step_seconds:g} s a step; each island's link "
+        f"{params / 1e6:.1f}M parameters, {ns.islands} islands"
+        f"{f' behind {ns.relays} relays ({ns.site_mbit:g} Mbit/s to them)' if ns.relays else ''}, "
+        f"{ns.step_seconds:g} s a step; each {'relay' if ns.relays else 'island'}'s link "
         f"{ns.bandwidth_mbit:g} Mbit/s, {ns.rtt_ms:g} ms{f', loss {ns.loss:g}' if ns.loss else ''}"
         f"{'' if link.tls else ', no TLS'}; {got[0].streams} TCP stream(s) a transfer"
     )

@@ -245,3 +245,28 @@ def test_atoll_plan_hides_the_islands_background_work_behind_overlap_with_the_ex
     assert rows[0.01]["utilisation"] == 1.0 and rows[40.0]["utilisation"] < 0.2
     assert main([*args, "--background-seconds", "40"]) == 0  # the table too
     assert "sparse" in capsys.readouterr().out
+
+
+def test_relays_take_the_wan_for_their_islands_and_add_their_own_hop_and_work(capsys):
+    """32 islands behind 4 relays, over a shared 1 Gbit/s root link: the wide-area part is a flat run's of
+    4 islands; the relays add their site's hop each way and their own work (their islands' decodes,
+    the mean's encode, the update's apply)."""
+    shapes = [(124_000_000,)]
+    wan = Link(rate_mbit=1000, rtt_ms=80)
+    site = Link(rate_mbit=10_000, rtt_ms=0.5)
+    cand = Candidate(codec="int8", sync_every=500, overlap_steps=0, fragments=1)
+    kw = dict(shapes=shapes, step_seconds=0.3, link=wan, coordinator_mbit=1000)
+    flat32 = estimate(cand, islands=32, **kw)
+    flat4 = estimate(cand, islands=4, **kw)
+    relayed = estimate(cand, islands=32, relays=4, site=site, **kw)
+    decode = DECODE_SECONDS_PER_PARAM["int8"] * 124e6
+    nbytes = relayed.bytes_up_per_round
+    near = streams_for(site)
+    hops = push_seconds(8 * nbytes, site, 8 * near) + pull_seconds(8 * nbytes, site, 8 * near)
+    assert relayed.coordinator_seconds == pytest.approx(flat4.coordinator_seconds + 8 * decode + 2 * decode)
+    assert relayed.sync_seconds == pytest.approx(flat4.sync_seconds + hops + 10 * decode)
+    assert relayed.sync_seconds < flat32.sync_seconds / 4  # the root's link no longer carries 32 pushes
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "tiny", "--step-seconds", "0.3", "--islands", "4", "--relays", "5",
+              "--bandwidth-mbit", "100", "--rtt-ms", "50"])  # fmt: skip
+    assert exited.value.code == 2 and "--relays 5 is more than the --islands 4" in capsys.readouterr().err

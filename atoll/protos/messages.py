@@ -114,13 +114,19 @@ class Member:
     inner_steps: int = 0
     loss: float | None = None
     compute_seconds: float = 0.0
+    via: str = ""
+    """The relays between the pushing relay and the island, '/'-joined, outermost first ("": none)."""
+
+    def named(self, relay: str) -> str:
+        """The island's name in the root's record: the relays it came through, then its id."""
+        return "/".join(x for x in (relay, self.via, self.island_id) if x)
 
     def to_json(self) -> list:
-        return [self.island_id, self.tokens, self.inner_steps, self.loss, self.compute_seconds]
+        return [self.island_id, self.tokens, self.inner_steps, self.loss, self.compute_seconds, self.via]
 
     @classmethod
     def from_json(cls, d: list) -> Member:
-        return cls(str(d[0]), int(d[1]), int(d[2]), d[3], float(d[4]))
+        return cls(str(d[0]), int(d[1]), int(d[2]), d[3], float(d[4]), str(d[5]) if len(d) > 5 else "")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,32 @@ def usable(config: RunConfig) -> None:
         raise RequestError(Reason.BAD_REQUEST, f"a relay cannot serve this run: {why}", code="FAILED_PRECONDITION")
 
 
+def via(island: str, x: Committed) -> list[Member]:
+    """What a contribution to this relay reports up: the island itself, or a relay's members, each with
+    the way it came (``via``: that relay, then the relays below it)."""
+    if not x.members:
+        return [Member(island, x.tokens, x.inner_steps, x.loss, x.compute_seconds)]
+    return [dataclasses.replace(m, via="/".join(filter(None, (island, m.via)))) for m in x.members]
+
+
+def merged(reports: list[Member]) -> list[Member]:
+    """One report per island: an island with an on-time and a folded late contribution in the same
+    round reports their tokens, steps and compute together (the loss of the first)."""
+    out: dict[tuple[str, str], Member] = {}
+    for m in reports:
+        key = (m.island_id, m.via)
+        if key in out:
+            was = out[key]
+            m = dataclasses.replace(
+                was,
+                tokens=was.tokens + m.tokens,
+                inner_steps=was.inner_steps + m.inner_steps,
+                compute_seconds=was.compute_seconds + m.compute_seconds,
+            )
+        out[key] = m
+    return list(out.values())
+
+
 class RelayUpstream:
     def __init__(
         self,
@@ -67,8 +93,13 @@ class RelayUpstream:
         retry: RetryPolicy | None = None,
         pull_wait_seconds: float = 10.0,
         heartbeat_seconds: float = 5.0,
+        quorum: int = 1,
     ) -> None:
-        self.address, self.run_id, self.relay_id = address, run_id, relay_id
+        """``quorum``: how many of its islands a relay's round waits for (up to the run's round deadline)
+        beyond every live one: its own, not the root's, whose quorum counts relays."""
+        if quorum < 1:
+            raise ValueError(f"a relay's quorum is at least 1, got {quorum}")
+        self.address, self.run_id, self.relay_id, self.quorum = address, run_id, relay_id, quorum
         self.chain: tuple[str, ...] = (relay_id,)
         self.retry = retry or RetryPolicy(give_up_seconds=600.0)
         client = CoordinatorClient(address, retry=self.retry, token=token, tls=tls)
@@ -88,6 +119,7 @@ class RelayUpstream:
         """The uplink codec's error feedback of the relay's own encode (lossy codecs; kept in memory)."""
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._fetching: asyncio.Future | None = None
         self.bytes_up = 0
         """Payload bytes this relay pushed upstream (its islands' sums)."""
 
@@ -129,6 +161,8 @@ class RelayUpstream:
                 loop = " -> ".join((self.relay_id, *heard[: heard.index(self.relay_id) + 1]))
                 log.error("relay %s: its upstream chain comes back to it (%s): a loop", self.relay_id, loop)
                 raise refuse(Reason.RELAY_LOOP, f"relay loop: {loop}; point one relay's --upstream elsewhere") from None
+            if reason is Reason.SESSION_CONFLICT:  # our own previous process (a restart): its lease runs out
+                raise self._not_ready("the upstream holds our previous process until its lease runs out") from None
             if reason in FATAL:  # the upstream refused the relay for good (another run id, another model)
                 log.error("relay %s: the upstream %s refused it: %s", self.relay_id, self.address, err.details())
                 raise RequestError(reason, f"the relay's upstream refused it: {err.details()}") from None
@@ -137,8 +171,8 @@ class RelayUpstream:
     async def _adopt(self, answer: JoinAnswer, req: JoinRequest) -> None:
         """Serve the upstream's run: its configuration, its chain, and θ (or the claim to upload θ_0)."""
         # The run's math is the upstream's; which of its own islands a relay's round waits for is its own:
-        # each live one (the root's quorum counts relays, not their islands).
-        config = dataclasses.replace(RunConfig(**answer.config), quorum=1)
+        # each live one, and at least its quorum (the root's quorum counts relays, not their islands).
+        config = dataclasses.replace(RunConfig(**answer.config), quorum=self.quorum)
         usable(config)
         if config.run_id != self.run_id:  # (the upstream checked the run id; its config says the same)
             raise refuse(Reason.WRONG_RUN, f"the upstream serves run {config.run_id!r}, not {self.run_id!r}")
@@ -171,12 +205,19 @@ class RelayUpstream:
             self._theta0_ours = True
             return  # an island of ours takes the claim and uploads θ_0; send_theta0 passes it up
         state.membership.bootstrap_open = lambda: False
-        asyncio.ensure_future(self._fetch_theta(req))
+        self._fetching = asyncio.ensure_future(self._fetch_theta(req))
+        self._fetching.add_done_callback(self._fetched)
+
+    def _fetched(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:  # its islands would wait for θ for ever
+            log.error("relay %s: θ from the upstream failed: %s", self.relay_id, task.exception())
 
     async def _fetch_theta(self, req: JoinRequest) -> None:
         """θ from the upstream (the run's θ_0, or θ of its open round), installed as ours."""
         got: list = []
-        await asyncio.to_thread(self.session.pull_until_ready, -1, on_update=lambda h, p: got.append((h, p)))
+        await asyncio.to_thread(
+            self.session.pull_until_ready, -1, on_update=lambda h, p: got.append((h, p)), cancel=self._stopping
+        )
         header, payloads = got[-1]
         if header.kind is not UpdateKind.FULL:
             raise RuntimeError(f"relay {self.relay_id}: the upstream answered a θ pull with {header.kind}")
@@ -218,7 +259,7 @@ class RelayUpstream:
         round_: int,
         sums: dict[str, torch.Tensor],
         weight: float,
-        members: dict[str, Committed],
+        members: list[tuple[str, Committed]],
         made: Callable[[str, bytearray], None],
     ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray]]:
         config = self.state.config
@@ -235,13 +276,7 @@ class RelayUpstream:
             else:
                 payload = codec.encode(t)
             payloads.append(payload)
-        reports = [  # a relay below us is named by its own members, "relay/island"
-            Member(
-                f"{island}/{m.island_id}" if x.members else island, m.tokens, m.inner_steps, m.loss, m.compute_seconds
-            )
-            for island, x in sorted(members.items())
-            for m in (x.members or (x,))
-        ]
+        reports = merged([m for island, x in sorted(members, key=lambda p: p[0]) for m in via(island, x)])
         header = PushHeader(
             kind=PushKind.DELTA,
             round=round_,
@@ -259,7 +294,10 @@ class RelayUpstream:
             log.warning("relay %s: the upstream took round %d's sum as %s", self.relay_id, round_, outcome.name)
         updates: list[tuple[Update, list]] = []
         self.session.pull_until_ready(
-            round_, on_update=lambda h, p: updates.append((h, p)), repush=lambda: (header, payloads)
+            round_,
+            on_update=lambda h, p: updates.append((h, p)),
+            repush=lambda: (header, payloads),
+            cancel=self._stopping,  # a relay stopping gives the round up
         )
         update, got = updates[-1]
         if update.kind is not UpdateKind.DELTA or update.round != round_ + 1 or len(updates) != 1:

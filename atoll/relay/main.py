@@ -42,6 +42,7 @@ class RelayOptions:
     upstream_token: str | None = None
     upstream_tls: ClientTls | None = None
     give_up_seconds: float = 600.0
+    quorum: int = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bulk-port", type=int, default=0, help="the bulk port for islands' pushes and pulls; 0 picks one, -1: none"
     )
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    parser.add_argument(
+        "--quorum",
+        type=int,
+        default=1,
+        help="a round here waits for at least this many of the relay's islands, up to the run's round deadline "
+        "(the root's --quorum counts relays; default: 1, every live island)",
+    )
     down = parser.add_argument_group("islands' side (as a coordinator's)")
     down.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve islands over TLS")
     down.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
@@ -85,6 +93,8 @@ def from_args(ns: argparse.Namespace) -> RelayOptions:
     parse_addresses(ns.upstream)  # ValueError when malformed
     if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
         raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+    if ns.quorum < 1:
+        raise ValueError(f"--quorum must be at least 1, got {ns.quorum}")
     if (ns.upstream_cert is None) != (ns.upstream_key is None) or (ns.upstream_cert and not ns.upstream_ca):
         raise ValueError("--upstream-cert and --upstream-key go together, and need --upstream-ca")
     tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None
@@ -102,6 +112,7 @@ def from_args(ns: argparse.Namespace) -> RelayOptions:
         upstream_token=ns.upstream_token,
         upstream_tls=up_tls,
         give_up_seconds=ns.give_up_seconds,
+        quorum=ns.quorum,
     )
 
 
@@ -117,6 +128,7 @@ class RelayServer:
             token=options.upstream_token,
             tls=options.upstream_tls,
             retry=RetryPolicy(give_up_seconds=options.give_up_seconds),
+            quorum=options.quorum,
         )
         placeholder = RunConfig(run_id=options.run_id)  # replaced by the upstream's at the first join
         self.server = CoordinatorServer(

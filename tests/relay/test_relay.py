@@ -143,9 +143,9 @@ def servers():
         s.stop()
 
 
-def root(tmp_path, servers, name="root", **server_kwargs):
-    config = exact_config(run_id="t", sync_every=1, outer_lr=0.7, outer_momentum=0.9)
-    srv = ServerThread(config, tmp_path / name, **server_kwargs)
+def root(tmp_path, servers, name="root", config=None, **server_kwargs):
+    run = exact_config(run_id="t", sync_every=1, outer_lr=0.7, outer_momentum=0.9, **(config or {}))
+    srv = ServerThread(run, tmp_path / name, **server_kwargs)
     servers.append(srv.start())
     return srv
 
@@ -303,3 +303,52 @@ def test_member_reports_are_checked_member_by_member_at_the_root(tmp_path):
     # first step (lr 0.7, momentum 0.9) moves θ by -0.7 * 1.9 * 0.5.
     for t in s.model.params.values():
         assert torch.allclose(t, torch.full_like(t, -0.7 * 1.9 * 0.5), rtol=0, atol=1e-6)
+
+
+def test_islands_of_a_relay_that_died_after_forwarding_count_once_at_the_root(tmp_path, servers):
+    """The relay forwards round 0 (its islands' work is in the root's round) and dies before its
+    islands have the update: they move to the root (``relay|root``), push round 0 again there, and are
+    told it counted (DUPLICATE, committed), so θ_1 is what it is when nothing dies, bit for bit."""
+    want = root(tmp_path, servers, "calm")
+    calm = RelayThread(want.address, "eu", tmp_path / "calm")
+    servers.append(calm)
+    train([calm.address, calm.address, want.address, want.address], 1)
+    theta1 = want.inspect(lambda s: {n: t.clone() for n, t in s.model.params.items()})
+
+    top = root(tmp_path, servers, config={"lease_seconds": 2.0})
+    relay = RelayThread(top.address, "eu", tmp_path / "dies")
+    servers.append(relay)
+    both = f"{relay.address}|{top.address}"
+    islands = [RawIsland(a, f"island-{i}", SHAPES) for i, a in enumerate([both, both, top.address, top.address])]
+    try:
+        assert islands[0].join().bootstrap
+        assert islands[0].push(theta0(), round_=0, kind=pb.PUSH_KIND_INIT).committed
+        for isl in islands[1:]:
+            isl.join()
+        for isl in islands:
+            pull_round(isl, -1)
+        for i in (0, 1):
+            assert islands[i].push(delta(i, 0), round_=0, tokens=TOKENS[i]).committed
+        wait_for(lambda: top.inspect(lambda s: "eu" in s.accumulator.committed), what="the relay's push at the root")
+        relay.relay.upstream._stopping.set()  # dies: no leave, no more heartbeats
+        relay.call(relay.relay.server.stop(grace=0))
+        for i in (0, 1):
+            with pytest.raises(grpc.RpcError) as caught:
+                islands[i].pull(0, wait_seconds=0.5)  # the relay is gone: the client moves to the root
+            assert reason_of(caught.value) is Reason.NOT_JOINED
+            islands[i].join()
+            out = islands[i].push(delta(i, 0), round_=0, tokens=TOKENS[i])
+            assert out.outcome == pb.PUSH_OUTCOME_DUPLICATE and out.committed  # it counted, in the relay's
+        for i in (2, 3):
+            assert islands[i].push(delta(i, 0), round_=0, tokens=TOKENS[i]).committed
+        for isl in islands:
+            header, _ = pull_round(isl, 0)
+            assert header.round == 1
+        got = top.inspect(lambda s: {n: t.clone() for n, t in s.model.params.items()})
+        assert all(torch.equal(got[n], theta1[n]) for n in SHAPES)
+        record = top.inspect(lambda s: s.history[-1].to_json())
+        assert record["relayed"] == {"island-0": "eu", "island-1": "eu"}
+        assert record["tokens"] == sum(TOKENS)  # each island's tokens once
+    finally:
+        for isl in islands:
+            isl.close()

@@ -65,3 +65,5 @@ def test_three_regions_train_through_their_relays_as_the_guide_says(group):
     history = json.loads(body)["history"]
     assert [h["islands"] for h in history] == [["asia", "eu", "us"]] * 2
     assert set(history[-1]["tokens_by_island"]) == {"asia/asia-1", "eu/eu-1", "us/us-1"}
+    rows = {row["island"]: row for row in json.loads(body)["islands"]}
+    assert rows["eu"]["relay"] and rows["eu"]["behind"] == {"eu/eu-1": history[-1]["tokens_by_island"]["eu/eu-1"]}

@@ -106,6 +106,10 @@ class Pushes:
             if self.accumulator.is_duplicate(h.island_id, h.round, h.rank, cls):
                 done = self.accumulator.is_done(h.island_id, h.round, cls)
                 return PushResult(PushOutcome.DUPLICATE, ledger.round, committed=done)
+            if cls is PushClass.NEW and not h.members and h.island_id in self.accumulator.relayed:
+                return self._counted_via_relay(h.island_id, h.round)
+            if h.members:
+                self._not_counted_yet(h)
             if h.members:  # a relay's push: each island behind it is checked as its own push would be
                 checks.members(c, rec.relay, h.members, h.island_id)
             else:
@@ -226,6 +230,32 @@ class Pushes:
         ledger.poke.set()
         outcome = PushOutcome.FOLDED if late else PushOutcome.COMMITTED
         return PushResult(outcome, ledger.round, committed=True, bytes_received=plan.num_bytes)
+
+    def _counted_via_relay(self, island_id: str, round_: int) -> PushResult:
+        """An island whose work for the open round came in a relay's push pushes it itself (its relay
+        died after forwarding, and the island moved here): it counts once, as the relay's, and the
+        island is committed in the round (weight 0: the round's barrier waits for it no more)."""
+        relay = self.accumulator.relayed[island_id]
+        log.info(
+            "%sround %d: island %s's push counted already, in relay %s's: not added again", self.name, round_,
+            island_id, relay,
+        )  # fmt: skip
+        self.accumulator.commit(island_id, round_, Committed(0, None, 0, 0.0, at=self.clock()), late=False)
+        self.ledger.poke.set()
+        return PushResult(PushOutcome.DUPLICATE, self.ledger.round, committed=True)
+
+    def _not_counted_yet(self, h: PushHeader) -> None:
+        """A relay's push must not count an island twice: one that committed here itself this round
+        (it moved from this relay, or to it) is refused, before anything is read."""
+        twice = sorted(m.island_id for m in h.members if m.island_id in self.accumulator.committed)
+        twice += sorted(
+            m.island_id for m in h.members if self.accumulator.relayed.get(m.island_id, h.island_id) != h.island_id
+        )
+        if twice:
+            raise invalid(
+                f"relay {h.island_id!r}'s push for round {h.round} counts islands that counted this round already: "
+                f"{twice[:5]}"
+            )
 
     def _too_stale(self, island_id: str, round_: int) -> PushResult:
         """A delta for a round that closed, too late to fold: not added, and said in the open round's

@@ -33,12 +33,13 @@ class Upstream(Protocol):
         round_: int,
         sums: dict[str, torch.Tensor],
         weight: float,
-        members: dict[str, Committed],
+        members: list[tuple[str, Committed]],
         made: Callable[[str, bytearray], None],
     ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray]]:
         """(worker thread) The round's outer step, from upstream: ``sums`` holds Σ w_i Δ_i of
         ``members`` (Σ w_i = ``weight``); returns θ_{r+1} (in ``sums``' storage) and the update's
-        payloads as the upstream sent them, each handed to ``made`` as it is final."""
+        payloads as the upstream sent them, each handed to ``made`` as it is final. ``members``: each
+        contribution's (island, record), folded late ones too (an island may have two)."""
         ...
 
     def send_theta0(self, params: dict[str, torch.Tensor]) -> None:

@@ -65,6 +65,9 @@ class RoundAccumulator:
         """(island, rank) of the push streams open now."""
         self.too_stale: set[tuple[str, int]] = set()
         """(island, round) of the deltas that came too late to fold while this round was open (dropped)."""
+        self.relayed: dict[str, str] = {}
+        """Islands whose work for the open round came in a relay's push, each with that relay: a push of
+        their own for it (their relay died, and they moved here) counts already."""
         self._sums: dict[str, torch.Tensor] = {}
         self._bound = 0.0
         """Σ weight x magnitude of the contributions admitted into the sum: no element can exceed it."""
@@ -162,6 +165,7 @@ class RoundAccumulator:
             self.folded.add((island_id, round_))
         else:
             self.committed[island_id] = record
+            self.relayed.update((m.island_id, island_id) for m in record.members)
 
     def committed_islands(self) -> list[str]:
         return sorted(self.committed)
@@ -234,7 +238,7 @@ class RoundAccumulator:
             for island, x in entered:
                 if x.members and field != "num_bytes":
                     for m in x.members:
-                        key = f"{island}/{m.island_id}"
+                        key = m.named(island)
                         out[key] = out.get(key, 0) + getattr(m, field)
                 else:
                     out[island] = out.get(island, 0) + getattr(x, field)
@@ -252,11 +256,12 @@ class RoundAccumulator:
             "loss": mean_of(losses),
             "bytes_in": sum(x.num_bytes for _, x in entered),
             "decode_seconds": sum(x.decode_seconds for _, x in entered),
+            "relayed": dict(sorted(self.relayed.items())) or None,
         }
 
     def advance(self, keep_from: int) -> None:
         """The round closed: clear its contributions; keep staged pushes for rounds >= ``keep_from``."""
-        self.committed, self.late, self.dense, self.too_stale = {}, {}, {}, set()
+        self.committed, self.late, self.dense, self.too_stale, self.relayed = {}, {}, {}, set(), {}
         for key in [k for k in self.pending if k[1] < keep_from]:
             release(self.pending.pop(key).values())
         self.folded = {k for k in self.folded if k[1] >= keep_from - 1}

@@ -166,7 +166,8 @@ class Ledger:
         folded late into a later round."""
         if not 0 <= round_ < len(self.history):
             return False
-        if island_id in self.history[round_].islands:
+        rec = self.history[round_]
+        if island_id in rec.islands or island_id in (rec.relayed or {}):  # itself, or in a relay's push
             return True
         return any([island_id, round_] in rec.late for rec in self.history[round_ + 1 :])
 

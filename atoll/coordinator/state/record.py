@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 RECORD_VERSION = 1
 """1: the first typed form (the untyped records before it read as version 0)."""
 
-_OPTIONAL = ("share", "persist_seconds", "publish_seconds")
+_OPTIONAL = ("share", "persist_seconds", "publish_seconds", "relayed")
 """Fields a record holds only sometimes (written when set)."""
 
 
@@ -56,6 +56,8 @@ class RoundRecord(Mapping):
     persist_seconds: float | None = None
     """Seconds the round took to be made durable (set once it was; not in its own log record)."""
     publish_seconds: float | None = None
+    relayed: dict[str, str] | None = None
+    """The islands whose work entered this round through a relay, each with that relay (None: none did)."""
     version: int = RECORD_VERSION
     extra: dict = field(default_factory=dict)
     """Keys of a stored record this release does not know, kept as they were."""

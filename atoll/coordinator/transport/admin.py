@@ -352,6 +352,9 @@ def status_json(server, started_at: float) -> dict:
                 holds_round=rec.holds_round,
                 last_push_age_seconds=None if rec.last_push_at is None else now - rec.last_push_at,
             )
+            if rec.relay:  # the islands behind it, with their tokens in the last round (relay/island)
+                last = s.history[-1].tokens_by_island if s.history else {}
+                row.update(relay=True, behind={k: v for k, v in last.items() if k.startswith(f"{island}/")})
         else:  # left or evicted: what it did is still the run's history (its folded deltas too)
             row.update(rounds_committed=sum(island in (h.tokens_by_island or h.islands) for h in s.history))
         islands.append(row)

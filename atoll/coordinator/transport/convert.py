@@ -70,7 +70,9 @@ def push_header(h: pb.PushHeader) -> PushHeader:
         compute_seconds=h.compute_seconds,
         blocked_seconds=h.blocked_seconds,
         members=tuple(
-            Member(x.island_id, x.tokens, x.inner_steps, x.loss if x.HasField("loss") else None, x.compute_seconds)
+            Member(
+                x.island_id, x.tokens, x.inner_steps, x.loss if x.HasField("loss") else None, x.compute_seconds, x.via
+            )
             for x in h.members
         ),
     )

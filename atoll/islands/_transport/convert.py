@@ -84,7 +84,11 @@ def push_header(
         m.entries.add(name=e.name, offsets=list(e.offsets), sizes=list(e.sizes), num_bytes=e.num_bytes)
     for x in h.members:
         member = m.members.add(
-            island_id=x.island_id, tokens=x.tokens, inner_steps=x.inner_steps, compute_seconds=x.compute_seconds
+            island_id=x.island_id,
+            tokens=x.tokens,
+            inner_steps=x.inner_steps,
+            compute_seconds=x.compute_seconds,
+            via=x.via,
         )
         if x.loss is not None:
             member.loss = x.loss
