@@ -100,7 +100,9 @@ def from_args(ns: argparse.Namespace) -> RelayOptions:
     tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None
     up_tls = None
     if ns.upstream_ca:
-        up_tls = ClientTls(ns.upstream_ca, ns.upstream_cert, ns.upstream_key, ns.upstream_server_name)
+        up_tls = ClientTls(
+            ca=ns.upstream_ca, cert=ns.upstream_cert, key=ns.upstream_key, server_name=ns.upstream_server_name
+        )
     return RelayOptions(
         upstream=ns.upstream,
         run_id=ns.run_id,

@@ -1,8 +1,6 @@
 """TLS, mutual TLS and per-island bearer tokens, against a real server with generated certificates."""
 
 import contextlib
-import datetime
-import ipaddress
 import logging
 import socket
 import ssl
@@ -10,11 +8,8 @@ import ssl
 import grpc
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from support import exact_config, wait_for
+from support.pki import make_pki
 
 from atoll.coordinator.options import AdminOptions, NetworkOptions, SecurityOptions
 from atoll.coordinator.transport.security import IslandTokens, TlsConfig
@@ -30,58 +25,9 @@ SLOW = RetryPolicy(give_up_seconds=60, rpc_timeout_seconds=3, initial_backoff_se
 """An island's patience: a setup mistake must be said long before it runs out."""
 
 
-def _cert(subject, issuer_key, issuer_name, key, *, ca=False, san=None):
-    now = datetime.datetime.now(datetime.timezone.utc)
-    b = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if san:
-        b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
-    return b.sign(issuer_key, hashes.SHA256())
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-
-    def write(name, cert, key):
-        (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (d / f"{name}.key").write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "atoll test CA")])
-    ca = _cert(ca_name, ca_key, ca_name, ca_key, ca=True)
-    write("ca", ca, ca_key)
-    srv_key = ec.generate_private_key(ec.SECP256R1())
-    srv = _cert(
-        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "coordinator")]),
-        ca_key,
-        ca_name,
-        srv_key,
-        san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
-    )
-    write("server", srv, srv_key)
-    cli_key = ec.generate_private_key(ec.SECP256R1())
-    cli = _cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "island-a")]), ca_key, ca_name, cli_key)
-    write("client", cli, cli_key)
-    other_key = ec.generate_private_key(ec.SECP256R1())  # another CA, and an island certificate it signed
-    other_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "another CA")])
-    write("other-ca", _cert(other_name, other_key, other_name, other_key, ca=True), other_key)
-    stray_key = ec.generate_private_key(ec.SECP256R1())
-    stray = _cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "island-x")]), other_key, other_name, stray_key)
-    write("other-client", stray, stray_key)
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def retried(caplog) -> list[str]:
