@@ -17,12 +17,12 @@ import logging
 import signal
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.main import write_port_file
-from atoll.coordinator.transport.options import NetworkOptions, SecurityOptions
+from atoll.coordinator.transport.options import AdminOptions, NetworkOptions, SecurityOptions
 from atoll.coordinator.transport.security import IslandTokens, TlsConfig
 from atoll.coordinator.transport.server import CoordinatorServer
 from atoll.islands import ClientTls, RetryPolicy
@@ -43,6 +43,7 @@ class RelayOptions:
     upstream_tls: ClientTls | None = None
     give_up_seconds: float = 600.0
     quorum: int = 1
+    admin: AdminOptions = field(default_factory=AdminOptions)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a round here waits for at least this many of the relay's islands, up to the run's round deadline "
         "(the root's --quorum counts relays; default: 1, every live island)",
     )
+    admin = parser.add_argument_group("admin HTTP (the relay's own islands: /api/status, /metrics, /healthz)")
+    admin.add_argument("--admin-port", type=int, default=None, help="serve it here; 0 picks a port (default: none)")
+    admin.add_argument("--admin-host", default="127.0.0.1", help="its address (non-loopback needs a token)")
+    admin.add_argument("--admin-token", default=None, help="its bearer token")
+    admin.add_argument("--admin-port-file", type=Path, default=None, help="write its port here once serving")
     down = parser.add_argument_group("islands' side (as a coordinator's)")
     down.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve islands over TLS")
     down.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
@@ -115,6 +121,7 @@ def from_args(ns: argparse.Namespace) -> RelayOptions:
         upstream_tls=up_tls,
         give_up_seconds=ns.give_up_seconds,
         quorum=ns.quorum,
+        admin=AdminOptions(host=ns.admin_host, port=ns.admin_port, token=ns.admin_token, port_file=ns.admin_port_file),
     )
 
 
@@ -138,6 +145,7 @@ class RelayServer:
             state_dir,
             network=options.network,
             security=options.security,
+            admin=options.admin,
             upstream=self.upstream,
         )
 
@@ -166,6 +174,10 @@ async def serve(options: RelayOptions) -> int:
             )
             if options.network.port_file is not None:
                 write_port_file(options.network.port_file, relay.server.port)
+            if relay.server.admin is not None:
+                print(f"atoll admin HTTP on {relay.server.admin.address}", flush=True)
+                if options.admin.port_file is not None:
+                    write_port_file(options.admin.port_file, relay.server.admin.port)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             stopping = asyncio.ensure_future(stop.wait())

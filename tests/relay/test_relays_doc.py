@@ -48,7 +48,8 @@ def test_three_regions_train_through_their_relays_as_the_guide_says(group):
     islands = []
     for region in ("eu", "us", "asia"):
         args = swap(relay, upstream=f"localhost:{root_port}", relay_id=region, host="127.0.0.1", port="0")
-        group.start(f"relay-{region}", [*args[1:], "--port-file", str(work / f"{region}.port")], cwd=work)
+        watch = ["--admin-port", "0", "--admin-port-file", str(work / f"{region}.admin")]  # the relay's own view
+        group.start(f"relay-{region}", [*args[1:], "--port-file", str(work / f"{region}.port"), *watch], cwd=work)
         island = by["island eu-1"]
         assert island[:2] == ["atoll", "island"]
         island = swap(island, coordinator=f"localhost:{port_of(work / f'{region}.port')}", island_id=f"{region}-1")
@@ -67,3 +68,7 @@ def test_three_regions_train_through_their_relays_as_the_guide_says(group):
     assert set(history[-1]["tokens_by_island"]) == {"asia/asia-1", "eu/eu-1", "us/us-1"}
     rows = {row["island"]: row for row in json.loads(body)["islands"]}
     assert rows["eu"]["relay"] and rows["eu"]["behind"] == {"eu/eu-1": history[-1]["tokens_by_island"]["eu/eu-1"]}
+
+    relay_status = json.loads(http(f"http://127.0.0.1:{port_of(work / 'eu.admin')}/api/status")[1])
+    assert [row["island"] for row in relay_status["islands"]] == ["eu-1"]
+    assert relay_status["round"] == 2 and relay_status["run"]["run_id"] == "llm-1"  # the root's run, as served
