@@ -56,6 +56,8 @@ and the tokens into θ. ``--json`` keeps every curve; ``--plot-dir`` draws loss 
 against tokens per H. ``--against sync`` adds every other policy's gap to sync at equal tokens, every
 0.5M tokens, seed by seed (sync's curve for the same seed); ``--pool A.json B.json`` runs nothing and
 reads the runs of earlier ``--json`` files together (seeds from several runs of the map).
+``--relays R``: the islands sit behind R relays (``atoll relay``, island i behind relay i mod R), each
+policy named ``POLICY+relaysR`` (pool it with a run without relays and ``--against POLICY``).
 """
 
 from __future__ import annotations
@@ -104,12 +106,14 @@ def island_argv(name: str, address: str, work: Path, seed: int, data: str, budge
 def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, work: Path) -> dict:
     work.mkdir(parents=True)
     names = [chr(ord("A") + i) for i in range(len(speeds))]
-    flags = [*COMMON, "--sync-every", str(h), *policy_flags(policy, quorum, len(speeds)), *a.coordinator_flags.split()]
+    members = a.relays or len(speeds)  # what the root waits for: the relays, when there are some
+    flags = [*COMMON, "--sync-every", str(h), *policy_flags(policy, quorum, members), *a.coordinator_flags.split()]
     flags += ["--keep-snapshots", "100000", "--snapshot-every", "1"]
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(work / "state", flags)
+        relays = [relay_address(group, address, k, work) for k in range(a.relays)]
         procs = []
-        for name, speed in zip(names, speeds, strict=True):
+        for i, (name, speed) in enumerate(zip(names, speeds, strict=True)):
             faults = []
             if speed != 1:
                 faults.append(Fault(island=name, round=0, kind="slow", factor=float(speed), rounds=10**9))
@@ -117,7 +121,12 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
                 group.start(
                     name,
                     island_argv(
-                        name, address, work, seed, a.data, h * a.step_seconds if policy.endswith("dylu") else None
+                        name,
+                        relays[i % len(relays)] if relays else address,
+                        work,
+                        seed,
+                        a.data,
+                        h * a.step_seconds if policy.endswith("dylu") else None,
                     )
                     + (["--overlap-steps", policy.removeprefix("sync-overlap")] if "overlap" in policy else [])
                     + (["--no-align-pushes"] if policy.endswith("unaligned") else [])
@@ -142,9 +151,23 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
         for r in history
     ]  # who entered each round, and with how many inner steps
     return {
-        "policy": policy, "quorum": quorum, "sync_every": h, "seed": seed, "curve": curve, "carried": carried,
+        "policy": f"{policy}+relays{a.relays}" if a.relays else policy,
+        "quorum": quorum, "sync_every": h, "seed": seed, "curve": curve, "carried": carried,
         "rounds": rounds,
     }  # fmt: skip
+
+
+def relay_address(group, root: str, k: int, work: Path) -> str:
+    """Relay ``k`` (``atoll relay``) in front of the root: its address once it listens."""
+    port_file = work / f"relay-{k}.port"
+    proc = group.start(f"relay-{k}", ["relay", "--upstream", root, "--run-id", "gp", "--relay-id", f"relay-{k}",
+                                      "--bulk-port", "-1", "--port-file", str(port_file)])  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"relay {k} reported no port:\n{proc.log_tail()}")
+        time.sleep(0.05)
+    return f"127.0.0.1:{port_file.read_text().strip()}"
 
 
 def loss_at_tokens(curve, tokens: int) -> float:
@@ -314,6 +337,7 @@ def main() -> None:
     p.add_argument(
         "--coordinator-flags", default="", help="more coordinator flags for every run (the last of a flag wins)"
     )
+    p.add_argument("--relays", type=int, default=0, help="put the islands behind this many relays (0: none)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot-dir", type=Path, default=None)
     p.add_argument(

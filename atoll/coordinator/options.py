@@ -159,22 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "islands should take fewer than the cores (0: torch's default, one per core)",
     )
 
-    admin = parser.add_argument_group("admin HTTP")
-    admin.add_argument("--admin-host", default="127.0.0.1", help="admin HTTP address (non-loopback needs a token)")
-    admin.add_argument("--admin-port", type=int, default=None, help="serve /healthz, /metrics, /api/status, / here")
-    admin.add_argument("--admin-token", default=None, help="bearer token of the admin endpoints (enables POST control)")
-    admin.add_argument("--admin-port-file", type=Path, default=None, help="write the admin port here")
-
-    security = parser.add_argument_group("security")
-    security.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve gRPC over TLS")
-    security.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
-    security.add_argument("--tls-client-ca", type=Path, default=None, help="require client certs from this CA (mTLS)")
-    security.add_argument(
-        "--island-tokens",
-        type=Path,
-        default=None,
-        help='JSON {"island-id": "token"}: islands must present their own bearer token',
-    )
+    add_admin_arguments(parser.add_argument_group("admin HTTP"))
+    add_security_arguments(parser.add_argument_group("security"))
 
     placement = parser.add_argument_group("sharding and fragments")
     placement.add_argument("--shard", default="0/1", help="i/n: this coordinator owns tensors crc32(name) %% n == i")
@@ -213,10 +199,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def from_args(ns: argparse.Namespace) -> CoordinatorOptions:
-    """The options of ``atoll coordinator``'s parsed flags (ValueError, naming the flag, on a bad one)."""
+def add_admin_arguments(admin) -> None:
+    """The admin server's flags (``atoll coordinator``'s, and ``atoll relay``'s for its own islands)."""
+    admin.add_argument("--admin-host", default="127.0.0.1", help="admin HTTP address (non-loopback needs a token)")
+    admin.add_argument("--admin-port", type=int, default=None, help="serve /healthz, /metrics, /api/status, / here")
+    admin.add_argument("--admin-token", default=None, help="bearer token of the admin endpoints (enables POST control)")
+    admin.add_argument("--admin-port-file", type=Path, default=None, help="write the admin port here")
+
+
+def add_security_arguments(security) -> None:
+    """How islands reach this server: TLS, mutual TLS, their tokens (a coordinator's, a relay's)."""
+    security.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve gRPC over TLS")
+    security.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    security.add_argument("--tls-client-ca", type=Path, default=None, help="require client certs from this CA (mTLS)")
+    security.add_argument(
+        "--island-tokens",
+        type=Path,
+        default=None,
+        help='JSON {"island-id": "token"}: islands must present their own bearer token',
+    )
+
+
+def admin_from_args(ns: argparse.Namespace) -> AdminOptions:
+    return AdminOptions(host=ns.admin_host, port=ns.admin_port, token=ns.admin_token, port_file=ns.admin_port_file)
+
+
+def security_from_args(ns: argparse.Namespace) -> SecurityOptions:
+    """ValueError for a TLS flag without its partner."""
     if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
         raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+    return SecurityOptions(
+        tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None,
+        tokens=IslandTokens.load(ns.island_tokens) if ns.island_tokens else None,
+    )
+
+
+def from_args(ns: argparse.Namespace) -> CoordinatorOptions:
+    """The options of ``atoll coordinator``'s parsed flags (ValueError, naming the flag, on a bad one)."""
+    security = security_from_args(ns)
     check_port("--bulk-port", ns.bulk_port, low=-1)  # (-1: none; NetworkOptions holds None for it)
     return CoordinatorOptions(
         run=config_from(RunConfig, ns),
@@ -230,11 +250,8 @@ def from_args(ns: argparse.Namespace) -> CoordinatorOptions:
             bulk_port=None if ns.bulk_port < 0 else ns.bulk_port,
             stream_idle_seconds=ns.stream_idle_seconds,
         ),
-        admin=AdminOptions(host=ns.admin_host, port=ns.admin_port, token=ns.admin_token, port_file=ns.admin_port_file),
-        security=SecurityOptions(
-            tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None,
-            tokens=IslandTokens.load(ns.island_tokens) if ns.island_tokens else None,
-        ),
+        admin=admin_from_args(ns),
+        security=security,
         storage=StorageOptions(
             keep_snapshots=ns.keep_snapshots,
             snapshot_every=ns.snapshot_every,

@@ -44,14 +44,10 @@ tells whoever joins it to retry (RELAY_NOT_READY): a chain of relays reports a l
 
 
 def usable(config: RunConfig) -> None:
-    """Refuse a run a relay cannot serve exactly (RequestError, final): its mean must be a weighted mean
-    of sums, one round after another."""
-    why = None
+    """Refuse a run a relay cannot serve (RequestError, final): the root must take a weighted mean of
+    sums. Robust aggregation (and a bound on each island's delta norm) needs each island's whole delta."""
     if config.aggregation != "mean" or config.max_delta_norm:
         why = f"aggregation {config.aggregation!r} (or a delta norm bound) needs each island's whole delta at the root"
-    elif config.outer_mode != "sync":
-        why = f"outer mode {config.outer_mode!r}: this release's relays forward sync rounds only"
-    if why is not None:
         raise RequestError(Reason.BAD_REQUEST, f"a relay cannot serve this run: {why}", code="FAILED_PRECONDITION")
 
 

@@ -20,10 +20,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from atoll.coordinator import options as flags_of
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.main import write_port_file
 from atoll.coordinator.transport.options import AdminOptions, NetworkOptions, SecurityOptions
-from atoll.coordinator.transport.security import IslandTokens, TlsConfig
 from atoll.coordinator.transport.server import CoordinatorServer
 from atoll.islands import ClientTls, RetryPolicy
 from atoll.islands.session import parse_addresses
@@ -63,21 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a round here waits for at least this many of the relay's islands, up to the run's round deadline "
         "(the root's --quorum counts relays; default: 1, every live island)",
     )
-    admin = parser.add_argument_group("admin HTTP (the relay's own islands: /api/status, /metrics, /healthz)")
-    admin.add_argument("--admin-port", type=int, default=None, help="serve it here; 0 picks a port (default: none)")
-    admin.add_argument("--admin-host", default="127.0.0.1", help="its address (non-loopback needs a token)")
-    admin.add_argument("--admin-token", default=None, help="its bearer token")
-    admin.add_argument("--admin-port-file", type=Path, default=None, help="write its port here once serving")
-    down = parser.add_argument_group("islands' side (as a coordinator's)")
-    down.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve islands over TLS")
-    down.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
-    down.add_argument("--tls-client-ca", type=Path, default=None, help="require island certs from this CA (mTLS)")
-    down.add_argument(
-        "--island-tokens",
-        type=Path,
-        default=None,
-        help='a JSON file {"island-id": "token"}: islands must present their own bearer token',
-    )
+    flags_of.add_admin_arguments(parser.add_argument_group("admin HTTP (the relay's own: its islands, its rounds)"))
+    flags_of.add_security_arguments(parser.add_argument_group("islands' side (as a coordinator's)"))
     up = parser.add_argument_group("upstream side (as an island's)")
     up.add_argument("--upstream-token", default=None, help="this relay's bearer token at the upstream")
     up.add_argument("--upstream-ca", default=None, help="PEM CA of the upstream's certificate: connect over TLS")
@@ -97,13 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_args(ns: argparse.Namespace) -> RelayOptions:
     """The typed options (ValueError on a bad combination, as the coordinator's flags)."""
     parse_addresses(ns.upstream)  # ValueError when malformed
-    if (ns.tls_cert is None) != (ns.tls_key is None) or (ns.tls_client_ca and not ns.tls_cert):
-        raise ValueError("--tls-cert and --tls-key go together; --tls-client-ca needs them")
     if ns.quorum < 1:
         raise ValueError(f"--quorum must be at least 1, got {ns.quorum}")
     if (ns.upstream_cert is None) != (ns.upstream_key is None) or (ns.upstream_cert and not ns.upstream_ca):
         raise ValueError("--upstream-cert and --upstream-key go together, and need --upstream-ca")
-    tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, client_ca=ns.tls_client_ca) if ns.tls_cert else None
     up_tls = None
     if ns.upstream_ca:
         up_tls = ClientTls(
@@ -116,12 +100,12 @@ def from_args(ns: argparse.Namespace) -> RelayOptions:
         network=NetworkOptions(
             host=ns.host, port=ns.port, port_file=ns.port_file, bulk_port=None if ns.bulk_port < 0 else ns.bulk_port
         ),
-        security=SecurityOptions(tls=tls, tokens=IslandTokens.load(ns.island_tokens) if ns.island_tokens else None),
+        security=flags_of.security_from_args(ns),
         upstream_token=ns.upstream_token,
         upstream_tls=up_tls,
         give_up_seconds=ns.give_up_seconds,
         quorum=ns.quorum,
-        admin=AdminOptions(host=ns.admin_host, port=ns.admin_port, token=ns.admin_token, port_file=ns.admin_port_file),
+        admin=flags_of.admin_from_args(ns),
     )
 
 
@@ -157,9 +141,14 @@ class RelayServer:
     def address(self) -> str:
         return self.server.address
 
-    async def stop(self) -> None:
+    @property
+    def state(self):
+        """The run's core serving the relay's islands (``RunState``)."""
+        return self.server.state
+
+    async def stop(self, grace: float = 2.0) -> None:
         await asyncio.to_thread(self.upstream.close)
-        await self.server.stop(grace=2.0)
+        await self.server.stop(grace=grace)
 
 
 async def serve(options: RelayOptions) -> int:

@@ -14,7 +14,7 @@ from atoll.coordinator.policy.weighting import PushClass, classify
 from atoll.coordinator.regions import Region
 from atoll.coordinator.state.accumulator import RoundAccumulator
 from atoll.coordinator.state.budget import InflightBudget, Reservation
-from atoll.coordinator.state.plans import EntryPlan, PushPlan, StagedRank
+from atoll.coordinator.state.plans import Committed, EntryPlan, PushPlan, StagedRank
 
 
 def plan(island="a", round_=0, rank=0, num_ranks=2, nbytes=10):
@@ -50,7 +50,7 @@ def test_staging_commits_an_island_whole_and_releases_its_budget():
         ranks = staging.stage(StagedRank(plan(rank=rank), [b"x"], r), num_ranks=2)
     assert [s.plan.rank for s in ranks] == [0, 1] and staging.pending == {}
     assert budget.used == 20  # the caller releases once decoded
-    staging.commit("a", 0, None, late=False)
+    staging.commit("a", 0, Committed(1, None, 20, 1.0), late=False)
     assert staging.is_duplicate("a", 0, 0, PushClass.NEW) and staging.is_done("a", 0, PushClass.NEW)
     # A half-staged island is dropped with its bytes.
     r = staging.open_stream("b", 0, 30)

@@ -8,15 +8,14 @@ the same deltas, and the islands' θ bit for bit against the root's."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import pytest
 import torch
 from support.core import SHAPES as CORE_SHAPES
-from support.core import join, push, run_state
+from support.core import join, push, rand, run_state
 from support.pki import make_pki
-from support.servers import RawIsland, ServerThread, exact_config, wait_for
+from support.servers import LoopThread, RawIsland, ServerThread, exact_config, wait_for
 
 from atoll.compression import codec_of
 from atoll.coordinator.messages import JoinRequest, Member, TensorDecl
@@ -33,7 +32,7 @@ from atoll.relay.main import RelayOptions, RelayServer
 SHAPES = {"w": (64, 33), "b": (33,)}
 
 
-class RelayThread:
+class RelayThread(LoopThread):
     """A relay (port 0) on its own event loop thread."""
 
     def __init__(
@@ -57,34 +56,9 @@ class RelayThread:
             upstream_tls=upstream_tls,
             give_up_seconds=20.0,
         )
-        self.relay = RelayServer(options, tmp_path / relay_id)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(self.relay.start())
-
-    def call(self, coro, timeout: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def inspect(self, fn):
-        async def run():
-            return fn(self.relay.server.state)
-
-        return self.call(run())
-
-    @property
-    def address(self) -> str:
-        return self.relay.address
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        try:
-            self.call(self.relay.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
+        super().__init__(RelayServer(options, tmp_path / relay_id))
+        self.relay = self.server
+        self.start()
 
 
 def theta0() -> dict[str, torch.Tensor]:
@@ -435,3 +409,37 @@ def test_atoll_relay_refuses_bad_flags_in_one_line(capsys, flags, said):
         main(["relay", "--run-id", "t", *flags])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and said in err and "Traceback" not in err, err
+
+
+def test_a_decoupled_root_steps_a_relays_mean_as_it_steps_its_islands_own_pushes(tmp_path):
+    """Decoupled rounds weigh each delta by its tokens and scale a long one by H/n; a relay's mean carries
+    those scales already, so the root takes it whole, counts its members' Σ w_i s_i in the round's share
+    and their usual weights in a round of everyone: θ_1 as if the two islands had pushed themselves."""
+    cfg = {"outer_mode": "decoupled", "sync_every": 2, "max_tokens_per_round": 10_000}
+    deltas = [rand(1), rand(2)]
+    pushed = [dict(tokens=300, inner_steps=4), dict(tokens=100, inner_steps=2)]  # the first: twice H, scale 1/2
+    zero = {n: torch.zeros(shape) for n, shape in CORE_SHAPES.items()}
+
+    flat = run_state(tmp_path / "flat", **cfg)
+    join(flat, "a")
+    join(flat, "b")
+    assert asyncio.run(push(flat, "a", zero, kind=PushKind.INIT)).committed
+    for island, d, more in zip("ab", deltas, pushed, strict=True):
+        assert asyncio.run(push(flat, island, d, **more)).committed
+    asyncio.run(flat.close_round("test"))
+
+    top = run_state(tmp_path / "relayed", **cfg)
+    decls = tuple(TensorDecl(n, shape, torch.float32) for n, shape in CORE_SHAPES.items())
+    top.join(JoinRequest(run_id="t", island_id="eu", session_id="eu", codecs=("identity",), tensors=decls, relay=True))
+    assert asyncio.run(push(top, "eu", zero, kind=PushKind.INIT)).committed
+    w = [300.0, 100.0]
+    mean = {n: (w[0] * 0.5 * deltas[0][n] + w[1] * 1.0 * deltas[1][n]) / sum(w) for n in CORE_SHAPES}
+    members = tuple(Member(i, **more) for i, more in zip("ab", pushed, strict=True))
+    assert asyncio.run(push(top, "eu", mean, tokens=400, inner_steps=6, members=members)).committed
+    asyncio.run(top.close_round("test"))
+
+    assert flat.round == top.round == 1
+    for n in CORE_SHAPES:
+        assert torch.allclose(top.model.params[n], flat.model.params[n], rtol=1e-6, atol=1e-7), n
+        assert not torch.equal(top.model.params[n], zero[n])
+    assert top.history[-1].share == pytest.approx(flat.history[-1].share)

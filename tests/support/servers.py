@@ -48,15 +48,15 @@ def exact_config(**kw) -> RunConfig:
     return RunConfig(**{"codec": "identity", "downlink_codec": "identity", **kw})
 
 
-class ServerThread:
-    """A real CoordinatorServer (grpc.aio, port 0) on its own event loop thread."""
+class LoopThread:
+    """A server (``start()``, ``stop(grace=)``, ``address``, ``state``) on its own event loop thread."""
 
-    def __init__(self, config: RunConfig, state_dir: Path, **server_kwargs) -> None:
-        self.server = CoordinatorServer(config, state_dir, **server_kwargs)
+    def __init__(self, server) -> None:
+        self.server = server
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    def start(self) -> ServerThread:
+    def start(self) -> LoopThread:
         self.thread.start()
         try:
             self.call(self.server.start())
@@ -93,6 +93,13 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+class ServerThread(LoopThread):
+    """A real CoordinatorServer (grpc.aio, port 0) on its own event loop thread."""
+
+    def __init__(self, config: RunConfig, state_dir: Path, **server_kwargs) -> None:
+        super().__init__(CoordinatorServer(config, state_dir, **server_kwargs))
 
 
 class RawIsland:

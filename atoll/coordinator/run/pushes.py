@@ -108,10 +108,9 @@ class Pushes:
                 return PushResult(PushOutcome.DUPLICATE, ledger.round, committed=done)
             if cls is PushClass.NEW and not h.members and h.island_id in self.accumulator.relayed:
                 return self._counted_via_relay(h.island_id, h.round)
-            if h.members:
-                self._not_counted_yet(h)
             if h.members:  # a relay's push: each island behind it is checked as its own push would be
                 checks.members(c, rec.relay, h.members, h.island_id)
+                self._not_counted_yet(h)
             else:
                 checks.tokens(c, h.tokens, h.inner_steps)
             specs = self.model.specs
@@ -178,7 +177,8 @@ class Pushes:
         try:
             checks.coverage(self.model.specs, ranks, f"island {plan.island_id!r} discarded for round {ledger.round}")
             weight = self._weight(plan, ledger.round - plan.round if late else 0)
-            scale = weighting.step_scale(rule, c.sync_every, ranks[0].plan.inner_steps)
+            # A relay's mean carries each of its islands' step scales already (its own sum applied them).
+            scale = 1.0 if plan.members else weighting.step_scale(rule, c.sync_every, ranks[0].plan.inner_steps)
             acc.admit(weight * scale * max(r.magnitude for r in ranks), f"island {plan.island_id!r}")
             began = time.perf_counter()
             if c.aggregation == "mean" and not c.max_delta_norm:
@@ -202,13 +202,14 @@ class Pushes:
             at=now,
             decode_seconds=decoded,
             members=first.members,
+            entered=self._entered(plan, ledger.round - plan.round if late else 0) if plan.members else None,
         )
         acc.commit(plan.island_id, plan.round, record, late)
         usual = self._weight(plan, 0) if late else weight
         rec.entered(
             ledger.round,
             now=now,
-            usual_weight=weighting.per_round_weight(self._rule(), usual, c.sync_every, first.inner_steps),
+            usual_weight=self._usual(plan, usual),
             compute_seconds=first.compute_seconds,
             blocked_seconds=first.blocked_seconds,
             tokens=first.tokens,
@@ -304,6 +305,30 @@ class Pushes:
         full = usual_weight(self.membership.islands.values(), self.membership.clock())
         return weighting.round_share(rule, weight, acc.entered_weight(rule, c.sync_every), full)
 
+    def _member_weights(self, plan: PushPlan, late_by: int) -> list[tuple[float, int]]:
+        """A relay's push: each member's (weight, inner steps), weighed as its own push would be."""
+        c = self._config()
+        per_step = self.ledger.tokens_per_step() or self.accumulator.tokens_per_step()
+        return [
+            (
+                weighting.weight(m.tokens, m.inner_steps, per_step, c.token_bound, c.staleness_weight, late_by),
+                m.inner_steps,
+            )
+            for m in plan.members
+        ]
+
+    def _entered(self, plan: PushPlan, late_by: int) -> float:
+        """A relay's Σ w_i s_i: its members' weights times their step scales (the share's numerator)."""
+        rule, h = self._rule(), self._config().sync_every
+        return sum(w * weighting.step_scale(rule, h, n) for w, n in self._member_weights(plan, late_by))
+
+    def _usual(self, plan: PushPlan, usual: float) -> float:
+        """What the contribution brings to a round of everyone: a relay's, its members' together."""
+        rule, h = self._rule(), self._config().sync_every
+        if plan.members:
+            return sum(weighting.per_round_weight(rule, w, h, n) for w, n in self._member_weights(plan, 0))
+        return weighting.per_round_weight(rule, usual, h, plan.inner_steps)
+
     def _rule(self) -> steps.DecoupledStep | None:
         """The decoupled run's step rule (None: sync mode)."""
         c = self._config()
@@ -316,12 +341,9 @@ class Pushes:
         relay's push (its payload the weighted mean of its members' deltas) weighs what its members
         do, each weighed here as its own push would be."""
         c = self._config()
-        per_step = self.ledger.tokens_per_step() or self.accumulator.tokens_per_step()
         if plan.members:
-            return sum(
-                weighting.weight(m.tokens, m.inner_steps, per_step, c.token_bound, c.staleness_weight, late_by)
-                for m in plan.members
-            )
+            return sum(w for w, _ in self._member_weights(plan, late_by))
+        per_step = self.ledger.tokens_per_step() or self.accumulator.tokens_per_step()
         w = weighting.weight(plan.tokens, plan.inner_steps, per_step, c.token_bound, c.staleness_weight, late_by)
         if not plan.tokens and plan.inner_steps:
             log.warning(

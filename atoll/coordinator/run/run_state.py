@@ -331,7 +331,8 @@ class RunState:
                 part = 1.0 if share is None else share  # (Delayed Nesterov counts the shares)
                 if self.upstream is not None:  # a relay: the step is the upstream's
                     members = [*committed.items(), *((i, x) for (i, _), x in acc.late.items())]
-                    params, payloads = await asyncio.to_thread(self.upstream.step, r, sums, weight, members, made)
+                    total = acc.weight_total()  # its mean's denominator: Σ w_i (the root makes its own share)
+                    params, payloads = await asyncio.to_thread(self.upstream.step, r, sums, total, members, made)
                 else:
                     params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made, part)
             record = RoundRecord(

@@ -21,7 +21,7 @@ from atoll.coordinator.state.plans import Committed
 
 class Upstream(Protocol):
     chain: tuple[str, ...]
-    """This relay's id, then the relays above it (the root last has none)."""
+    """This relay's id, then the relays above it, nearest first (the root is not one)."""
 
     async def before_join(self, req: JoinRequest) -> None:
         """Join the upstream if not yet (RequestError RELAY_NOT_READY, with the chain it waits on, while

@@ -181,7 +181,7 @@ class RoundAccumulator:
         """Σ w_i s_i over the round's contributions, s_i the step scale of a decoupled run's delta under
         ``rule`` (:func:`~atoll.coordinator.policy.weighting.step_scale`)."""
         return sum(
-            c.weight * step_scale(rule, sync_every, c.inner_steps)
+            c.entered if c.entered is not None else c.weight * step_scale(rule, sync_every, c.inner_steps)
             for c in (*self.committed.values(), *self.late.values())
         )
 

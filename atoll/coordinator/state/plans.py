@@ -85,6 +85,8 @@ class Committed:
     """What decoding it into the round's sum took (the core's lock held: pushes decode one at a time)."""
     members: tuple[Member, ...] = ()
     """A relay's contribution: the islands behind it (their tokens and steps are counted one by one)."""
+    entered: float | None = None
+    """A relay's: Σ w_i s_i of its members (decoupled step scales; None: weight x its own scale)."""
 
 
 def release(ranks) -> None:
