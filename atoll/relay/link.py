@@ -116,6 +116,8 @@ class RelayUpstream:
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._fetching: asyncio.Future | None = None
+        self._pending: list[tuple[Update, list]] = []
+        """Updates pulled past the round stepped (the upstream moved on more than one round), in order."""
         self.bytes_up = 0
         """Payload bytes this relay pushed upstream (its islands' sums)."""
 
@@ -257,7 +259,7 @@ class RelayUpstream:
         weight: float,
         members: list[tuple[str, Committed]],
         made: Callable[[str, bytearray], None],
-    ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray]]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray] | None, int]:
         config = self.state.config
         codec = get_codec(config.codec)
         names = list(sums)
@@ -286,30 +288,54 @@ class RelayUpstream:
         )
         outcome = self.session.push(header, payloads)
         self.bytes_up += sum(len(p) for p in payloads)
-        if outcome not in (PushOutcome.COMMITTED, PushOutcome.DUPLICATE):
+        if outcome not in (PushOutcome.COMMITTED, PushOutcome.DUPLICATE, PushOutcome.FOLDED):
             log.warning("relay %s: the upstream took round %d's sum as %s", self.relay_id, round_, outcome.name)
-        updates: list[tuple[Update, list]] = []
-        self.session.pull_until_ready(
-            round_,
-            on_update=lambda h, p: updates.append((h, p)),
-            repush=lambda: (header, payloads),
-            cancel=self._stopping,  # a relay stopping gives the round up
-        )
-        update, got = updates[-1]
-        if update.kind is not UpdateKind.DELTA or update.round != round_ + 1 or len(updates) != 1:
+        if not self._pending:  # (else the upstream is ahead already: its next update is this round's)
+            self.session.pull_until_ready(
+                round_,
+                on_update=lambda h, p: self._pending.append((h, p)),
+                repush=lambda: (header, payloads),
+                cancel=self._stopping,  # a relay stopping gives the round up
+            )
+        return self._apply(round_, sums, made)
+
+    def follow(self, round_: int, params: dict[str, torch.Tensor]):
+        """(worker thread) The next update the upstream moved on by, past ``round_``: (θ_{r+1} in new
+        tensors, its payloads), or None when there is none."""
+        if not self._pending:
+            return None
+        return self._apply(round_, {n: torch.empty_like(t) for n, t in params.items()}, lambda name, p: None)
+
+    def _apply(self, round_: int, out: dict[str, torch.Tensor], made):
+        """The next pending update applied to θ as an island applies it, into ``out``: (θ, its payloads,
+        the round it opens); θ itself when the upstream sent θ (payloads None)."""
+        update, got = self._pending.pop(0)
+        full = update.kind is UpdateKind.FULL
+        if not (full and update.round > round_) and not (
+            update.kind is UpdateKind.DELTA and update.round == round_ + 1
+        ):
             raise RuntimeError(
                 f"relay {self.relay_id}: expected round {round_}'s update from the upstream, got {update.kind.name} "
-                f"of round {update.round}: the relay restarts to follow it"
+                f"of round {update.round}"
             )
         theta = self.state.model.params
-        out: dict[str, bytearray] = {}
+        payloads: dict[str, bytearray] = {}
         for entry, (_, payload) in zip(update.entries, got, strict=True):
-            t = sums[entry.name]
+            t = out[entry.name]
+            if full:
+                codec_of(payload).decode_into(payload, t)
+                continue
             t.copy_(theta[entry.name])
             codec_of(payload).add_decoded_(payload, t)  # as an island applies it: the same bits
-            out[entry.name] = bytearray(payload)
-            made(entry.name, out[entry.name])
-        return sums, out
+            payloads[entry.name] = bytearray(payload)
+            made(entry.name, payloads[entry.name])
+        if full:
+            log.info(
+                "relay %s: the upstream answered round %d's pull with θ of round %d (catching up cost more): its "
+                "islands pull that θ", self.relay_id, round_, update.round,
+            )  # fmt: skip
+            return out, None, update.round
+        return out, payloads, update.round
 
     # ---- keeping the lease ----------------------------------------------------------------------
     def _heartbeats(self) -> None:

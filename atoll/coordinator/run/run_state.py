@@ -332,69 +332,98 @@ class RunState:
                 if self.upstream is not None:  # a relay: the step is the upstream's
                     members = [*committed.items(), *((i, x) for (i, _), x in acc.late.items())]
                     total = acc.weight_total()  # its mean's denominator: Σ w_i (the root makes its own share)
-                    params, payloads = await asyncio.to_thread(self.upstream.step, r, sums, total, members, made)
+                    params, payloads, opens = await asyncio.to_thread(self.upstream.step, r, sums, total, members, made)
                 else:
                     params, payloads = await asyncio.to_thread(self.model.step, sums, weight, robust_grads, made, part)
-            record = RoundRecord(
-                round=r,
-                **summary,
-                states=self.states(),
-                bytes_out_per_island=sum(len(p) for p in payloads.values()),
-                reason=reason,
-                seconds_open=self.clock() - self.ledger.opened_at,
-                goodput=run_goodput(self.membership.goodput(), self.clock()),  # the run's, so far
-                outer_step_seconds=time.perf_counter() - started,
-                share=share,
-            )
-            self.ledger.seal(Sealed(r, params, payloads, record, frozenset(committed)))
-            acc.advance(r + 1 - (c.max_staleness if c.late_policy == "fold" else 0))
+                    opens = r + 1
+            if payloads is None:  # a relay's upstream answered with θ itself: the relay takes it, at its round
+                self.ledger.seal(Sealed(opens - 1, params, None, None, frozenset(committed)))
+            else:
+                record = RoundRecord(
+                    round=r,
+                    **summary,
+                    states=self.states(),
+                    bytes_out_per_island=sum(len(p) for p in payloads.values()),
+                    reason=reason,
+                    seconds_open=self.clock() - self.ledger.opened_at,
+                    goodput=run_goodput(self.membership.goodput(), self.clock()),  # the run's, so far
+                    outer_step_seconds=time.perf_counter() - started,
+                    share=share,
+                )
+                self.ledger.seal(Sealed(r, params, payloads, record, frozenset(committed)))
+            acc.advance(opens - (c.max_staleness if c.late_policy == "fold" else 0))
         await self.try_publish()
+        if self.upstream is not None:
+            await self._follow_upstream()
 
     async def try_publish(self) -> bool:
         """Make the sealed round (or θ_0) durable and only then publish it; False if the write failed
         (the decider retries with backoff, the round stays unpublished and /healthz says why)."""
         async with self.lock:
-            sealed = self.ledger.sealed
-            if sealed is None:
-                return True
-            started = time.perf_counter()
-            try:
-                await asyncio.to_thread(self._durable_write(sealed))
-            except Exception as err:  # a full disk, a read-only or vanished dir: retried until it works
-                self.ledger.save_failed()  # tentative streams of the round end (NOT_DURABLE)
-                what = "θ_0" if sealed.round == BOOTSTRAP else f"round {sealed.round}"
-                self.problem = f"saving {what} failed ({err}); it stays unpublished and is retried"
-                if sealed.failures == 1 or sealed.failures % 20 == 0:
-                    log.error("%s%s (attempt %d)", self.name, self.problem, sealed.failures)
-                sealed.retry_in = min(sealed.retry_in * 2, SAVE_RETRY_SECONDS[1])
-                return False
-            if self.problem is not None:
-                log.warning("%ssaving works again after %d failed attempts", self.name, sealed.failures)
-                self.problem = None
-            published = time.perf_counter()
-            old = self.model.install(sealed.params)
-            if sealed.payloads is not None:
-                self.downlink.publish(sealed.round + 1, sealed.payloads)
-            self.accumulator.reset(*await asyncio.to_thread(self.model.sums, old))  # the replaced θ, not zeroed
-            del old
-            if sealed.record is None:  # θ_0 (or a relay's θ from upstream): sized from it, not from a join
-                self.accumulator.size_budget(self.model.specs, self.name)
-                self.downlink.size_budget(self.model.specs)
-            self.ledger.advance(sealed, self.clock())
-            self.waiting = ""  # the decider says what the new round waits for
-            if self.run_complete:
-                self.stall = None
-            record = sealed.record
-            if record is not None:
-                record.persist_seconds = published - started
-                loss = "n/a" if record.loss is None else f"{record.loss:.4f}"
-                log.info("%sclosed round %d (%s): loss %s, outer step %.3fs + log %.3fs", self.name, sealed.round,
-                         record.reason, loss, record.outer_step_seconds, record.persist_seconds)  # fmt: skip
-                record.publish_seconds = time.perf_counter() - published
-                snap = saved.snapshot(self.owners, self.placement, self.model.params, self.round, list(self.history))
-                self.writer.after_publish(snap, keep_from=self.downlink.keep_from(self.round) - 1)
-            if self.run_complete:  # the run ending as configured: news, not a warning
-                log.info("%srun %s is complete after %d rounds", self.name, self.config.run_id, self.round)
+            return await self._publish()
+
+    async def _follow_upstream(self) -> None:
+        """A relay whose upstream moved on by more than the round it stepped: the upstream's next
+        updates, each sealed and published as a round of its own (no contribution of the relay's in
+        it), while the open round has none yet; else they wait for the relay's next step."""
+        async with self.lock:
+            while self.ledger.sealed is None and not self.accumulator.committed and not self.accumulator.late:
+                got = await asyncio.to_thread(self.upstream.follow, self.round, self.model.params)
+                if got is None:
+                    return
+                params, payloads, opens = got
+                if payloads is None:  # θ itself: taken at its round
+                    self.ledger.seal(Sealed(opens - 1, params, None, None, frozenset()))
+                else:
+                    record = RoundRecord(round=self.round, states=self.states(), reason="the upstream moved on",
+                                         bytes_out_per_island=sum(len(p) for p in payloads.values()))  # fmt: skip
+                    self.ledger.seal(Sealed(self.round, params, payloads, record, frozenset()))
+                if not await self._publish():
+                    return
+
+    async def _publish(self) -> bool:
+        """:meth:`try_publish`'s body (the lock held)."""
+        sealed = self.ledger.sealed
+        if sealed is None:
+            return True
+        started = time.perf_counter()
+        try:
+            await asyncio.to_thread(self._durable_write(sealed))
+        except Exception as err:  # a full disk, a read-only or vanished dir: retried until it works
+            self.ledger.save_failed()  # tentative streams of the round end (NOT_DURABLE)
+            what = "θ_0" if sealed.round == BOOTSTRAP else f"round {sealed.round}"
+            self.problem = f"saving {what} failed ({err}); it stays unpublished and is retried"
+            if sealed.failures == 1 or sealed.failures % 20 == 0:
+                log.error("%s%s (attempt %d)", self.name, self.problem, sealed.failures)
+            sealed.retry_in = min(sealed.retry_in * 2, SAVE_RETRY_SECONDS[1])
+            return False
+        if self.problem is not None:
+            log.warning("%ssaving works again after %d failed attempts", self.name, sealed.failures)
+            self.problem = None
+        published = time.perf_counter()
+        old = self.model.install(sealed.params)
+        if sealed.payloads is not None:
+            self.downlink.publish(sealed.round + 1, sealed.payloads)
+        self.accumulator.reset(*await asyncio.to_thread(self.model.sums, old))  # the replaced θ, not zeroed
+        del old
+        if sealed.record is None:  # θ_0 (or a relay's θ from upstream): sized from it, not from a join
+            self.accumulator.size_budget(self.model.specs, self.name)
+            self.downlink.size_budget(self.model.specs)
+        self.ledger.advance(sealed, self.clock())
+        self.waiting = ""  # the decider says what the new round waits for
+        if self.run_complete:
+            self.stall = None
+        record = sealed.record
+        if record is not None:
+            record.persist_seconds = published - started
+            loss = "n/a" if record.loss is None else f"{record.loss:.4f}"
+            log.info("%sclosed round %d (%s): loss %s, outer step %.3fs + log %.3fs", self.name, sealed.round,
+                     record.reason, loss, record.outer_step_seconds, record.persist_seconds)  # fmt: skip
+            record.publish_seconds = time.perf_counter() - published
+            snap = saved.snapshot(self.owners, self.placement, self.model.params, self.round, list(self.history))
+            self.writer.after_publish(snap, keep_from=self.downlink.keep_from(self.round) - 1)
+        if self.run_complete:  # the run ending as configured: news, not a warning
+            log.info("%srun %s is complete after %d rounds", self.name, self.config.run_id, self.round)
         return True
 
     def _durable_write(self, sealed: Sealed) -> Callable[[], None]:

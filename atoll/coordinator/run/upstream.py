@@ -2,9 +2,10 @@
 core, which serves the relay's islands as any coordinator does, and :mod:`atoll.relay`, which speaks
 to the coordinator above. A root coordinator has none (``RunState.upstream`` is None).
 
-The core calls it at four points: before a join (the relay joins its own upstream first, and learns
+The core calls it at five points: before a join (the relay joins its own upstream first, and learns
 the run's configuration there), to check a joining relay against the chain (a loop), in place of the
-outer step (the relay sends its islands' weighted mean up and gets the round's update back), and when
+outer step (the relay sends its islands' weighted mean up and gets the round's update back), after it
+(the upstream's further updates, when it moved on by more than one round), and when
 θ_0 is sealed (a relay that holds the upstream's bootstrap claim sends its island's θ_0 up).
 """
 
@@ -35,11 +36,20 @@ class Upstream(Protocol):
         weight: float,
         members: list[tuple[str, Committed]],
         made: Callable[[str, bytearray], None],
-    ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray]]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray] | None, int]:
         """(worker thread) The round's outer step, from upstream: ``sums`` holds Σ w_i Δ_i of
-        ``members`` (Σ w_i = ``weight``); returns θ_{r+1} (in ``sums``' storage) and the update's
-        payloads as the upstream sent them, each handed to ``made`` as it is final. ``members``: each
+        ``members`` (Σ w_i = ``weight``); returns θ_{r+1} (in ``sums``' storage), the update's
+        payloads as the upstream sent them, each handed to ``made`` as it is final, and the round
+        that opens (r + 1). An upstream that answered with θ itself (it moved on by more than
+        catching up pays) gives that θ, None and the round it opens. ``members``: each
         contribution's (island, record), folded late ones too (an island may have two)."""
+        ...
+
+    def follow(
+        self, round_: int, params: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray] | None, int] | None:
+        """(worker thread) The upstream moved on by more than the round stepped: its next update applied
+        to ``params`` (as :meth:`step` returns it, in new tensors), or None when it has no more."""
         ...
 
     def send_theta0(self, params: dict[str, torch.Tensor]) -> None:

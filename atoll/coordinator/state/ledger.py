@@ -29,6 +29,7 @@ from functools import partial
 
 import torch
 
+from atoll.coordinator.errors import Reason, refuse
 from atoll.coordinator.messages import PayloadEntry
 from atoll.coordinator.policy.goodput import tokens_per_step
 from atoll.coordinator.state.record import RoundRecord
@@ -136,8 +137,8 @@ class Producing:
     async def payload(self, name: str) -> bytearray:
         """``name``'s payload, once it is made."""
         await self._made[name].wait()
-        if name not in self.payloads:
-            raise RuntimeError(f"the outer step of round {self.round} failed before {name}")
+        if name not in self.payloads:  # a failed step, or a relay's that ended in θ itself: pull again
+            raise refuse(Reason.NOT_DURABLE, f"the outer step of round {self.round} ended before {name}")
         return self.payloads[name]
 
 

@@ -373,6 +373,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             async with contextlib.aclosing(self._answer(answer, context, again)) as chunks:
                 async for chunk in chunks:
                     yield chunk
+        except RequestError as err:  # a tentative update whose step ended before an entry: pull again
+            await _abort(context, err)
         finally:
             answer.done()
 
