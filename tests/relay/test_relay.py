@@ -443,3 +443,40 @@ def test_a_decoupled_root_steps_a_relays_mean_as_it_steps_its_islands_own_pushes
         assert torch.allclose(top.model.params[n], flat.model.params[n], rtol=1e-6, atol=1e-7), n
         assert not torch.equal(top.model.params[n], zero[n])
     assert top.history[-1].share == pytest.approx(flat.history[-1].share)
+
+
+def test_a_relay_left_behind_by_its_upstream_takes_theta_and_its_islands_follow(tmp_path, servers):
+    """The root closes two rounds with relay eu alone (its deadline passes without us); relay us then
+    forwards its round 0 (folded late at the root) and is answered with θ of round 2 itself (catching up
+    two identity updates costs more). It takes that θ at round 2, and its islands pull it: bit for bit
+    the root's."""
+    top = root(tmp_path, servers, config={"quorum": 1, "round_deadline_seconds": 1.0, "grace_window": "off"})
+    eu, us = RelayThread(top.address, "eu", tmp_path), RelayThread(top.address, "us", tmp_path)
+    servers.extend([eu, us])
+    islands = [RawIsland(r.address, f"island-{i}", SHAPES) for i, r in enumerate([eu, eu, us, us])]
+    try:
+        assert islands[0].join().bootstrap
+        assert islands[0].push(theta0(), round_=0, kind=pb.PUSH_KIND_INIT).committed
+        for isl in islands[1:]:
+            isl.join()
+        for isl in islands:
+            pull_round(isl, -1)
+        for r in (0, 1):  # two rounds of eu's islands alone
+            for i in (0, 1):
+                assert islands[i].push(delta(i, r), round_=r, tokens=TOKENS[i]).committed
+            for i in (0, 1):
+                assert pull_round(islands[i], r)[0].round == r + 1
+        for i in (2, 3):  # us's islands, still at round 0
+            assert islands[i].push(delta(i, 0), round_=0, tokens=TOKENS[i]).committed
+        wait_for(lambda: us.inspect(lambda s: s.round) == 2, what="relay us at the root's round")
+        got = top.inspect(lambda s: {n: t.clone() for n, t in s.model.params.items()})
+        for i in (2, 3):
+            header, payloads = pull_round(islands[i], 0)
+            assert header.kind == pb.UPDATE_KIND_FULL and header.round == 2
+            theta = {}
+            apply(theta, header, payloads)
+            assert all(torch.equal(theta[n], got[n]) for n in SHAPES)
+        assert top.inspect(lambda s: sorted(s.accumulator.late)) == [("us", 0)]  # its work: folded, not lost
+    finally:
+        for isl in islands:
+            isl.close()
