@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from support import collect_events, coordinator_flags, http, island_flags, wait_for
+
+pytestmark = pytest.mark.slow  # real processes, tens of seconds each
 
 
 def test_decoupled_islands_behind_a_relay_finish_on_one_theta_with_all_their_work(group):

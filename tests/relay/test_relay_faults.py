@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import signal
 
+import pytest
 from support import collect_events, coordinator_flags, http, island_flags, wait_for
 
 ROUNDS = 6
+
+pytestmark = pytest.mark.slow  # real processes, tens of seconds each
 
 
 def start_root(group) -> str:

@@ -9,9 +9,12 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 from support import collect_events, http, wait_for
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "relays.md"
+
+pytestmark = pytest.mark.slow  # real processes, tens of seconds each
 
 
 def commands() -> dict[str, list[str]]:
