@@ -92,21 +92,29 @@ def apply(theta: dict[str, torch.Tensor], header, payloads) -> None:
             codec_of(payload).add_decoded_(payload, theta[entry.name])
 
 
+def started(islands: list[RawIsland], claim_at_join: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The first island uploads θ_0 (the claim may come with its relay's join of the root, or after;
+    ``claim_at_join``: it must come with the join), the others join, and each pulls θ_0: their θ."""
+    claimed = islands[0].join().bootstrap
+    assert claimed or not claim_at_join
+    if not claimed:
+        wait_for(lambda: islands[0].pull(-1, wait_seconds=1.0)[0].bootstrap, what="the bootstrap claim")
+    assert islands[0].push(theta0(), round_=0, kind=pb.PUSH_KIND_INIT).committed
+    for isl in islands[1:]:
+        isl.join()
+    thetas = []
+    for isl in islands:
+        t = {}
+        apply(t, *pull_round(isl, -1))
+        thetas.append(t)
+    return thetas
+
+
 def train(addresses: list[str], rounds: int, codec: str = "identity") -> list[dict[str, torch.Tensor]]:
     """Four islands at ``addresses`` (one each) push the same deltas every round; returns their θ."""
     islands = [RawIsland(a, f"island-{i}", SHAPES, codec=codec) for i, a in enumerate(addresses)]
     try:
-        joined = [isl.join() for isl in islands[:1]]
-        if not joined[0].bootstrap:  # behind a relay the claim may come with the relay's join of the root
-            wait_for(lambda: islands[0].pull(-1, wait_seconds=1.0)[0].bootstrap, what="the bootstrap claim")
-        assert islands[0].push(theta0(), round_=0, kind=pb.PUSH_KIND_INIT).committed
-        for isl in islands[1:]:
-            isl.join()
-        thetas = []
-        for isl in islands:
-            t = {}
-            apply(t, *pull_round(isl, -1))
-            thetas.append(t)
+        thetas = started(islands)
         for r in range(rounds):
             for i, isl in enumerate(islands):
                 out = isl.push(delta(i, r), round_=r, tokens=TOKENS[i])
@@ -307,12 +315,7 @@ def test_islands_of_a_relay_that_died_after_forwarding_count_once_at_the_root(tm
     both = f"{relay.address}|{top.address}"
     islands = [RawIsland(a, f"island-{i}", SHAPES) for i, a in enumerate([both, both, top.address, top.address])]
     try:
-        assert islands[0].join().bootstrap
-        assert islands[0].push(theta0(), round_=0, kind=pb.PUSH_KIND_INIT).committed
-        for isl in islands[1:]:
-            isl.join()
-        for isl in islands:
-            pull_round(isl, -1)
+        started(islands, claim_at_join=True)
         for i in (0, 1):
             assert islands[i].push(delta(i, 0), round_=0, tokens=TOKENS[i]).committed
         wait_for(lambda: top.inspect(lambda s: "eu" in s.accumulator.committed), what="the relay's push at the root")
@@ -455,12 +458,7 @@ def test_a_relay_left_behind_by_its_upstream_takes_theta_and_its_islands_follow(
     servers.extend([eu, us])
     islands = [RawIsland(r.address, f"island-{i}", SHAPES) for i, r in enumerate([eu, eu, us, us])]
     try:
-        assert islands[0].join().bootstrap
-        assert islands[0].push(theta0(), round_=0, kind=pb.PUSH_KIND_INIT).committed
-        for isl in islands[1:]:
-            isl.join()
-        for isl in islands:
-            pull_round(isl, -1)
+        started(islands, claim_at_join=True)
         for r in (0, 1):  # two rounds of eu's islands alone
             for i in (0, 1):
                 assert islands[i].push(delta(i, r), round_=r, tokens=TOKENS[i]).committed
