@@ -27,6 +27,7 @@ from atoll.coordinator.transport.options import AdminOptions, NetworkOptions, Se
 from atoll.coordinator.transport.server import CoordinatorServer
 from atoll.islands import ClientTls, RetryPolicy
 from atoll.islands.session import parse_addresses
+from atoll.memory import tune_for_bulk_buffers
 from atoll.relay.link import RelayUpstream
 
 log = logging.getLogger("atoll.relay")
@@ -179,4 +180,5 @@ async def serve(options: RelayOptions) -> int:
 
 
 def main(options: RelayOptions) -> int:
+    tune_for_bulk_buffers(huge_pages=False)  # a daemon holding pushes, as the coordinator's (atoll.memory)
     return asyncio.run(serve(options))
