@@ -111,7 +111,7 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
     flags += ["--keep-snapshots", "100000", "--snapshot-every", "1"]
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(work / "state", flags)
-        relays = [relay_address(group, address, k, work) for k in range(a.relays)]
+        relays = [relay_address(group, address, k, work, a.relay_grace) for k in range(a.relays)]
         procs = []
         for i, (name, speed) in enumerate(zip(names, speeds, strict=True)):
             faults = []
@@ -150,18 +150,20 @@ def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, wor
         {"islands": r.get("islands", []), "late": r.get("late", []), "steps": r.get("steps_by_island", {})}
         for r in history
     ]  # who entered each round, and with how many inner steps
+    label = f"{policy}+relays{a.relays}" + (f"-grace{a.relay_grace}" if a.relay_grace else "")
     return {
-        "policy": f"{policy}+relays{a.relays}" if a.relays else policy,
+        "policy": label if a.relays else policy,
         "quorum": quorum, "sync_every": h, "seed": seed, "curve": curve, "carried": carried,
         "rounds": rounds,
     }  # fmt: skip
 
 
-def relay_address(group, root: str, k: int, work: Path) -> str:
+def relay_address(group, root: str, k: int, work: Path, grace_window: str | None = None) -> str:
     """Relay ``k`` (``atoll relay``) in front of the root: its address once it listens."""
     port_file = work / f"relay-{k}.port"
+    flags = ["--grace-window", grace_window] if grace_window is not None else []
     proc = group.start(f"relay-{k}", ["relay", "--upstream", root, "--run-id", "gp", "--relay-id", f"relay-{k}",
-                                      "--bulk-port", "-1", "--port-file", str(port_file)])  # fmt: skip
+                                      "--bulk-port", "-1", "--port-file", str(port_file), *flags])  # fmt: skip
     deadline = time.monotonic() + 60
     while not (port_file.exists() and port_file.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -338,6 +340,7 @@ def main() -> None:
         "--coordinator-flags", default="", help="more coordinator flags for every run (the last of a flag wins)"
     )
     p.add_argument("--relays", type=int, default=0, help="put the islands behind this many relays (0: none)")
+    p.add_argument("--relay-grace", default=None, help="the relays' --grace-window (0: forward what has arrived)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot-dir", type=Path, default=None)
     p.add_argument(

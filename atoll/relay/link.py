@@ -90,12 +90,16 @@ class RelayUpstream:
         pull_wait_seconds: float = 10.0,
         heartbeat_seconds: float = 5.0,
         quorum: int = 1,
+        grace_window: str | None = None,
     ) -> None:
         """``quorum``: how many of its islands a relay's round waits for (up to the run's round deadline)
-        beyond every live one: its own, not the root's, whose quorum counts relays."""
+        beyond every live one: its own, not the root's, whose quorum counts relays. ``grace_window``:
+        how long its round waits for its missing islands once the quorum is in (None: the run's; "0":
+        it forwards what has arrived at once, whenever it is free to)."""
         if quorum < 1:
             raise ValueError(f"a relay's quorum is at least 1, got {quorum}")
         self.address, self.run_id, self.relay_id, self.quorum = address, run_id, relay_id, quorum
+        self.grace_window = grace_window
         self.chain: tuple[str, ...] = (relay_id,)
         self.retry = retry or RetryPolicy(give_up_seconds=600.0)
         client = CoordinatorClient(address, retry=self.retry, token=token, tls=tls)
@@ -171,6 +175,8 @@ class RelayUpstream:
         # The run's math is the upstream's; which of its own islands a relay's round waits for is its own:
         # each live one, and at least its quorum (the root's quorum counts relays, not their islands).
         config = dataclasses.replace(RunConfig(**answer.config), quorum=self.quorum)
+        if self.grace_window is not None:
+            config = dataclasses.replace(config, grace_window=self.grace_window)
         usable(config)
         if config.run_id != self.run_id:  # (the upstream checked the run id; its config says the same)
             raise refuse(Reason.WRONG_RUN, f"the upstream serves run {config.run_id!r}, not {self.run_id!r}")

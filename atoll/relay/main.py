@@ -23,6 +23,7 @@ from pathlib import Path
 from atoll.coordinator import options as flags_of
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.main import write_port_file
+from atoll.coordinator.policy import grace
 from atoll.coordinator.transport.options import AdminOptions, NetworkOptions, SecurityOptions
 from atoll.coordinator.transport.server import CoordinatorServer
 from atoll.islands import ClientTls, RetryPolicy
@@ -44,6 +45,7 @@ class RelayOptions:
     upstream_tls: ClientTls | None = None
     give_up_seconds: float = 600.0
     quorum: int = 1
+    grace_window: str | None = None
     admin: AdminOptions = field(default_factory=AdminOptions)
 
 
@@ -63,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="a round here waits for at least this many of the relay's islands, up to the run's round deadline "
         "(the root's --quorum counts relays; default: 1, every live island)",
+    )
+    parser.add_argument(
+        "--grace-window",
+        default=None,
+        help="once its quorum is in, how long a round here waits for its missing islands: auto, off or seconds "
+        "(default: the run's); 0 forwards whatever has arrived as soon as the relay is free to",
     )
     flags_of.add_admin_arguments(parser.add_argument_group("admin HTTP (the relay's own: its islands, its rounds)"))
     flags_of.add_security_arguments(parser.add_argument_group("islands' side (as a coordinator's)"))
@@ -87,6 +95,8 @@ def from_args(ns: argparse.Namespace) -> RelayOptions:
     parse_addresses(ns.upstream)  # ValueError when malformed
     if ns.quorum < 1:
         raise ValueError(f"--quorum must be at least 1, got {ns.quorum}")
+    if ns.grace_window is not None:
+        grace.parse(ns.grace_window)  # ValueError, naming it
     if (ns.upstream_cert is None) != (ns.upstream_key is None) or (ns.upstream_cert and not ns.upstream_ca):
         raise ValueError("--upstream-cert and --upstream-key go together, and need --upstream-ca")
     up_tls = None
@@ -106,6 +116,7 @@ def from_args(ns: argparse.Namespace) -> RelayOptions:
         upstream_tls=up_tls,
         give_up_seconds=ns.give_up_seconds,
         quorum=ns.quorum,
+        grace_window=ns.grace_window,
         admin=flags_of.admin_from_args(ns),
     )
 
@@ -123,6 +134,7 @@ class RelayServer:
             tls=options.upstream_tls,
             retry=RetryPolicy(give_up_seconds=options.give_up_seconds),
             quorum=options.quorum,
+            grace_window=options.grace_window,
         )
         placeholder = RunConfig(run_id=options.run_id)  # replaced by the upstream's at the first join
         self.server = CoordinatorServer(

@@ -45,6 +45,7 @@ class RelayThread(LoopThread):
         upstream_token=None,
         tls=None,
         upstream_tls=None,
+        grace_window=None,
     ) -> None:
         options = RelayOptions(
             upstream=upstream,
@@ -55,6 +56,7 @@ class RelayThread(LoopThread):
             upstream_token=upstream_token,
             upstream_tls=upstream_tls,
             give_up_seconds=20.0,
+            grace_window=grace_window,
         )
         super().__init__(RelayServer(options, tmp_path / relay_id))
         self.relay = self.server
@@ -138,7 +140,7 @@ def servers():
 
 
 def root(tmp_path, servers, name="root", config=None, **server_kwargs):
-    run = exact_config(run_id="t", sync_every=1, outer_lr=0.7, outer_momentum=0.9, **(config or {}))
+    run = exact_config(**{"run_id": "t", "sync_every": 1, "outer_lr": 0.7, "outer_momentum": 0.9, **(config or {})})
     srv = ServerThread(run, tmp_path / name, **server_kwargs)
     servers.append(srv.start())
     return srv
@@ -403,6 +405,7 @@ def test_mutual_tls_on_both_hops(tmp_path, servers):
         (["--upstream", "h:1", "--quorum", "0"], "--quorum must be at least 1"),
         (["--upstream", "h:1", "--upstream-cert", "a.pem", "--upstream-key", "a.key"], "need --upstream-ca"),
         (["--upstream", "h:1", "--tls-cert", "a.pem"], "--tls-cert and --tls-key go together"),
+        (["--upstream", "h:1", "--grace-window", "soon"], "grace_window must be auto, off or seconds"),
     ],
 )
 def test_atoll_relay_refuses_bad_flags_in_one_line(capsys, flags, said):
@@ -478,3 +481,17 @@ def test_a_relay_left_behind_by_its_upstream_takes_theta_and_its_islands_follow(
     finally:
         for isl in islands:
             isl.close()
+
+
+def test_a_relay_keeps_its_own_quorum_and_grace_and_takes_the_rest_of_the_runs_configuration(tmp_path, servers):
+    top = root(tmp_path, servers, config={"quorum": 3, "grace_window": "auto", "sync_every": 7})
+    relay = RelayThread(top.address, "eu", tmp_path, grace_window="0")
+    servers.append(relay)
+    island = RawIsland(relay.address, "island-0", SHAPES)
+    try:
+        island.join()
+        config = relay.inspect(lambda s: s.config)
+        assert (config.quorum, config.grace_window) == (1, "0")  # its own: forward what has arrived
+        assert (config.sync_every, config.outer_lr, config.codec) == (7, 0.7, "identity")  # the run's
+    finally:
+        island.close()
