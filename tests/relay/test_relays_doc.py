@@ -70,7 +70,13 @@ def test_three_regions_train_through_their_relays_as_the_guide_says(group):
     assert [h["islands"] for h in history] == [["asia", "eu", "us"]] * 2
     assert set(history[-1]["tokens_by_island"]) == {"asia/asia-1", "eu/eu-1", "us/us-1"}
     rows = {row["island"]: row for row in json.loads(body)["islands"]}
-    assert rows["eu"]["relay"] and rows["eu"]["behind"] == {"eu/eu-1": history[-1]["tokens_by_island"]["eu/eu-1"]}
+    behind = rows["eu"]["behind"]
+    assert rows["eu"]["relay"] and list(behind) == ["eu/eu-1"]
+    assert behind["eu/eu-1"]["rounds"] == 2 and behind["eu/eu-1"]["inner_steps"] == 2 * 4  # H=4, two rounds
+    assert behind["eu/eu-1"]["tokens"] == sum(h["tokens_by_island"]["eu/eu-1"] for h in history)
+    assert behind["eu/eu-1"]["last_round_tokens"] == history[-1]["tokens_by_island"]["eu/eu-1"]
+    metrics = http(f"http://127.0.0.1:{admin}/metrics")[1]
+    assert f'atoll_relayed_island_tokens{{island="eu/eu-1"}} {float(behind["eu/eu-1"]["last_round_tokens"])}' in metrics
 
     relay_status = json.loads(http(f"http://127.0.0.1:{port_of(work / 'eu.admin')}/api/status")[1])
     assert [row["island"] for row in relay_status["islands"]] == ["eu-1"]

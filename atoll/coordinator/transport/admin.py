@@ -104,6 +104,15 @@ class _StateCollector:
         for island, state in states.items():
             per.add_metric([island, state], 1)
         yield per
+        behind = GaugeMetricFamily(
+            "atoll_relayed_island_tokens",
+            "Tokens of each island behind a relay in the last closed round (island: relay/island)",
+            labels=["island"],
+        )
+        for key, tokens in (s.history[-1].tokens_by_island if s.history else {}).items():
+            if "/" in key:
+                behind.add_metric([key], tokens)
+        yield behind
         age = GaugeMetricFamily(
             "atoll_island_last_push_age_seconds", "Seconds since the island's last push counted", labels=["island"]
         )
@@ -327,6 +336,30 @@ class AdminServer:
         return json_response({"changed": changes, "operational": {k: config[k] for k in OPERATIONAL_FIELDS}})
 
 
+RECENT_ROUNDS = 100
+"""The rounds /api/status reports (its history's, and a relay's islands' figures)."""
+
+
+def behind_relay(relay: str, history) -> dict[str, dict]:
+    """The islands behind ``relay`` (``relay/island``, through relays below it too) over ``history``:
+    their tokens in the last of those rounds, and over them all their tokens, inner steps, compute
+    seconds and the rounds they entered."""
+    out: dict[str, dict] = {}
+    for h in history:
+        for key, tokens in h.tokens_by_island.items():
+            if key.startswith(f"{relay}/"):
+                row = out.setdefault(key, {"last_round_tokens": 0, "tokens": 0, "inner_steps": 0,
+                                           "compute_seconds": 0.0, "rounds": 0})  # fmt: skip
+                row["tokens"] += tokens
+                row["inner_steps"] += h.steps_by_island.get(key, 0)
+                row["compute_seconds"] += h.compute_seconds_by_island.get(key, 0.0)
+                row["rounds"] += 1
+    for key, tokens in (history[-1].tokens_by_island if history else {}).items():
+        if key in out:
+            out[key]["last_round_tokens"] = tokens
+    return out
+
+
 def status_json(server, started_at: float) -> dict:
     s = server.state
     states = s.states()
@@ -352,9 +385,8 @@ def status_json(server, started_at: float) -> dict:
                 holds_round=rec.holds_round,
                 last_push_age_seconds=None if rec.last_push_at is None else now - rec.last_push_at,
             )
-            if rec.relay:  # the islands behind it, with their tokens in the last round (relay/island)
-                last = s.history[-1].tokens_by_island if s.history else {}
-                row.update(relay=True, behind={k: v for k, v in last.items() if k.startswith(f"{island}/")})
+            if rec.relay:
+                row.update(relay=True, behind=behind_relay(island, s.history[-RECENT_ROUNDS:]))
         else:  # left or evicted: what it did is still the run's history (its folded deltas too)
             row.update(rounds_committed=sum(island in (h.tokens_by_island or h.islands) for h in s.history))
         islands.append(row)
@@ -378,7 +410,7 @@ def status_json(server, started_at: float) -> dict:
         "pull_budget_bytes": s.downlink.budget.limit,
         "memory": held_bytes(s.model, s.accumulator, s.downlink),
         "lease": s.store.lease_timing(),
-        "history": [h.to_json() for h in s.history[-100:]],
+        "history": [h.to_json() for h in s.history[-RECENT_ROUNDS:]],
         "uptime_seconds": time.time() - started_at,
         "torch_threads": torch.get_num_threads(),
     }
