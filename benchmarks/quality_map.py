@@ -106,8 +106,8 @@ def island_argv(name: str, address: str, work: Path, seed: int, data: str, budge
 def run(policy: str, quorum: int, h: int, seed: int, speeds: list[float], a, work: Path) -> dict:
     work.mkdir(parents=True)
     names = [chr(ord("A") + i) for i in range(len(speeds))]
-    members = a.relays or len(speeds)  # what the root waits for: the relays, when there are some
-    flags = [*COMMON, "--sync-every", str(h), *policy_flags(policy, quorum, members), *a.coordinator_flags.split()]
+    # (the root's quorum counts islands, those behind relays too)
+    flags = [*COMMON, "--sync-every", str(h), *policy_flags(policy, quorum, len(speeds)), *a.coordinator_flags.split()]
     flags += ["--keep-snapshots", "100000", "--snapshot-every", "1"]
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(work / "state", flags)

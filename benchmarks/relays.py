@@ -47,9 +47,8 @@ def run(islands: int, relays: int, numel: int, rounds: int, work: Path) -> dict:
     work.mkdir(parents=True)
     payload = get_codec("int8").encode(torch.randn(numel) * 1e-3)
     zeros = get_codec("identity").encode(torch.zeros(numel))
-    members = relays or islands
-    with ProcessGroup(work) as group:
-        flags = ["--run-id", RUN, "--sync-every", "1", "--quorum", str(members), "--round-deadline-seconds", "600"]
+    with ProcessGroup(work) as group:  # (the root's quorum counts islands, those behind relays too)
+        flags = ["--run-id", RUN, "--sync-every", "1", "--quorum", str(islands), "--round-deadline-seconds", "600"]
         flags += ["--codec", "int8", "--downlink-codec", "int8", "--lease-seconds", "120", "--admin-port", "0"]
         flags += ["--admin-port-file", str(work / "admin.port")]
         root_proc, root = group.start_coordinator(work / "state", flags, name="root")

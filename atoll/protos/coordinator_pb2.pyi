@@ -302,20 +302,22 @@ class PushHeader(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., island_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., loss: _Optional[float] = ..., session_id: _Optional[str] = ..., inner_steps: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., blocked_seconds: _Optional[float] = ..., members: _Optional[_Iterable[_Union[RelayMember, _Mapping]]] = ...) -> None: ...
 
 class RelayMember(_message.Message):
-    __slots__ = ("island_id", "tokens", "inner_steps", "loss", "compute_seconds", "via")
+    __slots__ = ("island_id", "tokens", "inner_steps", "loss", "compute_seconds", "via", "joined_seconds")
     ISLAND_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VIA_FIELD_NUMBER: _ClassVar[int]
+    JOINED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     island_id: str
     tokens: int
     inner_steps: int
     loss: float
     compute_seconds: float
     via: str
-    def __init__(self, island_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., via: _Optional[str] = ...) -> None: ...
+    joined_seconds: float
+    def __init__(self, island_id: _Optional[str] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., via: _Optional[str] = ..., joined_seconds: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

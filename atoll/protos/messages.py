@@ -116,17 +116,21 @@ class Member:
     compute_seconds: float = 0.0
     via: str = ""
     """The relays between the pushing relay and the island, '/'-joined, outermost first ("": none)."""
+    joined_seconds: float = 0.0
+    """How long the island had been joined at its own relay when that relay pushed (its goodput's wall)."""
 
     def named(self, relay: str) -> str:
         """The island's name in the root's record: the relays it came through, then its id."""
         return "/".join(x for x in (relay, self.via, self.island_id) if x)
 
     def to_json(self) -> list:
-        return [self.island_id, self.tokens, self.inner_steps, self.loss, self.compute_seconds, self.via]
+        return [self.island_id, self.tokens, self.inner_steps, self.loss, self.compute_seconds, self.via,
+                self.joined_seconds]  # fmt: skip
 
     @classmethod
     def from_json(cls, d: list) -> Member:
-        return cls(str(d[0]), int(d[1]), int(d[2]), d[3], float(d[4]), str(d[5]) if len(d) > 5 else "")
+        via, joined = (str(d[5]) if len(d) > 5 else ""), (float(d[6]) if len(d) > 6 else 0.0)
+        return cls(str(d[0]), int(d[1]), int(d[2]), d[3], float(d[4]), via, joined)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,11 +51,11 @@ def usable(config: RunConfig) -> None:
         raise RequestError(Reason.BAD_REQUEST, f"a relay cannot serve this run: {why}", code="FAILED_PRECONDITION")
 
 
-def via(island: str, x: Committed) -> list[Member]:
-    """What a contribution to this relay reports up: the island itself, or a relay's members, each with
-    the way it came (``via``: that relay, then the relays below it)."""
+def via(island: str, x: Committed, joined_seconds: float) -> list[Member]:
+    """What a contribution to this relay reports up: the island itself (joined here ``joined_seconds``),
+    or a relay's members, each with the way it came (``via``: that relay, then the relays below it)."""
     if not x.members:
-        return [Member(island, x.tokens, x.inner_steps, x.loss, x.compute_seconds)]
+        return [Member(island, x.tokens, x.inner_steps, x.loss, x.compute_seconds, "", joined_seconds)]
     return [dataclasses.replace(m, via="/".join(filter(None, (island, m.via)))) for m in x.members]
 
 
@@ -93,7 +93,7 @@ class RelayUpstream:
         grace_window: str | None = None,
     ) -> None:
         """``quorum``: how many of its islands a relay's round waits for (up to the run's round deadline)
-        beyond every live one: its own, not the root's, whose quorum counts relays. ``grace_window``:
+        beyond every live one: its own, not the root's (whose quorum counts the run's islands). ``grace_window``:
         how long its round waits for its missing islands once the quorum is in (None: the run's; "0":
         it forwards what has arrived at once, whenever it is free to)."""
         if quorum < 1:
@@ -173,7 +173,7 @@ class RelayUpstream:
     async def _adopt(self, answer: JoinAnswer, req: JoinRequest) -> None:
         """Serve the upstream's run: its configuration, its chain, and θ (or the claim to upload θ_0)."""
         # The run's math is the upstream's; which of its own islands a relay's round waits for is its own:
-        # each live one, and at least its quorum (the root's quorum counts relays, not their islands).
+        # each live one, and at least its quorum (the root's counts the islands of the whole run).
         config = dataclasses.replace(RunConfig(**answer.config), quorum=self.quorum)
         if self.grace_window is not None:
             config = dataclasses.replace(config, grace_window=self.grace_window)
@@ -257,6 +257,16 @@ class RelayUpstream:
         self._theta0_ours = False
         log.info("relay %s: θ_0 of its bootstrap island sent up", self.relay_id)
 
+    def _joined_seconds(self) -> Callable[[str], float]:
+        """How long each island has been joined here, by id (0: not known), as of now."""
+        now, islands = self.state.clock(), self.state.membership.islands
+
+        def joined(island: str) -> float:
+            rec = islands.get(island)
+            return rec.goodput.wall(now) if rec is not None and rec.goodput is not None else 0.0
+
+        return joined
+
     # ---- rounds -------------------------------------------------------------------------------
     def step(
         self,
@@ -280,7 +290,10 @@ class RelayUpstream:
             else:
                 payload = codec.encode(t)
             payloads.append(payload)
-        reports = merged([m for island, x in sorted(members, key=lambda p: p[0]) for m in via(island, x)])
+        joined = self._joined_seconds()
+        reports = merged(
+            [m for island, x in sorted(members, key=lambda p: p[0]) for m in via(island, x, joined(island))]
+        )
         header = PushHeader(
             kind=PushKind.DELTA,
             round=round_,

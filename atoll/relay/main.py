@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="a round here waits for at least this many of the relay's islands, up to the run's round deadline "
-        "(the root's --quorum counts relays; default: 1, every live island)",
+        "(its own: the root's --quorum counts the islands of the whole run; default: 1, every live island)",
     )
     parser.add_argument(
         "--grace-window",

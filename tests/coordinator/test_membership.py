@@ -132,3 +132,31 @@ def test_joiners_that_never_push_are_forgotten_when_their_lease_ends_and_reasons
     assert list(m.islands) == ["worker"] and len(m.past_goodput) == 3000
     m.join("ghost-0001", num_ranks=1, session_id="g1b", round_=1)  # one that comes back joins as new
     assert "ghost-0001" in m.islands
+
+
+def test_a_relays_goodput_is_its_islands_each_from_its_join_at_the_relay_and_kept_when_the_relay_leaves():
+    """(Before: the root kept one goodput for a relay: its islands' compute together over the relay's
+    own time joined, 1.0 (clipped) for a relay of three busy islands, and no figure for any island.)"""
+    from atoll.coordinator.policy.goodput import run_goodput
+    from atoll.coordinator.state.membership import relayed
+
+    m, clock = membership()
+    relay, _ = m.join("eu", num_ranks=1, session_id="s", round_=0, relay=True)
+    alone, _ = m.join("a", num_ranks=1, session_id="t", round_=0)
+    assert relay.goodput is None
+    clock.now = 110.0  # eu's first push: x joined at eu 10 s ago, y 4 s ago; x computed 5 s, y 4 s
+    relayed(relay, [("eu/x", 10.0, 5.0, 50), ("eu/y", 4.0, 4.0, 40)], clock())
+    alone.entered(0, now=clock(), usual_weight=1.0, compute_seconds=10.0, blocked_seconds=0.0, tokens=9, on_time=None)
+    assert relay.stands_for == 2
+    assert {k: (g.ratio(clock()), g.tokens_into_theta) for k, g in relay.behind.items()} == {
+        "eu/x": (0.5, 50),
+        "eu/y": (1.0, 40),
+    }
+    assert run_goodput(m.goodput(), clock()) == pytest.approx((5 + 4 + 10) / (10 + 4 + 10))  # x, y and a
+    clock.now = 120.0
+    relayed(relay, [("eu/x", 0.0, 5.0, 50)], clock())  # x re-joined its relay: its earlier time still counts
+    assert relay.behind["eu/x"].ratio(clock()) == pytest.approx(10 / 20) and relay.stands_for == 1
+    m.leave("eu")
+    clock.now = 200.0
+    assert m.left_goodput("eu/x").ratio(clock()) == pytest.approx(10 / 20)  # (as of its relay's leaving)
+    assert run_goodput(m.goodput(), clock()) == pytest.approx((10 + 4 + 10) / (20 + 14 + 100))

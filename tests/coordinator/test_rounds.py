@@ -228,3 +228,25 @@ def test_a_decoupled_first_round_waits_half_the_quorums_time_to_its_push_not_for
     )
     sync = RoundPolicy(quorum=1, deadline_seconds=600.0, grace="auto")
     assert decide(35.0, v, sync)[0] is Decision.WAIT
+
+
+def test_a_quorum_counts_the_islands_behind_a_relay_not_its_one_push():
+    """(Before: a relay's push for four islands counted one toward the quorum: a root with --quorum 3
+    and two relays of two islands each waited for both relays, and a relay of five counted less than
+    two islands of its own.)"""
+    policy = RoundPolicy(quorum=3, deadline_seconds=60.0, grace=5.0)
+    eu = IslandView(island_id="eu", lease_expires_at=100.0, committed=True, committed_at=2.0, counts=4)
+    us = IslandView(island_id="us", lease_expires_at=100.0, committed=False, counts=2)
+    decision, reason = decide(3.0, RoundView(round=1, opened_at=0.0, islands=(eu, us)), policy)
+    assert decision is Decision.WAIT and reason.startswith("round 1: 4 committed, waiting for us")
+    assert decide(7.0, RoundView(round=1, opened_at=0.0, islands=(eu, us)), policy)[0] is Decision.CLOSE  # +5 s
+    a = IslandView(island_id="a", lease_expires_at=100.0, committed=True, committed_at=1.0)
+    two = IslandView(island_id="us", lease_expires_at=100.0, committed=True, committed_at=4.0, counts=2)
+    state = RoundView(round=1, opened_at=0.0, islands=(a, two, IslandView(island_id="b", lease_expires_at=100.0,
+                                                                            committed=False)))  # fmt: skip
+    assert next_wakeup(5.0, state, policy) == 9.0  # the quorum came at +4 s, with the relay's two
+    gone = IslandView(island_id="eu", lease_expires_at=1.0, committed=False, counts=4)
+    assert stall(2.0, RoundView(round=1, opened_at=0.0, islands=(gone, us)), policy).startswith(
+        "round 1 cannot reach quorum 3: 2 island(s) committed or alive (us)"
+    )
+    assert stall(0.5, RoundView(round=1, opened_at=0.0, islands=(gone, us)), policy) is None  # eu's four alive

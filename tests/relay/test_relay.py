@@ -8,6 +8,7 @@ the same deltas, and the islands' θ bit for bit against the root's."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -495,3 +496,66 @@ def test_a_relay_keeps_its_own_quorum_and_grace_and_takes_the_rest_of_the_runs_c
         assert (config.sync_every, config.outer_lr, config.codec) == (7, 0.7, "identity")  # the run's
     finally:
         island.close()
+
+
+def test_the_root_counts_a_relays_islands_in_its_quorum_and_shows_each_with_its_state_and_goodput(tmp_path, servers):
+    """Root --quorum 2, relay eu with two islands, island-2 at the root. Round 0: eu's push for its two
+    islands is the quorum (the root does not wait for island-2: grace 0). Round 1: island-1 does not push;
+    eu forwards island-0 alone once its own grace passed, and with island-2 that is the quorum again.
+    The root then shows eu/island-0 active and eu/island-1 late, each with its goodput, in /api/status
+    and /metrics. (Before: eu counted one, and round 0 waited for island-2.)"""
+    from atoll.coordinator.transport.admin import status_json
+
+    top = root(tmp_path, servers, config={"quorum": 2, "grace_window": "0", "round_deadline_seconds": 60.0})
+    eu = RelayThread(top.address, "eu", tmp_path, grace_window="auto")
+    servers.append(eu)
+    islands = [RawIsland(a, f"island-{i}", SHAPES) for i, a in enumerate([eu.address, eu.address, top.address])]
+    try:
+        started(islands)
+        joined = time.monotonic()
+        time.sleep(1.0)  # (an island's time joined counts from its join at its relay, not from its first push)
+        for i in (0, 1):
+            assert islands[i].push(delta(i, 0), round_=0, tokens=TOKENS[i]).committed
+        wait_for(lambda: top.inspect(lambda s: s.round) == 1, timeout=20, what="round 0 closed without island-2")
+        assert top.inspect(lambda s: s.history[-1].islands) == ["eu"]
+        assert top.inspect(lambda s: s.membership.islands["eu"].stands_for) == 2
+        for i in (0, 2):
+            assert pull_round(islands[i], 0)[0].round == 1
+        assert islands[0].push(delta(0, 1), round_=1, tokens=TOKENS[0]).committed
+        assert islands[2].push(delta(2, 1), round_=1, tokens=TOKENS[2]).committed
+        wait_for(lambda: top.inspect(lambda s: s.round) == 2, timeout=30, what="round 1 with eu's island-0")
+
+        status = top.call(_async(lambda: status_json(top.server, 0.0)))
+        behind = next(r for r in status["islands"] if r["island"] == "eu")["behind"]
+        assert list(behind) == ["eu/island-0", "eu/island-1"]
+        assert (behind["eu/island-0"]["state"], behind["eu/island-1"]["state"]) == ("active", "late")
+        assert behind["eu/island-0"]["tokens_into_theta"] == 2 * TOKENS[0]
+        assert behind["eu/island-1"]["tokens_into_theta"] == TOKENS[1]
+        since = time.monotonic() - joined
+        for row in behind.values():
+            assert since <= row["joined_seconds"] <= since + 2.0 and row["goodput"] is not None
+        assert "goodput" not in next(r for r in status["islands"] if r["island"] == "eu")  # (its islands' instead)
+        text = top.call(_async(lambda: _scrape(top.server)))
+        assert 'atoll_island_state{island="eu/island-1",state="late"} 1.0' in text
+        assert 'atoll_island_goodput{island="eu/island-0"}' in text
+        assert 'atoll_islands{state="active"} 2.0' in text  # island-0 behind eu, island-2: not eu itself
+    finally:
+        for isl in islands:
+            isl.close()
+
+
+def _async(fn):
+    async def run():
+        return fn()
+
+    return run()
+
+
+def _scrape(server) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from atoll.coordinator.transport.admin import _StateCollector
+
+    registry = CollectorRegistry()
+    registry.register(_StateCollector(server))
+    return generate_latest(registry).decode()

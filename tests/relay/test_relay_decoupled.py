@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # real processes, tens of seconds each
 def test_decoupled_islands_behind_a_relay_finish_on_one_theta_with_all_their_work(group):
     work = group.work_dir
     rounds = 5
-    flags = coordinator_flags(sync_every=4, quorum=2, extra=["--outer-mode", "decoupled", "--total-rounds",
+    flags = coordinator_flags(sync_every=4, quorum=3, extra=["--outer-mode", "decoupled", "--total-rounds",
                                                              str(rounds), "--admin-port", "0", "--admin-port-file",
                                                              str(work / "admin.port")])  # fmt: skip
     _, root = group.start_coordinator(work / "state", flags, name="root")

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.slow  # real processes, tens of seconds each
 
 
 def start_root(group) -> str:
-    """The root: H=4, ROUNDS rounds, a quorum of 2 (the relay and the island beside it), 3-s leases (a
+    """The root: H=4, ROUNDS rounds, a quorum of 3 (the relay's two islands and the one beside it), 3-s leases (a
     dead relay is gone soon), its admin port in a file; returns its address."""
     work = group.work_dir
-    flags = coordinator_flags(sync_every=4, quorum=2, extra=["--total-rounds", str(ROUNDS), "--lease-seconds", "3",
+    flags = coordinator_flags(sync_every=4, quorum=3, extra=["--total-rounds", str(ROUNDS), "--lease-seconds", "3",
                                                              "--admin-port", "0", "--admin-port-file",
                                                              str(work / "admin.port")])  # fmt: skip
     return group.start_coordinator(work / "state", flags, name="root")[1]
@@ -82,7 +82,7 @@ def test_islands_move_to_the_root_when_their_relay_dies_and_each_rounds_work_cou
 
 def test_a_restarted_relay_takes_its_islands_back_and_no_round_is_lost(group):
     """The relay SIGKILLed and started again on its port: its islands (no other address) wait for it, it
-    re-joins the root once its old process's lease has run out (the root's quorum of 2 waits for it),
+    re-joins the root once its old process's lease has run out (the root's quorum of 3 waits for it),
     takes θ from there, and no island's work is lost."""
     work, rounds = group.work_dir, ROUNDS
     root = start_root(group)

@@ -20,7 +20,8 @@ class Decision(enum.Enum):
 @dataclass(frozen=True, kw_only=True)
 class RoundPolicy:
     quorum: int
-    """Minimum committed islands for the round to close."""
+    """Minimum committed islands for the round to close (an island behind a relay counts as one: a
+    relay's push counts for its members)."""
     deadline_seconds: float
     """Seconds after the round opened when stragglers stop being waited for (the hard cap)."""
     grace: float | str = OFF
@@ -62,6 +63,9 @@ class IslandView:
     """It holds an older θ than the open round's: its next push is for an older round."""
     cycle_seconds: float | None = None
     """The time between its pushes that count, smoothed, on the coordinator's clock (None: not known)."""
+    counts: int = 1
+    """The islands its push stands for: a relay's, the islands behind it (its push this round once
+    committed, else its last one); 1 for an island."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,29 +90,34 @@ def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision,
     """Close the round when quorum has committed and either no live island is still missing, the
     grace window for the missing ones has passed, or the deadline has. Returns the decision and a
     reason worth logging."""
-    committed = sorted(i.island_id for i in state.islands if i.committed)
+    committed = counted(i for i in state.islands if i.committed)
     missing = sorted(i.island_id for i in waited_for(now, state, policy))
-    if len(committed) < policy.quorum:
+    if committed < policy.quorum:
         return Decision.WAIT, (
-            f"round {state.round}: {len(committed)} of quorum {policy.quorum} committed"
+            f"round {state.round}: {committed} of quorum {policy.quorum} committed"
             + (f", waiting for {named(missing)}" if missing else ", no other live island")
         )
     if not missing:
-        return Decision.CLOSE, f"round {state.round}: all {len(committed)} live islands committed"
+        return Decision.CLOSE, f"round {state.round}: all {committed} live islands committed"
     waited = now - state.opened_at
     if waited >= policy.deadline_seconds:
         return Decision.CLOSE, (
             f"round {state.round}: deadline {policy.deadline_seconds:g}s passed with quorum "
-            f"({len(committed)} committed); not waiting for {named(missing)}"
+            f"({committed} committed); not waiting for {named(missing)}"
         )
     until, why = _grace(now, state, policy)
     if until is not None and now >= until:
         return Decision.CLOSE, f"round {state.round}: {why}; {named(missing)} did not come"
     left = f"{until - now:.1f}s of grace, " if until is not None else ""
     return Decision.WAIT, (
-        f"round {state.round}: {len(committed)} committed, waiting for {named(missing)} "
+        f"round {state.round}: {committed} committed, waiting for {named(missing)} "
         f"({left}{policy.deadline_seconds - waited:.1f}s to deadline)"
     )
+
+
+def counted(islands) -> int:
+    """The islands these views stand for (a relay's: the islands behind it)."""
+    return sum(i.counts for i in islands)
 
 
 def waited_for(now: float, state: RoundView, policy: RoundPolicy) -> list[IslandView]:
@@ -121,12 +130,9 @@ def waited_for(now: float, state: RoundView, policy: RoundPolicy) -> list[Island
 
 def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | None, str]:
     """The end of the grace window of a round that has its quorum (None: none), and why."""
-    times = sorted(
-        i.committed_at if i.committed_at is not None else state.opened_at for i in state.islands if i.committed
-    )
-    if len(times) < policy.quorum:
+    quorum_at = _quorum_at(state, policy)
+    if quorum_at is None:
         return None, ""
-    quorum_at = times[policy.quorum - 1]
     missing = {i.island_id: i.expected for i in waited_for(now, state, policy)}
     until, why = grace_until(policy.grace, state.opened_at, quorum_at, missing)
     if policy.decoupled and policy.grace != OFF and missing:
@@ -143,6 +149,21 @@ def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | N
                 f"at least {DECOUPLED_FLOOR_SECONDS:g}s)"
             )
     return until, why
+
+
+def _quorum_at(state: RoundView, policy: RoundPolicy) -> float | None:
+    """When the committed pushes reached the quorum, in islands (None: they have not)."""
+    times = sorted(
+        (i.committed_at if i.committed_at is not None else state.opened_at, i.counts)
+        for i in state.islands
+        if i.committed
+    )
+    reached = 0
+    for at, counts in times:
+        reached += counts
+        if reached >= policy.quorum:
+            return at
+    return None
 
 
 def next_wakeup(now: float, state: RoundView, policy: RoundPolicy, *, leases: bool = True) -> float | None:
@@ -163,10 +184,10 @@ def stall(now: float, state: RoundView, policy: RoundPolicy) -> str | None:
     quorum), with what would unblock it; None while it can still close."""
     committed = sorted(i.island_id for i in state.islands if i.committed)
     live = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at > now)
-    if len(committed) + len(live) >= policy.quorum:
+    can = counted(i for i in state.islands if i.committed or i.lease_expires_at > now)
+    if can >= policy.quorum:
         return None
     gone = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at <= now)
-    can = len(committed) + len(live)
     if not can and not gone:
         return None  # no member at all: the run waits for islands to join
     return (

@@ -83,12 +83,13 @@ def view(s: RunState) -> RoundView:
             expected=i.arrival.expected(),
             behind=0 <= i.holds_round < s.round,
             cycle_seconds=i.cycle.mean,
+            counts=len(c.members) if c is not None and c.members else i.stands_for,
         )
 
     islands = tuple(island(i) for i in s.membership.islands.values())
     extra = tuple(  # committed islands that left since still count
-        IslandView(island_id=k, lease_expires_at=0.0, committed=True)
-        for k in committed
+        IslandView(island_id=k, lease_expires_at=0.0, committed=True, counts=len(c.members) or 1)
+        for k, c in committed.items()
         if k not in s.membership.islands
     )
     return RoundView(round=s.round, opened_at=s.ledger.opened_at, islands=islands + extra)

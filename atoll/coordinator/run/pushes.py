@@ -26,7 +26,7 @@ from atoll.coordinator.run.owners import Owners
 from atoll.coordinator.state import robust
 from atoll.coordinator.state.accumulator import assemble
 from atoll.coordinator.state.ledger import BOOTSTRAP
-from atoll.coordinator.state.membership import usual_weight
+from atoll.coordinator.state.membership import relayed, usual_weight
 from atoll.coordinator.state.plans import Committed, PushPlan, StagedRank, release
 from atoll.protos.vocabulary import PushKind, PushOutcome
 
@@ -215,6 +215,9 @@ class Pushes:
             tokens=first.tokens,
             on_time=None if late else (plan.round, ledger.opened_at),
         )
+        if first.members:
+            relayed(rec, [(m.named(plan.island_id), m.joined_seconds, m.compute_seconds, m.tokens)
+                          for m in first.members], now)  # fmt: skip
         if late:
             log.info(
                 "%sround %d: folded island %s's late delta for round %d (weight %.3g)",

@@ -75,6 +75,11 @@ class IslandRecord:
     round's fresh pushes (:mod:`atoll.coordinator.policy.phase`), for its pull of that round's update."""
     relay: bool = False
     """It is a relay (``atoll relay``): its pushes carry the sum of its own islands'."""
+    stands_for: int = 1
+    """The islands its pushes count for in a quorum: a relay's, those its last push that entered named."""
+    behind: dict[str, Goodput] = field(default_factory=dict)
+    """A relay's islands (``relay/island``, through relays below it too): their compute into θ and
+    their time joined, as its pushes report them."""
     expiry_logged: bool = field(default=False, repr=False)
 
     def entered(
@@ -102,6 +107,21 @@ class IslandRecord:
         if on_time is not None:
             self.last_committed_round, opened_at = on_time
             self.arrival.observe(now - opened_at)
+
+
+def relayed(rec: IslandRecord, reports, now: float) -> None:
+    """A push of relay ``rec`` entered θ, reporting ``reports``: (name, seconds joined at its relay,
+    compute seconds, tokens) for each island behind it. It counts for that many islands in a quorum, and
+    each island's goodput counts from when it joined its relay (the root's clock, less its seconds
+    joined there; the earliest kept, so a gap while it was away counts against it)."""
+    rec.stands_for = max(len(reports), 1)
+    for name, joined_seconds, compute_seconds, tokens in reports:
+        joined_at = now - max(joined_seconds, 0.0)
+        g = rec.behind.get(name)
+        if g is None:
+            g = rec.behind[name] = Goodput(joined_at=joined_at, island=name)
+        g.joined_at = min(g.joined_at, joined_at)
+        g.entered(compute_seconds, 0.0, tokens)
 
 
 def island_state(rec: IslandRecord, now: float, open_round: int) -> str:
@@ -185,11 +205,11 @@ class Membership:
             rec = None
         new = rec is None or rec.num_ranks != num_ranks
         old = self.islands.get(island_id)
-        if new and old is not None and old.goodput is not None:  # a new process, or a new layout
-            old.goodput.left_at = now
-            self.past_goodput.append(old.goodput)
-        if new:
-            rec = IslandRecord(island_id, num_ranks, now, round_, goodput=Goodput(joined_at=now, island=island_id))
+        if new and old is not None:  # a new process, or a new layout
+            self._retire(old, now)
+        if new:  # (a relay's goodput is its islands': :attr:`IslandRecord.behind`)
+            goodput = None if relay else Goodput(joined_at=now, island=island_id)
+            rec = IslandRecord(island_id, num_ranks, now, round_, goodput=goodput)
             self.islands[island_id] = rec
         rec.session_id = session_id or rec.session_id
         rec.tensors = tensors or rec.tensors
@@ -224,12 +244,18 @@ class Membership:
 
     def _depart(self, island_id: str, how: str) -> None:
         rec = self.islands.pop(island_id, None)
-        if rec is not None and rec.goodput is not None:
-            rec.goodput.left_at = self.clock()
-            self.past_goodput.append(rec.goodput)
+        if rec is not None:
+            self._retire(rec, self.clock())
         self.departed[island_id] = how
         if self.bootstrapper == island_id:
             self.bootstrapper = None
+
+    def _retire(self, rec: IslandRecord, now: float) -> None:
+        """A record leaves: its goodput (a relay's: its islands') is kept for the run's, as of ``now``."""
+        for g in (rec.goodput, *rec.behind.values()):
+            if g is not None:
+                g.left_at = now
+                self.past_goodput.append(g)
 
     def left_goodput(self, island_id: str) -> Goodput | None:
         """The goodput of ``island_id``'s newest record that left (None: none did)."""
@@ -237,7 +263,8 @@ class Membership:
 
     def goodput(self) -> list[Goodput]:
         """Every island record's goodput bookkeeping of the run: the members' and those that left."""
-        return self.past_goodput + [r.goodput for r in self.islands.values() if r.goodput is not None]
+        live = [g for r in self.islands.values() for g in (r.goodput, *r.behind.values()) if g is not None]
+        return self.past_goodput + live
 
     def newly_expired(self) -> list[IslandRecord]:
         """Members whose lease ran out since the last call (each reported once, for the log)."""
@@ -265,9 +292,7 @@ class Membership:
         drop = {r.island_id: r for r in [*silent[: max(0, len(silent) - MAX_SILENT)], *old]}
         for island_id, rec in drop.items():
             del self.islands[island_id]
-            if rec.goodput is not None:
-                rec.goodput.left_at = rec.lease_expires_at
-                self.past_goodput.append(rec.goodput)
+            self._retire(rec, rec.lease_expires_at)
             if self.bootstrapper == island_id:
                 self.bootstrapper = None
         return list(drop)
@@ -303,7 +328,7 @@ class Membership:
                     "arrival": i.arrival.to_json(),
                     "cycle": i.cycle.to_json(),
                     "usual_weight": i.usual_weight,
-                    **({"relay": True} if i.relay else {}),
+                    **({"relay": True, "stands_for": i.stands_for} if i.relay else {}),
                 }
                 for i in self.islands.values()
             },
@@ -327,7 +352,8 @@ class Membership:
                 last_entered_round=int(rec.get("last_entered_round", rec.get("last_committed_round", -1))),
                 arrival=Arrival.from_json(rec.get("arrival")),
                 cycle=Arrival.from_json(rec.get("cycle")),
-                goodput=Goodput(joined_at=now, island=island_id),
+                goodput=None if rec.get("relay") else Goodput(joined_at=now, island=island_id),
                 usual_weight=float(rec.get("usual_weight", 0.0)),  # (a decoupled round's share needs it)
                 relay=bool(rec.get("relay", False)),
+                stands_for=int(rec.get("stands_for", 1)),  # (a quorum counts a relay's islands)
             )

@@ -36,6 +36,8 @@ from atoll.coordinator.policy.goodput import run_goodput
 from atoll.coordinator.state.held import held_bytes
 from atoll.coordinator.state.membership import IslandState
 from atoll.coordinator.state.record import RoundRecord
+from atoll.coordinator.transport import behind
+from atoll.coordinator.transport.behind import RECENT_ROUNDS
 from atoll.coordinator.transport.counters import Counters
 from atoll.coordinator.transport.guard import KEEPALIVE_SECONDS, ConnectionGuard, GuardedSite
 from atoll.errors import PortInUse
@@ -96,23 +98,32 @@ class _StateCollector:
             "atoll_tokens", "Tokens processed over the run", value=sum(h.tokens for h in s.history)
         )
         states = s.states()
-        g = GaugeMetricFamily("atoll_islands", "Islands by state", labels=["state"])
+        relayed = behind.states(s)
+        relays = {i for i, rec in s.membership.islands.items() if rec.relay}
+        g = GaugeMetricFamily(
+            "atoll_islands", "Islands by state (those behind relays, not the relays themselves)", labels=["state"]
+        )
+        counted = [v for i, v in states.items() if i not in relays] + list(relayed.values())
         for name in STATES:
-            g.add_metric([name], sum(1 for v in states.values() if v == name))
+            g.add_metric([name], sum(1 for v in counted if v == name))
         yield g
-        per = GaugeMetricFamily("atoll_island_state", "1 for each island's current state", labels=["island", "state"])
-        for island, state in states.items():
+        per = GaugeMetricFamily(
+            "atoll_island_state",
+            "1 for each island's current state (relays too; island: relay/island behind a relay)",
+            labels=["island", "state"],
+        )
+        for island, state in [*states.items(), *relayed.items()]:
             per.add_metric([island, state], 1)
         yield per
-        behind = GaugeMetricFamily(
+        relayed_tokens = GaugeMetricFamily(
             "atoll_relayed_island_tokens",
             "Tokens of each island behind a relay in the last closed round (island: relay/island)",
             labels=["island"],
         )
         for key, tokens in (s.history[-1].tokens_by_island if s.history else {}).items():
             if "/" in key:
-                behind.add_metric([key], tokens)
-        yield behind
+                relayed_tokens.add_metric([key], tokens)
+        yield relayed_tokens
         age = GaugeMetricFamily(
             "atoll_island_last_push_age_seconds", "Seconds since the island's last push counted", labels=["island"]
         )
@@ -145,6 +156,8 @@ class _StateCollector:
             if rec.goodput is not None:
                 per.add_metric([island], rec.goodput.ratio(now) or 0.0)
                 blocked.add_metric([island], rec.goodput.blocked_seconds)
+            for name, g in rec.behind.items():  # (a relay's islands: their blocked time is their relay's to see)
+                per.add_metric([name], g.ratio(now) or 0.0)
         yield per
         yield blocked
         yield GaugeMetricFamily(
@@ -336,33 +349,10 @@ class AdminServer:
         return json_response({"changed": changes, "operational": {k: config[k] for k in OPERATIONAL_FIELDS}})
 
 
-RECENT_ROUNDS = 100
-"""The rounds /api/status reports (its history's, and a relay's islands' figures)."""
-
-
-def behind_relay(relay: str, history) -> dict[str, dict]:
-    """The islands behind ``relay`` (``relay/island``, through relays below it too) over ``history``:
-    their tokens in the last of those rounds, and over them all their tokens, inner steps, compute
-    seconds and the rounds they entered."""
-    out: dict[str, dict] = {}
-    for h in history:
-        for key, tokens in h.tokens_by_island.items():
-            if key.startswith(f"{relay}/"):
-                row = out.setdefault(key, {"last_round_tokens": 0, "tokens": 0, "inner_steps": 0,
-                                           "compute_seconds": 0.0, "rounds": 0})  # fmt: skip
-                row["tokens"] += tokens
-                row["inner_steps"] += h.steps_by_island.get(key, 0)
-                row["compute_seconds"] += h.compute_seconds_by_island.get(key, 0.0)
-                row["rounds"] += 1
-    for key, tokens in (history[-1].tokens_by_island if history else {}).items():
-        if key in out:
-            out[key]["last_round_tokens"] = tokens
-    return out
-
-
 def status_json(server, started_at: float) -> dict:
     s = server.state
     states = s.states()
+    relayed = behind.states(s)
     now = s.clock()
     islands = []
     for island, state in states.items():
@@ -386,7 +376,7 @@ def status_json(server, started_at: float) -> dict:
                 last_push_age_seconds=None if rec.last_push_at is None else now - rec.last_push_at,
             )
             if rec.relay:
-                row.update(relay=True, behind=behind_relay(island, s.history[-RECENT_ROUNDS:]))
+                row.update(relay=True, behind=behind.rows(s, island, rec, now, relayed))
         else:  # left or evicted: what it did is still the run's history (its folded deltas too)
             row.update(rounds_committed=sum(island in (h.tokens_by_island or h.islands) for h in s.history))
         islands.append(row)

@@ -71,7 +71,13 @@ def push_header(h: pb.PushHeader) -> PushHeader:
         blocked_seconds=h.blocked_seconds,
         members=tuple(
             Member(
-                x.island_id, x.tokens, x.inner_steps, x.loss if x.HasField("loss") else None, x.compute_seconds, x.via
+                x.island_id,
+                x.tokens,
+                x.inner_steps,
+                x.loss if x.HasField("loss") else None,
+                x.compute_seconds,
+                x.via,
+                x.joined_seconds,
             )
             for x in h.members
         ),

@@ -89,6 +89,7 @@ def push_header(
             inner_steps=x.inner_steps,
             compute_seconds=x.compute_seconds,
             via=x.via,
+            joined_seconds=x.joined_seconds,
         )
         if x.loss is not None:
             member.loss = x.loss
