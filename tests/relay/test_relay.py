@@ -8,11 +8,14 @@ the same deltas, and the islands' θ bit for bit against the root's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import time
 
 import grpc
 import pytest
 import torch
+from coordinator.test_dashboard import CHROMIUM, render
 from support.core import SHAPES as CORE_SHAPES
 from support.core import join, push, rand, run_state
 from support.pki import make_pki
@@ -498,15 +501,14 @@ def test_a_relay_keeps_its_own_quorum_and_grace_and_takes_the_rest_of_the_runs_c
         island.close()
 
 
-def test_the_root_counts_a_relays_islands_in_its_quorum_and_shows_each_with_its_state_and_goodput(tmp_path, servers):
+@contextlib.contextmanager
+def one_island_late_behind_a_relay(tmp_path, servers, **root_kwargs):
     """Root --quorum 2, relay eu with two islands, island-2 at the root. Round 0: eu's push for its two
     islands is the quorum (the root does not wait for island-2: grace 0). Round 1: island-1 does not push;
     eu forwards island-0 alone once its own grace passed, and with island-2 that is the quorum again.
-    The root then shows eu/island-0 active and eu/island-1 late, each with its goodput, in /api/status
-    and /metrics. (Before: eu counted one, and round 0 waited for island-2.)"""
-    from atoll.coordinator.transport.admin import status_json
-
-    top = root(tmp_path, servers, config={"quorum": 2, "grace_window": "0", "round_deadline_seconds": 60.0})
+    Yields the root and when the islands had joined."""
+    top = root(tmp_path, servers, config={"quorum": 2, "grace_window": "0", "round_deadline_seconds": 60.0},
+               **root_kwargs)  # fmt: skip
     eu = RelayThread(top.address, "eu", tmp_path, grace_window="auto")
     servers.append(eu)
     islands = [RawIsland(a, f"island-{i}", SHAPES) for i, a in enumerate([eu.address, eu.address, top.address])]
@@ -524,7 +526,18 @@ def test_the_root_counts_a_relays_islands_in_its_quorum_and_shows_each_with_its_
         assert islands[0].push(delta(0, 1), round_=1, tokens=TOKENS[0]).committed
         assert islands[2].push(delta(2, 1), round_=1, tokens=TOKENS[2]).committed
         wait_for(lambda: top.inspect(lambda s: s.round) == 2, timeout=30, what="round 1 with eu's island-0")
+        yield top, joined
+    finally:
+        for isl in islands:
+            isl.close()
 
+
+def test_the_root_counts_a_relays_islands_in_its_quorum_and_shows_each_with_its_state_and_goodput(tmp_path, servers):
+    """The root shows eu/island-0 active and eu/island-1 late, each with its goodput, in /api/status and
+    /metrics. (Before: eu counted one in the quorum, and round 0 waited for island-2.)"""
+    from atoll.coordinator.transport.admin import status_json
+
+    with one_island_late_behind_a_relay(tmp_path, servers) as (top, joined):
         status = top.call(_async(lambda: status_json(top.server, 0.0)))
         behind = next(r for r in status["islands"] if r["island"] == "eu")["behind"]
         assert list(behind) == ["eu/island-0", "eu/island-1"]
@@ -539,9 +552,18 @@ def test_the_root_counts_a_relays_islands_in_its_quorum_and_shows_each_with_its_
         assert 'atoll_island_state{island="eu/island-1",state="late"} 1.0' in text
         assert 'atoll_island_goodput{island="eu/island-0"}' in text
         assert 'atoll_islands{state="active"} 2.0' in text  # island-0 behind eu, island-2: not eu itself
-    finally:
-        for isl in islands:
-            isl.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run does)")
+def test_the_dashboard_lists_a_relays_islands_under_it(tmp_path, servers):
+    from atoll.coordinator.options import AdminOptions
+
+    with one_island_late_behind_a_relay(tmp_path, servers, admin=AdminOptions(port=0)) as (top, _):
+        dom = render(f"{top.server.admin.address}/dashboard", tmp_path / "profile")
+    names = re.findall(r"<tr(?: class=\"behind\")?><td>(.*?)</td><td class=\"state-(\w+)\">", dom)
+    assert names == [("eu (relay)", "active"), ("eu/island-0", "active"), ("eu/island-1", "late"),
+                     ("island-2", "active")], names  # fmt: skip
+    assert '<span id="islands-count">3 live of 3</span>' in dom  # the islands, not the relay
 
 
 def _async(fn):
