@@ -143,7 +143,8 @@ def test_a_relays_goodput_is_its_islands_each_from_its_join_at_the_relay_and_kep
     m, clock = membership()
     relay, _ = m.join("eu", num_ranks=1, session_id="s", round_=0, relay=True)
     alone, _ = m.join("a", num_ranks=1, session_id="t", round_=0)
-    assert relay.goodput is None
+    assert relay.goodput is None and relay.stands_for is None  # (how many islands it stands for: not known yet)
+    assert alone.stands_for == 1
     clock.now = 110.0  # eu's first push: x joined at eu 10 s ago, y 4 s ago; x computed 5 s, y 4 s
     relayed(relay, [("eu/x", 10.0, 5.0, 50), ("eu/y", 4.0, 4.0, 40)], clock())
     alone.entered(0, now=clock(), usual_weight=1.0, compute_seconds=10.0, blocked_seconds=0.0, tokens=9, on_time=None)
@@ -156,6 +157,11 @@ def test_a_relays_goodput_is_its_islands_each_from_its_join_at_the_relay_and_kep
     clock.now = 120.0
     relayed(relay, [("eu/x", 0.0, 5.0, 50)], clock())  # x re-joined its relay: its earlier time still counts
     assert relay.behind["eu/x"].ratio(clock()) == pytest.approx(10 / 20) and relay.stands_for == 1
+    saved = m.to_json()["islands"]
+    restored = Membership(clock, lambda: 10.0)
+    restored.restore(saved, {})
+    assert (restored.islands["eu"].stands_for, restored.islands["a"].stands_for) == (1, 1)
+    assert restored.islands["eu"].goodput is None and restored.islands["eu"].relay
     m.leave("eu")
     clock.now = 200.0
     assert m.left_goodput("eu/x").ratio(clock()) == pytest.approx(10 / 20)  # (as of its relay's leaving)

@@ -250,3 +250,8 @@ def test_a_quorum_counts_the_islands_behind_a_relay_not_its_one_push():
         "round 1 cannot reach quorum 3: 2 island(s) committed or alive (us)"
     )
     assert stall(0.5, RoundView(round=1, opened_at=0.0, islands=(gone, us)), policy) is None  # eu's four alive
+    # A relay that has not pushed yet may stand for any number of islands: no stall is claimed for it
+    # (before: "round 0 cannot reach quorum 2: 1 island(s) ... (relay-0)" while its two islands trained).
+    new = IslandView(island_id="eu", lease_expires_at=100.0, committed=False, counts=None)
+    assert stall(2.0, RoundView(round=0, opened_at=0.0, islands=(new,)), policy) is None
+    assert decide(2.0, RoundView(round=0, opened_at=0.0, islands=(new,)), policy)[0] is Decision.WAIT

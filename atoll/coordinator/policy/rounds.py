@@ -63,9 +63,9 @@ class IslandView:
     """It holds an older θ than the open round's: its next push is for an older round."""
     cycle_seconds: float | None = None
     """The time between its pushes that count, smoothed, on the coordinator's clock (None: not known)."""
-    counts: int = 1
+    counts: int | None = 1
     """The islands its push stands for: a relay's, the islands behind it (its push this round once
-    committed, else its last one); 1 for an island."""
+    committed, else its last one; None: a relay that has not pushed yet); 1 for an island."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,8 +116,8 @@ def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision,
 
 
 def counted(islands) -> int:
-    """The islands these views stand for (a relay's: the islands behind it)."""
-    return sum(i.counts for i in islands)
+    """The islands these views stand for (a relay's: the islands behind it; one not known yet: 1)."""
+    return sum(1 if i.counts is None else i.counts for i in islands)
 
 
 def waited_for(now: float, state: RoundView, policy: RoundPolicy) -> list[IslandView]:
@@ -154,7 +154,7 @@ def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | N
 def _quorum_at(state: RoundView, policy: RoundPolicy) -> float | None:
     """When the committed pushes reached the quorum, in islands (None: they have not)."""
     times = sorted(
-        (i.committed_at if i.committed_at is not None else state.opened_at, i.counts)
+        (i.committed_at if i.committed_at is not None else state.opened_at, 1 if i.counts is None else i.counts)
         for i in state.islands
         if i.committed
     )
@@ -184,9 +184,10 @@ def stall(now: float, state: RoundView, policy: RoundPolicy) -> str | None:
     quorum), with what would unblock it; None while it can still close."""
     committed = sorted(i.island_id for i in state.islands if i.committed)
     live = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at > now)
-    can = counted(i for i in state.islands if i.committed or i.lease_expires_at > now)
-    if can >= policy.quorum:
-        return None
+    alive = [i for i in state.islands if i.committed or i.lease_expires_at > now]
+    if counted(alive) >= policy.quorum or any(i.counts is None for i in alive):
+        return None  # (a live relay that has not pushed yet may stand for the islands still needed)
+    can = counted(alive)
     gone = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at <= now)
     if not can and not gone:
         return None  # no member at all: the run waits for islands to join

@@ -75,8 +75,9 @@ class IslandRecord:
     round's fresh pushes (:mod:`atoll.coordinator.policy.phase`), for its pull of that round's update."""
     relay: bool = False
     """It is a relay (``atoll relay``): its pushes carry the sum of its own islands'."""
-    stands_for: int = 1
-    """The islands its pushes count for in a quorum: a relay's, those its last push that entered named."""
+    stands_for: int | None = 1
+    """The islands its pushes count for in a quorum: a relay's, those its last push that entered named
+    (None: a relay that has not pushed yet)."""
     behind: dict[str, Goodput] = field(default_factory=dict)
     """A relay's islands (``relay/island``, through relays below it too): their compute into θ and
     their time joined, as its pushes report them."""
@@ -107,6 +108,13 @@ class IslandRecord:
         if on_time is not None:
             self.last_committed_round, opened_at = on_time
             self.arrival.observe(now - opened_at)
+
+
+def _stands_for(saved: dict) -> int | None:
+    """A restored record's :attr:`IslandRecord.stands_for`."""
+    if not saved.get("relay"):
+        return 1
+    return None if saved.get("stands_for") is None else int(saved["stands_for"])
 
 
 def relayed(rec: IslandRecord, reports, now: float) -> None:
@@ -209,7 +217,7 @@ class Membership:
             self._retire(old, now)
         if new:  # (a relay's goodput is its islands': :attr:`IslandRecord.behind`)
             goodput = None if relay else Goodput(joined_at=now, island=island_id)
-            rec = IslandRecord(island_id, num_ranks, now, round_, goodput=goodput)
+            rec = IslandRecord(island_id, num_ranks, now, round_, goodput=goodput, stands_for=None if relay else 1)
             self.islands[island_id] = rec
         rec.session_id = session_id or rec.session_id
         rec.tensors = tensors or rec.tensors
@@ -355,5 +363,5 @@ class Membership:
                 goodput=None if rec.get("relay") else Goodput(joined_at=now, island=island_id),
                 usual_weight=float(rec.get("usual_weight", 0.0)),  # (a decoupled round's share needs it)
                 relay=bool(rec.get("relay", False)),
-                stands_for=int(rec.get("stands_for", 1)),  # (a quorum counts a relay's islands)
+                stands_for=_stands_for(rec),  # (a quorum counts a relay's islands)
             )
