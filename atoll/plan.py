@@ -86,6 +86,22 @@ OUTER_SECONDS_PER_PARAM_BY_DOWNLINK = {"sparse": 10.2e-9}
 of three ``sparse`` pushes (at most 3/128 of it nonzero: 1.27 s at 124M on one thread,
 ``coordinator_costs.py --sum-density 0.0234375``; 1.92-1.97 s on a dense sum, against int8's 0.68 s;
 the daemon logged 1.2-1.4 s in ``wan_utilisation.py``'s runs: benchmarks/RESULTS.md "Issue 52")."""
+RELAY_SECONDS_PER_PARAM = {
+    "identity": 4.81e-9,
+    "bf16": 6.29e-9,
+    "int8": 6.80e-9,
+    "int4": 9.57e-9,
+    "sparse": 12.79e-9,
+}
+"""A relay's own work in a round per parameter, one CPU thread, besides decoding its islands' pushes
+(:data:`DECODE_SECONDS_PER_PARAM` each): their mean encoded in the run's codec with the relay's error
+feedback (a lossy codec: the mean, plus the residual, encoded, decoded, the new residual), and the
+update it pulls applied to its θ with the payload kept to serve its islands
+(``benchmarks/coordinator_costs.py --relays``, at 124M; ``sparse``'s on a dense mean, the dearest
+case). The relay's work is serial with its hops: it encodes the whole mean before its push, and
+applies the whole update before its islands pull it. It was priced as one decode each way (0.41 s at
+124M int8, against 0.85 s measured), and ``wan_utilisation.py --relays 1`` measured the relayed
+exchange 1.05 s longer than planned: benchmarks/RESULTS.md, "Issue 56")."""
 RECORD_SECONDS = 0.02
 """Each exchange's record made durable before its update is served (its header, fsync, rename): the
 coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_utilisation.py``'s runs."""
@@ -96,6 +112,11 @@ def outer_per_param(downlink: str) -> float:
     from atoll.compression import codec_name
 
     return OUTER_SECONDS_PER_PARAM_BY_DOWNLINK.get(codec_name(downlink), OUTER_SECONDS_PER_PARAM)
+
+
+def relay_per_param(name: str) -> float:
+    """:data:`RELAY_SECONDS_PER_PARAM` of a codec by its name (the dearest figure for one not timed)."""
+    return RELAY_SECONDS_PER_PARAM.get(name, max(RELAY_SECONDS_PER_PARAM.values()))
 
 
 def decode_per_param(name: str) -> float:
@@ -269,8 +290,7 @@ def estimate(
         fan, near = math.ceil(islands / relays), streams_for(site)
         push += push_seconds(fan * up_bytes / p, site, near * fan)
         pull += pull_seconds(fan * down_bytes / p, site, near * fan)
-        apply = decode_per_param(get_codec(down).name) * params
-        coordinator += fan * decode + decode + apply  # its islands' pushes, its own mean's encode, the update
+        coordinator += fan * decode + relay_per_param(codec.name) * params  # its islands' pushes; its own work
     exchange = push + coordinator / p + pull
     compute = cand.sync_every * step_seconds
     hidden = cand.overlap_steps * step_seconds

@@ -2,7 +2,7 @@
 
     python benchmarks/coordinator_costs.py [--model gpt-125m] [--codecs identity int8 int4 dcttopk]
                                            [--downlinks int8 identity] [--repeat 3] [--threads 1]
-                                           [--sum-density 1.0]
+                                           [--sum-density 1.0] [--relays int8 identity]
 
 - **decode**: one island's push decoded into the round's sum, as the coordinator does it when the
   push commits (``decode_add_`` of every tensor, the payloads already checked: ``verified=True``),
@@ -13,6 +13,10 @@
   ``GlobalModel.step`` runs it in the daemon; the record's writes finishing after the step (the
   daemon's ``persist_seconds``, :data:`atoll.plan.RECORD_SECONDS`) and the sum's fresh copy for the
   next run are left out of the time.
+
+- **relay**: a relay's own work in a round besides decoding its islands' pushes: their mean encoded
+  with its error feedback, and the update it pulls applied to its θ with the payload kept to serve
+  (:data:`atoll.plan.RELAY_SECONDS_PER_PARAM`).
 
 The outer step's sum holds random values; ``--sum-density D`` keeps a random D of them and zeroes
 the rest: the sum of N pushes of a codec that keeps a share s of each holds at most N·s nonzeros
@@ -115,6 +119,41 @@ def outer_seconds(theta: dict[str, torch.Tensor], spec: str, repeat: int, densit
         return timed(run, repeat, after=drain)
 
 
+def relay_seconds(theta: dict[str, torch.Tensor], spec: str, repeat: int) -> tuple[float, float]:
+    """A relay's own work in a round besides decoding its islands' pushes (:mod:`atoll.relay.link`):
+    the mean of their sum encoded in the run's codec ``spec`` with its error feedback
+    (:func:`~atoll.relay.link.encode_mean`), and the update pulled in ``spec``'s downlink applied to θ as
+    an island applies it, its payload kept to serve (``RelayUpstream._apply``): (seconds, seconds)."""
+    from atoll.compression import codec_of
+    from atoll.plan import downlink_for
+    from atoll.relay.link import encode_mean
+
+    codec, down = get_codec(spec), get_codec(downlink_for(spec))
+    gen = torch.Generator().manual_seed(3)
+    sums = {n: torch.randn(t.shape, generator=gen) * 1e-3 for n, t in theta.items()}
+    ef: dict[str, torch.Tensor] = {}
+    fresh = []
+
+    def encode() -> None:
+        encode_mean(fresh.pop(), 2.0, codec, ef)
+
+    def refill() -> None:
+        fresh.append({n: t.clone() for n, t in sums.items()})
+
+    refill()
+    encoded = timed(encode, repeat, after=refill)
+    updates = {n: down.encode((t * 1e-3).contiguous()) for n, t in sums.items()}
+    out = {n: torch.empty_like(t) for n, t in theta.items()}
+
+    def apply() -> None:
+        for n, payload in updates.items():
+            out[n].copy_(theta[n])
+            codec_of(payload).add_decoded_(payload, out[n])
+            bytearray(payload)
+
+    return encoded, timed(apply, repeat)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-125m", choices=sorted(VOCAB))
@@ -123,6 +162,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the daemon's --threads)")
     p.add_argument("--sum-density", type=float, default=1.0, help="the share of the outer step's sum that is nonzero")
+    p.add_argument("--relays", nargs="*", default=["int8", "identity"], help="codecs to time a relay's own work in")
     a = p.parse_args()
     tune_for_bulk_buffers()
     torch.set_num_threads(a.threads)
@@ -139,7 +179,17 @@ def main() -> None:
         s = outer_seconds(theta, spec, a.repeat, a.sum_density)
         outer[spec] = s / numel
         print(f"  outer step, {spec} downlink, record streamed: {s:.3f} s ({s / numel * 1e9:.2f} ns/param)", flush=True)
-    print(json.dumps({"decode_seconds_per_param": decode, "outer_seconds_per_param": outer}))
+    relay = {}
+    for spec in a.relays:
+        encoded, applied = relay_seconds(theta, spec, a.repeat)
+        relay[spec] = (encoded + applied) / numel
+        print(
+            f"  a relay's own work, {spec}: its mean encoded {encoded:.3f} s, the update applied {applied:.3f} s "
+            f"({relay[spec] * 1e9:.2f} ns/param together)",
+            flush=True,
+        )
+    print(json.dumps({"decode_seconds_per_param": decode, "outer_seconds_per_param": outer,
+                      "relay_seconds_per_param": relay}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def measure(a, overlap: int) -> dict:
     rate, rtt = (float(x) for x in a.link.split(":"))
     spec = LinkSpec(rate_mbit=rate, rtt_ms=rtt, tuned_buffers=False)
     with tempfile.TemporaryDirectory(prefix="util-") as tmp, ExitStack() as stack:
-        links = [stack.enter_context(Link(spec, index=i)) for i in range(a.islands)]
+        links = [stack.enter_context(Link(spec, index=i)) for i in range(a.relays or a.islands)]
         port_file = Path(tmp) / "port"
         flags = [
             "--host", "0.0.0.0", "--port", "0", "--port-file", str(port_file), "--state-dir", str(Path(tmp) / "s"),
@@ -122,7 +122,7 @@ def measure(a, overlap: int) -> dict:
         if a.fragments > 1:
             flags += ["--fragments", str(a.fragments)]
         coord = subprocess.Popen([sys.executable, "-m", "atoll", "coordinator", *flags], cwd=ROOT)
-        procs = []
+        procs, helpers = [], []
         try:
             while not port_file.exists():
                 if coord.poll() is not None:
@@ -130,10 +130,16 @@ def measure(a, overlap: int) -> dict:
                 time.sleep(0.1)
             time.sleep(0.5)
             ports = [p.split(":")[-1] for p in port_file.read_text().strip().split(",")]
-            for i, link in enumerate(links):
-                addresses = ",".join(f"{link.coordinator_host}:{p}" for p in ports)
+            relays = [start_relay(link, k, ports, Path(tmp), ca) for k, link in enumerate(links)] if a.relays else []
+            helpers += [proc for proc, _ in relays]
+            for i in range(a.islands):
+                link = links[i % len(links)]
+                if relays:  # beside its relay, in the relay's site (its namespace's loopback)
+                    addresses, island_ca = relays[i % len(relays)][1], ""
+                else:
+                    addresses, island_ca = ",".join(f"{link.coordinator_host}:{p}" for p in ports), ca
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--island", addresses, f"site-{i}",
-                       "--overlap-steps", str(overlap), *island_flags(a), "--tls-ca", ca]  # fmt: skip
+                       "--overlap-steps", str(overlap), *island_flags(a), "--tls-ca", island_ca]  # fmt: skip
                 procs.append(subprocess.Popen(link.site_command(cmd), stdout=subprocess.PIPE, text=True, cwd=ROOT))
             outs = [p.communicate(timeout=3600)[0] for p in procs]
             if a.dump:
@@ -145,7 +151,7 @@ def measure(a, overlap: int) -> dict:
             with urllib.request.urlopen(f"http://127.0.0.1:{admin}/api/status", timeout=30) as resp:
                 served = json.loads(resp.read())["history"]  # (fragment 0's: the admin server shows it)
         finally:
-            for p in procs:
+            for p in procs + helpers:
                 if p.poll() is None:
                     p.kill()
             coord.terminate()
@@ -183,6 +189,23 @@ def measure(a, overlap: int) -> dict:
             "run_sync_seconds": statistics.mean(blocked) if blocked else 0.0,
             "run_background_seconds": statistics.mean(background) if background else 0.0,
             "coordinator": coordinator_split(history, a, overlap)}  # fmt: skip
+
+
+def start_relay(link, k: int, ports: list[str], tmp: Path, ca: str) -> tuple[subprocess.Popen, str]:
+    """Relay ``k`` (``atoll relay``) in ``link``'s site, its upstream the coordinator across the link:
+    the process and the address its islands reach it at (the site's loopback)."""
+    port_file = tmp / f"relay-{k}.port"
+    flags = [
+        "relay", "--upstream", f"{link.coordinator_host}:{ports[0]}", "--run-id", "u", "--relay-id", f"relay-{k}",
+        "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--log-level", "WARNING",
+        *(["--upstream-ca", ca] if ca else []),
+    ]  # fmt: skip
+    proc = subprocess.Popen(link.site_command([sys.executable, "-m", "atoll", *flags]), cwd=ROOT)
+    while not port_file.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"relay {k} exited")
+        time.sleep(0.1)
+    return proc, f"127.0.0.1:{port_file.read_text().strip().split(',')[0].split(':')[-1]}"
 
 
 def coordinator_split(history: list[dict], a, overlap: int) -> dict:
@@ -263,9 +286,15 @@ def predicted(a, overlap: int, host_seconds: float = 0.0, background: float = 0.
         Candidate(codec=a.codec, sync_every=a.sync_every, overlap_steps=overlap, fragments=a.fragments),
         shapes=shapes, step_seconds=a.step_seconds, islands=a.islands,
         link=PlanLink(rate_mbit=rate, rtt_ms=rtt, mtu=9000, tls=getattr(a, "tls", False)), host_seconds=host_seconds,
-        background_seconds=background,
+        background_seconds=background, relays=getattr(a, "relays", 0),
+        site=PlanLink(rate_mbit=SITE_MBIT, rtt_ms=SITE_RTT_MS, tls=False),
     )  # fmt: skip
     return e.utilisation, e.sync_seconds, e.stall_seconds
+
+
+SITE_MBIT, SITE_RTT_MS = 10_000.0, 0.5
+"""The islands' link to their relay in the planner (``atoll plan``'s defaults): here the loopback of
+the relay's namespace, which the planner prices as such a link."""
 
 
 def replan(log: Path) -> None:
@@ -276,7 +305,7 @@ def replan(log: Path) -> None:
             continue
         r = json.loads(line)
         keys = ("link", "islands", "step_seconds", "sync_every", "codec", "fragments")
-        a = argparse.Namespace(**{k: r[k] for k in keys}, tls=r.get("tls", False))
+        a = argparse.Namespace(**{k: r[k] for k in keys}, tls=r.get("tls", False), relays=r.get("relays", 0))
         own = r["run_host_seconds"], r.get("run_background_seconds", 0.0)
         util, sync, stall = predicted(a, r["overlap_steps"], *own)
         print(
@@ -291,6 +320,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--link", default="100:100", help="RATE_MBIT:RTT_MS of each island's link")
     p.add_argument("--islands", type=int, default=2)
+    p.add_argument(
+        "--relays",
+        type=int,
+        default=0,
+        help="the islands sit behind this many relays (atoll relay), island i behind relay i mod R: each relay "
+        "has the --link to the coordinator, its islands its namespace's loopback (0: each island its own link)",
+    )
     p.add_argument("--step-seconds", type=float, default=0.1)
     p.add_argument("--sync-every", type=int, default=100)
     p.add_argument("--rounds", type=int, default=4)
@@ -321,9 +357,13 @@ def main() -> None:
     if a.island:
         island(a.island[0], a.island[1], a)
         return
+    if a.relays and (a.fragments > 1 or a.relays > a.islands):
+        p.error("--relays needs --fragments 1 and at most --islands relays")
     enter_namespace([str(Path(__file__).resolve()), *sys.argv[1:]])
     print(
-        f"gpt-125m, {a.islands} islands each on its own {a.link} link (Mbit/s:ms), a replayed step of "
+        f"gpt-125m, {a.islands} islands "
+        + (f"behind {a.relays} relays, each relay" if a.relays else "each")
+        + f" on its own {a.link} link (Mbit/s:ms), a replayed step of "
         f"{a.step_seconds:g} s, H={a.sync_every}, {a.codec}, {a.fragments} fragment(s), {a.rounds} rounds "
         f"(measured: from round {a.warmup if a.warmup is not None else '1 (2 with overlap)'} to {a.rounds - 2})"
         f"{', TLS' if a.tls else ''}",
@@ -349,7 +389,7 @@ def main() -> None:
             f"seconds lost a round, by step: {got['lost_per_round']}",
             flush=True,
         )
-        keys = ("link", "islands", "step_seconds", "sync_every", "codec", "fragments", "tls", "dense")
+        keys = ("link", "islands", "relays", "step_seconds", "sync_every", "codec", "fragments", "tls", "dense")
         settings = {k: getattr(a, k) for k in keys}
         print(
             json.dumps(

@@ -13,6 +13,7 @@ from atoll.plan import (
     DECODE_SECONDS_PER_PARAM,
     OUTER_SECONDS_PER_PARAM,
     RECORD_SECONDS,
+    RELAY_SECONDS_PER_PARAM,
     Candidate,
     Link,
     data_seconds,
@@ -263,8 +264,9 @@ def test_relays_take_the_wan_for_their_islands_and_add_their_own_hop_and_work(ca
     nbytes = relayed.bytes_up_per_round
     near = streams_for(site)
     hops = push_seconds(8 * nbytes, site, 8 * near) + pull_seconds(8 * nbytes, site, 8 * near)
-    assert relayed.coordinator_seconds == pytest.approx(flat4.coordinator_seconds + 8 * decode + 2 * decode)
-    assert relayed.sync_seconds == pytest.approx(flat4.sync_seconds + hops + 10 * decode)
+    own = RELAY_SECONDS_PER_PARAM["int8"] * 124e6  # its mean encoded, the update applied (0.84 s)
+    assert relayed.coordinator_seconds == pytest.approx(flat4.coordinator_seconds + 8 * decode + own)
+    assert relayed.sync_seconds == pytest.approx(flat4.sync_seconds + hops + 8 * decode + own)
     assert relayed.sync_seconds < flat32.sync_seconds / 4  # the root's link no longer carries 32 pushes
     with pytest.raises(SystemExit) as exited:
         main(["plan", "--model", "tiny", "--step-seconds", "0.3", "--islands", "4", "--relays", "5",

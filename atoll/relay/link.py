@@ -77,6 +77,25 @@ def merged(reports: list[Member]) -> list[Member]:
     return list(out.values())
 
 
+def encode_mean(sums: dict[str, torch.Tensor], weight: float, codec, ef: dict[str, torch.Tensor]) -> list[bytearray]:
+    """The payloads of the weighted mean ``sums / weight`` in ``codec``, tensor by tensor; ``sums`` is
+    divided in place (its storage becomes θ_{r+1} afterwards). A lossy codec encodes the mean plus the
+    residual its last encoding left (``ef``, by tensor, updated here): what it drops is carried to the
+    next round, not lost."""
+    payloads = []
+    for name, t in sums.items():
+        t.div_(weight if weight > 0 else 1.0)
+        if codec.lossy:
+            e = ef.setdefault(name, torch.zeros_like(t))
+            t.add_(e)
+            payload = codec.encode(t)
+            torch.sub(t, codec.decode(payload, tuple(t.shape)), out=e)
+        else:
+            payload = codec.encode(t)
+        payloads.append(payload)
+    return payloads
+
+
 class RelayUpstream:
     def __init__(
         self,
@@ -277,19 +296,8 @@ class RelayUpstream:
         made: Callable[[str, bytearray], None],
     ) -> tuple[dict[str, torch.Tensor], dict[str, bytearray] | None, int]:
         config = self.state.config
-        codec = get_codec(config.codec)
         names = list(sums)
-        payloads = []
-        for name in names:  # the weighted mean, in place (sums' storage becomes θ_{r+1} below)
-            t = sums[name].div_(weight if weight > 0 else 1.0)
-            if codec.lossy:
-                ef = self._ef.setdefault(name, torch.zeros_like(t))
-                t.add_(ef)
-                payload = codec.encode(t)
-                torch.sub(t, codec.decode(payload, tuple(t.shape)), out=ef)
-            else:
-                payload = codec.encode(t)
-            payloads.append(payload)
+        payloads = encode_mean(sums, weight, get_codec(config.codec), self._ef)
         joined = self._joined_seconds()
         reports = merged(
             [m for island, x in sorted(members, key=lambda p: p[0]) for m in via(island, x, joined(island))]
