@@ -285,12 +285,15 @@ def estimate(
     pull = pull_seconds(down_bytes / p, link, streams)
     if coordinator_mbit:
         pull = max(pull, pull_seconds(members * down_bytes / p, shared, streams * members))
+    near_push = near_pull = 0.0  # the legs an island's own streamed work overlaps: its own link's
     if relays:  # the site's hop each way, on the relay's own link, and the relay's work between
         site = site or Link(rate_mbit=10_000.0, rtt_ms=0.5)
         fan, near = math.ceil(islands / relays), streams_for(site)
-        push += push_seconds(fan * up_bytes / p, site, near * fan)
-        pull += pull_seconds(fan * down_bytes / p, site, near * fan)
+        near_push = push_seconds(fan * up_bytes / p, site, near * fan)
+        near_pull = pull_seconds(fan * down_bytes / p, site, near * fan)
         coordinator += fan * decode + relay_per_param(codec.name) * params  # its islands' pushes; its own work
+    far_push, far_pull = push, pull  # (the root's link: the island's own, or its relay's)
+    push, pull = far_push + near_push, far_pull + near_pull
     exchange = push + coordinator / p + pull
     compute = cand.sync_every * step_seconds
     hidden = cand.overlap_steps * step_seconds
@@ -299,8 +302,12 @@ def estimate(
     else:  # streamed with the transfers: the apply with the pull, a stateless codec's encoding with the push
         apply = min(host_seconds, decode_per_param(get_codec(down).name) * params) / p
         encode = host_seconds / p - apply
-        out = push + encode if codec.stateful else max(push, encode)
-        stall = p * (out + coordinator / p + max(pull, apply))
+        # Behind a relay the island's own work streams with its hop to the relay, not with the relay's
+        # hop to the root: the relay pushes once it has every push, and serves once it has the update.
+        first = near_push if relays else push
+        out = push + encode if codec.stateful else push - first + max(first, encode)
+        last = near_pull if relays else pull
+        stall = p * (out + coordinator / p + pull - last + max(last, apply))
     busy = max(compute + stall, p * exchange if cand.overlap_steps else 0.0)  # the link carries one at a time
     return Estimate(
         codec=cand.codec,

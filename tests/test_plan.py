@@ -272,3 +272,26 @@ def test_relays_take_the_wan_for_their_islands_and_add_their_own_hop_and_work(ca
         main(["plan", "--model", "tiny", "--step-seconds", "0.3", "--islands", "4", "--relays", "5",
               "--bandwidth-mbit", "100", "--rtt-ms", "50"])  # fmt: skip
     assert exited.value.code == 2 and "--relays 5 is more than the --islands 4" in capsys.readouterr().err
+
+
+def test_an_islands_own_work_behind_a_relay_streams_with_its_hop_to_the_relay_not_with_the_wan():
+    """A flat island encodes a stateless codec's payload as its push goes and applies the update as its
+    pull comes: over a 100 Mbit/s link that work hides in the transfer. Behind a relay its push goes to the
+    relay over the site's link (fast) and the relay's own push starts once it has every island's; the
+    update reaches the island only once the relay has it whole. So its work hides in its site hop only.
+    (Before: hidden in the WAN hop; wan_utilisation.py --relays measured the islands' sync 1.0-1.5 s above
+    the plan, their own host work per round.)"""
+    shapes = [(124_000_000,)]
+    wan, site = Link(rate_mbit=100, rtt_ms=100), Link(rate_mbit=10_000, rtt_ms=0.5)
+    cand = Candidate(codec="int8", sync_every=100, overlap_steps=0, fragments=1)
+    kw = dict(shapes=shapes, step_seconds=0.3, link=wan, islands=2)
+    flat = [estimate(cand, host_seconds=h, **kw).stall_seconds for h in (0.0, 1.0)]
+    assert flat[1] == pytest.approx(flat[0])  # 1 s of work hidden in 10-s transfers
+    relayed = [estimate(cand, host_seconds=h, relays=1, site=site, **kw) for h in (0.0, 1.0)]
+    nbytes, down = relayed[0].bytes_up_per_round, relayed[0].bytes_down_per_round
+    near = streams_for(site)
+    apply = DECODE_SECONDS_PER_PARAM["int8"] * 124e6
+    up_hop, down_hop = push_seconds(2 * nbytes, site, 2 * near), pull_seconds(2 * down, site, 2 * near)
+    exposed = max(up_hop, 1.0 - apply) - up_hop + max(down_hop, apply) - down_hop
+    assert exposed > 0.5
+    assert relayed[1].stall_seconds == pytest.approx(relayed[0].stall_seconds + exposed)
