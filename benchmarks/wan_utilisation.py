@@ -151,8 +151,15 @@ def measure(a, overlap: int) -> dict:
             with urllib.request.urlopen(f"http://127.0.0.1:{admin}/api/status", timeout=30) as resp:
                 served = json.loads(resp.read())["history"]  # (fragment 0's: the admin server shows it)
         finally:
-            for p in procs + helpers:
+            for p in procs:
                 if p.poll() is None:
+                    p.kill()
+            for p in helpers:  # relays: stopped, so that they remove their state dirs
+                p.terminate()
+            for p in helpers:
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
                     p.kill()
             coord.terminate()
             coord.wait(30)

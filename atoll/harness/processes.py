@@ -150,8 +150,13 @@ class ProcessGroup:
     ) -> ManagedProcess:
         """``python -m atoll ARGS`` (in ``cwd``, or this process's); with island-side ``faults`` (JSON,
         :mod:`atoll.harness.faults`) the island runs under the harness's entry point, which injects them.
-        ``module``: another one to run (``atoll.harness.seaweed``)."""
+        ``module``: another one to run (``atoll.harness.seaweed``). Its temporary files go under the
+        group's work dir (``TMPDIR``, unless ``env`` names one): the group SIGKILLs its processes at its
+        end, and what they could not remove (a relay's state dir) stays with the run, not in /tmp."""
         entry = ["atoll.harness.island", "--faults", faults] if faults else [module]
+        tmp = self.work_dir / "tmp"
+        tmp.mkdir(exist_ok=True)
+        env = {"TMPDIR": str(tmp), **(env or {})}
         proc = ManagedProcess(name, [self.python, "-m", *entry, *args], self.work_dir, env, cwd)
         self.processes.append(proc)
         return proc

@@ -6,7 +6,9 @@ SIGINT/SIGTERM or until a background task fails.
 Islands join the relay as they join a coordinator (``atoll island --coordinator relay:7071``). The
 relay takes the run's configuration from its upstream when its first island joins; its own state (the
 rounds it forwarded, for its islands' catch-up) lives in a temporary dir removed at exit: a restarted
-relay joins afresh and takes θ from its upstream.
+relay joins afresh and takes θ from its upstream. A relay that could not remove its dir (SIGKILLed, or
+its machine lost power: 2.8 GB at 124M after four rounds) leaves it to the next relay started on the
+machine, which removes it (:func:`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shutil
 import signal
 import socket
 import tempfile
@@ -22,6 +25,8 @@ from pathlib import Path
 
 from atoll.coordinator import options as flags_of
 from atoll.coordinator.config import RunConfig
+from atoll.coordinator.disk.lock import LOCK, StateLock
+from atoll.coordinator.disk.snapshots import StateError
 from atoll.coordinator.main import write_port_file
 from atoll.coordinator.policy import grace
 from atoll.coordinator.transport.options import AdminOptions, NetworkOptions, SecurityOptions
@@ -32,6 +37,31 @@ from atoll.memory import tune_for_bulk_buffers
 from atoll.relay.link import RelayUpstream
 
 log = logging.getLogger("atoll.relay")
+
+STATE_PREFIX = "atoll-relay-"
+"""The relay's temporary state dir's name begins so (in ``tempfile.gettempdir()``)."""
+
+
+def sweep_stale(root: Path) -> list[Path]:
+    """Remove the state dirs that relays which died left in ``root``; returns them. A dir is stale when
+    its ``.lock`` names a writer (the relay took the dir's lock) and nobody holds that lock now: the
+    kernel drops it with its process. A dir whose lock is held (a live relay), or that has no ``.lock``
+    yet (a relay starting), is left alone, as is anything not named :data:`STATE_PREFIX`."""
+    removed = []
+    for d in sorted(root.glob(f"{STATE_PREFIX}*")):
+        if not d.is_dir() or d.is_symlink() or not (d / LOCK).is_file():
+            continue
+        try:
+            lock = StateLock(d).acquire("removing it")
+        except (StateError, OSError):
+            continue  # a live relay's, or not ours to take
+        try:
+            shutil.rmtree(d, ignore_errors=True)
+        finally:
+            lock.release()
+        if not d.exists():
+            removed.append(d)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -167,7 +197,9 @@ class RelayServer:
 async def serve(options: RelayOptions) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    with tempfile.TemporaryDirectory(prefix="atoll-relay-") as state_dir:
+    for stale in sweep_stale(Path(tempfile.gettempdir())):
+        log.info("removed %s, the state a relay left when it died", stale)
+    with tempfile.TemporaryDirectory(prefix=STATE_PREFIX, ignore_cleanup_errors=True) as state_dir:
         relay = RelayServer(options, Path(state_dir))
         await relay.start()
         try:

@@ -9,6 +9,8 @@ import signal
 import pytest
 from support import collect_events, coordinator_flags, http, island_flags, wait_for
 
+from atoll.relay.main import STATE_PREFIX
+
 ROUNDS = 6
 
 pytestmark = pytest.mark.slow  # real processes, tens of seconds each
@@ -89,6 +91,7 @@ def test_a_restarted_relay_takes_its_islands_back_and_no_round_is_lost(group):
     args = ["relay", "--upstream", root, "--run-id", "e2e", "--relay-id", "eu", "--quorum", "2", "--port-file",
             str(work / "eu.port")]  # fmt: skip
     relay = group.start("relay", args)
+    tmp = work / "tmp"  # the group's processes' temporary dirs (TMPDIR): the relays' state dirs are there
     port = wait_for(lambda: (work / "eu.port").exists() and (work / "eu.port").read_text().strip(), what="the port")
     islands = [group.start(name, island_flags(f"127.0.0.1:{port}", name, rounds=None)) for name in ("eu-1", "eu-2")]
     islands.append(group.start("solo", island_flags(root, "solo", rounds=None)))
@@ -99,11 +102,15 @@ def test_a_restarted_relay_takes_its_islands_back_and_no_round_is_lost(group):
         if not restarted and any(e["event"] == "round" and e.get("now_round") == 2 for e in events):
             relay.signal(signal.SIGKILL)
             relay.wait(30)
+            left = list(tmp.glob(f"{STATE_PREFIX}*"))  # the killed relay's state dir
             restarted.append(group.start("relay-again", [*args, "--port", port]))
+            restarted.append(left)
         return sum(e["event"] == "done" for e in events) == 3
 
     events = collect_events(islands, until=until, timeout=300)
     assert restarted, "the relay was never restarted"
+    (killed_dir,) = restarted[1]
+    assert not killed_dir.exists() and len(list(tmp.glob(f"{STATE_PREFIX}*"))) == 1  # the new relay's only
     assert [p.wait(60) for p in islands] == [0, 0, 0]
     final = [e["digest"] for e in events if e["event"] == "round" and e["now_round"] == rounds]
     assert len(final) == 3 and len(set(final)) == 1, final

@@ -120,8 +120,10 @@ def _stands_for(saved: dict) -> int | None:
 def relayed(rec: IslandRecord, reports, now: float) -> None:
     """A push of relay ``rec`` entered θ, reporting ``reports``: (name, seconds joined at its relay,
     compute seconds, tokens) for each island behind it. It counts for that many islands in a quorum, and
-    each island's goodput counts from when it joined its relay (the root's clock, less its seconds
-    joined there; the earliest kept, so a gap while it was away counts against it)."""
+    each island's goodput is as of its relay's last push that named it: its compute then, over its time
+    from its join at its relay (the root's clock, less its seconds joined there; the earliest kept, so a
+    gap while it was away counts against it) to that push. The root does not see an island leave its
+    relay: a wall time running on to now would fall for good once the island is done."""
     rec.stands_for = max(len(reports), 1)
     for name, joined_seconds, compute_seconds, tokens in reports:
         joined_at = now - max(joined_seconds, 0.0)
@@ -129,6 +131,7 @@ def relayed(rec: IslandRecord, reports, now: float) -> None:
         if g is None:
             g = rec.behind[name] = Goodput(joined_at=joined_at, island=name)
         g.joined_at = min(g.joined_at, joined_at)
+        g.left_at = now  # (its wall as of this push)
         g.entered(compute_seconds, 0.0, tokens)
 
 
@@ -259,11 +262,12 @@ class Membership:
             self.bootstrapper = None
 
     def _retire(self, rec: IslandRecord, now: float) -> None:
-        """A record leaves: its goodput (a relay's: its islands') is kept for the run's, as of ``now``."""
-        for g in (rec.goodput, *rec.behind.values()):
-            if g is not None:
-                g.left_at = now
-                self.past_goodput.append(g)
+        """A record leaves: its goodput (a relay's: its islands', as of its last push) is kept for the
+        run's, as of ``now``."""
+        if rec.goodput is not None:
+            rec.goodput.left_at = now
+            self.past_goodput.append(rec.goodput)
+        self.past_goodput.extend(rec.behind.values())
 
     def left_goodput(self, island_id: str) -> Goodput | None:
         """The goodput of ``island_id``'s newest record that left (None: none did)."""

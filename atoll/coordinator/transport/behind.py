@@ -63,6 +63,7 @@ def rows(s, relay: str, rec: IslandRecord, now: float, named: dict[str, str]) ->
         row.update(
             goodput=g.ratio(now),
             joined_seconds=g.wall(now),
+            last_push_age_seconds=None if g.left_at is None else now - g.left_at,
             compute_seconds_into_theta=g.compute_into_theta,
             tokens_into_theta=g.tokens_into_theta,
         )
