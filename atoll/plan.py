@@ -292,8 +292,7 @@ def estimate(
         near_push = push_seconds(fan * up_bytes / p, site, near * fan)
         near_pull = pull_seconds(fan * down_bytes / p, site, near * fan)
         coordinator += fan * decode + relay_per_param(codec.name) * params  # its islands' pushes; its own work
-    far_push, far_pull = push, pull  # (the root's link: the island's own, or its relay's)
-    push, pull = far_push + near_push, far_pull + near_pull
+    push, pull = push + near_push, pull + near_pull
     exchange = push + coordinator / p + pull
     compute = cand.sync_every * step_seconds
     hidden = cand.overlap_steps * step_seconds

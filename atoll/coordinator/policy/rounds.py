@@ -117,7 +117,11 @@ def decide(now: float, state: RoundView, policy: RoundPolicy) -> tuple[Decision,
 
 def counted(islands) -> int:
     """The islands these views stand for (a relay's: the islands behind it; one not known yet: 1)."""
-    return sum(1 if i.counts is None else i.counts for i in islands)
+    return sum(_counts(i) for i in islands)
+
+
+def _counts(i: IslandView) -> int:
+    return 1 if i.counts is None else i.counts
 
 
 def waited_for(now: float, state: RoundView, policy: RoundPolicy) -> list[IslandView]:
@@ -154,7 +158,7 @@ def _grace(now: float, state: RoundView, policy: RoundPolicy) -> tuple[float | N
 def _quorum_at(state: RoundView, policy: RoundPolicy) -> float | None:
     """When the committed pushes reached the quorum, in islands (None: they have not)."""
     times = sorted(
-        (i.committed_at if i.committed_at is not None else state.opened_at, 1 if i.counts is None else i.counts)
+        (i.committed_at if i.committed_at is not None else state.opened_at, _counts(i))
         for i in state.islands
         if i.committed
     )
@@ -185,9 +189,9 @@ def stall(now: float, state: RoundView, policy: RoundPolicy) -> str | None:
     committed = sorted(i.island_id for i in state.islands if i.committed)
     live = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at > now)
     alive = [i for i in state.islands if i.committed or i.lease_expires_at > now]
-    if counted(alive) >= policy.quorum or any(i.counts is None for i in alive):
-        return None  # (a live relay that has not pushed yet may stand for the islands still needed)
     can = counted(alive)
+    if can >= policy.quorum or any(i.counts is None for i in alive):
+        return None  # (a live relay that has not pushed yet may stand for the islands still needed)
     gone = sorted(i.island_id for i in state.islands if not i.committed and i.lease_expires_at <= now)
     if not can and not gone:
         return None  # no member at all: the run waits for islands to join
