@@ -87,11 +87,11 @@ of three ``sparse`` pushes (at most 3/128 of it nonzero: 1.27 s at 124M on one t
 ``coordinator_costs.py --sum-density 0.0234375``; 1.92-1.97 s on a dense sum, against int8's 0.68 s;
 the daemon logged 1.2-1.4 s in ``wan_utilisation.py``'s runs: benchmarks/RESULTS.md "Issue 52")."""
 RELAY_SECONDS_PER_PARAM = {
-    "identity": 4.81e-9,
-    "bf16": 6.29e-9,
-    "int8": 6.80e-9,
-    "int4": 9.57e-9,
-    "sparse": 12.79e-9,
+    "identity": 5.03e-9,
+    "bf16": 5.29e-9,
+    "int8": 5.92e-9,
+    "int4": 6.70e-9,
+    "sparse": 10.23e-9,
 }
 """A relay's own work in a round per parameter, one CPU thread, besides decoding its islands' pushes
 (:data:`DECODE_SECONDS_PER_PARAM` each): their mean encoded in the run's codec with the relay's error
@@ -101,7 +101,9 @@ update it pulls applied to its θ with the payload kept to serve its islands
 case). The relay's work is serial with its hops: it encodes the whole mean before its push, and
 applies the whole update before its islands pull it. It was priced as one decode each way (0.41 s at
 124M int8, against 0.85 s measured), and ``wan_utilisation.py --relays 1`` measured the relayed
-exchange 1.05 s longer than planned: benchmarks/RESULTS.md, "Issue 56")."""
+exchange 1.05 s longer than planned: benchmarks/RESULTS.md, "Issue 56". Measured again once the relay
+encoded through :class:`~atoll.compression.ErrorFeedback` in its mean's own storage: its int8 encode
+0.73x, 0.74 s in all at 124M.)"""
 RECORD_SECONDS = 0.02
 """Each exchange's record made durable before its update is served (its header, fsync, rename): the
 coordinator's ``persist_seconds``, 0.01-0.04 s an exchange in ``benchmarks/wan_utilisation.py``'s runs."""

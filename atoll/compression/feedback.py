@@ -85,19 +85,38 @@ class ErrorFeedback:
     def encode(self, tensor: torch.Tensor, state: dict | None = None, *, out: bytearray | None = None) -> bytearray:
         """Everything on ``tensor``'s device; the residual in ``state`` must be there too (the caller
         places it: :mod:`atoll.islands._shard_state` keeps it in host memory between rounds)."""
-        if state is None:
-            raise ValueError("error feedback needs a per-tensor state dict to keep its residual in")
         x = tensor.detach().to(dtype=torch.float32)
-        residual = state.get("residual")
+        residual = self._residual(state, x)
         if residual is not None:
-            if residual.shape != x.shape or residual.device != x.device:
-                raise ValueError(
-                    f"residual is {tuple(residual.shape)} on {residual.device}, tensor {tuple(x.shape)} on {x.device}"
-                )
             x = torch.add(x, residual, alpha=self.decay)  # alpha 1 is exactly x + residual
         elif tensor.dtype == torch.float32:  # x is a view of the caller's tensor: never written into
             x = x.clone()
-        x = x.contiguous()
+        return self._encode_into_residual(x.contiguous(), state, out)
+
+    def encode_consuming(self, x: torch.Tensor, state: dict, *, out: bytearray | None = None) -> bytearray:
+        """:meth:`encode` of ``x`` (contiguous float32, the caller's to give up), the same bits, without a
+        tensor the size of ``x`` allocated: ``x`` itself becomes the new residual. The old residual's
+        storage is the caller's again (read it from ``state`` first)."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError("encode_consuming needs a contiguous float32 tensor")
+        residual = self._residual(state, x)
+        if residual is not None:
+            x.add_(residual, alpha=self.decay)  # the bits of torch.add(x, residual, alpha=decay)
+        return self._encode_into_residual(x, state, out)
+
+    @staticmethod
+    def _residual(state: dict | None, x: torch.Tensor) -> torch.Tensor | None:
+        if state is None:
+            raise ValueError("error feedback needs a per-tensor state dict to keep its residual in")
+        residual = state.get("residual")
+        if residual is not None and (residual.shape != x.shape or residual.device != x.device):
+            raise ValueError(
+                f"residual is {tuple(residual.shape)} on {residual.device}, tensor {tuple(x.shape)} on {x.device}"
+            )
+        return residual
+
+    def _encode_into_residual(self, x: torch.Tensor, state: dict, out: bytearray | None) -> bytearray:
+        """Encode ``x`` (the input plus the old residual) and leave it holding ``x − D(C(x))``, the residual."""
         if self.inner.chunked_input:  # each chunk's decoded values subtracted as it is encoded: no decode
             payload = self.inner.encode_chunks(_Residual(x), tuple(x.shape), state.setdefault("inner", {}), out=out)
         else:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from atoll.compression import codec_of, get_codec
+from atoll.compression import ErrorFeedback, codec_of, get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.errors import Reason, RequestError, refuse
 from atoll.coordinator.messages import JoinRequest
@@ -77,22 +77,25 @@ def merged(reports: list[Member]) -> list[Member]:
     return list(out.values())
 
 
-def encode_mean(sums: dict[str, torch.Tensor], weight: float, codec, ef: dict[str, torch.Tensor]) -> list[bytearray]:
+def encode_mean(sums: dict[str, torch.Tensor], weight: float, codec, ef: dict[str, dict]) -> list[bytearray]:
     """The payloads of the weighted mean ``sums / weight`` in ``codec``, tensor by tensor; ``sums`` is
-    divided in place (its storage becomes θ_{r+1} afterwards). A lossy codec encodes the mean plus the
-    residual its last encoding left (``ef``, by tensor, updated here): what it drops is carried to the
-    next round, not lost."""
+    divided in place, and its tensors are the caller's storage for θ_{r+1} afterwards (their values
+    spent). A lossy codec encodes the mean plus the residual its last encoding left, with error
+    feedback (:class:`~atoll.compression.ErrorFeedback`, its state by tensor in ``ef``): what it drops is
+    carried to the next round, not lost. The mean's own storage becomes the new residual, and the old
+    residual's goes back into ``sums``: no tensor the size of θ is allocated after the first round, and a
+    chunked codec subtracts each chunk's decoded values as it encodes them."""
+    feedback = ErrorFeedback(codec) if codec.lossy else None
     payloads = []
     for name, t in sums.items():
         t.div_(weight if weight > 0 else 1.0)
-        if codec.lossy:
-            e = ef.setdefault(name, torch.zeros_like(t))
-            t.add_(e)
-            payload = codec.encode(t)
-            torch.sub(t, codec.decode(payload, tuple(t.shape)), out=e)
-        else:
-            payload = codec.encode(t)
-        payloads.append(payload)
+        if feedback is None:
+            payloads.append(codec.encode(t))
+            continue
+        state = ef.setdefault(name, {})
+        spare = state.get("residual")
+        payloads.append(feedback.encode_consuming(t, state))
+        sums[name] = spare if spare is not None else torch.empty_like(t)
     return payloads
 
 
@@ -134,8 +137,9 @@ class RelayUpstream:
         """The chain the upstream last said it waits on (a relay still joining its own upstream)."""
         self._theta0_ours = False
         """The upstream gave this relay its bootstrap claim: θ_0 comes from one of our islands."""
-        self._ef: dict[str, torch.Tensor] = {}
-        """The uplink codec's error feedback of the relay's own encode (lossy codecs; kept in memory)."""
+        self._ef: dict[str, dict] = {}
+        """The uplink codec's error feedback state of the relay's own encode, by tensor (lossy codecs; kept
+        in memory)."""
         self._stopping = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._fetching: asyncio.Future | None = None
