@@ -131,7 +131,7 @@ def relay_seconds(theta: dict[str, torch.Tensor], spec: str, repeat: int) -> tup
     codec, down = get_codec(spec), get_codec(downlink_for(spec))
     gen = torch.Generator().manual_seed(3)
     sums = {n: torch.randn(t.shape, generator=gen) * 1e-3 for n, t in theta.items()}
-    ef: dict[str, torch.Tensor] = {}
+    ef: dict[str, dict] = {}  # (its error feedback's state, by tensor)
     fresh = []
 
     def encode() -> None:

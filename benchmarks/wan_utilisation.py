@@ -212,7 +212,7 @@ def start_relay(link, k: int, ports: list[str], tmp: Path, ca: str) -> tuple[sub
         if proc.poll() is not None:
             raise RuntimeError(f"relay {k} exited")
         time.sleep(0.1)
-    return proc, f"127.0.0.1:{port_file.read_text().strip().split(',')[0].split(':')[-1]}"
+    return proc, f"127.0.0.1:{port_file.read_text().strip()}"  # (one port: write_port_file's)
 
 
 def coordinator_split(history: list[dict], a, overlap: int) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import time
 
@@ -19,7 +20,7 @@ from coordinator.test_dashboard import CHROMIUM, render
 from support.core import SHAPES as CORE_SHAPES
 from support.core import join, push, rand, run_state
 from support.pki import make_pki
-from support.servers import LoopThread, RawIsland, ServerThread, exact_config, wait_for
+from support.servers import LoopThread, RawIsland, ServerThread, exact_config, http, wait_for
 
 from atoll.compression import codec_of
 from atoll.coordinator.messages import JoinRequest, Member, TensorDecl
@@ -535,22 +536,26 @@ def one_island_late_behind_a_relay(tmp_path, servers, **root_kwargs):
 def test_the_root_counts_a_relays_islands_in_its_quorum_and_shows_each_with_its_state_and_goodput(tmp_path, servers):
     """The root shows eu/island-0 active and eu/island-1 late, each with its goodput, in /api/status and
     /metrics. (Before: eu counted one in the quorum, and round 0 waited for island-2.)"""
-    from atoll.coordinator.transport.admin import status_json
+    from atoll.coordinator.options import AdminOptions
 
-    with one_island_late_behind_a_relay(tmp_path, servers) as (top, joined):
-        status = top.call(_async(lambda: status_json(top.server, 0.0)))
+    with one_island_late_behind_a_relay(tmp_path, servers, admin=AdminOptions(port=0)) as (top, joined):
+        base = top.server.admin.address
+        code, body = http(f"{base}/api/status")
+        assert code == 200, body
+        since = time.monotonic() - joined
+        status = json.loads(body)
         behind = next(r for r in status["islands"] if r["island"] == "eu")["behind"]
         assert list(behind) == ["eu/island-0", "eu/island-1"]
         assert (behind["eu/island-0"]["state"], behind["eu/island-1"]["state"]) == ("active", "late")
         assert behind["eu/island-0"]["tokens_into_theta"] == 2 * TOKENS[0]
         assert behind["eu/island-1"]["tokens_into_theta"] == TOKENS[1]
-        since = time.monotonic() - joined
         for row in behind.values():  # its time joined: from its join at its relay to the last push naming it
             assert 1.0 <= row["joined_seconds"] <= since + 0.5 and row["goodput"] is not None
             assert row["joined_seconds"] + row["last_push_age_seconds"] == pytest.approx(since, abs=0.5)
         assert behind["eu/island-1"]["joined_seconds"] < behind["eu/island-0"]["joined_seconds"]  # (round 0's)
         assert "goodput" not in next(r for r in status["islands"] if r["island"] == "eu")  # (its islands' instead)
-        text = top.call(_async(lambda: _scrape(top.server)))
+        code, text = http(f"{base}/metrics")
+        assert code == 200, text
         assert 'atoll_island_state{island="eu/island-1",state="late"} 1.0' in text
         assert 'atoll_island_goodput{island="eu/island-0"}' in text
         assert 'atoll_islands{state="active"} 2.0' in text  # island-0 behind eu, island-2: not eu itself
@@ -566,23 +571,6 @@ def test_the_dashboard_lists_a_relays_islands_under_it(tmp_path, servers):
     assert names == [("eu (relay)", "active"), ("eu/island-0", "active"), ("eu/island-1", "late"),
                      ("island-2", "active")], names  # fmt: skip
     assert '<span id="islands-count">3 live of 3</span>' in dom  # the islands, not the relay
-
-
-def _async(fn):
-    async def run():
-        return fn()
-
-    return run()
-
-
-def _scrape(server) -> str:
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from atoll.coordinator.transport.admin import _StateCollector
-
-    registry = CollectorRegistry()
-    registry.register(_StateCollector(server))
-    return generate_latest(registry).decode()
 
 
 def test_a_relay_removes_the_state_dirs_that_dead_relays_left_and_nothing_else(tmp_path):
