@@ -117,8 +117,13 @@ def started(islands: list[RawIsland], claim_at_join: bool = False) -> list[dict[
     return thetas
 
 
-def train(addresses: list[str], rounds: int, codec: str = "identity") -> list[dict[str, torch.Tensor]]:
-    """Four islands at ``addresses`` (one each) push the same deltas every round; returns their θ."""
+def train(
+    addresses: list[str], rounds: int, codec: str = "identity", pushed=None
+) -> list[dict[str, torch.Tensor]]:
+    """Four islands at ``addresses`` (one each) push the same deltas every round; returns their θ.
+    ``pushed(i)``, if given, is called after island i's push each round (to fix the order pushes reach
+    the root in: the root sums them in the order they arrive, and fp32 addition of three or more is
+    not associative)."""
     islands = [RawIsland(a, f"island-{i}", SHAPES, codec=codec) for i, a in enumerate(addresses)]
     try:
         thetas = started(islands)
@@ -126,6 +131,8 @@ def train(addresses: list[str], rounds: int, codec: str = "identity") -> list[di
             for i, isl in enumerate(islands):
                 out = isl.push(delta(i, r), round_=r, tokens=TOKENS[i])
                 assert out.outcome == pb.PUSH_OUTCOME_COMMITTED, out
+                if pushed is not None:
+                    pushed(i)
             for isl, t in zip(islands, thetas, strict=True):
                 header, payloads = pull_round(isl, r)
                 assert header.kind == pb.UPDATE_KIND_DELTA and header.round == r + 1
@@ -313,7 +320,12 @@ def test_islands_of_a_relay_that_died_after_forwarding_count_once_at_the_root(tm
     want = root(tmp_path, servers, "calm")
     calm = RelayThread(want.address, "eu", tmp_path / "calm")
     servers.append(calm)
-    train([calm.address, calm.address, want.address, want.address], 1)
+
+    def relay_first(i: int) -> None:  # the relay's push reaches the root before islands 2 and 3, as below
+        if i == 1:
+            wait_for(lambda: want.inspect(lambda s: "eu" in s.accumulator.committed), what="the relay's push")
+
+    train([calm.address, calm.address, want.address, want.address], 1, pushed=relay_first)
     theta1 = want.inspect(lambda s: {n: t.clone() for n, t in s.model.params.items()})
 
     top = root(tmp_path, servers, config={"lease_seconds": 2.0})
