@@ -117,9 +117,7 @@ def started(islands: list[RawIsland], claim_at_join: bool = False) -> list[dict[
     return thetas
 
 
-def train(
-    addresses: list[str], rounds: int, codec: str = "identity", pushed=None
-) -> list[dict[str, torch.Tensor]]:
+def train(addresses: list[str], rounds: int, codec: str = "identity", pushed=None) -> list[dict[str, torch.Tensor]]:
     """Four islands at ``addresses`` (one each) push the same deltas every round; returns their θ.
     ``pushed(i)``, if given, is called after island i's push each round (to fix the order pushes reach
     the root in: the root sums them in the order they arrive, and fp32 addition of three or more is
