@@ -150,7 +150,19 @@ def servers():
 
 
 def root(tmp_path, servers, name="root", config=None, **server_kwargs):
-    run = exact_config(**{"run_id": "t", "sync_every": 1, "outer_lr": 0.7, "outer_momentum": 0.9, **(config or {})})
+    """A root whose rounds wait for every live island (``grace_window`` off: the default's learned
+    arrival times cut a round short when a push comes late on a loaded machine, and the trainings
+    here compare whole runs)."""
+    run = exact_config(
+        **{
+            "run_id": "t",
+            "sync_every": 1,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+            "grace_window": "off",
+            **(config or {}),
+        }
+    )
     srv = ServerThread(run, tmp_path / name, **server_kwargs)
     servers.append(srv.start())
     return srv
