@@ -90,7 +90,8 @@ def report(flat, start: int, decoded: Callable[[], torch.Tensor]) -> None:
 def weighted(v: torch.Tensor, alpha: float) -> torch.Tensor:
     """``alpha * v`` rounded on its own, for ``out += weighted(v, alpha)``: a fused multiply-add into
     the accumulator would make the sum of two contributions depend on which came first, and the
-    coordinator adds pushes in arrival order. ``v`` itself when ``alpha`` is 1 (exact either way)."""
+    coordinator's first two may come in either order (:mod:`atoll.coordinator.policy.order`). ``v``
+    itself when ``alpha`` is 1 (exact either way)."""
     if alpha == 1.0:
         return v
     return v * alpha if v.dtype == torch.float32 else v.to(torch.float32).mul_(alpha)

@@ -49,7 +49,8 @@ class RunConfig:
     diverge; β = 0.5 kept it converging (benchmarks/RESULTS.md)."""
     outer_mode: str = "sync"
     """sync: islands wait at each push for the round's outer step (bitwise deterministic for a given
-    arrival order). decoupled: islands never wait; each applies the update when it arrives, keeping the
+    set of pushes: they enter the sum in a fixed order, :mod:`~atoll.coordinator.policy.order`).
+    decoupled: islands never wait; each applies the update when it arrives, keeping the
     progress made since its push, and its next push is folded with its staleness (timing-dependent by
     design). ``quorum`` is then the minimum quorum of a round."""
     decoupled_step: str = steps.DEFAULT

@@ -42,9 +42,8 @@ async def push(s: RunState, island: str, tensors: dict, round_: int = 0, kind=Pu
     plan = await s.plan_push(header)
     if isinstance(plan, PushResult):
         return plan
-    reservation = s.open_stream(plan)
+    reservation = s.open_stream(plan)  # the bytes its header declares, as the service does
     try:
-        reservation.add(sum(len(p) for p in payloads))
         received = Received()
         views = [memoryview(p) for p in payloads]
         received.add(views, [s.check_entry(plan, i, v) for i, v in enumerate(views)])

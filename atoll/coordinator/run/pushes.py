@@ -19,15 +19,15 @@ from atoll.compression import WireFormatError, get_codec
 from atoll.coordinator.config import RunConfig
 from atoll.coordinator.errors import Reason, invalid, refuse
 from atoll.coordinator.messages import PushHeader, PushResult
-from atoll.coordinator.policy import steps, weighting
+from atoll.coordinator.policy import order, steps, weighting
 from atoll.coordinator.policy.weighting import PushClass, classify
 from atoll.coordinator.run import checks
 from atoll.coordinator.run.owners import Owners
 from atoll.coordinator.state import robust
-from atoll.coordinator.state.accumulator import assemble
+from atoll.coordinator.state.accumulator import assemble, reserved
 from atoll.coordinator.state.ledger import BOOTSTRAP
 from atoll.coordinator.state.membership import relayed, usual_weight
-from atoll.coordinator.state.plans import Committed, PushPlan, StagedRank, release
+from atoll.coordinator.state.plans import Committed, Held, PushPlan, StagedRank, release
 from atoll.protos.vocabulary import PushKind, PushOutcome
 
 log = logging.getLogger("atoll.coordinator")
@@ -182,13 +182,21 @@ class Pushes:
             acc.admit(weight * scale * max(r.magnitude for r in ranks), f"island {plan.island_id!r}")
             began = time.perf_counter()
             if c.aggregation == "mean" and not c.max_delta_norm:
-                await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale)
-                acc.recycle(ranks)  # only once the add is done (a cancelled await leaves it running)
+                if not late and self._holds(plan.island_id, reserved(ranks), c):
+                    acc.hold(plan.island_id, Held(ranks, weight * scale))
+                    ranks = []  # the accumulator's now: added (and released) in its turn
+                else:
+                    island = None if late else plan.island_id  # (a late delta enters out of the order)
+                    await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale, island)
+                    acc.recycle(ranks)  # only once the add is done (a cancelled await leaves it running)
             else:
                 await self._add_dense((plan.island_id, plan.round), ranks, weight, c, scale)
             decoded = time.perf_counter() - began
         finally:
-            release(ranks)  # decoded into the sum (or refused): the payloads are done
+            release(ranks)  # decoded into the sum (or refused, or held): the payloads are done here
+        held = acc.held.get(plan.island_id) if not late else None
+        if held is not None:
+            ranks = held.ranks
         num_bytes = sum(r.plan.num_bytes for r in ranks)
         now = self.clock()
         first = ranks[0].plan  # the island's numbers travel with every rank's header: rank 0's count
@@ -231,9 +239,42 @@ class Pushes:
             log.info(
                 "%sround %d: island %s committed (%d tokens)", self.name, ledger.round, plan.island_id, plan.tokens
             )
+        if not late:
+            await self.add_held()  # one that sorts after it may have waited for it
         ledger.poke.set()
         outcome = PushOutcome.FOLDED if late else PushOutcome.COMMITTED
         return PushResult(outcome, ledger.round, committed=True, bytes_received=plan.num_bytes)
+
+    # ---- the fixed order of the round's sum ------------------------------------------------------
+    def _waiting(self) -> set[str]:
+        """The islands whose push for the open round may still come: members not committed in it."""
+        return set(self.membership.islands) - set(self.accumulator.committed)
+
+    def _holds(self, island_id: str, num_bytes: int, c: RunConfig) -> bool:
+        """Whether a sync round's contribution waits for its turn in the sum's fixed order rather than
+        entering now (:mod:`~atoll.coordinator.policy.order`). Held bytes stay within half the in-flight
+        budget, so the pushes it waits for are admitted: past that it enters now, out of the order (the
+        round's record then says ``sum_order: arrival``)."""
+        acc = self.accumulator
+        if c.outer_mode != "sync" or order.may_add(island_id, len(acc.sequence), self._waiting() | set(acc.held)):
+            return False
+        return acc.held_bytes() + num_bytes <= acc.budget.limit // 2
+
+    async def add_held(self, everything: bool = False) -> None:
+        """Add the held contributions whose turn has come (``everything``: all of them, in their order:
+        the round closes). The caller holds the core's lock."""
+        acc = self.accumulator
+        while turn := (sorted(acc.held) if everything else acc.ready(self._waiting())):
+            for island_id in turn:
+                held = acc.held.pop(island_id)
+                try:
+                    began = time.perf_counter()
+                    await asyncio.to_thread(acc.add, held.ranks, self.model.uplink, held.weight, island_id)
+                    acc.recycle(held.ranks)  # only once the add is done (a cancelled await leaves it running)
+                    if (record := acc.committed.get(island_id)) is not None:
+                        record.decode_seconds += time.perf_counter() - began
+                finally:
+                    release(held.ranks)
 
     def _counted_via_relay(self, island_id: str, round_: int) -> PushResult:
         """An island whose work for the open round came in a relay's push pushes it itself (its relay

@@ -312,6 +312,7 @@ class RunState:
             committed = acc.committed
             if not committed or self.ledger.sealed is not None:
                 return
+            await self.pushes.add_held(everything=True)  # those still waiting for one that did not come
             started = time.perf_counter()
             r, c = self.round, self.config
             self.downlink.release_latest()  # its room goes to θ_{r+1}

@@ -15,13 +15,14 @@ import torch
 
 from atoll.compression.base import weighted
 from atoll.coordinator.errors import Reason, refuse
+from atoll.coordinator.policy import order
 from atoll.coordinator.policy.goodput import tokens_per_step
 from atoll.coordinator.policy.steps import DecoupledStep
 from atoll.coordinator.policy.weighting import PushClass, step_scale
 from atoll.coordinator.state import robust
 from atoll.coordinator.state.budget import InflightBudget, Reservation
 from atoll.coordinator.state.downlink import identity_size
-from atoll.coordinator.state.plans import Committed, StagedRank, release
+from atoll.coordinator.state.plans import Committed, Held, StagedRank, release
 from atoll.protos.rpc import BufferPool
 
 log = logging.getLogger("atoll.coordinator")
@@ -68,6 +69,13 @@ class RoundAccumulator:
         self.relayed: dict[str, str] = {}
         """Islands whose work for the open round came in a relay's push, each with that relay: a push of
         their own for it (their relay died, and they moved here) counts already."""
+        self.held: dict[str, Held] = {}
+        """Committed contributions not in the sum yet, each waiting (still encoded, its bytes still held
+        against the budget) for one that sorts ahead of it (:mod:`~atoll.coordinator.policy.order`)."""
+        self.sequence: list[str] = []
+        """The islands whose contributions entered the open round's sum, in the order they did."""
+        self._arrival = False
+        """The open round's sum took a contribution outside the fixed order (a late delta folded in)."""
         self._sums: dict[str, torch.Tensor] = {}
         self._bound = 0.0
         """Σ weight x magnitude of the contributions admitted into the sum: no element can exceed it."""
@@ -140,9 +148,35 @@ class RoundAccumulator:
             )
         self._bound += bound
 
-    def add(self, ranks: list[StagedRank], codec, weight: float) -> None:
-        """``sum += weight · Δ`` for an island's ranks, decoded straight into the sum (worker thread)."""
+    def add(self, ranks: list[StagedRank], codec, weight: float, island: str | None = None) -> None:
+        """``sum += weight · Δ`` for an island's ranks, decoded straight into the sum (worker thread).
+        ``island``: whose contribution it is, in the fixed order; None: a late delta, out of it."""
         accumulate(ranks, self._sums, codec, weight, self._stale)
+        if island is None:
+            self._arrival = True
+        else:
+            self.sequence.append(island)
+
+    # ---- the fixed order of the sum ------------------------------------------------------------
+    def hold(self, island_id: str, held: Held) -> None:
+        """Keep a committed contribution out of the sum until :meth:`ready` lets it in."""
+        self.held[island_id] = held
+
+    def held_bytes(self) -> int:
+        """The in-flight budget's bytes the held contributions keep."""
+        return sum(reserved(h.ranks) for h in self.held.values())
+
+    def ready(self, waiting) -> list[str]:
+        """The held contributions that may enter the sum now, in their order (``waiting``: the islands
+        whose push for the round may still come)."""
+        return order.ready(self.held, len(self.sequence), waiting)
+
+    def sum_order(self) -> str | None:
+        """The open round's sum's order so far (:data:`~atoll.coordinator.policy.order.FIXED` or
+        ``ARRIVAL``; None: nothing entered it)."""
+        if self._arrival:
+            return order.ARRIVAL
+        return order.order_of(self.sequence) if self.sequence else None
 
     def recycle(self, ranks: list[StagedRank]) -> None:
         """The ranks' payloads are in the sum and read no more: their buffers serve the next pushes."""
@@ -156,6 +190,7 @@ class RoundAccumulator:
         if mean:
             for name, t in delta.items():
                 self._zeroed(name).add_(t, alpha=weight)
+            self._arrival = True  # (a fused multiply-add, in arrival order)
         else:
             self.dense[key] = (weight, delta)
 
@@ -257,11 +292,15 @@ class RoundAccumulator:
             "bytes_in": sum(x.num_bytes for _, x in entered),
             "decode_seconds": sum(x.decode_seconds for _, x in entered),
             "relayed": dict(sorted(self.relayed.items())) or None,
+            "sum_order": self.sum_order(),
         }
 
     def advance(self, keep_from: int) -> None:
         """The round closed: clear its contributions; keep staged pushes for rounds >= ``keep_from``."""
         self.committed, self.late, self.dense, self.too_stale, self.relayed = {}, {}, {}, set(), {}
+        if self.held:  # (the close adds them first: none is left unless the step failed)
+            release(r for h in self.held.values() for r in h.ranks)
+        self.held, self.sequence, self._arrival = {}, [], False
         for key in [k for k in self.pending if k[1] < keep_from]:
             release(self.pending.pop(key).values())
         self.folded = {k for k in self.folded if k[1] >= keep_from - 1}
@@ -269,6 +308,11 @@ class RoundAccumulator:
     def sum_of(self, name: str) -> torch.Tensor:
         """The open round's running sum of one tensor (for inspection)."""
         return self._zeroed(name)
+
+
+def reserved(ranks: list[StagedRank]) -> int:
+    """The in-flight budget's bytes ``ranks`` keep."""
+    return sum(r.reservation.bytes for r in ranks if r.reservation is not None)
 
 
 def assemble(ranks: list[StagedRank], specs: dict[str, tuple[int, ...]], codec) -> dict[str, torch.Tensor]:
@@ -284,7 +328,8 @@ def accumulate(
     ranks: list[StagedRank], accum: dict[str, torch.Tensor], codec, weight: float, stale: set[str] | None = None
 ) -> None:
     """``accum += weight * Δ`` for an island's ranks, decoding straight into the accumulator. ``weight * Δ``
-    is rounded before the add, so two islands sum to the same bits in either arrival order. A tensor
+    is rounded before the add, so two islands sum to the same bits in either order (the sum's first two
+    commute: :mod:`~atoll.coordinator.policy.order` fixes the rest). A tensor
     named in ``stale`` holds old values that count as zero: an entry covering all of it is written
     (``weight * Δ``, the bits ``0 + weight * Δ`` gives), else the tensor is zeroed first; its name
     leaves ``stale`` either way."""

@@ -89,6 +89,15 @@ class Committed:
     """A relay's: Σ w_i s_i of its members (decoupled step scales; None: weight x its own scale)."""
 
 
+@dataclass
+class Held:
+    """A committed contribution kept out of the round's sum until its turn (see
+    :mod:`~atoll.coordinator.policy.order`): its ranks (their payloads and reservations), its weight."""
+
+    ranks: list[StagedRank]
+    weight: float
+
+
 def release(ranks) -> None:
     for staged in ranks:
         if staged.reservation is not None:

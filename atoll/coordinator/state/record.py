@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 RECORD_VERSION = 1
 """1: the first typed form (the untyped records before it read as version 0)."""
 
-_OPTIONAL = ("share", "persist_seconds", "publish_seconds", "relayed")
+_OPTIONAL = ("share", "persist_seconds", "publish_seconds", "relayed", "sum_order")
 """Fields a record holds only sometimes (written when set)."""
 
 
@@ -58,6 +58,10 @@ class RoundRecord(Mapping):
     publish_seconds: float | None = None
     relayed: dict[str, str] | None = None
     """The islands whose work entered this round through a relay, each with that relay (None: none did)."""
+    sum_order: str | None = None
+    """``fixed``: the pushes entered the round's sum in the order of their islands' ids, whatever order
+    they arrived in (θ_{r+1} has the same bits for the same pushes); ``arrival``: in some other order
+    (:mod:`~atoll.coordinator.policy.order`). None: nothing was summed, or a record from before."""
     version: int = RECORD_VERSION
     extra: dict = field(default_factory=dict)
     """Keys of a stored record this release does not know, kept as they were."""
