@@ -25,7 +25,9 @@ without interleaving and takes no lock. ``lock`` serialises the coroutines that 
 thread *in the middle of* changing the round's sum, θ or the ledger: committing a push
 (:meth:`commit_push`), closing a round (:meth:`close_round`) and saving/publishing one
 (:meth:`try_publish`). While one of them holds it, none of the others starts. Worker threads get the
-tensors and payloads they work on as arguments and never change this object.
+tensors and payloads they work on as arguments and never change this object. A push's commit runs
+to its end even when its call is cancelled (its island went away after its last byte): a cancelled
+await would let the lock go while its worker thread still decodes into the round's sum.
 """
 
 from __future__ import annotations
@@ -276,7 +278,12 @@ class RunState:
     async def commit_push(self, plan: PushPlan, received: Received, reservation: Reservation) -> PushResult:
         """Stage one rank's validated payloads; the island's contribution commits when all its ranks
         are in, and θ_0 is sealed and published. The reservation is released once the payloads are
-        consumed or dropped."""
+        consumed or dropped. It runs to its end even when the call is cancelled (see the locking rule)."""
+        commit = asyncio.ensure_future(self._commit_push(plan, received, reservation))
+        commit.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its caller may be gone)
+        return await asyncio.shield(commit)
+
+    async def _commit_push(self, plan: PushPlan, received: Received, reservation: Reservation) -> PushResult:
         deadline = time.monotonic() + SEAL_WAIT_SECONDS
         while True:
             await self._past_seal(plan.init, plan.round, deadline)
