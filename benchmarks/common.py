@@ -85,3 +85,18 @@ def push_header(run_id: str, island_id: str, round_: int, kind, spec: str, names
     for name, payload in zip(names, payloads, strict=True):
         h.entries.add(name=name, num_bytes=len(payload))
     return h
+
+
+MODEL_VOCAB = {"tiny": 256, "gpt-small": 8192, "gpt-125m": 50257}
+"""The models the coordinator-side benchmarks take by name (``--model``), with their vocabularies."""
+
+
+def model_theta(model: str) -> dict:
+    """θ_0 of the tiny GPT preset ``model`` (one of :data:`MODEL_VOCAB`), seeded, fp32, by name."""
+    import torch
+
+    from atoll.models import TinyGPT, preset
+
+    torch.manual_seed(0)
+    gpt = TinyGPT(preset(model, vocab_size=MODEL_VOCAB[model]))
+    return {n: t.detach().clone() for n, t in gpt.named_parameters()}

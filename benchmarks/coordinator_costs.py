@@ -38,14 +38,12 @@ import tempfile
 import time
 
 import torch
+from common import MODEL_VOCAB, model_theta  # benchmarks/common.py (and the repository on the path)
 
 from atoll.compression import get_codec
 from atoll.coordinator.disk import wal
 from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import tune_for_bulk_buffers
-from atoll.models import TinyGPT, preset
-
-VOCAB = {"tiny": 256, "gpt-small": 8192, "gpt-125m": 50257}
 
 
 def timed(work, repeat: int, after=None) -> float:
@@ -156,7 +154,7 @@ def relay_seconds(theta: dict[str, torch.Tensor], spec: str, repeat: int) -> tup
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt-125m", choices=sorted(VOCAB))
+    p.add_argument("--model", default="gpt-125m", choices=sorted(MODEL_VOCAB))
     p.add_argument("--codecs", nargs="*", default=["identity", "int8", "int4", "dcttopk"])
     p.add_argument("--downlinks", nargs="*", default=["int8", "identity"])
     p.add_argument("--repeat", type=int, default=3)
@@ -166,8 +164,7 @@ def main() -> None:
     a = p.parse_args()
     tune_for_bulk_buffers()
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    theta = {n: t.detach().clone() for n, t in TinyGPT(preset(a.model, vocab_size=VOCAB[a.model])).named_parameters()}
+    theta = model_theta(a.model)
     numel = sum(t.numel() for t in theta.values())
     print(f"{a.model}: {numel:,} parameters, {torch.get_num_threads()} torch thread(s)", flush=True)
     decode, outer = {}, {}

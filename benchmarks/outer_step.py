@@ -21,13 +21,11 @@ import statistics
 import time
 
 import torch
+from common import MODEL_VOCAB, model_theta  # benchmarks/common.py (and the repository on the path)
 
 from atoll.compression import get_codec
 from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
 from atoll.memory import tune_for_bulk_buffers
-from atoll.models import TinyGPT, preset
-
-VOCAB = {"tiny": 256, "gpt-small": 8192, "gpt-125m": 50257}
 
 
 class Whole:
@@ -44,7 +42,7 @@ class Whole:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt-125m", choices=sorted(VOCAB))
+    p.add_argument("--model", default="gpt-125m", choices=sorted(MODEL_VOCAB))
     p.add_argument("--codecs", nargs="+", default=["int8", "identity"])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -53,8 +51,7 @@ def main() -> None:
     tune_for_bulk_buffers()
     if a.threads:
         torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    theta = {n: t.detach().clone() for n, t in TinyGPT(preset(a.model, vocab_size=VOCAB[a.model])).named_parameters()}
+    theta = model_theta(a.model)
     shapes = {n: tuple(t.shape) for n, t in theta.items()}
     numel = sum(t.numel() for t in theta.values())
     print(f"{a.model}: {len(shapes)} tensors, {numel:,} parameters, {torch.get_num_threads()} torch threads")

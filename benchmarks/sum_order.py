@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (the repository and benchmarks/ on the path)
 import torch
+from common import MODEL_VOCAB, model_theta  # (and the repository on the path)
 
 from atoll.compression import get_codec
 from atoll.coordinator.config import RunConfig
@@ -36,10 +36,7 @@ from atoll.coordinator.run.decider import view
 from atoll.coordinator.run.run_state import RunState
 from atoll.coordinator.state.plans import Received
 from atoll.memory import tune_for_bulk_buffers
-from atoll.models import TinyGPT, preset
 from atoll.protos.vocabulary import PushKind
-
-VOCAB = {"tiny": 256, "gpt-small": 8192, "gpt-125m": 50257}
 
 
 async def push(s: RunState, island: str, payloads: dict, kind: PushKind, spec: str, tokens: int = 1):
@@ -98,7 +95,7 @@ def one_round(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt-125m", choices=sorted(VOCAB))
+    p.add_argument("--model", default="gpt-125m", choices=sorted(MODEL_VOCAB))
     p.add_argument("--islands", type=int, default=3)
     p.add_argument("--codec", default="int8")
     p.add_argument("--repeat", type=int, default=3)
@@ -106,8 +103,7 @@ def main() -> None:
     a = p.parse_args()
     tune_for_bulk_buffers()
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    theta0 = {n: t.detach().clone() for n, t in TinyGPT(preset(a.model, vocab_size=VOCAB[a.model])).named_parameters()}
+    theta0 = model_theta(a.model)
     numel = sum(t.numel() for t in theta0.values())
     codec = get_codec(a.codec)
     islands = [f"island-{i}" for i in range(a.islands)]
