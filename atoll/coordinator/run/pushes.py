@@ -27,7 +27,7 @@ from atoll.coordinator.state import robust
 from atoll.coordinator.state.accumulator import assemble, reserved
 from atoll.coordinator.state.ledger import BOOTSTRAP
 from atoll.coordinator.state.membership import relayed, usual_weight
-from atoll.coordinator.state.plans import Committed, Held, PushPlan, StagedRank, release
+from atoll.coordinator.state.plans import Committed, HeldPush, PushPlan, StagedRank, release
 from atoll.protos.vocabulary import PushKind, PushOutcome
 
 log = logging.getLogger("atoll.coordinator")
@@ -183,7 +183,7 @@ class Pushes:
             began = time.perf_counter()
             if c.aggregation == "mean" and not c.max_delta_norm:
                 if not late and self._holds(plan.island_id, reserved(ranks), c):
-                    acc.hold(plan.island_id, Held(ranks, weight * scale))
+                    acc.hold(plan.island_id, HeldPush(ranks, weight * scale))
                     ranks = []  # the accumulator's now: added (and released) in its turn
                 else:
                     island = None if late else plan.island_id  # (a late delta enters out of the order)

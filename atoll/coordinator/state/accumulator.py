@@ -22,7 +22,7 @@ from atoll.coordinator.policy.weighting import PushClass, step_scale
 from atoll.coordinator.state import robust
 from atoll.coordinator.state.budget import InflightBudget, Reservation
 from atoll.coordinator.state.downlink import identity_size
-from atoll.coordinator.state.plans import Committed, Held, StagedRank, release
+from atoll.coordinator.state.plans import Committed, HeldPush, StagedRank, release
 from atoll.protos.rpc import BufferPool
 
 log = logging.getLogger("atoll.coordinator")
@@ -69,7 +69,7 @@ class RoundAccumulator:
         self.relayed: dict[str, str] = {}
         """Islands whose work for the open round came in a relay's push, each with that relay: a push of
         their own for it (their relay died, and they moved here) counts already."""
-        self.held: dict[str, Held] = {}
+        self.held: dict[str, HeldPush] = {}
         """Committed contributions not in the sum yet, each waiting (still encoded, its bytes still held
         against the budget) for one that sorts ahead of it (:mod:`~atoll.coordinator.policy.order`)."""
         self.sequence: list[str] = []
@@ -158,7 +158,7 @@ class RoundAccumulator:
             self.sequence.append(island)
 
     # ---- the fixed order of the sum ------------------------------------------------------------
-    def hold(self, island_id: str, held: Held) -> None:
+    def hold(self, island_id: str, held: HeldPush) -> None:
         """Keep a committed contribution out of the sum until :meth:`ready` lets it in."""
         self.held[island_id] = held
 

@@ -90,7 +90,7 @@ class Committed:
 
 
 @dataclass
-class Held:
+class HeldPush:
     """A committed contribution kept out of the round's sum until its turn (see
     :mod:`~atoll.coordinator.policy.order`): its ranks (their payloads and reservations), its weight."""
 
