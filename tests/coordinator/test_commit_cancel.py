@@ -26,14 +26,15 @@ def test_a_push_cancelled_mid_decode_commits_whole_before_the_next_push_decodes(
     for island in ("a", "b"):
         pull(s, island, -1)
 
-    active, most, guard = [0], [0], threading.Lock()
+    active, most, guard, decoding = [0], [0], threading.Lock(), threading.Event()
     real = RoundAccumulator.add
 
-    def slow_add(self, *args, **kwargs):  # a decode that takes a while, counting who runs at once
+    def slow_add(self, *args, **kwargs):  # a decode that takes 0.3 s, counting who runs at once
         with guard:
             active[0] += 1
             most[0] = max(most[0], active[0])
-        time.sleep(0.3)
+        decoding.set()
+        time.sleep(0.3)  # (the decode's own time: the window the next push's commit falls in)
         try:
             return real(self, *args, **kwargs)
         finally:
@@ -44,8 +45,7 @@ def test_a_push_cancelled_mid_decode_commits_whole_before_the_next_push_decodes(
 
     async def race():
         first = asyncio.create_task(push(s, "a", da, tokens=3))
-        while active[0] == 0:  # a's delta is being decoded, in its worker thread
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(decoding.wait)  # a's delta is being decoded, in its worker thread
         first.cancel()  # its call goes away
         assert (await push(s, "b", db, tokens=1)).committed
 

@@ -11,23 +11,22 @@ Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`mes
 - :class:`~atoll.coordinator.state.ledger.Ledger`: the open round, history, the sealed round, wake-ups;
 - :class:`~atoll.coordinator.state.downlink.Downlink`: the latest encoded update and the kept ones.
 
-:mod:`pushes` and :mod:`pulls` act on those; :mod:`decider` is the decider task; :mod:`saved` makes
-a snapshot of the owners and checks one a restart loads. θ_0 and every
-round take ONE path: sealed (:meth:`Ledger.seal`) -> :meth:`RunState.try_publish` (make it durable, then
-publish): θ_0 as a snapshot, a round as its log record (:mod:`atoll.coordinator.disk.wal`); the optimizer
-state and the snapshots every ``snapshot_every`` rounds are written after the publish, in the
-background. Waiting pulls get a round's update while its step makes it and its record is written,
-and their confirmation once it is published (:meth:`Pulls._tentative`).
+:mod:`pushes` and :mod:`pulls` act on those; :mod:`decider` is the decider task; :mod:`saved` makes a
+snapshot of the owners and checks one a restart loads. θ_0 and every round take ONE path: sealed
+(:meth:`Ledger.seal`) -> :meth:`RunState.try_publish` (make it durable, then publish): θ_0 as a
+snapshot, a round as its log record (:mod:`atoll.coordinator.disk.wal`); the optimizer state and the
+snapshots every ``snapshot_every`` rounds are written after the publish, in the background. Waiting
+pulls get a round's update while its step makes it and its record is written, and their confirmation
+once it is published (:meth:`Pulls._tentative`).
 
-Locking rule. Every piece of run state is read and written on the event loop, so a synchronous
-method (join, heartbeat, leave, evict, set_operational, planning a push, a pull's bookkeeping) runs
-without interleaving and takes no lock. ``lock`` serialises the coroutines that await a worker
-thread *in the middle of* changing the round's sum, θ or the ledger: committing a push
-(:meth:`commit_push`), closing a round (:meth:`close_round`) and saving/publishing one
-(:meth:`try_publish`). While one of them holds it, none of the others starts. Worker threads get the
-tensors and payloads they work on as arguments and never change this object. A push's commit runs
-to its end even when its call is cancelled (its island went away after its last byte): a cancelled
-await would let the lock go while its worker thread still decodes into the round's sum.
+Locking rule. Every piece of run state is read and written on the event loop, so a synchronous method
+(join, heartbeat, leave, evict, set_operational, planning a push, a pull's bookkeeping) runs without
+interleaving and takes no lock. ``lock`` serialises the coroutines that await a worker thread *in the
+middle of* changing the round's sum, θ or the ledger: committing a push (:meth:`commit_push`), closing a
+round (:meth:`close_round`) and saving/publishing one (:meth:`try_publish`). While one of them holds it,
+none of the others starts. Worker threads get the tensors and payloads they work on as arguments and
+never change this object. A push's commit runs to its end even when its call is cancelled: a cancelled
+await would let the lock go mid-decode.
 """
 
 from __future__ import annotations
