@@ -14,6 +14,7 @@ sequence, the core decides when to ask.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 
 FIXED = "fixed"
@@ -34,12 +35,15 @@ def may_add(island: str, added: int, waiting: Iterable[str]) -> bool:
 
 def ready(held: Iterable[str], added: int, waiting: Iterable[str]) -> list[str]:
     """The held islands that may enter the sum now, in the order they must: the smallest first, as long
-    as each may (:func:`may_add`, the other held ones counted as still to come)."""
+    as each may (:func:`may_add`; the held ones after it sort after it, so only ``waiting`` can be
+    ahead). One sort of each, and a binary search a held island: a root of a thousand islands asks
+    after every push."""
     held = sorted(set(held))
-    waiting = set(waiting) - set(held)
+    waiting = sorted(set(waiting).difference(held))
     out: list[str] = []
-    for i, island in enumerate(held):
-        if not may_add(island, added + len(out), waiting | set(held[i + 1 :])):
+    for island in held:
+        ahead = bisect.bisect_left(waiting, island)
+        if not (ahead == 0 or (added + len(out) == 0 and ahead == 1)):
             break
         out.append(island)
     return out
