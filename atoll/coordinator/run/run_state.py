@@ -3,10 +3,9 @@
 Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`messages`, refusals
 :class:`~atoll.coordinator.errors.RequestError`. Who owns what:
 
-- :class:`~atoll.coordinator.state.membership.Membership`: islands, leases, sessions, departures, the
-  bootstrap claim;
-- :class:`~atoll.coordinator.state.accumulator.RoundAccumulator`: staged pushes, committed contributions,
-  the round's sum, the in-flight budget, open streams;
+- :class:`~atoll.coordinator.state.membership.Membership`: islands, leases, sessions, departures, the bootstrap claim;
+- :class:`~atoll.coordinator.state.accumulator.RoundAccumulator`: staged, held and committed pushes, the
+  round's sum, the in-flight budget, open streams;
 - :class:`~atoll.coordinator.state.model.GlobalModel`: θ, specs, buffers, outer optimizer, downlink EF;
 - :class:`~atoll.coordinator.state.ledger.Ledger`: the open round, history, the sealed round, wake-ups;
 - :class:`~atoll.coordinator.state.downlink.Downlink`: the latest encoded update and the kept ones.
