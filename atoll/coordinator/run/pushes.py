@@ -174,6 +174,7 @@ class Pushes:
             return PushResult(PushOutcome.STAGED, ledger.round, committed=False, bytes_received=plan.num_bytes)
         late = cls is PushClass.LATE
         rule = self._rule()  # (None: sync mode, no step scale)
+        held = False
         try:
             checks.coverage(self.model.specs, ranks, f"island {plan.island_id!r} discarded for round {ledger.round}")
             weight = self._weight(plan, ledger.round - plan.round if late else 0)
@@ -182,21 +183,17 @@ class Pushes:
             acc.admit(weight * scale * max(r.magnitude for r in ranks), f"island {plan.island_id!r}")
             began = time.perf_counter()
             if c.aggregation == "mean" and not c.max_delta_norm:
-                if not late and self._holds(plan.island_id, reserved(ranks), c):
+                held = not late and self._holds(plan.island_id, reserved(ranks), c)
+                if held:  # the accumulator's now: added (and released) in its turn
                     acc.hold(plan.island_id, HeldPush(ranks, weight * scale))
-                    ranks = []  # the accumulator's now: added (and released) in its turn
-                else:
-                    island = None if late else plan.island_id  # (a late delta enters out of the order)
-                    await asyncio.to_thread(acc.add, ranks, self.model.uplink, weight * scale, island)
-                    acc.recycle(ranks)  # only once the add is done (a cancelled await leaves it running)
+                else:  # (a late delta enters out of the order)
+                    await self._into_sum(ranks, weight * scale, None if late else plan.island_id)
             else:
                 await self._add_dense((plan.island_id, plan.round), ranks, weight, c, scale)
             decoded = time.perf_counter() - began
         finally:
-            release(ranks)  # decoded into the sum (or refused, or held): the payloads are done here
-        held = acc.held.get(plan.island_id) if not late else None
-        if held is not None:
-            ranks = held.ranks
+            if not held:
+                release(ranks)  # decoded into the sum (or refused): the payloads are done
         num_bytes = sum(r.plan.num_bytes for r in ranks)
         now = self.clock()
         first = ranks[0].plan  # the island's numbers travel with every rank's header: rank 0's count
@@ -264,17 +261,21 @@ class Pushes:
         """Add the held contributions whose turn has come (``everything``: all of them, in their order:
         the round closes). The caller holds the core's lock."""
         acc = self.accumulator
-        while turn := (sorted(acc.held) if everything else acc.ready(self._waiting())):
+        while acc.held and (turn := sorted(acc.held) if everything else acc.ready(self._waiting())):
             for island_id in turn:
                 held = acc.held.pop(island_id)
                 try:
                     began = time.perf_counter()
-                    await asyncio.to_thread(acc.add, held.ranks, self.model.uplink, held.weight, island_id)
-                    acc.recycle(held.ranks)  # only once the add is done (a cancelled await leaves it running)
+                    await self._into_sum(held.ranks, held.weight, island_id)
                     if (record := acc.committed.get(island_id)) is not None:
                         record.decode_seconds += time.perf_counter() - began
                 finally:
                     release(held.ranks)
+
+    async def _into_sum(self, ranks: list[StagedRank], weight: float, island_id: str | None) -> None:
+        """Decode ``ranks`` into the round's sum (worker thread); their buffers then serve the next pushes."""
+        await asyncio.to_thread(self.accumulator.add, ranks, self.model.uplink, weight, island_id)
+        self.accumulator.recycle(ranks)  # only once the add is done (a cancelled await leaves it running)
 
     def _counted_via_relay(self, island_id: str, round_: int) -> PushResult:
         """An island whose work for the open round came in a relay's push pushes it itself (its relay
