@@ -1,7 +1,7 @@
 """The coordinator's outer step, a chunk at a time against a tensor at a time, in one run.
 
     python benchmarks/outer_step.py [--model gpt-125m] [--codecs int8 identity] [--repeat 5] [--threads 2]
-                                    [--finite-check]
+                                    [--finite-check] [--workers N]
 
 For each downlink codec: the same round's outer step (mean of the pushes, Nesterov, downlink error
 feedback, encode, θ_{r+1}) over the preset's tensors, made chunk by chunk as the codec reads it
@@ -11,7 +11,9 @@ made to read its input whole), interleaved run by run so machine noise hits both
 The process applies :func:`atoll.memory.tune_for_bulk_buffers` first, as the daemon does.
 ``--finite-check``: instead, the chunked step followed by the coordinator's check that θ_{r+1} is
 finite (:class:`~atoll.coordinator.state.outer.FiniteTheta`, as ``GlobalModel.step`` does it, the first
-round's measurement of θ left out), against the step alone: what the check costs.
+round's measurement of θ left out), against the step alone: what the check costs. ``--workers N``:
+instead, the chunked step on N tensor workers (:class:`~atoll.coordinator.state.workers.TensorWorkers`,
+several tensors at once) against one tensor after another, both with ``--threads`` torch threads.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from common import MODEL_VOCAB, model_theta  # benchmarks/common.py (and the rep
 
 from atoll.compression import get_codec
 from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
+from atoll.coordinator.state.workers import TensorWorkers
 from atoll.memory import tune_for_bulk_buffers
 
 
@@ -47,6 +50,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--finite-check", action="store_true", help="the step with and without θ's finiteness check")
+    p.add_argument("--workers", type=int, default=0, help="the step on this many tensor workers against one")
     a = p.parse_args()
     tune_for_bulk_buffers()
     if a.threads:
@@ -61,6 +65,9 @@ def main() -> None:
         paths = {"chunks": get_codec(spec), "whole": Whole(get_codec(spec))}
         if a.finite_check:
             paths = {"checked": get_codec(spec), "unchecked": get_codec(spec)}
+        if a.workers:
+            paths = {"workers": get_codec(spec), "serial": get_codec(spec)}
+        pools = {k: TensorWorkers(a.workers if k == "workers" else 1) for k in paths}
         opts = {k: NesterovSGD(shapes, lr=0.7, momentum=0.9, nesterov=True) for k in paths}
         state = {k: (opts[k], {n: torch.zeros(s) for n, s in shapes.items()}) for k in paths}
         spares = {k: {} for k in paths}
@@ -82,6 +89,7 @@ def main() -> None:
                     downlink_ef=ef,
                     downlink_state={},
                     spares=spares[k],
+                    workers=pools[k],
                 )
                 if k == "checked":
                     for n, payload in payloads.items():
@@ -102,6 +110,8 @@ def main() -> None:
             "whole": "a tensor at a time",
             "checked": "outer step with θ's finiteness check",
             "unchecked": "without it",
+            "workers": f"outer step on {a.workers} tensor workers",
+            "serial": "on one",
         }
         print(
             f"[{spec}] {what[first]} {one * 1e3:.0f} ms, {what[second]} {two * 1e3:.0f} ms: "

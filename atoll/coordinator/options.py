@@ -158,6 +158,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads of the outer step and the decoding; a coordinator sharing its cores with "
         "islands should take fewer than the cores (0: torch's default, one per core)",
     )
+    limits.add_argument(
+        "--tensor-workers",
+        type=int,
+        default=0,
+        help="threads that run the outer step and a push's decoding on several of θ's tensors at once, each "
+        "tensor's work whole, so θ keeps its bits whatever the number (0: one per core that --threads leaves "
+        "idle, at most 4; 1: one tensor after another)",
+    )
 
     add_admin_arguments(parser.add_argument_group("admin HTTP"))
     add_security_arguments(parser.add_argument_group("security"))
@@ -260,7 +268,10 @@ def from_args(ns: argparse.Namespace) -> CoordinatorOptions:
             exact_failover=ns.exact_failover,
         ),
         limits=LimitsOptions(
-            max_inflight_bytes=ns.max_inflight_bytes, max_pull_bytes=ns.max_pull_bytes, threads=ns.threads
+            max_inflight_bytes=ns.max_inflight_bytes,
+            max_pull_bytes=ns.max_pull_bytes,
+            threads=ns.threads,
+            tensor_workers=ns.tensor_workers,
         ),
         placement=PlacementOptions(shard=parse_shard(ns.shard), partition=ns.partition, fragments=ns.fragments),
         exit_when_complete=ns.exit_when_complete,

@@ -66,6 +66,8 @@ def test_the_command_line_makes_one_typed_options_object():
             "1000",
             "--threads",
             "1",
+            "--tensor-workers",
+            "3",
             "--shard",
             "1/2",
             "--partition",
@@ -82,7 +84,8 @@ def test_the_command_line_makes_one_typed_options_object():
     assert o.network == NetworkOptions(port=7070, bulk_port=None)
     assert o.admin == AdminOptions(port=9090, token="t")
     assert o.storage == StorageOptions(lease_seconds=4.0, snapshot_every=3)
-    assert o.limits == LimitsOptions(max_inflight_bytes=1000, threads=1)
+    assert o.limits == LimitsOptions(max_inflight_bytes=1000, threads=1, tensor_workers=3)
+    assert o.limits.workers() == 3
     assert o.placement == PlacementOptions(shard=(1, 2), partition="layers")
     assert o.run.sync_every == 30 and o.run.quorum == 2 and o.given == {"sync_every", "quorum"}
     assert o.security.tls is None and o.security.tokens is None
@@ -97,6 +100,10 @@ def test_options_are_checked_where_they_are_made_whether_from_python_or_the_comm
         StorageOptions(keep_snapshots=0)
     with pytest.raises(ValueError, match="--threads must be >= 0"):
         LimitsOptions(threads=-1)
+    with pytest.raises(ValueError, match="--tensor-workers must be >= 0, got -1"):
+        LimitsOptions(tensor_workers=-1)
+    with pytest.raises(ValueError, match="--tensor-workers must be <= 64, got 65"):
+        from_args(parse_args(["coordinator", "--state-dir", "d", "--tensor-workers", "65"]))
     with pytest.raises(ValueError, match="--fragments runs every shard of the run itself; drop --shard"):
         PlacementOptions(shard=(0, 2), fragments=2)
     with pytest.raises(ValueError, match=r"--bulk-port must be in -1\.\.65535"):

@@ -9,6 +9,7 @@ from support import exact_config
 from support.reference import numpy_outer_sgd
 
 from atoll.compression import get_codec
+from atoll.coordinator.run.options import LimitsOptions
 from atoll.coordinator.state.outer import NesterovSGD, outer_step_
 from atoll.protos import coordinator_pb2 as pb
 
@@ -24,8 +25,9 @@ def decode_update(header, payloads, have):
     return out
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_outer_step_matches_numpy_reference(start_server, raw_island, nesterov):
+@pytest.mark.parametrize(("nesterov", "tensor_workers"), [(True, 1), (False, 1), (True, 3)])
+def test_outer_step_matches_numpy_reference(start_server, raw_island, nesterov, tensor_workers):
+    """(With ``tensor_workers`` 3 the pushes are decoded and the step made on three threads.)"""
     lr, mu = 0.7, 0.9
     srv = start_server(
         exact_config(
@@ -35,8 +37,10 @@ def test_outer_step_matches_numpy_reference(start_server, raw_island, nesterov):
             outer_momentum=mu,
             nesterov=nesterov,
             quorum=3,
-        )
+        ),
+        limits=LimitsOptions(tensor_workers=tensor_workers),
     )
+    assert srv.inspect(lambda s: s.workers.count) == tensor_workers
     rng = np.random.default_rng(0)
     theta0 = {k: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()}
     islands = [raw_island(srv.address, f"i{k}", SHAPES) for k in range(3)]

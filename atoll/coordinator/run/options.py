@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atoll.coordinator.state.workers import auto_count
 from atoll.sharding import PARTITIONS
 
 MIN_LEASE_SECONDS, MAX_LEASE_SECONDS = 1.0, 86400.0
@@ -40,6 +41,10 @@ class StorageOptions:
             )
 
 
+MAX_TENSOR_WORKERS = 64
+"""More threads than this would not find the memory bandwidth to use."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LimitsOptions:
     """Memory and CPU: what the coordinator holds and uses at once."""
@@ -50,11 +55,20 @@ class LimitsOptions:
     """Memory the pulls being answered hold at once (0: two fp32 copies of the model, at least 256 MiB)."""
     threads: int = 0
     """torch intra-op threads (0: torch's default)."""
+    tensor_workers: int = 0
+    """Threads that step and decode θ's tensors several at once (0: one per core the intra-op threads
+    leave idle, :func:`~atoll.coordinator.state.workers.auto_count`)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_inflight_bytes", "max_pull_bytes", "threads"):
+        for name in ("max_inflight_bytes", "max_pull_bytes", "threads", "tensor_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.tensor_workers > MAX_TENSOR_WORKERS:
+            raise ValueError(f"--tensor-workers must be <= {MAX_TENSOR_WORKERS}, got {self.tensor_workers}")
+
+    def workers(self) -> int:
+        """The tensor workers to start."""
+        return self.tensor_workers or auto_count(self.threads)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -69,6 +69,7 @@ from atoll.coordinator.state.membership import Membership, island_state
 from atoll.coordinator.state.model import GlobalModel
 from atoll.coordinator.state.plans import PushPlan, Received, StagedRank, release
 from atoll.coordinator.state.record import RoundRecord
+from atoll.coordinator.state.workers import TensorWorkers
 from atoll.protos.vocabulary import PushKind, PushOutcome
 
 log = logging.getLogger("atoll.coordinator")
@@ -112,8 +113,9 @@ class RunState:
         self.given = given
         self.name = name
         self.membership = Membership(clock, lambda: self.config.lease_seconds)
-        self.accumulator = RoundAccumulator(limits.max_inflight_bytes)
-        self.model = GlobalModel(config)
+        self.workers = TensorWorkers(limits.workers())  # the step's and the decodes' threads
+        self.accumulator = RoundAccumulator(limits.max_inflight_bytes, self.workers)
+        self.model = GlobalModel(config, self.workers)
         self.ledger = Ledger(clock())
         self.downlink = Downlink(self.state_dir, max_pull_bytes=limits.max_pull_bytes)
         self.store = store or LocalState()
@@ -218,6 +220,7 @@ class RunState:
     def close(self) -> None:
         """Wait for the background checkpoint being written (the server is stopping); let go of the dir."""
         self.writer.close()
+        self.workers.close()
         if self._dir_lock is not None:
             self._dir_lock.release()
             self._dir_lock = None

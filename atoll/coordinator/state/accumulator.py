@@ -9,6 +9,7 @@ the accumulator *advances* to the next round.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -23,6 +24,7 @@ from atoll.coordinator.state import robust
 from atoll.coordinator.state.budget import InflightBudget, Reservation
 from atoll.coordinator.state.downlink import identity_size
 from atoll.coordinator.state.plans import Committed, HeldPush, StagedRank, release
+from atoll.coordinator.state.workers import SERIAL, TensorWorkers
 from atoll.protos.rpc import BufferPool
 
 log = logging.getLogger("atoll.coordinator")
@@ -48,8 +50,10 @@ def mean_of(pairs: list[tuple[float, float]]) -> float | None:
 
 
 class RoundAccumulator:
-    def __init__(self, max_inflight_bytes: int = 0) -> None:
-        """``max_inflight_bytes``: push bytes held at once (0: sized from the model, see :meth:`size_budget`)."""
+    def __init__(self, max_inflight_bytes: int = 0, workers: TensorWorkers = SERIAL) -> None:
+        """``max_inflight_bytes``: push bytes held at once (0: sized from the model, see :meth:`size_budget`);
+        ``workers``: the threads a contribution is decoded on, several tensors at once."""
+        self.workers = workers
         self.budget = InflightBudget(max_inflight_bytes or MIN_INFLIGHT_BYTES)
         self._budget_from_model = not max_inflight_bytes
         self.pending: dict[tuple[str, int], dict[int, StagedRank]] = {}
@@ -151,7 +155,7 @@ class RoundAccumulator:
     def add(self, ranks: list[StagedRank], codec, weight: float, island: str | None = None) -> None:
         """``sum += weight · Δ`` for an island's ranks, decoded straight into the sum (worker thread).
         ``island``: whose contribution it is, in the fixed order; None: a late delta, out of it."""
-        accumulate(ranks, self._sums, codec, weight, self._stale)
+        accumulate(ranks, self._sums, codec, weight, self._stale, self.workers)
         if island is None:
             self._arrival = True
         else:
@@ -325,20 +329,30 @@ def assemble(ranks: list[StagedRank], specs: dict[str, tuple[int, ...]], codec) 
 
 
 def accumulate(
-    ranks: list[StagedRank], accum: dict[str, torch.Tensor], codec, weight: float, stale: set[str] | None = None
+    ranks: list[StagedRank],
+    accum: dict[str, torch.Tensor],
+    codec,
+    weight: float,
+    stale: set[str] | None = None,
+    workers: TensorWorkers = SERIAL,
 ) -> None:
     """``accum += weight * Δ`` for an island's ranks, decoding straight into the accumulator. ``weight * Δ``
     is rounded before the add, so two islands sum to the same bits in either order (the sum's first two
     commute: :mod:`~atoll.coordinator.policy.order` fixes the rest). A tensor
     named in ``stale`` holds old values that count as zero: an entry covering all of it is written
     (``weight * Δ``, the bits ``0 + weight * Δ`` gives), else the tensor is zeroed first; its name
-    leaves ``stale`` either way."""
+    leaves ``stale`` either way. ``workers``: the tensors are decoded on them, several at once; the
+    entries of one tensor (the ranks' regions of it) in one task, in their order, so every element
+    gets the same operations in the same order whatever their number."""
+    by_tensor: dict[str, list] = {}
     for staged in ranks:
         for entry, payload in zip(staged.plan.entries, staged.payloads, strict=True):
-            whole = accum[entry.name]
+            by_tensor.setdefault(entry.name, []).append((entry, payload))
+
+    def one(whole: torch.Tensor, entries: list, was_stale: bool) -> None:
+        for i, (entry, payload) in enumerate(entries):
             target = whole[entry.region.slices()]
-            if stale is not None and entry.name in stale:
-                stale.discard(entry.name)
+            if i == 0 and was_stale:
                 if target.numel() == whole.numel() and target.is_contiguous():
                     codec.write_weighted_(payload, target, alpha=weight, verified=True)
                     continue
@@ -348,3 +362,11 @@ def accumulate(
             else:
                 got = codec.decode(payload, entry.region.sizes, verified=True)
                 target.add_(weighted(got, weight))  # no fused w·Δ + acc
+
+    tasks = []
+    for name, entries in by_tensor.items():
+        was_stale = stale is not None and name in stale
+        if was_stale:
+            stale.discard(name)
+        tasks.append((name, functools.partial(one, accum[name], entries, was_stale)))
+    workers.ordered(tasks)

@@ -16,11 +16,14 @@ from atoll.coordinator.config import RunConfig
 from atoll.coordinator.policy import steps
 from atoll.coordinator.state.delayed import DelayedNesterov
 from atoll.coordinator.state.outer import FiniteTheta, NesterovSGD, outer_step_
+from atoll.coordinator.state.workers import SERIAL, TensorWorkers
 from atoll.memory import Leases
 
 
 class GlobalModel:
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, workers: TensorWorkers = SERIAL) -> None:
+        self.workers = workers
+        """The threads the outer step runs on, several tensors at once."""
         self.params: dict[str, torch.Tensor] | None = None
         """θ of the open round; None until θ_0 is published."""
         self.specs: dict[str, tuple[int, ...]] = {}
@@ -162,6 +165,7 @@ class GlobalModel:
             spares=self._spares,
             leases=self.leases,
             made=made,
+            workers=self.workers,
         )
         if delayed:
             self.optimizer.end_round()

@@ -11,6 +11,7 @@ import torch
 from torch.optim.sgd import sgd
 
 from atoll.compression.base import Chunks
+from atoll.coordinator.state.workers import SERIAL, TensorWorkers
 from atoll.memory import Leases
 
 THETA_LIMIT = 2.0**120
@@ -180,6 +181,7 @@ def outer_step_(
     spares: dict[str, bytearray] | None = None,
     leases: Leases | None = None,
     made: Callable[[str, bytearray], None] | None = None,
+    workers: TensorWorkers = SERIAL,
 ) -> dict[str, bytearray]:
     """θ_{r+1} = θ_r + decode(encode(u + e)), tensor by tensor, in place in ``accum`` (which ends up
     holding θ_{r+1}): besides θ, momentum and the accumulator, only one tensor's temporaries.
@@ -190,7 +192,9 @@ def outer_step_(
     keeps e, the error it made (downlink error feedback). Returns the encoded update per tensor:
     what islands add to θ_r is exactly what was added here. ``spares``: last round's payloads, each
     reused as this round's buffer when nobody holds a lease on it in ``leases`` (see :func:`spare`).
-    ``made(name, payload)``: called as each tensor's payload is final (pulls stream it meanwhile).
+    ``made(name, payload)``: called as each tensor's payload is final (pulls stream it meanwhile), in
+    ``accum``'s order, on this thread. ``workers``: the tensors' steps run on them, several at once
+    (each tensor's own arithmetic, so the same bits whatever their number).
 
     A codec that reads its input in chunks gets each tensor as an :class:`_Update`: every step above
     runs a cache-sized chunk at a time as the codec reads it (one pass over each tensor instead of
@@ -199,10 +203,11 @@ def outer_step_(
     payloads = {}
     weight_total = weight_total if weight_total > 0 else 1.0  # every contribution weighed 0: Σ w Δ is 0, as is the mean
     total = torch.tensor([weight_total], dtype=torch.float32)  # the fused pass's gradient scale
-    for name, acc in accum.items():
-        robust = robust_grads.pop(name).reshape(-1) if robust_grads is not None else None
 
-        def prepare(a: torch.Tensor, start: int = 0, name=name, robust=robust) -> None:
+    def one(name: str, acc: torch.Tensor, robust: torch.Tensor | None, out, state) -> bytearray:
+        """Tensor ``name``'s step (its own storage only: a task of ``workers``); its payload."""
+
+        def prepare(a: torch.Tensor, start: int = 0) -> None:
             """``a``, the flat chunk of ``acc`` from element ``start`` (or all of it), into u."""
             if robust is not None:
                 a.copy_(robust.narrow(0, start, a.numel()))
@@ -213,37 +218,47 @@ def outer_step_(
             else:
                 optimizer.step_(name, a, start)
 
-        out = spare(spares, name, leases)
-        state = downlink_state.setdefault(name, {}) if downlink.lossy else None
         # With error feedback, u + e is made in e's own storage by one fused pass (see NesterovSGD.fused_).
         fused = None
         if downlink.lossy and robust is None and name not in buffers and optimizer.fuses:
 
-            def fused(a: torch.Tensor, e: torch.Tensor, start: int = 0, name=name) -> None:
+            def fused(a: torch.Tensor, e: torch.Tensor, start: int = 0) -> None:
                 optimizer.fused_(name, a, e, total, start)
 
         if downlink.chunked_input:
             update = _Update(acc, params[name], prepare, downlink_ef[name] if downlink.lossy else None, fused)
-            payloads[name] = downlink.encode_chunks(update, tuple(acc.shape), state, out=out)
-        elif fused is not None:
+            return downlink.encode_chunks(update, tuple(acc.shape), state, out=out)
+        if fused is not None:
             ef = downlink_ef[name]
             fused(acc.view(-1), ef.view(-1))  # e <- u + e
-            payloads[name] = downlink.encode(ef, state, out=out)
-            downlink.decode_into(payloads[name], acc)  # what islands add: decode(u + e), no temporary
+            payload = downlink.encode(ef, state, out=out)
+            downlink.decode_into(payload, acc)  # what islands add: decode(u + e), no temporary
             ef.sub_(acc)
             acc.add_(params[name])
-        else:
-            prepare(acc.view(-1))
-            if downlink.lossy:
-                acc.add_(downlink_ef[name])
-            payloads[name] = downlink.encode(acc, state, out=out)
-            if downlink.lossy:
-                downlink_ef[name].copy_(acc)
-                downlink.decode_into(payloads[name], acc)  # what islands add: decode(u + e), no temporary
-                downlink_ef[name].sub_(acc)
-            acc.add_(params[name])
+            return payload
+        prepare(acc.view(-1))
+        if downlink.lossy:
+            acc.add_(downlink_ef[name])
+        payload = downlink.encode(acc, state, out=out)
+        if downlink.lossy:
+            downlink_ef[name].copy_(acc)
+            downlink.decode_into(payload, acc)  # what islands add: decode(u + e), no temporary
+            downlink_ef[name].sub_(acc)
+        acc.add_(params[name])
+        return payload
+
+    tasks = []
+    for name, acc in accum.items():  # what the tasks share is taken out here, on this thread
+        robust = robust_grads.pop(name).reshape(-1) if robust_grads is not None else None
+        state = downlink_state.setdefault(name, {}) if downlink.lossy else None
+        tasks.append((name, functools.partial(one, name, acc, robust, spare(spares, name, leases), state)))
+
+    def done(name: str, payload: bytearray) -> None:
+        payloads[name] = payload
         if made is not None:
-            made(name, payloads[name])
+            made(name, payload)
+
+    workers.ordered(tasks, done)
     return payloads
 
 

@@ -1,0 +1,191 @@
+"""The outer step and a push's decode-add on several threads at once (issue 53, items 2 and 3): the
+results come back in order, a failure leaves no task running, and θ, the payloads, the momentum and
+the error feedback keep the bits of one tensor after another."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from atoll.compression import get_codec
+from atoll.coordinator.regions import Region
+from atoll.coordinator.state.accumulator import accumulate
+from atoll.coordinator.state.outer import NesterovSGD, outer_step_
+from atoll.coordinator.state.plans import EntryPlan, PushPlan, StagedRank
+from atoll.coordinator.state.workers import SERIAL, TensorWorkers, auto_count
+
+
+@pytest.fixture
+def workers():
+    made: list[TensorWorkers] = []
+
+    def make(count: int) -> TensorWorkers:
+        made.append(TensorWorkers(count))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def test_results_come_back_in_order_while_later_tasks_run_beside_earlier_ones(workers):
+    """Task 0 finishes only once task 2 has run: on one thread that never happens (the wait times out
+    and says so); on three, task 0's result is still handed back first, on the calling thread."""
+    ran_2 = threading.Event()
+
+    def first() -> str:
+        return "0 after 2" if ran_2.wait(10) else "0 alone"
+
+    def third() -> str:
+        ran_2.set()
+        return "2"
+
+    handed = []
+    workers(3).ordered(
+        [(0, first), (1, lambda: "1"), (2, third)],
+        lambda key, got: handed.append((key, got, threading.current_thread() is threading.main_thread())),
+    )
+    assert handed == [(0, "0 after 2", True), (1, "1", True), (2, "2", True)]
+
+
+def test_a_failing_task_is_raised_only_once_the_tasks_running_beside_it_are_done(workers):
+    started, finished = threading.Event(), []
+
+    def fails() -> None:
+        started.wait(10)
+        raise RuntimeError("task 0 failed")
+
+    def slow() -> None:
+        started.set()
+        time.sleep(0.2)  # still writing its tensor when task 0 fails
+        finished.append(1)
+
+    with pytest.raises(RuntimeError, match="task 0 failed"):
+        workers(2).ordered([(0, fails), (1, slow)])
+    assert finished == [1]
+
+
+def test_a_callback_that_fails_stops_the_run_too(workers):
+    def done(key, _):
+        if key == 1:
+            raise ValueError("the record could not take tensor 1")
+
+    got = []
+    with pytest.raises(ValueError, match="tensor 1"):
+        workers(2).ordered([(k, (lambda k=k: got.append(k))) for k in range(6)], done)
+
+
+@pytest.mark.parametrize(
+    ("threads", "cpus", "want"),
+    [(0, 2, 1), (2, 2, 1), (3, 2, 1), (1, 2, 2), (1, 16, 4), (4, 16, 4), (8, 16, 2), (1, 1, 1)],
+)
+def test_the_default_count_takes_the_cores_the_intra_op_threads_leave(threads, cpus, want):
+    assert auto_count(threads, cpus) == want
+
+
+def test_a_count_below_one_is_refused():
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        TensorWorkers(0)
+
+
+SHAPES = {"big": (700, 1001), "w": (37, 5), "bn.running_mean": (300,), "empty": (0, 4), "tail": (3, 3)}
+
+
+@pytest.mark.parametrize("downlink", ["identity", "int8", "int4", "bf16", "sparse", "topk:fraction=0.1"])
+def test_the_outer_step_on_several_workers_is_bitwise_the_serial_one(workers, downlink):
+    """Three rounds (one of them robust) of the outer step on 1 and on 3 threads: θ_{r+1}, the
+    payloads, the momentum and the downlink error feedback are the same bits, and ``made`` sees the
+    tensors in θ's order, on the calling thread, each payload final."""
+    gen = torch.Generator().manual_seed(0)
+    theta0 = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    runs = {1: SERIAL, 3: workers(3)}
+    theta = {n: {k: v.clone() for k, v in theta0.items()} for n in runs}
+    momentum = {
+        n: NesterovSGD({k: s for k, s in SHAPES.items() if k != "bn.running_mean"}, lr=0.7, momentum=0.9, nesterov=True)
+        for n in runs
+    }
+    ef = {n: {k: torch.zeros(s) for k, s in SHAPES.items()} for n in runs}
+    state = {n: {} for n in runs}
+
+    def bits(tensors: dict) -> dict:
+        return {k: v.numpy().tobytes() for k, v in tensors.items()}
+
+    codec = get_codec(downlink)
+    for r in range(3):
+        accum = {k: torch.randn(s, generator=gen) * 0.01 for k, s in SHAPES.items()}
+        robust = {k: torch.randn(s, generator=gen) * 0.01 for k, s in SHAPES.items()} if r == 1 else None
+        sent = {}
+        for n, pool in runs.items():
+            acc = {k: v.clone() for k, v in accum.items()}
+            seen = []
+
+            def made(name, payload, seen=seen):
+                seen.append((name, bytes(payload), threading.current_thread() is threading.main_thread()))
+
+            payloads = outer_step_(
+                acc,
+                theta[n],
+                weight_total=3.0,
+                optimizer=momentum[n],
+                buffers=frozenset({"bn.running_mean"}),
+                downlink=codec,
+                downlink_ef=ef[n],
+                downlink_state=state[n],
+                robust_grads=None if robust is None else dict(robust),
+                made=made,
+                workers=pool,
+            )
+            assert seen == [(k, bytes(payloads[k]), True) for k in SHAPES]
+            sent[n] = {k: bytes(p) for k, p in payloads.items()}
+            for k in SHAPES:  # exactly what an island adds to θ_r
+                assert torch.equal(acc[k], theta[n][k] + codec.decode(payloads[k], SHAPES[k]))
+            theta[n] = acc
+        assert sent[1] == sent[3], r
+        assert bits(theta[1]) == bits(theta[3]), r
+        assert bits(ef[1]) == bits(ef[3]), r
+        assert bits(momentum[1].buffers) == bits(momentum[3].buffers), r
+
+
+@pytest.mark.parametrize("spec", ["int8", "identity", "sparse"])
+def test_a_push_decoded_on_several_workers_is_bitwise_the_serial_one(workers, spec):
+    """Three islands of two ranks each (row halves of one tensor, the whole of another, column halves
+    of a third: a tensor's regions come from both ranks) into a sum that holds old values (counted
+    as zero): on 1 and on 3 threads, the same bits."""
+    codec = get_codec(spec)
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"rows": (64, 48), "whole": (300, 7), "cols": (40, 30)}
+    layout = [  # (rank, tensor, region)
+        (0, "rows", Region((0, 0), (32, 48))),
+        (0, "whole", Region((0, 0), (300, 7))),
+        (0, "cols", Region((0, 0), (40, 15))),
+        (1, "cols", Region((0, 15), (40, 15))),
+        (1, "rows", Region((32, 0), (32, 48))),
+    ]
+
+    def island(scale: float) -> list[StagedRank]:
+        delta = {k: torch.randn(s, generator=gen) * scale for k, s in shapes.items()}
+        ranks = []
+        for rank in (0, 1):
+            entries, payloads = [], []
+            for _, name, region in (x for x in layout if x[0] == rank):
+                payload = codec.encode(delta[name][region.slices()].contiguous(), {})
+                entries.append(EntryPlan(name, region, len(payload)))
+                payloads.append(payload)
+            ranks.append(StagedRank(PushPlan("x", 0, False, rank, 2, 1, None, spec, tuple(entries)), payloads))
+        return ranks
+
+    islands = [(island(s), w) for s, w in ((1.0, 3.0), (1e-3, 7.0), (0.3, 0.5))]
+    sums = {}
+    for n, pool in ((1, SERIAL), (3, workers(3))):
+        accum = {k: torch.full(s, float("nan")) for k, s in shapes.items()}
+        stale = set(shapes)
+        for ranks, weight in islands:
+            accumulate(ranks, accum, codec, weight, stale, pool)
+        assert not stale
+        sums[n] = accum
+    for name in shapes:
+        assert not sums[1][name].isnan().any(), name
+        assert torch.equal(sums[1][name], sums[3][name]), name
