@@ -15,6 +15,7 @@ from support import collect_events, coordinator_flags, exact_config, island_flag
 from atoll.cli import build_parser
 from atoll.cli import main as cli_main
 from atoll.coordinator.options import AdminOptions
+from atoll.coordinator.state.workers import auto_count
 from atoll.protos import coordinator_pb2 as pb
 
 
@@ -222,7 +223,9 @@ def test_the_coordinators_torch_threads_are_a_flag_and_shown_in_its_status(group
     )
     wait_for(admin.exists, timeout=30, what="the admin port file")
     with urllib.request.urlopen(f"http://127.0.0.1:{admin.read_text().strip()}/api/status", timeout=10) as resp:
-        assert json.load(resp)["torch_threads"] == 1
+        status = json.load(resp)
+    assert status["torch_threads"] == 1
+    assert status["tensor_workers"] == auto_count(1)  # the cores the one torch thread leaves idle
     coord.stop()
     cmd = [sys.executable, "-m", "atoll", "coordinator", "--state-dir", str(tmp_path / "s2"), "--threads", "-1"]
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

@@ -40,7 +40,7 @@ def test_outer_step_matches_numpy_reference(start_server, raw_island, nesterov, 
         ),
         limits=LimitsOptions(tensor_workers=tensor_workers),
     )
-    assert srv.inspect(lambda s: s.workers.count) == tensor_workers
+    assert srv.inspect(lambda s: s.model.workers.count) == tensor_workers
     rng = np.random.default_rng(0)
     theta0 = {k: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()}
     islands = [raw_island(srv.address, f"i{k}", SHAPES) for k in range(3)]

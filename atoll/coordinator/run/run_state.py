@@ -6,7 +6,8 @@ Transport-independent (no protobuf, no gRPC): requests and answers are :mod:`mes
 - :class:`~atoll.coordinator.state.membership.Membership`: islands, leases, sessions, departures, the bootstrap claim;
 - :class:`~atoll.coordinator.state.accumulator.RoundAccumulator`: staged, held and committed pushes, the
   round's sum, the in-flight budget, open streams;
-- :class:`~atoll.coordinator.state.model.GlobalModel`: θ, specs, buffers, outer optimizer, downlink EF;
+- :class:`~atoll.coordinator.state.model.GlobalModel`: θ, specs, buffers, outer optimizer, downlink EF,
+  the tensor workers;
 - :class:`~atoll.coordinator.state.ledger.Ledger`: the open round, history, the sealed round, wake-ups;
 - :class:`~atoll.coordinator.state.downlink.Downlink`: the latest encoded update and the kept ones.
 
@@ -113,9 +114,8 @@ class RunState:
         self.given = given
         self.name = name
         self.membership = Membership(clock, lambda: self.config.lease_seconds)
-        self.workers = TensorWorkers(limits.workers())  # the step's and the decodes' threads
-        self.accumulator = RoundAccumulator(limits.max_inflight_bytes, self.workers)
-        self.model = GlobalModel(config, self.workers)
+        self.model = GlobalModel(config, TensorWorkers(limits.workers()))  # (its threads decode the pushes too)
+        self.accumulator = RoundAccumulator(limits.max_inflight_bytes, self.model.workers)
         self.ledger = Ledger(clock())
         self.downlink = Downlink(self.state_dir, max_pull_bytes=limits.max_pull_bytes)
         self.store = store or LocalState()
@@ -220,7 +220,7 @@ class RunState:
     def close(self) -> None:
         """Wait for the background checkpoint being written (the server is stopping); let go of the dir."""
         self.writer.close()
-        self.workers.close()
+        self.model.workers.close()
         if self._dir_lock is not None:
             self._dir_lock.release()
             self._dir_lock = None

@@ -403,4 +403,5 @@ def status_json(server, started_at: float) -> dict:
         "history": [h.to_json() for h in s.history[-RECENT_ROUNDS:]],
         "uptime_seconds": time.time() - started_at,
         "torch_threads": torch.get_num_threads(),
+        "tensor_workers": s.model.workers.count,
     }
