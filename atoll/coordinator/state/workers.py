@@ -35,10 +35,18 @@ def auto_count(threads: int, cpus: int | None = None) -> int:
     """Workers for ``threads`` torch intra-op threads (0: torch's default, one per core) on ``cpus``
     cores: the cores the intra-op threads leave idle get a worker each, at most :data:`MAX_AUTO`.
     With torch's default every core is in each kernel already: one worker."""
-    cpus = cpus or os.cpu_count() or 1
+    cpus = cpus or usable_cpus()
     if threads <= 0 or threads >= cpus:
         return 1
     return max(1, min(MAX_AUTO, cpus // threads))
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity: a container's CPU set), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class TensorWorkers:
