@@ -25,8 +25,9 @@ class DemoArgs:
     """Uplink codec spec, e.g. "identity" or "topk:fraction=0.01"."""
     error_feedback: bool = False
     """Islands carry the lossy codec's error into the next round."""
-    error_feedback_decay: float = 1.0
-    """β: error feedback sends C(Δ + β·residual) (1: classic)."""
+    error_feedback_decay: float | None = None
+    """β: error feedback sends C(Δ + β·residual) (1: classic; not given: the coordinator's default for
+    the codec, 0.9 for sparse and 1 for the rest)."""
     downlink_codec: str = "auto"
     """Codec of the outer update the coordinator sends back (auto: the coordinator's rule for the
     uplink codec: sparse for sparse, else int8)."""
@@ -64,6 +65,7 @@ class DemoArgs:
 def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[list[dict], list[int]]:
     """Run the demo's processes; return the islands' events and exit codes."""
     events: list[dict] = []
+    decay = [] if args.error_feedback_decay is None else ["--error-feedback-decay", str(args.error_feedback_decay)]
     with ProcessGroup(work) as group:
         coord, address = group.start_coordinator(
             work / "state",
@@ -83,8 +85,7 @@ def run_island_group(args: DemoArgs, work: Path, *, progress: bool) -> tuple[lis
                 "--outer-momentum",
                 str(args.outer_momentum),
                 "--error-feedback" if args.error_feedback else "--no-error-feedback",
-                "--error-feedback-decay",
-                str(args.error_feedback_decay),
+                *decay,
                 "--outer-mode",
                 args.outer_mode,
                 "--quorum",
