@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -138,21 +140,25 @@ def test_outer_step_in_place_matches_numpy(downlink):
 
 
 @pytest.mark.parametrize(
-    "downlink", ["identity", "int8", "int4", "bf16", "fp16", "sparse", "sparse:density=0.05,chunk=64"]
+    "downlink",
+    ["identity", "int8", "int4", "bf16", "fp16", "sparse", "sparse:density=0.05,chunk=64", "topk:fraction=0.1"],
 )
-def test_outer_step_made_chunk_by_chunk_is_bitwise_the_whole_tensor_one(downlink):
+def test_outer_step_made_chunk_by_chunk_or_on_workers_is_bitwise_the_whole_tensor_one(downlink):
     """A chunked codec gets each tensor's outer step a cache-sized chunk at a time (one pass over θ,
-    momentum and the error feedback instead of ten): θ_{r+1}, the payloads, the momentum and the
-    error feedback are the bits of the whole-tensor step, round after round, over tensors of several
-    chunks with a ragged end, a buffer, an empty tensor and a round of robust aggregation."""
+    momentum and the error feedback instead of ten), and the step runs on several tensor workers at
+    once: θ_{r+1}, the payloads, the momentum and the error feedback are the bits of the whole-tensor
+    step on one thread, round after round, over tensors of several chunks with a ragged end, a buffer,
+    an empty tensor and a round of robust aggregation; ``made`` sees θ's order, on the calling thread."""
     from atoll.compression.base import CHUNK
+    from atoll.coordinator.state.workers import SERIAL, TensorWorkers
     from benchmarks.outer_step import Whole  # a codec made to read its input whole
 
     shapes = {"big": (CHUNK // 1000 + 3, 1001), "w": (37, 5), "bn.running_mean": (300,), "empty": (0, 4)}
     gen = torch.Generator().manual_seed(0)
     theta0 = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
     theta0["w"].view(-1)[:50] = -0.0  # where updates too small for their block's scale land: -0.0 + 0
-    codecs = {"chunks": get_codec(downlink), "whole": Whole(get_codec(downlink))}
+    codecs = {"chunks": get_codec(downlink), "whole": Whole(get_codec(downlink)), "workers": get_codec(downlink)}
+    pools = {"chunks": SERIAL, "whole": SERIAL, "workers": TensorWorkers(3)}
     theta = {c: {k: v.clone() for k, v in theta0.items()} for c in codecs}
     momentum = {
         c: NesterovSGD({k: shapes[k] for k in ("big", "w", "empty")}, lr=0.7, momentum=0.9, nesterov=True)
@@ -171,6 +177,7 @@ def test_outer_step_made_chunk_by_chunk_is_bitwise_the_whole_tensor_one(downlink
         sent = {}
         for c, codec in codecs.items():
             acc = {k: v.clone() for k, v in accum.items()}
+            seen = []
             payloads = outer_step_(
                 acc,
                 theta[c],
@@ -181,13 +188,20 @@ def test_outer_step_made_chunk_by_chunk_is_bitwise_the_whole_tensor_one(downlink
                 downlink_ef=ef[c],
                 downlink_state=state[c],
                 robust_grads=None if robust is None else dict(robust),
+                made=lambda name, _, seen=seen: seen.append(
+                    (name, threading.current_thread() is threading.main_thread())
+                ),
+                workers=pools[c],
             )
+            assert seen == [(k, True) for k in shapes]
             sent[c] = {k: bytes(p) for k, p in payloads.items()}
             for k in shapes:  # exactly what an island adds to θ_r
                 assert torch.equal(acc[k], theta[c][k] + codec.decode(payloads[k], shapes[k]))
             theta[c] = acc
-        assert sent["chunks"] == sent["whole"], r
-        assert bits(theta["chunks"]) == bits(theta["whole"]), r
-        assert bits(ef["chunks"]) == bits(ef["whole"]), r
-        assert bits(momentum["chunks"].buffers) == bits(momentum["whole"].buffers), r
+        for c in ("chunks", "workers"):
+            assert sent[c] == sent["whole"], (c, r)
+            assert bits(theta[c]) == bits(theta["whole"]), (c, r)
+            assert bits(ef[c]) == bits(ef["whole"]), (c, r)
+            assert bits(momentum[c].buffers) == bits(momentum["whole"].buffers), (c, r)
+    pools["workers"].close()
     assert any(e.abs().sum() > 0 for e in ef["chunks"].values()) == get_codec(downlink).lossy

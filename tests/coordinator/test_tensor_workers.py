@@ -1,6 +1,6 @@
 """The outer step and a push's decode-add on several threads at once (issue 53, items 2 and 3): the
-results come back in order, a failure leaves no task running, and θ, the payloads, the momentum and
-the error feedback keep the bits of one tensor after another."""
+results come back in order, a failure leaves no task running, and a push's decode keeps the bits of
+one tensor after another (the outer step's: tests/coordinator/test_outer_step.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from atoll.compression import get_codec
 from atoll.coordinator.regions import Region
 from atoll.coordinator.state.accumulator import accumulate
-from atoll.coordinator.state.outer import NesterovSGD, outer_step_
 from atoll.coordinator.state.plans import EntryPlan, PushPlan, StagedRank
 from atoll.coordinator.state.workers import SERIAL, TensorWorkers, auto_count
 
@@ -89,64 +88,6 @@ def test_the_default_count_takes_the_cores_the_intra_op_threads_leave(threads, c
 def test_a_count_below_one_is_refused():
     with pytest.raises(ValueError, match="at least 1, got 0"):
         TensorWorkers(0)
-
-
-SHAPES = {"big": (700, 1001), "w": (37, 5), "bn.running_mean": (300,), "empty": (0, 4), "tail": (3, 3)}
-
-
-@pytest.mark.parametrize("downlink", ["identity", "int8", "int4", "bf16", "sparse", "topk:fraction=0.1"])
-def test_the_outer_step_on_several_workers_is_bitwise_the_serial_one(workers, downlink):
-    """Three rounds (one of them robust) of the outer step on 1 and on 3 threads: θ_{r+1}, the
-    payloads, the momentum and the downlink error feedback are the same bits, and ``made`` sees the
-    tensors in θ's order, on the calling thread, each payload final."""
-    gen = torch.Generator().manual_seed(0)
-    theta0 = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
-    runs = {1: SERIAL, 3: workers(3)}
-    theta = {n: {k: v.clone() for k, v in theta0.items()} for n in runs}
-    momentum = {
-        n: NesterovSGD({k: s for k, s in SHAPES.items() if k != "bn.running_mean"}, lr=0.7, momentum=0.9, nesterov=True)
-        for n in runs
-    }
-    ef = {n: {k: torch.zeros(s) for k, s in SHAPES.items()} for n in runs}
-    state = {n: {} for n in runs}
-
-    def bits(tensors: dict) -> dict:
-        return {k: v.numpy().tobytes() for k, v in tensors.items()}
-
-    codec = get_codec(downlink)
-    for r in range(3):
-        accum = {k: torch.randn(s, generator=gen) * 0.01 for k, s in SHAPES.items()}
-        robust = {k: torch.randn(s, generator=gen) * 0.01 for k, s in SHAPES.items()} if r == 1 else None
-        sent = {}
-        for n, pool in runs.items():
-            acc = {k: v.clone() for k, v in accum.items()}
-            seen = []
-
-            def made(name, payload, seen=seen):
-                seen.append((name, bytes(payload), threading.current_thread() is threading.main_thread()))
-
-            payloads = outer_step_(
-                acc,
-                theta[n],
-                weight_total=3.0,
-                optimizer=momentum[n],
-                buffers=frozenset({"bn.running_mean"}),
-                downlink=codec,
-                downlink_ef=ef[n],
-                downlink_state=state[n],
-                robust_grads=None if robust is None else dict(robust),
-                made=made,
-                workers=pool,
-            )
-            assert seen == [(k, bytes(payloads[k]), True) for k in SHAPES]
-            sent[n] = {k: bytes(p) for k, p in payloads.items()}
-            for k in SHAPES:  # exactly what an island adds to θ_r
-                assert torch.equal(acc[k], theta[n][k] + codec.decode(payloads[k], SHAPES[k]))
-            theta[n] = acc
-        assert sent[1] == sent[3], r
-        assert bits(theta[1]) == bits(theta[3]), r
-        assert bits(ef[1]) == bits(ef[3]), r
-        assert bits(momentum[1].buffers) == bits(momentum[3].buffers), r
 
 
 @pytest.mark.parametrize("spec", ["int8", "identity", "sparse"])
