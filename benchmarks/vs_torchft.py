@@ -28,9 +28,11 @@ made fewer of those faults (their allocator reused what their sync freed).
 
 Every process of both systems runs one torch thread (``torch.set_num_threads(1)`` in the workers,
 ``--threads 1`` for the coordinator): three processes share the 2 cores of the dev machine, and
-more threads than cores stall each parallel op on a descheduled thread. ``--coordinator-threads 2``
-gives the coordinator both cores: during a sync the islands wait on it, where torchft's two workers
-each work on one.
+more threads than cores stall each parallel op on a descheduled thread. The coordinator's outer step
+and decodes still run on both cores, on its tensor workers (``--tensor-workers``, by default one per
+core its one torch thread leaves idle), each going at its own pace. ``--coordinator-threads 2``
+gives the coordinator's torch kernels both cores instead: during a sync the islands wait on it, where
+torchft's two workers each work on one.
 
 Each system runs in its own network namespace (``unshare -rn``, when available), so the loopback
 counter counts only that run: over the whole run per round (θ_0's transfers included), and in the
