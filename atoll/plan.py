@@ -58,7 +58,7 @@ CODEC_ORDER = ("identity", "bf16", "int8", "int4", "int2", "sparse", "dcttopk", 
 CODEC_TIER = {"identity": 0, "bf16": 0, "fp16": 0, "int8": 0, "int4": 1}
 """What the recommendation weighs first: int8 both ways trains as identity does here (benchmarks/RESULTS.md,
 "End to end"); int4 a little lossier; the rest (int2, top-k, DCT top-k, sparse) lossier still. (sparse
-with its default error feedback decay, 0.9, stayed below identity over 80 rounds of H=30, one seed, but
+with its default error feedback decay, 0.9, stayed below identity over 80 rounds of H=30, two seeds, but
 was +23.7% after 24 rounds of H=100; with β = 1 +10.6% after 80 rounds of H=30 and +46% at H=30 under
 Muon: "Issue 52"; ask for it with ``--codec sparse``.)"""
 HEADER_BYTES = 52
