@@ -5,7 +5,6 @@ one tensor after another (the outer step's: tests/coordinator/test_outer_step.py
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -51,20 +50,25 @@ def test_results_come_back_in_order_while_later_tasks_run_beside_earlier_ones(wo
 
 
 def test_a_failing_task_is_raised_only_once_the_tasks_running_beside_it_are_done(workers):
-    started, finished = threading.Event(), []
+    """Task 1 is still running when task 0 fails: it waits for a release the test gives only once
+    ``ordered`` has returned. ``ordered`` must wait for it, so task 1 ends by its own timeout, unreleased;
+    had ``ordered`` returned at the failure, the release would have reached task 1 first."""
+    running, failed, released, ends = threading.Event(), threading.Event(), threading.Event(), []
 
     def fails() -> None:
-        started.wait(10)
+        running.wait(10)
+        failed.set()
         raise RuntimeError("task 0 failed")
 
-    def slow() -> None:
-        started.set()
-        time.sleep(0.2)  # still writing its tensor when task 0 fails
-        finished.append(1)
+    def busy() -> None:
+        running.set()
+        failed.wait(10)
+        ends.append("released" if released.wait(0.5) else "ran to its end")
 
     with pytest.raises(RuntimeError, match="task 0 failed"):
-        workers(2).ordered([(0, fails), (1, slow)])
-    assert finished == [1]
+        workers(2).ordered([(0, fails), (1, busy)])
+    released.set()
+    assert ends == ["ran to its end"]
 
 
 def test_a_callback_that_fails_stops_the_run_too(workers):
