@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 from support.core import SHAPES, join, pull, push, rand, run_state
@@ -26,28 +25,43 @@ def test_a_push_cancelled_mid_decode_commits_whole_before_the_next_push_decodes(
     for island in ("a", "b"):
         pull(s, island, -1)
 
-    active, most, guard, decoding = [0], [0], threading.Lock(), threading.Event()
+    active, most, guard = [0], [0], threading.Lock()
+    decoding, b_arrived, release = threading.Event(), threading.Event(), threading.Event()
     real = RoundAccumulator.add
 
-    def slow_add(self, *args, **kwargs):  # a decode that takes 0.3 s, counting who runs at once
+    def slow_add(self, *args, **kwargs):  # a's decode holds on until b's commit has come, counting who runs at once
         with guard:
             active[0] += 1
             most[0] = max(most[0], active[0])
+            first = not decoding.is_set()
         decoding.set()
-        time.sleep(0.3)  # (the decode's own time: the window the next push's commit falls in)
+        if first:
+            release.wait(10)  # (b's commit comes while a's decode runs)
+        else:
+            b_arrived.set()  # b's decode: beside a's on the old code, after it on the new
         try:
             return real(self, *args, **kwargs)
         finally:
             with guard:
                 active[0] -= 1
 
+    class Watched(asyncio.Lock):
+        async def acquire(self):
+            if self.locked():  # b's commit waits for a's, which holds the core's lock
+                b_arrived.set()
+            return await super().acquire()
+
     monkeypatch.setattr(RoundAccumulator, "add", slow_add)
+    s.lock = Watched()
 
     async def race():
         first = asyncio.create_task(push(s, "a", da, tokens=3))
         await asyncio.to_thread(decoding.wait)  # a's delta is being decoded, in its worker thread
         first.cancel()  # its call goes away
-        assert (await push(s, "b", db, tokens=1)).committed
+        second = asyncio.create_task(push(s, "b", db, tokens=1))
+        await asyncio.to_thread(b_arrived.wait, 10)  # b waits for the lock, or (before) decodes beside a
+        release.set()
+        assert (await second).committed
 
     asyncio.run(race())
     assert most[0] == 1  # (before: b's decode ran beside a's, both writing the sum)
